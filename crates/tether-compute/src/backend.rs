@@ -1,0 +1,192 @@
+//! The one trait every compute backend implements: buffers owned by values whose `Drop`
+//! frees them, and the ops a LLaMA-family layer needs.
+//!
+//! Activations are f32, row-major `[n_tokens][dim]`. Weights keep their GGUF type and are
+//! row-major `[rows][cols]` (GGUF's `ne[0]` = cols is the contiguous dimension). Index arrays
+//! (token ids, positions, KV cells, attention spans) come from the host; a device backend
+//! copies them into staging memory that it owns.
+//!
+//! A backend never allocates inside an op: every buffer an op touches was allocated before
+//! (at Prepare), so serving allocates no device memory.
+
+use crate::error::ComputeError;
+use tether_gguf::GgmlType;
+
+/// Result type of every backend call.
+pub type Result<T> = std::result::Result<T, ComputeError>;
+
+/// Total and free memory of the device, as its driver reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Bytes the device has in all.
+    pub total: u64,
+    /// Bytes free right now.
+    pub free: u64,
+}
+
+/// A block of device memory. Dropping it frees the memory (after the device has finished
+/// every op that uses it).
+pub trait DeviceBuffer: Send + Sync + 'static {
+    /// Size in bytes, as allocated.
+    fn bytes(&self) -> usize;
+}
+
+/// Rotary position embedding parameters (llama.cpp's conventions).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeParams {
+    /// Dimensions rotated per head (usually `head_dim`).
+    pub n_rot: usize,
+    /// `rope.freq_base` (10000 for llama2, 500000 for llama3, 1e6 for qwen2).
+    pub freq_base: f32,
+    /// 1 / linear scaling factor; 1.0 when the model asks for no scaling.
+    pub freq_scale: f32,
+    /// NEOX style rotates pairs `(i, i + n_rot/2)` (qwen2); normal style rotates `(2i, 2i+1)` (llama).
+    pub neox: bool,
+}
+
+/// The shape of multi-head attention with grouped KV heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads; `n_heads` is a multiple of it.
+    pub n_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+/// The KV cells one query token attends to: `n_cells` consecutive cells from `first_cell`,
+/// the last of which holds the token itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnSpan {
+    /// Index of the first visible cell in the cache.
+    pub first_cell: u32,
+    /// Number of visible cells (at least 1).
+    pub n_cells: u32,
+}
+
+/// A compute device: allocation, transfers, and the ops of a LLaMA-family forward pass.
+///
+/// Every op checks that its buffers are large enough for the sizes it is given and returns
+/// [`ComputeError::Shape`] otherwise; no op panics on bad sizes.
+pub trait Backend: Send + Sync + 'static {
+    /// The device buffer type of this backend.
+    type Buffer: DeviceBuffer;
+
+    /// A human-readable device name (`cpu`, `cuda:0 NVIDIA H100 80GB HBM3`).
+    fn name(&self) -> String;
+
+    /// Total and free device memory.
+    fn memory_info(&self) -> Result<MemoryInfo>;
+
+    /// Allocates `bytes` of device memory. Fails with [`ComputeError::OutOfMemory`], never aborts.
+    fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
+
+    /// Copies `src` into `dst` at byte `offset`.
+    fn upload(&self, dst: &mut Self::Buffer, offset: usize, src: &[u8]) -> Result<()>;
+
+    /// Copies bytes from `src` at byte `offset` into `dst`, waiting for pending work first.
+    fn download(&self, src: &Self::Buffer, offset: usize, dst: &mut [u8]) -> Result<()>;
+
+    /// Waits until every op issued so far has finished.
+    fn synchronize(&self) -> Result<()>;
+
+    /// `out[t] = dequant(table row ids[t])`: embedding lookup; `table` is `[n_rows][row_len]` of `ty`.
+    fn get_rows(
+        &self,
+        table: &Self::Buffer,
+        ty: GgmlType,
+        row_len: usize,
+        ids: &[u32],
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `t < n_tokens`; `w` is `[rows][cols]` of `ty`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        w: &Self::Buffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &Self::Buffer,
+        n_tokens: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// `x[t][i] += bias[i]` (f32 bias) for `t < n_tokens`, `i < dim`.
+    fn add_bias(
+        &self,
+        x: &mut Self::Buffer,
+        bias: &Self::Buffer,
+        n_tokens: usize,
+        dim: usize,
+    ) -> Result<()>;
+
+    /// `out[t] = x[t] / sqrt(mean(x[t]²) + eps) · weight` (f32 weight of `dim`).
+    fn rms_norm(
+        &self,
+        x: &Self::Buffer,
+        weight: &Self::Buffer,
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// Rotates `x` (`[n_tokens][n_heads][head_dim]`) in place by `positions[t]`.
+    /// `freq_factors` (f32, `n_rot / 2`) divides each pair's frequency when present (llama3 rope scaling).
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &mut Self::Buffer,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        params: &RopeParams,
+        freq_factors: Option<&Self::Buffer>,
+    ) -> Result<()>;
+
+    /// Writes rows of `src` (`[n_tokens][kv_dim]` f32) into `cache` rows `cells[t]`, converting
+    /// to the cache's element type `cache_ty` (F16 for now; Q8_0 and Q4_0 later).
+    fn kv_store(
+        &self,
+        src: &Self::Buffer,
+        kv_dim: usize,
+        cells: &[u32],
+        cache: &mut Self::Buffer,
+        cache_ty: GgmlType,
+    ) -> Result<()>;
+
+    /// Causal attention of each query row `t` (`q`: `[n_tokens][n_heads][head_dim]`) over the
+    /// cache cells `spans[t]`, softmax scaled by `scale`; writes `out` like `q`.
+    /// `k_cache`/`v_cache` are `[cells][n_kv_heads][head_dim]` of `cache_ty`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Buffer,
+        k_cache: &Self::Buffer,
+        v_cache: &Self::Buffer,
+        cache_ty: GgmlType,
+        spans: &[AttnSpan],
+        shape: AttnShape,
+        scale: f32,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// `out[i] = silu(gate[i]) · up[i]` for `i < n`.
+    fn swiglu(
+        &self,
+        gate: &Self::Buffer,
+        up: &Self::Buffer,
+        n: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// `x[i] += y[i]` for `i < n`.
+    fn add(&self, x: &mut Self::Buffer, y: &Self::Buffer, n: usize) -> Result<()>;
+
+    /// Copies the first `bytes` of `src` into `dst`.
+    fn copy(&self, src: &Self::Buffer, dst: &mut Self::Buffer, bytes: usize) -> Result<()>;
+}

@@ -1,0 +1,40 @@
+//! Errors of the compute backends.
+
+/// What went wrong in a backend call.
+#[derive(Debug, thiserror::Error)]
+pub enum ComputeError {
+    /// The device could not give the memory asked for.
+    #[error("out of device memory on {device}: requested {requested} bytes, {free} bytes free")]
+    OutOfMemory {
+        /// The device that refused.
+        device: String,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes the device reported free.
+        free: u64,
+    },
+    /// An op was given sizes that do not match its buffers.
+    #[error("shape error in {op}: {detail}")]
+    Shape {
+        /// The op that refused.
+        op: &'static str,
+        /// What did not fit.
+        detail: String,
+    },
+    /// The op does not support this weight or cache type on this backend.
+    #[error("{op} does not support type {ty} on {backend}")]
+    Unsupported {
+        /// The op.
+        op: &'static str,
+        /// The element type.
+        ty: tether_gguf::GgmlType,
+        /// The backend.
+        backend: String,
+    },
+    /// The backend is not available on this machine (no driver, no device).
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    /// The device driver reported an error.
+    #[error("device error: {0}")]
+    Device(String),
+}

@@ -1,0 +1,9 @@
+//! Backend trait, cpu backend, device buffers.
+//!
+//! [`Backend`] is the one interface the model code drives; `cpu` is always present.
+
+pub mod backend;
+pub mod error;
+
+pub use backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
+pub use error::ComputeError;

@@ -1,0 +1,186 @@
+//! The ggml tensor element types that GGUF files name, with their block geometry.
+//!
+//! Ids and block sizes follow the GGUF specification (ggml's `ggml_type` numbering).
+
+use std::fmt;
+
+/// A tensor element type as stored in GGUF (`ggml_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    Q8K,
+    BF16,
+}
+
+/// Elements per super-block of the k-quants.
+pub const QK_K: usize = 256;
+
+impl GgmlType {
+    /// Every type this crate knows, in id order.
+    pub const ALL: [GgmlType; 15] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q8_1,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::Q8K,
+        GgmlType::BF16,
+    ];
+
+    /// The type for a GGUF type id, or `None` for ids this crate does not handle
+    /// (removed Q4_2/Q4_3, the i-quants, integer types).
+    pub fn from_id(id: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.id() == id)
+    }
+
+    /// The GGUF type id.
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q8_1 => 9,
+            GgmlType::Q2K => 10,
+            GgmlType::Q3K => 11,
+            GgmlType::Q4K => 12,
+            GgmlType::Q5K => 13,
+            GgmlType::Q6K => 14,
+            GgmlType::Q8K => 15,
+            GgmlType::BF16 => 30,
+        }
+    }
+
+    /// Elements in one block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::Q8_1 => 32,
+            GgmlType::Q2K
+            | GgmlType::Q3K
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+            | GgmlType::Q8K => QK_K,
+        }
+    }
+
+    /// Bytes in one block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::BF16 => 2,
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
+            GgmlType::Q8_0 => 34,
+            GgmlType::Q8_1 => 36,
+            GgmlType::Q2K => 84,
+            GgmlType::Q3K => 110,
+            GgmlType::Q4K => 144,
+            GgmlType::Q5K => 176,
+            GgmlType::Q6K => 210,
+            GgmlType::Q8K => 292,
+        }
+    }
+
+    /// Bytes for `elems` elements, or `None` when `elems` is not a whole number of blocks
+    /// or the size overflows.
+    pub fn bytes_for(self, elems: u64) -> Option<u64> {
+        let per = self.block_elems() as u64;
+        if elems % per != 0 {
+            return None;
+        }
+        (elems / per).checked_mul(self.block_bytes() as u64)
+    }
+
+    /// Whether the type is a block-quantized format (not a plain float).
+    pub fn is_quantized(self) -> bool {
+        self.block_elems() > 1
+    }
+
+    /// The lower-case name llama.cpp prints (`q4_0`, `q6_k`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "f32",
+            GgmlType::F16 => "f16",
+            GgmlType::Q4_0 => "q4_0",
+            GgmlType::Q4_1 => "q4_1",
+            GgmlType::Q5_0 => "q5_0",
+            GgmlType::Q5_1 => "q5_1",
+            GgmlType::Q8_0 => "q8_0",
+            GgmlType::Q8_1 => "q8_1",
+            GgmlType::Q2K => "q2_k",
+            GgmlType::Q3K => "q3_k",
+            GgmlType::Q4K => "q4_k",
+            GgmlType::Q5K => "q5_k",
+            GgmlType::Q6K => "q6_k",
+            GgmlType::Q8K => "q8_k",
+            GgmlType::BF16 => "bf16",
+        }
+    }
+
+    /// The type with this lower-case name (as accepted on command lines).
+    pub fn from_name(name: &str) -> Option<Self> {
+        let lower = name.to_ascii_lowercase();
+        Self::ALL.into_iter().find(|t| t.name() == lower)
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_and_unknown_ids_are_rejected() {
+        for t in GgmlType::ALL {
+            assert_eq!(GgmlType::from_id(t.id()), Some(t));
+            assert_eq!(GgmlType::from_name(t.name()), Some(t));
+        }
+        assert_eq!(GgmlType::from_id(4), None);
+        assert_eq!(GgmlType::from_id(16), None);
+    }
+
+    #[test]
+    fn sizes_need_whole_blocks() {
+        assert_eq!(GgmlType::Q4_0.bytes_for(64), Some(36));
+        assert_eq!(GgmlType::Q4_0.bytes_for(33), None);
+        assert_eq!(GgmlType::Q6K.bytes_for(512), Some(420));
+        assert_eq!(GgmlType::F32.bytes_for(u64::MAX), None);
+    }
+}

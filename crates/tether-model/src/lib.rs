@@ -1,0 +1,1 @@
+//! Architectures, hyper-parameters, tokenizers, sampling, forward pass and the layer plan.
