@@ -3,7 +3,9 @@
 //! [`Backend`] is the one interface the model code drives; `cpu` is always present.
 
 pub mod backend;
+pub mod cpu;
 pub mod error;
 
 pub use backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
+pub use cpu::{CpuBackend, CpuBuffer};
 pub use error::ComputeError;

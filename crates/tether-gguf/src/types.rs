@@ -117,7 +117,7 @@ impl GgmlType {
     /// or the size overflows.
     pub fn bytes_for(self, elems: u64) -> Option<u64> {
         let per = self.block_elems() as u64;
-        if elems % per != 0 {
+        if !elems.is_multiple_of(per) {
             return None;
         }
         (elems / per).checked_mul(self.block_bytes() as u64)

@@ -1,1 +1,22 @@
 //! Architectures, hyper-parameters, tokenizers, sampling, forward pass and the layer plan.
+
+pub mod arch;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod kv;
+pub mod plan;
+pub mod sampling;
+pub mod stage;
+pub mod synth;
+pub mod tokenizer;
+
+pub use arch::Arch;
+pub use config::ModelConfig;
+pub use error::ModelError;
+pub use generate::{Generator, StopReason, load_stage_from_file};
+pub use kv::BatchToken;
+pub use plan::{StagePlan, plan_stage};
+pub use sampling::{Sampler, SamplingParams};
+pub use stage::{Stage, StageSpec, TensorSlot};
+pub use synth::{SynthShape, synthesize};

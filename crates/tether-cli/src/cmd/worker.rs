@@ -1,0 +1,158 @@
+//! `tether worker`: serve one device's memory to coordinators, session by session.
+
+use crate::ctl::units::{parse_bytes, parse_duration};
+use anyhow::{Context, bail};
+use clap::Args;
+use std::sync::Arc;
+use std::time::Duration;
+use tether_compute::{Backend, CpuBackend};
+use tether_worker::model_stage::ModelStageFactory;
+use tether_worker::registry::{RegistryConfig, SessionRegistry};
+use tether_worker::server::{DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve};
+use tether_worker::stage::StageFactory;
+
+/// Memory left to the device's other users when `--max-memory` is not given: 10% of the
+/// device, at most 1 GiB.
+const RESERVE_MAX: u64 = 1 << 30;
+
+/// Arguments of `tether worker`.
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    /// Address to listen on (port 0 picks a free port; the address is printed).
+    #[arg(long, default_value = "127.0.0.1:50061")]
+    pub listen: String,
+    /// Device to serve: `cpu`, or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Compute threads for the cpu device (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Most bytes all sessions may hold (e.g. 8G); default: the device's free memory minus
+    /// a reserve.
+    #[arg(long, value_parser = parse_bytes)]
+    pub max_memory: Option<u64>,
+    /// How long shutdown waits for in-flight work after ending every session.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+    /// How long a prepared load waits for Commit or Abort before the worker aborts it.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub prepare_timeout: Duration,
+    /// HTTP/2 keepalive ping interval.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub keepalive: Duration,
+    /// Largest gRPC message accepted.
+    #[arg(long, default_value_t = DEFAULT_MAX_MESSAGE_BYTES as u64, value_parser = parse_bytes)]
+    pub max_message_bytes: u64,
+    /// Shortest lease TTL granted to a client.
+    #[arg(long, default_value = "100ms", value_parser = parse_duration)]
+    pub min_ttl: Duration,
+    /// How often expired leases and undecided transactions are looked for.
+    #[arg(long, default_value = "100ms", value_parser = parse_duration)]
+    pub reap_period: Duration,
+    /// Require this token on admin calls (tetherctl).
+    #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+}
+
+/// Runs a worker until SIGTERM/SIGINT; a second signal exits at once.
+pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tether-worker")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve_device(args))
+}
+
+async fn serve_device(args: WorkerArgs) -> anyhow::Result<()> {
+    match args.device.as_str() {
+        "cpu" => {
+            let backend = CpuBackend::new(args.threads).context("starting the cpu backend")?;
+            serve_on(args, Arc::new(backend)).await
+        }
+        d if d.starts_with("cuda") => bail!(
+            "device {d}: the cuda backend is not built into this tether yet; use --device cpu"
+        ),
+        d => bail!("unknown device {d:?}; use cpu or cuda:N"),
+    }
+}
+
+async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Result<()> {
+    let factory: Arc<dyn StageFactory> = Arc::new(ModelStageFactory::new(backend));
+    let max_memory = match args.max_memory {
+        Some(bytes) => bytes,
+        None => {
+            let (total, free) = factory.memory_info().context("reading device memory")?;
+            free.saturating_sub((total / 10).min(RESERVE_MAX))
+        }
+    };
+    let config = RegistryConfig {
+        decision_timeout: args.prepare_timeout,
+        min_ttl: args.min_ttl,
+        ..RegistryConfig::default()
+    };
+    let registry = Arc::new(SessionRegistry::new(
+        Arc::clone(&factory),
+        max_memory,
+        config,
+    ));
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let addr = listener.local_addr().context("reading the bound address")?;
+    let options = ServerOptions {
+        max_message_bytes: usize::try_from(args.max_message_bytes).unwrap_or(usize::MAX),
+        keepalive_interval: args.keepalive,
+        keepalive_timeout: args.keepalive.min(Duration::from_secs(20)),
+        reap_period: args.reap_period,
+        shutdown_grace: args.shutdown_grace,
+        admin_token: args.admin_token.clone(),
+    };
+    tracing::info!(%addr, device = %factory.device_name(), max_memory, "worker listening");
+    // Scripts and tests read this line to learn the port.
+    println!(
+        "tether worker listening on {addr} (device {}, max memory {max_memory} bytes)",
+        factory.device_name()
+    );
+    let report = serve(listener, registry, options, first_signal()).await?;
+    tracing::info!(
+        sessions_ended = report.sessions_ended,
+        in_grace = report.finished_in_grace,
+        "worker stopped"
+    );
+    Ok(())
+}
+
+/// Resolves on the first SIGTERM or SIGINT, and arms the second one to exit at once.
+async fn first_signal() {
+    wait_for_signal().await;
+    tracing::info!("signal received: shutting down (send it again to exit at once)");
+    tokio::spawn(async {
+        wait_for_signal().await;
+        eprintln!("second signal: exiting now");
+        std::process::exit(130);
+    });
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM ({e}); only Ctrl-C stops the worker");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,158 @@
+//! `tetherctl`: the operator's view of one worker. Parsing and printing only; the calls
+//! are `tether_worker::client::AdminClient`'s.
+
+pub mod units;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tether_worker::SessionId;
+use tether_worker::client::{AdminClient, ClientOptions};
+use tether_worker::status::{SessionSummary, WorkerStatus};
+use units::human_bytes;
+
+/// Inspect and manage a tether worker.
+#[derive(Parser, Debug)]
+#[command(
+    name = "tetherctl",
+    version,
+    about = "Inspect and manage a tether worker"
+)]
+pub struct Cli {
+    /// The worker's gRPC address (host:port).
+    #[arg(long, env = "TETHER_WORKER")]
+    pub worker: String,
+    /// Admin token, when the worker requires one.
+    #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// What to do.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Device memory, session bytes and counters.
+    Status,
+    /// Live sessions.
+    Sessions,
+    /// End a session now and free its memory.
+    Kill {
+        /// The session id (UUID).
+        session: String,
+    },
+    /// Refuse new sessions; current ones carry on until they end.
+    Drain,
+}
+
+/// Runs one tetherctl command.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    let mut admin = AdminClient::connect(
+        &cli.worker,
+        cli.admin_token.clone(),
+        &ClientOptions::default(),
+    )
+    .await?;
+    match cli.command {
+        Command::Status => {
+            let status = admin.status().await?;
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print_status(&cli.worker, &status);
+            }
+        }
+        Command::Sessions => {
+            let sessions = admin.sessions().await?;
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&sessions)?);
+            } else {
+                print_sessions(&sessions);
+            }
+        }
+        Command::Kill { session } => {
+            let id = SessionId::parse(&session).context("tetherctl kill")?;
+            let bytes_freed = admin.kill(id).await?;
+            if cli.json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "session_id": session, "bytes_freed": bytes_freed })
+                );
+            } else {
+                println!(
+                    "killed session {session}: {} freed",
+                    human_bytes(bytes_freed)
+                );
+            }
+        }
+        Command::Drain => {
+            let sessions = admin.drain().await?;
+            if cli.json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "draining": true, "sessions": sessions })
+                );
+            } else {
+                println!("draining: new sessions are refused; {sessions} live session(s) carry on");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_status(addr: &str, s: &WorkerStatus) {
+    let used = s.device_total_bytes.saturating_sub(s.device_free_bytes);
+    println!(
+        "worker     {addr} ({}, up {} s){}",
+        s.worker_version,
+        s.uptime_s,
+        if s.draining { ", draining" } else { "" }
+    );
+    println!("device     {}", s.device);
+    println!(
+        "memory     total {}  free {}  used {}  baseline {}",
+        human_bytes(s.device_total_bytes),
+        human_bytes(s.device_free_bytes),
+        human_bytes(used),
+        human_bytes(s.baseline_used_bytes)
+    );
+    println!(
+        "sessions   {} live, {} held (limit {}), {} unaccounted",
+        s.sessions,
+        human_bytes(s.session_bytes),
+        human_bytes(s.max_memory_bytes),
+        human_bytes(s.unaccounted_bytes)
+    );
+    let c = &s.counters;
+    println!(
+        "counters   opened {}  closed {}  disconnected {}  reaped {}  killed {}  shutdown {}  txn timed out {}",
+        c.opened, c.closed, c.disconnected, c.reaped, c.killed, c.shutdown, c.txn_timed_out
+    );
+    println!("process    rss {}", human_bytes(s.process_rss_bytes));
+}
+
+fn print_sessions(sessions: &[SessionSummary]) {
+    if sessions.is_empty() {
+        println!("no live sessions");
+        return;
+    }
+    println!(
+        "{:<36}  {:<24}  {:>12}  {:<10}  {:>9}  {:>9}  {:>8}",
+        "SESSION", "CLIENT", "BYTES", "LAYERS", "AGE", "HEARTBEAT", "PREPARED"
+    );
+    for s in sessions {
+        let client: String = s.client_name.chars().take(24).collect();
+        println!(
+            "{:<36}  {:<24}  {:>12}  {:<10}  {:>8}s  {:>7}ms  {:>8}",
+            s.session_id,
+            client,
+            human_bytes(s.bytes),
+            if s.layers.is_empty() { "-" } else { &s.layers },
+            s.age_ms / 1000,
+            s.last_heartbeat_ms_ago,
+            s.prepared_txns
+        );
+    }
+}

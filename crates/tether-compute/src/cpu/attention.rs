@@ -1,0 +1,310 @@
+//! Causal grouped-query attention over the KV cache (f16, or Q8_0/Q4_0 blocks), and the
+//! cache writes. Sizes, cell indices and block alignment were checked by the caller.
+
+use rayon::prelude::*;
+use tether_gguf::{GgmlType, dequantize, quantize_q4_0, quantize_q8_0};
+
+use crate::backend::{AttnShape, AttnSpan};
+use crate::cpu::f16_rows::{axpy_f16_heads, dot_f16_heads, store_f16};
+use crate::cpu::matmul::dot_f32;
+use crate::cpu::simd::Avx2;
+
+/// Writes row `t` of `src` (`kv_dim` values) into cache row `cells[t]` as `ty` (F16, Q8_0
+/// or Q4_0; for the quants `kv_dim` is a multiple of 32).
+pub(crate) fn kv_store(ty: GgmlType, src: &[f32], kv_dim: usize, cells: &[u32], cache: &mut [u8]) {
+    let row_bytes = kv_dim / ty.block_elems() * ty.block_bytes();
+    for (t, &cell) in cells.iter().enumerate() {
+        let at = cell as usize * row_bytes;
+        let (row, dst) = (
+            &src[t * kv_dim..(t + 1) * kv_dim],
+            &mut cache[at..at + row_bytes],
+        );
+        match ty {
+            GgmlType::Q8_0 => quantize_q8_0(row, dst),
+            GgmlType::Q4_0 => quantize_q4_0(row, dst),
+            _ => store_f16(row, dst),
+        }
+    }
+}
+
+/// Per-task scratch: scores (cell-major, `[cell][head of group]`) and one decoded row.
+type Scratch = (Vec<f32>, Vec<f32>);
+
+/// `out[t][h] = Σ_c softmax_c(scale · q[t][h] · k[c][h/g]) · v[c][h/g]` over the cells of
+/// `spans[t]`, with `g = n_heads / n_kv_heads`; `k`/`v` rows are `[n_kv_heads][head_dim]`
+/// of `ty`, `head_bytes` per head.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    q: &[f32],
+    k: &[u8],
+    v: &[u8],
+    ty: GgmlType,
+    spans: &[AttnSpan],
+    shape: AttnShape,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    let group = n_heads / n_kv_heads;
+    let head_bytes = head_dim / ty.block_elems() * ty.block_bytes();
+    let cell_bytes = n_kv_heads * head_bytes;
+    let cpu = Avx2::detect();
+    // Scores of one cache row for the `group` query heads in `qs`.
+    let dot_heads = |qs: &[f32], row: &[u8], buf: &mut Vec<f32>, sc: &mut [f32]| {
+        if ty == GgmlType::F16 {
+            return dot_f16_heads(cpu, qs, head_dim, row, sc);
+        }
+        decode(ty, row, buf, head_dim);
+        for (s, qv) in sc.iter_mut().zip(qs.chunks_exact(head_dim)) {
+            *s = dot_f32(qv, buf);
+        }
+    };
+    // `o[g] += p[g] · row` for the group's output heads.
+    let axpy_heads = |o: &mut [f32], p: &[f32], row: &[u8], buf: &mut Vec<f32>| {
+        if ty == GgmlType::F16 {
+            return axpy_f16_heads(cpu, o, head_dim, p, row);
+        }
+        decode(ty, row, buf, head_dim);
+        for (og, pg) in o.chunks_exact_mut(head_dim).zip(p) {
+            og.iter_mut()
+                .zip(buf.iter())
+                .for_each(|(a, b)| *a += pg * b);
+        }
+    };
+    // One task per (token, KV head) serves the whole group of query heads that share it,
+    // so each cache row is read from memory once, not once per query head.
+    out[..spans.len() * n_heads * head_dim]
+        .par_chunks_mut(group * head_dim)
+        .enumerate()
+        .for_each_init(Scratch::default, |(scores, buf), (i, o)| {
+            let (t, kh) = (i / n_kv_heads, i % n_kv_heads);
+            let kv_at = kh * head_bytes;
+            let qs = &q[i * group * head_dim..(i + 1) * group * head_dim];
+            let span = spans[t];
+            let first = span.first_cell as usize;
+            let n = span.n_cells as usize;
+            scores.clear();
+            scores.resize(group * n, 0.0);
+            for (c, sc) in scores.chunks_exact_mut(group).enumerate() {
+                let at = (first + c) * cell_bytes + kv_at;
+                dot_heads(qs, &k[at..at + head_bytes], buf, sc);
+            }
+            let mut inv_sums = [0.0f32; 64];
+            let mut inv_heap = Vec::new();
+            let inv: &mut [f32] = if group <= 64 {
+                &mut inv_sums[..group]
+            } else {
+                inv_heap.resize(group, 0.0);
+                &mut inv_heap
+            };
+            for (g, inv) in inv.iter_mut().enumerate() {
+                // Subtracting the maximum keeps exp() finite for any score range.
+                let max = scores[g..]
+                    .iter()
+                    .step_by(group)
+                    .fold(f32::NEG_INFINITY, |m, s| m.max(scale * s));
+                let mut sum = 0.0f32;
+                for s in scores[g..].iter_mut().step_by(group) {
+                    *s = (scale * *s - max).exp();
+                    sum += *s;
+                }
+                *inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+            }
+            o.fill(0.0);
+            for (c, p) in scores.chunks_exact(group).enumerate() {
+                let at = (first + c) * cell_bytes + kv_at;
+                axpy_heads(o, p, &v[at..at + head_bytes], buf);
+            }
+            for (og, inv) in o.chunks_exact_mut(head_dim).zip(inv.iter()) {
+                og.iter_mut().for_each(|x| *x *= inv);
+            }
+        });
+}
+
+/// Decodes one head's cache row into `buf` (`head_dim` values).
+fn decode(ty: GgmlType, row: &[u8], buf: &mut Vec<f32>, head_dim: usize) {
+    buf.resize(head_dim, 0.0);
+    if dequantize(ty, row, buf).is_err() {
+        // Sizes were checked before the op; poison the result rather than panic.
+        buf.fill(f32::NAN);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::test_util::{Rng, random_f32, relative_error};
+
+    fn decoded(ty: GgmlType, bytes: &[u8]) -> Vec<f64> {
+        let mut out = vec![0.0f32; bytes.len() / ty.block_bytes() * ty.block_elems()];
+        dequantize(ty, bytes, &mut out).unwrap();
+        out.into_iter().map(f64::from).collect()
+    }
+
+    #[test]
+    fn gqa_attention_matches_f64_softmax() {
+        // Head sizes off and on the SIMD width, groups of 3, 4, 1 and 16 (past the grouped
+        // kernel's register budget).
+        for (n_heads, n_kv_heads, head_dim) in [(6, 2, 20), (8, 2, 32), (4, 4, 16), (16, 1, 16)] {
+            let shape = AttnShape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            };
+            check_attention(shape, GgmlType::F16);
+        }
+        // Block-quantized caches need heads of whole 32-blocks.
+        for (n_heads, n_kv_heads, head_dim) in [(8, 2, 32), (4, 1, 64)] {
+            let shape = AttnShape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            };
+            check_attention(shape, GgmlType::Q8_0);
+            check_attention(shape, GgmlType::Q4_0);
+        }
+    }
+
+    fn check_attention(shape: AttnShape, ty: GgmlType) {
+        let mut rng = Rng::new(31);
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let n_cells = 12;
+        let kr = random_f32(&mut rng, n_cells * kv_dim, 2.0);
+        let vr = random_f32(&mut rng, n_cells * kv_dim, 2.0);
+        let row_bytes = kv_dim / ty.block_elems() * ty.block_bytes();
+        let mut k = vec![0u8; n_cells * row_bytes];
+        let mut v = vec![0u8; n_cells * row_bytes];
+        let cells: Vec<u32> = (0..n_cells as u32).rev().collect();
+        // Store rows in reverse order to check the cell indexing of kv_store.
+        let rev = |x: &[f32]| -> Vec<f32> { x.chunks(kv_dim).rev().flatten().copied().collect() };
+        kv_store(ty, &rev(&kr), kv_dim, &cells, &mut k);
+        kv_store(ty, &rev(&vr), kv_dim, &cells, &mut v);
+        let (kf, vf) = (decoded(ty, &k), decoded(ty, &v));
+        // Q4_0 keeps 16 levels over ±2: a step of 0.25, so at most one step off.
+        let tol = if ty == GgmlType::Q4_0 { 0.3 } else { 2e-2 };
+        for (a, b) in kf.iter().zip(&kr) {
+            assert!((a - f64::from(*b)).abs() < tol, "{ty}");
+        }
+
+        let spans = [
+            AttnSpan {
+                first_cell: 0,
+                n_cells: 1,
+            },
+            AttnSpan {
+                first_cell: 0,
+                n_cells: 7,
+            },
+            AttnSpan {
+                first_cell: 3,
+                n_cells: 9,
+            },
+        ];
+        let qd = shape.n_heads * shape.head_dim;
+        // Large queries push scores to ±50, which needs the max subtraction.
+        let q = random_f32(&mut rng, spans.len() * qd, 4.0);
+        let scale = 0.5;
+        let mut out = vec![0.0; q.len()];
+        attention(&q, &k, &v, ty, &spans, shape, scale, &mut out);
+
+        let mut want = vec![0.0f64; q.len()];
+        for (t, sp) in spans.iter().enumerate() {
+            for h in 0..shape.n_heads {
+                let kh = h / (shape.n_heads / shape.n_kv_heads);
+                let qv = &q[t * qd + h * shape.head_dim..][..shape.head_dim];
+                let cs: Vec<usize> = (sp.first_cell..sp.first_cell + sp.n_cells)
+                    .map(|c| c as usize)
+                    .collect();
+                let s: Vec<f64> = cs
+                    .iter()
+                    .map(|&c| {
+                        let kv = &kf[c * kv_dim + kh * shape.head_dim..][..shape.head_dim];
+                        0.5 * qv
+                            .iter()
+                            .zip(kv)
+                            .map(|(a, b)| f64::from(*a) * b)
+                            .sum::<f64>()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..shape.head_dim {
+                    want[t * qd + h * shape.head_dim + d] = cs
+                        .iter()
+                        .zip(&e)
+                        .map(|(&c, p)| p / z * vf[c * kv_dim + kh * shape.head_dim + d])
+                        .sum();
+                }
+            }
+        }
+        assert!(relative_error(&out, &want) < 1e-5, "{ty} {shape:?}");
+        // A single visible cell returns its value row exactly (up to f16 → f32).
+        for d in 0..shape.head_dim {
+            assert!((f64::from(out[d]) - vf[d]).abs() < 1e-6);
+        }
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
+    use crate::cpu::test_util::{Rng, random_f32};
+    use std::time::Instant;
+
+    /// `cargo test -p tether-compute --release bench_attention -- --ignored --nocapture`
+    #[test]
+    #[ignore = "benchmark; run by hand"]
+    fn bench_attention() {
+        let mut rng = Rng::new(8);
+        let shape = AttnShape {
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 64,
+        };
+        let cells = 4096;
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let mut k = vec![0u8; 2 * cells * kv_dim];
+        let mut v = vec![0u8; 2 * cells * kv_dim];
+        let rows: Vec<u32> = (0..cells as u32).collect();
+        kv_store(
+            GgmlType::F16,
+            &random_f32(&mut rng, cells * kv_dim, 1.0),
+            kv_dim,
+            &rows,
+            &mut k,
+        );
+        kv_store(
+            GgmlType::F16,
+            &random_f32(&mut rng, cells * kv_dim, 1.0),
+            kv_dim,
+            &rows,
+            &mut v,
+        );
+        for n_tokens in [1usize, 64] {
+            let spans: Vec<AttnSpan> = (0..n_tokens)
+                .map(|t| AttnSpan {
+                    first_cell: 0,
+                    n_cells: (cells - n_tokens + t + 1) as u32,
+                })
+                .collect();
+            let q = random_f32(&mut rng, n_tokens * 32 * 64, 1.0);
+            let mut out = vec![0.0; q.len()];
+            // The fastest of several runs: the machine is shared, the minimum is the signal.
+            let mut best = f64::MAX;
+            for _ in 0..10 {
+                let start = Instant::now();
+                attention(&q, &k, &v, GgmlType::F16, &spans, shape, 0.125, &mut out);
+                best = best.min(start.elapsed().as_secs_f64());
+            }
+            eprintln!(
+                "attention {cells} cells, {n_tokens} tokens: {:.3} ms",
+                best * 1e3
+            );
+        }
+    }
+}

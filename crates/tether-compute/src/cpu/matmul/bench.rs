@@ -1,0 +1,43 @@
+//! Throughput of the matmul kernels on llama3-1b shapes. Not run by default:
+//! `cargo test -p tether-compute --release bench_matmul -- --ignored --nocapture`.
+
+use std::time::Instant;
+
+use super::*;
+use crate::cpu::test_util::{Rng, random_f32, random_weights};
+
+#[test]
+#[ignore = "benchmark; run by hand"]
+fn bench_matmul() {
+    let mut rng = Rng::new(9);
+    let (rows, cols) = (8192, 2048);
+    let filter = std::env::var("BENCH_TYPES").unwrap_or_default();
+    for ty in GgmlType::ALL {
+        if !filter.is_empty() && !filter.split(',').any(|f| f == ty.name()) {
+            continue;
+        }
+        // Several copies, more than the last-level cache holds, so decode timings include
+        // streaming the weights from memory as a real model does.
+        let one = random_weights(&mut rng, ty, rows * cols);
+        let copies = (96 << 20) / one.len() + 1;
+        let ws: Vec<Vec<u8>> = (0..copies).map(|_| one.clone()).collect();
+        let w = &ws[0];
+        for n_tokens in [1usize, 64] {
+            let x = random_f32(&mut rng, n_tokens * cols, 1.0);
+            let mut out = vec![0.0f32; rows * n_tokens];
+            matmul(ty, w, rows, cols, &x, n_tokens, &mut out);
+            let reps = if n_tokens == 1 { 40 } else { 4 };
+            let start = Instant::now();
+            for i in 0..reps {
+                matmul(ty, &ws[i % copies], rows, cols, &x, n_tokens, &mut out);
+            }
+            let secs = start.elapsed().as_secs_f64() / reps as f64;
+            let gmacs = (rows * cols * n_tokens) as f64 / secs / 1e9;
+            let gbs = w.len() as f64 / secs / 1e9;
+            eprintln!(
+                "{ty:5} tokens={n_tokens:3}: {:8.3} ms  {gmacs:7.1} GMAC/s  {gbs:6.1} GB/s weights",
+                secs * 1e3
+            );
+        }
+    }
+}

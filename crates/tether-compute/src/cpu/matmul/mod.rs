@@ -1,0 +1,211 @@
+//! Matrix multiplication straight from quantized weight blocks.
+//!
+//! The activation rows are quantized once to 8-bit blocks (or kept as f32 for float
+//! weights and the generic path); each task then takes a chunk of weight rows and walks the
+//! tokens in groups of [`TOKEN_GROUP`], so a weight block is decoded once per group and the
+//! chunk's rows stay in cache while every token passes over them.
+
+mod generic;
+
+pub(crate) use generic::dot_f32;
+mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_kquant;
+#[cfg(target_arch = "x86_64")]
+mod avx2_q5;
+
+use rayon::prelude::*;
+use tether_gguf::GgmlType;
+
+/// Tokens multiplied against one decoded weight row at a time.
+const TOKEN_GROUP: usize = 4;
+
+/// The dot product of one weight row with up to [`TOKEN_GROUP`] activation rows.
+pub(crate) trait RowKernel: Sync {
+    /// One block of the prepared activation row.
+    type Act: Copy + Default + Send + Sync;
+    /// Activations per [`Self::Act`] block.
+    const ACT_BLOCK: usize;
+    /// Converts one activation row (`cols` values) into `cols / ACT_BLOCK` blocks.
+    fn prepare(&self, x: &[f32], out: &mut [Self::Act]);
+    /// `out[j] = Σ w · xs[j]` for one weight row `w` (whole blocks of the weight type).
+    fn dot<const N: usize>(&self, w: &[u8], xs: [&[Self::Act]; N]) -> [f32; N];
+    /// `out[i][j] = Σ w[i] · xs[j]` for four weight rows at once; kernels that gain from
+    /// sharing each activation load across rows override it.
+    fn dot4<const N: usize>(&self, w: [&[u8]; 4], xs: [&[Self::Act]; N]) -> [[f32; N]; 4] {
+        w.map(|r| self.dot(r, xs))
+    }
+}
+
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]`; the caller has checked every size
+/// (`w` holds `rows` rows of `cols` elements of `ty`, `cols` is whole blocks, `x` holds
+/// `n_tokens · cols` values and `out` `n_tokens · rows`).
+pub(crate) fn matmul(
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+) {
+    let shape = Shape {
+        rows,
+        cols,
+        n_tokens,
+    };
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = crate::cpu::simd::Avx2::detect() {
+        match ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                return run(&avx2::FloatKernel::new(cpu, ty), w, shape, x, out);
+            }
+            GgmlType::Q4_0 => return run(&avx2::Q4_0Kernel(cpu), w, shape, x, out),
+            GgmlType::Q8_0 => return run(&avx2::Q8_0Kernel(cpu), w, shape, x, out),
+            GgmlType::Q4K => return run(&avx2_kquant::Q4KKernel(cpu), w, shape, x, out),
+            GgmlType::Q6K => return run(&avx2_kquant::Q6KKernel(cpu), w, shape, x, out),
+            GgmlType::Q5_0 => return run(&avx2_q5::Q5_0Kernel(cpu), w, shape, x, out),
+            GgmlType::Q5K => return run(&avx2_q5::Q5KKernel(cpu), w, shape, x, out),
+            _ => {}
+        }
+    }
+    match ty {
+        GgmlType::Q4_0 => run(&scalar::Q4_0Kernel, w, shape, x, out),
+        GgmlType::Q8_0 => run(&scalar::Q8_0Kernel, w, shape, x, out),
+        GgmlType::Q4K => run(&scalar::Q4KKernel, w, shape, x, out),
+        GgmlType::Q6K => run(&scalar::Q6KKernel, w, shape, x, out),
+        _ => run(&generic::GenericKernel::new(ty), w, shape, x, out),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Shape {
+    rows: usize,
+    cols: usize,
+    n_tokens: usize,
+}
+
+/// A raw pointer to the output that tasks write disjoint elements of.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint indices (each owns a row range), and the pointee outlives
+// the parallel section, which joins before `run` returns.
+unsafe impl Send for OutPtr {}
+// SAFETY: see `Send`.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// # Safety
+    /// `i` is inside the output, and no other task writes it.
+    unsafe fn write(&self, i: usize, v: f32) {
+        // SAFETY: guaranteed by the caller.
+        unsafe { *self.0.add(i) = v };
+    }
+}
+
+fn run<K: RowKernel>(k: &K, w: &[u8], s: Shape, x: &[f32], out: &mut [f32]) {
+    if s.rows == 0 || s.cols == 0 || s.n_tokens == 0 {
+        out.iter_mut()
+            .take(s.rows * s.n_tokens)
+            .for_each(|v| *v = 0.0);
+        return;
+    }
+    let acts_per_row = s.cols / K::ACT_BLOCK;
+    let mut acts = vec![K::Act::default(); acts_per_row * s.n_tokens];
+    acts.par_chunks_mut(acts_per_row)
+        .zip(x.par_chunks(s.cols))
+        .for_each(|(a, xr)| k.prepare(xr, a));
+    let threads = rayon::current_num_threads().max(1);
+    // Enough chunks to balance the threads, each a whole number of row tiles.
+    let chunk_rows = s
+        .rows
+        .div_ceil(threads * 8)
+        .clamp(1, 64)
+        .next_multiple_of(ROW_TILE);
+    let n_chunks = s.rows.div_ceil(chunk_rows);
+    assert!(
+        out.len() >= s.rows * s.n_tokens,
+        "matmul output checked by the caller"
+    );
+    let tiles = Tiles {
+        w,
+        row_bytes: w.len() / s.rows,
+        acts: &acts,
+        acts_per_row,
+        s,
+        out: OutPtr(out.as_mut_ptr()),
+    };
+    (0..n_chunks).into_par_iter().for_each(|c| {
+        let r0 = c * chunk_rows;
+        let r1 = (r0 + chunk_rows).min(s.rows);
+        let mut t0 = 0;
+        while t0 < s.n_tokens {
+            let n = (s.n_tokens - t0).min(TOKEN_GROUP);
+            match n {
+                4 => tiles.rows::<K, 4>(k, t0, r0, r1),
+                3 => tiles.rows::<K, 3>(k, t0, r0, r1),
+                2 => tiles.rows::<K, 2>(k, t0, r0, r1),
+                _ => tiles.rows::<K, 1>(k, t0, r0, r1),
+            }
+            t0 += n;
+        }
+    });
+}
+
+/// Rows per [`RowKernel::dot4`] call.
+const ROW_TILE: usize = 4;
+
+/// What every task of one matmul shares.
+struct Tiles<'a, A> {
+    w: &'a [u8],
+    row_bytes: usize,
+    acts: &'a [A],
+    acts_per_row: usize,
+    s: Shape,
+    out: OutPtr,
+}
+
+impl<A> Tiles<'_, A> {
+    fn act_row(&self, t: usize) -> &[A] {
+        &self.acts[t * self.acts_per_row..(t + 1) * self.acts_per_row]
+    }
+
+    fn w_row(&self, r: usize) -> &[u8] {
+        &self.w[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    fn write(&self, t: usize, r: usize, v: f32) {
+        assert!(t < self.s.n_tokens && r < self.s.rows);
+        // SAFETY: `t < n_tokens` and `r < rows`, so the index is inside `out` (checked in
+        // `run`); row `r` belongs to the calling task's chunk alone.
+        unsafe { self.out.write(t * self.s.rows + r, v) };
+    }
+
+    /// Rows `r0..r1` against tokens `t0..t0 + N`.
+    fn rows<K: RowKernel<Act = A>, const N: usize>(&self, k: &K, t0: usize, r0: usize, r1: usize) {
+        let xs: [&[A]; N] = std::array::from_fn(|j| self.act_row(t0 + j));
+        let mut r = r0;
+        while r + ROW_TILE <= r1 {
+            let ws: [&[u8]; ROW_TILE] = std::array::from_fn(|i| self.w_row(r + i));
+            for (i, vals) in k.dot4(ws, xs).into_iter().enumerate() {
+                for (j, v) in vals.into_iter().enumerate() {
+                    self.write(t0 + j, r + i, v);
+                }
+            }
+            r += ROW_TILE;
+        }
+        for r in r..r1 {
+            for (j, v) in k.dot(self.w_row(r), xs).into_iter().enumerate() {
+                self.write(t0 + j, r, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod bench;
+#[cfg(test)]
+mod tests;

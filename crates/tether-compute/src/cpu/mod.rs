@@ -1,0 +1,335 @@
+//! The cpu backend: host memory as device memory, ops on a rayon thread pool.
+//!
+//! Every op checks its sizes (see `check`) before touching memory, then calls a kernel
+//! that works on plain slices. Matrix products read quantized weights block by block
+//! (`matmul`); nothing dequantizes a whole weight matrix.
+
+mod attention;
+mod buffer;
+mod check;
+mod elementwise;
+mod f16_rows;
+mod matmul;
+mod q8;
+mod simd;
+
+#[cfg(test)]
+mod backend_tests;
+#[cfg(test)]
+mod test_util;
+
+pub use buffer::{CPU_BUFFER_ALIGN, CpuBuffer};
+
+use rayon::prelude::*;
+use tether_gguf::{GgmlType, dequantize};
+
+use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
+use crate::error::ComputeError;
+use check::{elems, f32s, f32s_mut, need, shape_err};
+
+/// The always-available backend: buffers in host memory, ops on the CPU.
+pub struct CpuBackend {
+    /// A pool of its own when a thread count was given; otherwise rayon's global pool.
+    pool: Option<rayon::ThreadPool>,
+}
+
+impl CpuBackend {
+    /// A backend running its ops on `threads` threads of its own, or on rayon's global pool
+    /// (one thread per core) when `threads` is `None`.
+    pub fn new(threads: Option<usize>) -> Result<Self> {
+        let pool = match threads {
+            None => None,
+            Some(n) => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n.max(1))
+                    .thread_name(|i| format!("tether-cpu-{i}"))
+                    .build()
+                    .map_err(|e| {
+                        ComputeError::Unavailable(format!(
+                            "starting {n} cpu compute threads: {e}; try fewer threads"
+                        ))
+                    })?,
+            ),
+        };
+        Ok(Self { pool })
+    }
+
+    /// Threads the ops run on.
+    pub fn threads(&self) -> usize {
+        self.pool
+            .as_ref()
+            .map_or_else(rayon::current_num_threads, |p| p.current_num_threads())
+    }
+
+    fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(p) => p.install(f),
+            None => f(),
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+
+    fn name(&self) -> String {
+        "cpu".to_string()
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        buffer::system_memory()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
+        let free = buffer::system_memory().map(|m| m.free).ok();
+        let refuse = |free: u64| ComputeError::OutOfMemory {
+            device: self.name(),
+            requested: bytes as u64,
+            free,
+        };
+        if let Some(free) = free
+            && bytes as u64 > free
+        {
+            return Err(refuse(free));
+        }
+        CpuBuffer::try_new(bytes).ok_or_else(|| refuse(free.unwrap_or(0)))
+    }
+
+    fn upload(&self, dst: &mut CpuBuffer, offset: usize, src: &[u8]) -> Result<()> {
+        let end = offset.checked_add(src.len());
+        need("upload", "destination buffer", dst.bytes(), end)?;
+        dst.as_bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&self, src: &CpuBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let end = offset.checked_add(dst.len());
+        need("download", "source buffer", src.bytes(), end)?;
+        dst.copy_from_slice(&src.as_bytes()[offset..offset + dst.len()]);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        // Every op has finished when it returns.
+        Ok(())
+    }
+
+    fn get_rows(
+        &self,
+        table: &CpuBuffer,
+        ty: GgmlType,
+        row_len: usize,
+        ids: &[u32],
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        const OP: &str = "get_rows";
+        let row_bytes = ty
+            .bytes_for(row_len as u64)
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or_else(|| {
+                shape_err(OP, format!("row length {row_len} is not whole {ty} blocks"))
+            })?;
+        let n_rows = table.bytes().checked_div(row_bytes).unwrap_or(0);
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= n_rows) {
+            return Err(shape_err(
+                OP,
+                format!("row id {bad} is outside the table of {n_rows} rows of {row_len} {ty}"),
+            ));
+        }
+        let n = elems(OP, &[ids.len(), row_len])?;
+        let out = &mut f32s_mut(OP, "output", out, n)?[..n];
+        if row_len == 0 {
+            return Ok(());
+        }
+        let table = table.as_bytes();
+        self.install(|| {
+            out.par_chunks_mut(row_len)
+                .zip(ids.par_iter())
+                .try_for_each(|(o, &id)| {
+                    let at = id as usize * row_bytes;
+                    dequantize(ty, &table[at..at + row_bytes], o)
+                        .map_err(|e| shape_err(OP, format!("row {id}: {e}")))
+                })
+        })
+    }
+
+    fn matmul(
+        &self,
+        w: &CpuBuffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &CpuBuffer,
+        n_tokens: usize,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let row_bytes = ty
+            .bytes_for(cols as u64)
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or_else(|| {
+                shape_err(
+                    OP,
+                    format!(
+                        "{cols} columns are not whole {ty} blocks of {}",
+                        ty.block_elems()
+                    ),
+                )
+            })?;
+        let w_bytes = row_bytes.checked_mul(rows);
+        need(OP, "weight buffer", w.bytes(), w_bytes)?;
+        let w = &w.as_bytes()[..row_bytes * rows];
+        let x = f32s(OP, "input", x, elems(OP, &[n_tokens, cols])?)?;
+        let out = f32s_mut(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
+        self.install(|| matmul::matmul(ty, w, rows, cols, x, n_tokens, out));
+        Ok(())
+    }
+
+    fn add_bias(
+        &self,
+        x: &mut CpuBuffer,
+        bias: &CpuBuffer,
+        n_tokens: usize,
+        dim: usize,
+    ) -> Result<()> {
+        let x = f32s_mut("add_bias", "input", x, elems("add_bias", &[n_tokens, dim])?)?;
+        let bias = f32s("add_bias", "bias", bias, dim)?;
+        if dim > 0 {
+            self.install(|| elementwise::add_bias(x, bias));
+        }
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CpuBuffer,
+        weight: &CpuBuffer,
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm";
+        let n = elems(OP, &[n_tokens, dim])?;
+        let x = f32s(OP, "input", x, n)?;
+        let weight = f32s(OP, "weight", weight, dim)?;
+        let out = f32s_mut(OP, "output", out, n)?;
+        if dim > 0 {
+            self.install(|| elementwise::rms_norm(x, weight, dim, eps, out));
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuBuffer,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        params: &RopeParams,
+        freq_factors: Option<&CpuBuffer>,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        if !params.n_rot.is_multiple_of(2) || params.n_rot > head_dim {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "n_rot {} must be even and at most head_dim {head_dim}",
+                    params.n_rot
+                ),
+            ));
+        }
+        if positions.len() < n_tokens {
+            return Err(shape_err(
+                OP,
+                format!("{} positions for {n_tokens} tokens", positions.len()),
+            ));
+        }
+        let x = f32s_mut(OP, "input", x, elems(OP, &[n_tokens, n_heads, head_dim])?)?;
+        let factors = match freq_factors {
+            Some(f) => Some(f32s(OP, "freq_factors", f, params.n_rot / 2)?),
+            None => None,
+        };
+        if n_heads * head_dim > 0 {
+            let positions = &positions[..n_tokens];
+            self.install(|| elementwise::rope(x, n_heads, head_dim, positions, params, factors));
+        }
+        Ok(())
+    }
+
+    fn kv_store(
+        &self,
+        src: &CpuBuffer,
+        kv_dim: usize,
+        cells: &[u32],
+        cache: &mut CpuBuffer,
+        cache_ty: GgmlType,
+    ) -> Result<()> {
+        const OP: &str = "kv_store";
+        let row_bytes = check::cache_bytes(OP, cache_ty, kv_dim, "kv_dim")?;
+        let src = f32s(OP, "source", src, elems(OP, &[cells.len(), kv_dim])?)?;
+        let n_cells = cache.bytes().checked_div(row_bytes).unwrap_or(0);
+        if let Some(&bad) = cells.iter().find(|&&c| c as usize >= n_cells) {
+            return Err(shape_err(
+                OP,
+                format!("cell {bad} is outside the cache of {n_cells} cells"),
+            ));
+        }
+        attention::kv_store(cache_ty, src, kv_dim, cells, cache.as_bytes_mut());
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CpuBuffer,
+        k_cache: &CpuBuffer,
+        v_cache: &CpuBuffer,
+        cache_ty: GgmlType,
+        spans: &[AttnSpan],
+        shape: AttnShape,
+        scale: f32,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        check::attention_shape(OP, shape)?;
+        let head_bytes = check::cache_bytes(OP, cache_ty, shape.head_dim, "head_dim")?;
+        let n = elems(OP, &[spans.len(), shape.n_heads, shape.head_dim])?;
+        let q = f32s(OP, "query", q, n)?;
+        let out = f32s_mut(OP, "output", out, n)?;
+        let cell_bytes = elems(OP, &[shape.n_kv_heads, head_bytes])?;
+        let n_cells = k_cache.bytes().min(v_cache.bytes()) / cell_bytes;
+        check::spans(OP, spans, n_cells)?;
+        let (k, v) = (k_cache.as_bytes(), v_cache.as_bytes());
+        self.install(|| attention::attention(q, k, v, cache_ty, spans, shape, scale, out));
+        Ok(())
+    }
+
+    fn swiglu(
+        &self,
+        gate: &CpuBuffer,
+        up: &CpuBuffer,
+        n: usize,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        let gate = f32s("swiglu", "gate", gate, n)?;
+        let up = f32s("swiglu", "up", up, n)?;
+        let out = f32s_mut("swiglu", "output", out, n)?;
+        self.install(|| elementwise::swiglu(gate, up, out));
+        Ok(())
+    }
+
+    fn add(&self, x: &mut CpuBuffer, y: &CpuBuffer, n: usize) -> Result<()> {
+        let x = f32s_mut("add", "x", x, n)?;
+        let y = f32s("add", "y", y, n)?;
+        self.install(|| elementwise::add(x, y));
+        Ok(())
+    }
+
+    fn copy(&self, src: &CpuBuffer, dst: &mut CpuBuffer, bytes: usize) -> Result<()> {
+        need("copy", "source buffer", src.bytes(), Some(bytes))?;
+        need("copy", "destination buffer", dst.bytes(), Some(bytes))?;
+        dst.as_bytes_mut()[..bytes].copy_from_slice(&src.as_bytes()[..bytes]);
+        Ok(())
+    }
+}

@@ -1,0 +1,48 @@
+//! Q5_1: blocks of 32 elements, `{ d: f16, m: f16, qh: u32, qs: [u8; 16] }` (24 bytes).
+//!
+//! 5-bit quants laid out as in Q5_0; `x = q · d + m`.
+
+use super::f16_at;
+
+/// Decode whole Q5_1 blocks from `src` into `dst` (32 elements per 24-byte block).
+pub fn dequantize_q5_1(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(24).zip(dst.chunks_exact_mut(32)) {
+        let d = f16_at(b, 0);
+        let m = f16_at(b, 2);
+        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        let qs = &b[8..24];
+        for j in 0..16 {
+            let h0 = ((qh >> j) & 1) << 4;
+            let h1 = ((qh >> (j + 16)) & 1) << 4;
+            let q0 = u32::from(qs[j] & 0x0F) | h0;
+            let q1 = u32::from(qs[j] >> 4) | h1;
+            y[j] = q0 as f32 * d + m;
+            y[j + 16] = q1 as f32 * d + m;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::test_util::{Rng, f16_bytes};
+
+    #[test]
+    fn hand_built_block_decodes_to_formula() {
+        let (d, m) = (0.25f32, 1.5f32);
+        let mut rng = Rng(7);
+        let q: Vec<u32> = (0..32).map(|_| rng.below(32)).collect();
+        let mut block = f16_bytes(d).to_vec();
+        block.extend(f16_bytes(m));
+        let qh: u32 = (0..32).map(|i| (q[i] >> 4) << i).sum();
+        block.extend(qh.to_le_bytes());
+        for j in 0..16 {
+            block.push(((q[j] & 15) | ((q[j + 16] & 15) << 4)) as u8);
+        }
+        let mut out = [0.0f32; 32];
+        dequantize_q5_1(&block, &mut out);
+        for i in 0..32 {
+            assert_eq!(out[i], q[i] as f32 * d + m, "element {i}");
+        }
+    }
+}

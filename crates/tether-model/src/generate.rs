@@ -1,0 +1,198 @@
+//! Single-process generation: one [`Stage`] holding the whole model, for `tether run`,
+//! `eval` and `bench`.
+
+use std::sync::Arc;
+
+use tether_compute::Backend;
+use tether_gguf::GgufFile;
+
+use crate::config::ModelConfig;
+use crate::error::ModelError;
+use crate::kv::BatchToken;
+use crate::sampling::Sampler;
+use crate::stage::{Stage, StageSpec};
+
+/// Bytes uploaded per `load_tensor` call, so a device backend never stages a whole tensor.
+const LOAD_CHUNK: usize = 64 << 20;
+
+/// Builds a stage of `spec` from `file` and uploads its tensors from the file's mapping.
+pub fn load_stage_from_file<B: Backend>(
+    backend: Arc<B>,
+    file: &GgufFile,
+    spec: StageSpec,
+) -> Result<Stage<B>, ModelError> {
+    let cfg = ModelConfig::from_gguf(file)?;
+    let slots = Stage::<B>::required_tensors(&cfg, &spec, file.tensors())?;
+    let mut stage = Stage::new(backend, cfg, spec, &slots)?;
+    for slot in &slots {
+        let info = file
+            .tensor(&slot.name)
+            .ok_or_else(|| ModelError::MissingTensor(slot.name.clone()))?;
+        let data = file.tensor_data(info);
+        if data.len() as u64 != slot.bytes {
+            return Err(ModelError::InvalidArgument(format!(
+                "tensor '{}' in '{}': {} data bytes, {} expected; the file is truncated",
+                slot.name,
+                file.path(),
+                data.len(),
+                slot.bytes
+            )));
+        }
+        for (i, chunk) in data.chunks(LOAD_CHUNK).enumerate() {
+            stage.load_tensor(&slot.name, (i * LOAD_CHUNK) as u64, chunk)?;
+        }
+    }
+    stage.finish_load()?;
+    Ok(stage)
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// An end-of-generation token was sampled (it is not passed on).
+    EndOfGeneration,
+    /// `n_predict` tokens were produced.
+    Limit,
+    /// The context is full.
+    ContextFull,
+    /// The callback asked to stop.
+    Callback,
+}
+
+/// Runs a whole model in one process on sequence 0 of a stage holding every layer.
+pub struct Generator<B: Backend> {
+    stage: Stage<B>,
+}
+
+impl<B: Backend> Generator<B> {
+    /// Loads every layer, the embedding and the head of `file` with one sequence of `ctx`
+    /// cells and micro-batches of `ubatch` tokens.
+    pub fn from_file(
+        backend: Arc<B>,
+        file: &GgufFile,
+        ctx: usize,
+        ubatch: usize,
+    ) -> Result<Self, ModelError> {
+        let n_layer = ModelConfig::from_gguf(file)?.n_layer;
+        let spec = StageSpec {
+            first_layer: 0,
+            last_layer: n_layer,
+            has_embed: true,
+            has_head: true,
+            ctx_per_seq: ctx,
+            n_seq: 1,
+            ubatch,
+        };
+        Self::new(load_stage_from_file(backend, file, spec)?)
+    }
+
+    /// Wraps a loaded stage, which must hold the whole model.
+    pub fn new(stage: Stage<B>) -> Result<Self, ModelError> {
+        let s = stage.spec();
+        if s.first_layer != 0
+            || s.last_layer != stage.config().n_layer
+            || !s.has_embed
+            || !s.has_head
+        {
+            return Err(ModelError::InvalidArgument(
+                "a generator needs a stage with every layer, the embedding and the head".into(),
+            ));
+        }
+        Ok(Self { stage })
+    }
+
+    /// The stage (for accounting).
+    pub fn stage(&self) -> &Stage<B> {
+        &self.stage
+    }
+
+    /// Runs `tokens` at positions `start..` of sequence 0; returns the last hidden states of
+    /// the tokens whose index is in `keep_from..`.
+    fn run(
+        &mut self,
+        tokens: &[u32],
+        start: u32,
+        keep_from: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let e = self.stage.config().n_embd;
+        let ub = self.stage.spec().ubatch;
+        let mut kept = Vec::with_capacity((tokens.len() - keep_from.min(tokens.len())) * e);
+        let mut hidden = vec![0.0f32; ub.min(tokens.len()) * e];
+        for (ci, chunk) in tokens.chunks(ub).enumerate() {
+            let first = ci * ub;
+            let h = &mut hidden[..chunk.len() * e];
+            self.stage.embed(chunk, h)?;
+            let batch: Vec<BatchToken> = (0..chunk.len())
+                .map(|i| BatchToken {
+                    seq: 0,
+                    pos: start + (first + i) as u32,
+                })
+                .collect();
+            self.stage.forward(&batch, h)?;
+            let from = keep_from.saturating_sub(first).min(chunk.len());
+            kept.extend_from_slice(&h[from * e..]);
+        }
+        Ok(kept)
+    }
+
+    /// Logits `[tokens.len()][n_vocab]` of `tokens` from an empty context.
+    pub fn eval_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.check_fits(tokens.len())?;
+        self.stage.kv_clear(0)?;
+        let hidden = self.run(tokens, 0, 0)?;
+        let mut out = vec![0.0f32; tokens.len() * self.stage.config().n_vocab];
+        self.stage.logits(&hidden, tokens.len(), &mut out)?;
+        Ok(out)
+    }
+
+    fn check_fits(&self, n: usize) -> Result<(), ModelError> {
+        let ctx = self.stage.spec().ctx_per_seq;
+        if n == 0 || n > ctx {
+            return Err(ModelError::InvalidArgument(format!(
+                "{n} tokens do not fit a context of {ctx} (at least one token is needed)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Generates up to `n_predict` tokens after `prompt` (from an empty context), calling
+    /// `on_token` with each; stops early at a token in `eog`, a full context, or when
+    /// `on_token` returns false. Returns the generated tokens and why it stopped.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        n_predict: usize,
+        sampler: &mut Sampler,
+        eog: &[u32],
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<(Vec<u32>, StopReason), ModelError> {
+        self.check_fits(prompt.len())?;
+        self.stage.kv_clear(0)?;
+        let v = self.stage.config().n_vocab;
+        let ctx = self.stage.spec().ctx_per_seq;
+        let mut history = prompt.to_vec();
+        let mut logits = vec![0.0f32; v];
+        let mut hidden = self.run(prompt, 0, prompt.len() - 1)?;
+        let mut out = Vec::new();
+        loop {
+            if out.len() >= n_predict {
+                return Ok((out, StopReason::Limit));
+            }
+            self.stage.logits(&hidden, 1, &mut logits)?;
+            let tok = sampler.sample(&logits, &history);
+            if eog.contains(&tok) {
+                return Ok((out, StopReason::EndOfGeneration));
+            }
+            out.push(tok);
+            history.push(tok);
+            if !on_token(tok) {
+                return Ok((out, StopReason::Callback));
+            }
+            // `tok` goes in at position `history.len() - 1`, which must be a cell of the context.
+            if history.len() > ctx {
+                return Ok((out, StopReason::ContextFull));
+            }
+            hidden = self.run(&[tok], (history.len() - 1) as u32, 0)?;
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! The memory plan of a stage: weights + KV cache + scratch, computed by formula.
+//!
+//! [`Stage::new`](crate::Stage::new) sizes its scratch buffers with [`scratch_sizes`], so
+//! the plan and what a stage holds cannot drift apart.
+
+use crate::config::ModelConfig;
+use crate::stage::{StageSpec, TensorSlot};
+
+/// Bytes per element of the KV cache (F16).
+pub const KV_ELEMENT_BYTES: u64 = 2;
+
+/// What a stage will hold on its device, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagePlan {
+    /// Sum of the stage's tensors.
+    pub weights_bytes: u64,
+    /// K and V caches of every layer of the stage.
+    pub kv_bytes: u64,
+    /// Activation buffers for one micro-batch.
+    pub scratch_bytes: u64,
+    /// `weights_bytes + kv_bytes + scratch_bytes`.
+    pub total_bytes: u64,
+}
+
+/// Bytes of each scratch buffer a stage allocates; zero for buffers the stage does not need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchSizes {
+    /// Residual stream `[ubatch][n_embd]` f32 (always).
+    pub hidden: u64,
+    /// Normed stream / projection output `[ubatch][n_embd]` (layers or head).
+    pub normed: u64,
+    /// Queries, and attention output, `[ubatch][q_dim]` each (layers).
+    pub q: u64,
+    /// Keys and values `[ubatch][kv_dim]` each (layers).
+    pub kv: u64,
+    /// Feed-forward gate, up and activation `[ubatch][n_ff]` each (layers).
+    pub ff: u64,
+    /// Logits `[ubatch][n_vocab]` (head).
+    pub logits: u64,
+}
+
+impl ScratchSizes {
+    /// Sum over every buffer, counting the ones allocated twice (q/attn, k/v) and
+    /// three times (gate/up/act).
+    pub fn total(&self) -> u64 {
+        self.hidden + self.normed + 2 * self.q + 2 * self.kv + 3 * self.ff + self.logits
+    }
+}
+
+/// Sizes of the scratch buffers of a stage of `spec`.
+pub fn scratch_sizes(cfg: &ModelConfig, spec: &StageSpec) -> ScratchSizes {
+    let ub = spec.ubatch as u64;
+    let f32s = |n: usize| ub * n as u64 * 4;
+    let layers = spec.last_layer > spec.first_layer;
+    let when = |cond: bool, bytes: u64| if cond { bytes } else { 0 };
+    ScratchSizes {
+        hidden: f32s(cfg.n_embd),
+        normed: when(layers || spec.has_head, f32s(cfg.n_embd)),
+        q: when(layers, f32s(cfg.q_dim())),
+        kv: when(layers, f32s(cfg.kv_dim())),
+        ff: when(layers, f32s(cfg.n_ff)),
+        logits: when(spec.has_head, f32s(cfg.n_vocab)),
+    }
+}
+
+/// Bytes of one layer's K (or V) cache.
+pub fn kv_cache_bytes(cfg: &ModelConfig, spec: &StageSpec) -> u64 {
+    (spec.n_seq * spec.ctx_per_seq) as u64 * cfg.kv_dim() as u64 * KV_ELEMENT_BYTES
+}
+
+/// The memory plan of a stage holding `tensors` (from
+/// [`Stage::required_tensors`](crate::Stage::required_tensors)).
+pub fn plan_stage(cfg: &ModelConfig, spec: &StageSpec, tensors: &[TensorSlot]) -> StagePlan {
+    let weights_bytes = tensors.iter().map(|t| t.bytes).sum();
+    let layers = spec.last_layer.saturating_sub(spec.first_layer) as u64;
+    let kv_bytes = 2 * layers * kv_cache_bytes(cfg, spec);
+    let scratch_bytes = scratch_sizes(cfg, spec).total();
+    StagePlan {
+        weights_bytes,
+        kv_bytes,
+        scratch_bytes,
+        total_bytes: weights_bytes + kv_bytes + scratch_bytes,
+    }
+}

@@ -1,0 +1,275 @@
+//! Token sampling in llama.cpp's order: repetition penalty → top-k → top-p → min-p →
+//! temperature → a draw from a seeded, deterministic generator.
+
+/// How to pick the next token from logits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `0` (or below) means greedy argmax.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; `0` keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches `top_p`; `1.0` keeps all.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; `0` keeps all.
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of recently seen tokens; `1.0` is off.
+    pub repeat_penalty: f32,
+    /// How many of the last tokens the penalty looks at; `0` is off.
+    pub repeat_last_n: usize,
+    /// Seed of the random generator.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    /// llama.cpp's defaults.
+    fn default() -> Self {
+        Self {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding: always the most likely token.
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+}
+
+/// SplitMix64: a small, fast generator whose whole state is one `u64`.
+#[derive(Clone, Debug)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator starting from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform value in `[0, 1)`.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Picks tokens from logits; holds the random state between calls.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: SplitMix64,
+    /// Reused between calls: `(token, logit)` candidates.
+    candidates: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    /// A sampler with `params`, its generator seeded by `params.seed`.
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = SplitMix64::new(params.seed);
+        Self {
+            params,
+            rng,
+            candidates: Vec::new(),
+        }
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The next token given `logits` (one per vocabulary entry) and the tokens so far.
+    /// Non-finite logits are never chosen unless every logit is non-finite (then token 0).
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let p = &self.params;
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| !l.is_nan())
+                .map(|(i, &l)| (i as u32, l)),
+        );
+        if p.repeat_penalty != 1.0 && p.repeat_last_n > 0 {
+            let recent = &history[history.len().saturating_sub(p.repeat_last_n)..];
+            let mut seen: Vec<u32> = recent.to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            for cand in c.iter_mut() {
+                if seen.binary_search(&cand.0).is_ok() {
+                    cand.1 = if cand.1 > 0.0 {
+                        cand.1 / p.repeat_penalty
+                    } else {
+                        cand.1 * p.repeat_penalty
+                    };
+                }
+            }
+        }
+        // Highest logit first; ties broken by the lower id so results are reproducible.
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.temperature <= 0.0 {
+            return c.iter().min_by(|a, b| by_logit(a, b)).map_or(0, |t| t.0);
+        }
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, by_logit);
+            c.truncate(p.top_k);
+        }
+        c.sort_unstable_by(by_logit);
+        let Some(&(best, max)) = c.first() else {
+            return 0;
+        };
+        if !max.is_finite() {
+            return best;
+        }
+        let mut probs: Vec<f64> = c.iter().map(|t| f64::from(t.1 - max).exp()).collect();
+        let sum: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|q| *q /= sum);
+        let mut keep = probs.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, q) in probs.iter().enumerate() {
+                acc += q;
+                if acc >= f64::from(p.top_p) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = f64::from(p.min_p) * probs[0];
+            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+        }
+        c.truncate(keep);
+        let t = f64::from(p.temperature);
+        let weights: Vec<f64> = c.iter().map(|x| (f64::from(x.1 - max) / t).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut r = self.rng.next_f64() * total;
+        for (cand, w) in c.iter().zip(&weights) {
+            if r < *w {
+                return cand.0;
+            }
+            r -= w;
+        }
+        c.last().map_or(best, |t| t.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 0,
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax_and_skips_nan() {
+        let mut s = Sampler::new(params(0.0));
+        assert_eq!(s.sample(&[0.1, 3.0, f32::NAN, 2.9], &[]), 1);
+        assert_eq!(s.sample(&[f32::NAN, -1.0], &[]), 1);
+    }
+
+    #[test]
+    fn penalty_can_change_the_greedy_choice() {
+        let mut p = params(0.0);
+        p.repeat_penalty = 2.0;
+        p.repeat_last_n = 4;
+        let mut s = Sampler::new(p);
+        assert_eq!(s.sample(&[3.0, 2.0], &[0]), 1);
+        assert_eq!(
+            s.sample(&[3.0, 2.0], &[5, 6, 7, 8, 0, 9, 9, 9, 9]),
+            0,
+            "token 0 left the window"
+        );
+        assert_eq!(
+            s.sample(&[-1.0, -1.5], &[0]),
+            1,
+            "negative logits are multiplied"
+        );
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_frequencies_follow_softmax() {
+        let logits = [1.0f32, 0.0, 2.0];
+        let mut a = Sampler::new(params(1.0));
+        let mut b = Sampler::new(params(1.0));
+        let mut counts = [0usize; 3];
+        let n = 30_000;
+        for _ in 0..n {
+            let x = a.sample(&logits, &[]);
+            assert_eq!(x, b.sample(&logits, &[]));
+            counts[x as usize] += 1;
+        }
+        let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+        for (i, &l) in logits.iter().enumerate() {
+            let want = f64::from(l).exp() / z;
+            let got = counts[i] as f64 / n as f64;
+            assert!((got - want).abs() < 0.015, "token {i}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn top_k_top_p_and_min_p_restrict_the_candidates() {
+        let logits = [5.0f32, 4.9, 0.0, -3.0];
+        let mut p = params(1.0);
+        p.top_k = 2;
+        let mut s = Sampler::new(p.clone());
+        assert!((0..500).all(|_| s.sample(&logits, &[]) < 2));
+        p.top_k = 0;
+        p.top_p = 0.5;
+        let mut s = Sampler::new(p.clone());
+        assert!(
+            (0..500).all(|_| s.sample(&logits, &[]) == 0),
+            "first token alone passes 0.5"
+        );
+        p.top_p = 1.0;
+        p.min_p = 0.5;
+        let mut s = Sampler::new(p);
+        let mut seen = [false; 4];
+        (0..2000).for_each(|_| seen[s.sample(&logits, &[]) as usize] = true);
+        assert_eq!(seen, [true, true, false, false]);
+    }
+
+    #[test]
+    fn low_temperature_concentrates_on_the_best() {
+        let logits = [1.0f32, 1.5, 0.5];
+        let mut s = Sampler::new(params(0.05));
+        assert!((0..200).all(|_| s.sample(&logits, &[]) == 1));
+    }
+
+    #[test]
+    fn splitmix_is_deterministic_and_spread() {
+        let mut a = SplitMix64::new(1);
+        let first: Vec<u64> = (0..4).map(|_| a.next_u64()).collect();
+        let mut b = SplitMix64::new(1);
+        assert_eq!(first, (0..4).map(|_| b.next_u64()).collect::<Vec<_>>());
+        let mean: f64 = (0..10_000).map(|_| a.next_f64()).sum::<f64>() / 10_000.0;
+        assert!((mean - 0.5).abs() < 0.02);
+    }
+}

@@ -1,0 +1,239 @@
+//! The forward pass of a stage: embedding, layers, output head — in micro-batches.
+
+use tether_compute::{AttnShape, AttnSpan, Backend};
+use tether_gguf::GgmlType;
+
+use super::Stage;
+use crate::error::{ModelError, compute, compute_in};
+use crate::kv::BatchToken;
+
+/// The element type of the KV cache.
+const CACHE_TY: GgmlType = GgmlType::F16;
+
+fn as_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: u8 has alignment 1 and the byte length covers exactly the f32s.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
+}
+
+fn as_bytes_mut(x: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; every byte pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
+}
+
+fn need_len(what: &str, got: usize, want: usize) -> Result<(), ModelError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(ModelError::InvalidArgument(format!(
+            "{what} holds {got} values, {want} expected"
+        )))
+    }
+}
+
+impl<B: Backend> Stage<B> {
+    /// Looks up `ids` in the embedding table into `hidden_out` (`[ids.len()][n_embd]`).
+    pub fn embed(&mut self, ids: &[u32], hidden_out: &mut [f32]) -> Result<(), ModelError> {
+        self.check_loaded()?;
+        let e = self.cfg.n_embd;
+        let table = self.embd.ok_or_else(|| {
+            ModelError::FailedPrecondition("this stage does not hold the token embedding".into())
+        })?;
+        need_len("the hidden-state buffer", hidden_out.len(), ids.len() * e)?;
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.cfg.n_vocab) {
+            return Err(ModelError::InvalidArgument(format!(
+                "token id {bad} is outside the vocabulary of {} tokens",
+                self.cfg.n_vocab
+            )));
+        }
+        let w = &self.weights[table];
+        for (ids, out) in ids
+            .chunks(self.spec.ubatch)
+            .zip(hidden_out.chunks_mut(self.spec.ubatch * e))
+        {
+            let hidden = &mut self.scratch.hidden;
+            self.backend
+                .get_rows(&w.buf, w.ty, e, ids, hidden)
+                .map_err(compute("embedding lookup"))?;
+            self.backend
+                .download(hidden, 0, as_bytes_mut(out))
+                .map_err(compute("downloading embeddings"))?;
+        }
+        Ok(())
+    }
+
+    /// Runs `hidden` (`[batch.len()][n_embd]`) through the stage's layers in place, writing
+    /// each token's keys and values into its sequence's cells. On a bad token nothing changes.
+    pub fn forward(&mut self, batch: &[BatchToken], hidden: &mut [f32]) -> Result<(), ModelError> {
+        self.check_loaded()?;
+        let e = self.cfg.n_embd;
+        need_len("the hidden-state buffer", hidden.len(), batch.len() * e)?;
+        let lens = self.kv.check_batch(batch)?;
+        let ub = self.spec.ubatch;
+        let mut positions = Vec::with_capacity(ub);
+        let mut cells = Vec::with_capacity(ub);
+        let mut spans = Vec::with_capacity(ub);
+        for (toks, h) in batch.chunks(ub).zip(hidden.chunks_mut(ub * e)) {
+            positions.clear();
+            cells.clear();
+            spans.clear();
+            for &t in toks {
+                let (cell, span) = self.kv.place(t);
+                positions.push(t.pos);
+                cells.push(cell);
+                spans.push(span);
+            }
+            self.backend
+                .upload(&mut self.scratch.hidden, 0, as_bytes(h))
+                .map_err(compute("uploading hidden states"))?;
+            for i in 0..self.layers.len() {
+                self.layer(i, &positions, &cells, &spans)?;
+            }
+            self.backend
+                .download(&self.scratch.hidden, 0, as_bytes_mut(h))
+                .map_err(compute("downloading hidden states"))?;
+        }
+        self.kv.commit(lens);
+        Ok(())
+    }
+
+    /// One transformer block over the tokens of one micro-batch in `scratch.hidden`.
+    fn layer(
+        &mut self,
+        i: usize,
+        positions: &[u32],
+        cells: &[u32],
+        spans: &[AttnSpan],
+    ) -> Result<(), ModelError> {
+        let layer_no = self.spec.first_layer + i;
+        let ce = |op| compute_in(op, layer_no);
+        let cfg = &self.cfg;
+        let be = &*self.backend;
+        let lw = &self.layers[i];
+        let w = &self.weights;
+        let n = positions.len();
+        let (e, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
+        let s = &mut self.scratch;
+        let (Some(normed), Some(ls)) = (s.normed.as_mut(), s.layer.as_mut()) else {
+            return Err(ModelError::FailedPrecondition(
+                "layer scratch missing from a stage with layers".into(),
+            ));
+        };
+        let (kc, vc) = &mut self.kv_cache[i];
+        let freqs = self.rope_freqs.map(|f| &w[f].buf);
+        be.rms_norm(&s.hidden, &w[lw.attn_norm].buf, n, e, cfg.rms_eps, normed)
+            .map_err(ce("attention norm"))?;
+        for (wi, rows, out) in [
+            (lw.wq, qd, &mut ls.q),
+            (lw.wk, kvd, &mut ls.k),
+            (lw.wv, kvd, &mut ls.v),
+        ] {
+            be.matmul(&w[wi].buf, w[wi].ty, rows, e, normed, n, out)
+                .map_err(ce("q/k/v projection"))?;
+        }
+        if let Some([bq, bk, bv]) = lw.bias {
+            be.add_bias(&mut ls.q, &w[bq].buf, n, qd)
+                .map_err(ce("q bias"))?;
+            be.add_bias(&mut ls.k, &w[bk].buf, n, kvd)
+                .map_err(ce("k bias"))?;
+            be.add_bias(&mut ls.v, &w[bv].buf, n, kvd)
+                .map_err(ce("v bias"))?;
+        }
+        be.rope(
+            &mut ls.q,
+            n,
+            cfg.n_head,
+            cfg.head_dim,
+            positions,
+            &cfg.rope,
+            freqs,
+        )
+        .map_err(ce("rope on queries"))?;
+        be.rope(
+            &mut ls.k,
+            n,
+            cfg.n_head_kv,
+            cfg.head_dim,
+            positions,
+            &cfg.rope,
+            freqs,
+        )
+        .map_err(ce("rope on keys"))?;
+        be.kv_store(&ls.k, kvd, cells, kc, CACHE_TY)
+            .map_err(ce("storing keys"))?;
+        be.kv_store(&ls.v, kvd, cells, vc, CACHE_TY)
+            .map_err(ce("storing values"))?;
+        let shape = AttnShape {
+            n_heads: cfg.n_head,
+            n_kv_heads: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+        };
+        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+        be.attention(&ls.q, kc, vc, CACHE_TY, spans, shape, scale, &mut ls.attn)
+            .map_err(ce("attention"))?;
+        be.matmul(&w[lw.wo].buf, w[lw.wo].ty, e, qd, &ls.attn, n, normed)
+            .map_err(ce("attention output projection"))?;
+        be.add(&mut s.hidden, normed, n * e)
+            .map_err(ce("attention residual"))?;
+        be.rms_norm(&s.hidden, &w[lw.ffn_norm].buf, n, e, cfg.rms_eps, normed)
+            .map_err(ce("ffn norm"))?;
+        be.matmul(
+            &w[lw.gate].buf,
+            w[lw.gate].ty,
+            ff,
+            e,
+            normed,
+            n,
+            &mut ls.gate,
+        )
+        .map_err(ce("ffn gate"))?;
+        be.matmul(&w[lw.up].buf, w[lw.up].ty, ff, e, normed, n, &mut ls.up)
+            .map_err(ce("ffn up"))?;
+        be.swiglu(&ls.gate, &ls.up, n * ff, &mut ls.act)
+            .map_err(ce("swiglu"))?;
+        be.matmul(&w[lw.down].buf, w[lw.down].ty, e, ff, &ls.act, n, normed)
+            .map_err(ce("ffn down"))?;
+        be.add(&mut s.hidden, normed, n * e)
+            .map_err(ce("ffn residual"))?;
+        Ok(())
+    }
+
+    /// Final norm and output head: `out` (`[n_tokens][n_vocab]`) from `hidden`
+    /// (`[n_tokens][n_embd]`).
+    pub fn logits(
+        &mut self,
+        hidden: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        self.check_loaded()?;
+        let (e, v) = (self.cfg.n_embd, self.cfg.n_vocab);
+        let (Some(norm), Some(head)) = (self.out_norm, self.output) else {
+            return Err(ModelError::FailedPrecondition(
+                "this stage does not hold the output head".into(),
+            ));
+        };
+        need_len("the hidden-state buffer", hidden.len(), n_tokens * e)?;
+        need_len("the logits buffer", out.len(), n_tokens * v)?;
+        let s = &mut self.scratch;
+        let (Some(normed), Some(logits)) = (s.normed.as_mut(), s.logits.as_mut()) else {
+            return Err(ModelError::FailedPrecondition(
+                "head scratch missing".into(),
+            ));
+        };
+        let ub = self.spec.ubatch;
+        let be = &*self.backend;
+        let (nw, hw) = (&self.weights[norm], &self.weights[head]);
+        for (h, o) in hidden.chunks(ub * e).zip(out.chunks_mut(ub * v)) {
+            let n = h.len() / e;
+            be.upload(&mut s.hidden, 0, as_bytes(h))
+                .map_err(compute("uploading hidden states"))?;
+            be.rms_norm(&s.hidden, &nw.buf, n, e, self.cfg.rms_eps, normed)
+                .map_err(compute("output norm"))?;
+            be.matmul(&hw.buf, hw.ty, v, e, normed, n, logits)
+                .map_err(compute("output head"))?;
+            be.download(logits, 0, as_bytes_mut(o))
+                .map_err(compute("downloading logits"))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,407 @@
+//! [`Stage`]: a contiguous block of layers on one backend, optionally with the embedding
+//! and the output head — what a worker holds for a session.
+//!
+//! Every byte of device memory (weights, KV cache, scratch for one micro-batch) is
+//! allocated in [`Stage::new`]; loading and running allocate nothing more.
+
+mod forward;
+mod load;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tether_compute::{Backend, DeviceBuffer};
+use tether_gguf::{GgmlType, TensorInfo};
+
+use crate::arch::{self, OUTPUT, OUTPUT_NORM, ROPE_FREQS, TOKEN_EMBD, TensorSpec};
+use crate::config::ModelConfig;
+use crate::error::{ModelError, compute};
+use crate::kv::KvState;
+use crate::plan::{kv_cache_bytes, scratch_sizes};
+
+pub use crate::kv::BatchToken;
+
+/// Which part of the model a stage holds and how much KV cache and scratch it gets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageSpec {
+    /// First layer held.
+    pub first_layer: usize,
+    /// One past the last layer held.
+    pub last_layer: usize,
+    /// Whether the stage holds the token embedding ([`Stage::embed`]).
+    pub has_embed: bool,
+    /// Whether the stage holds the final norm and output head ([`Stage::logits`]).
+    pub has_head: bool,
+    /// KV cells per sequence (the longest context a sequence can reach).
+    pub ctx_per_seq: usize,
+    /// Number of sequences with cells of their own.
+    pub n_seq: usize,
+    /// Most tokens processed in one step; scratch is sized for it.
+    pub ubatch: usize,
+}
+
+/// A tensor a stage will hold: its name, type and shape as in the file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSlot {
+    /// GGUF name.
+    pub name: String,
+    /// Element type.
+    pub ty: GgmlType,
+    /// Dims in ggml order.
+    pub dims: Vec<u64>,
+    /// Size of its data.
+    pub bytes: u64,
+}
+
+/// One weight on the device and which byte ranges of it have been written.
+struct Weight<Buf> {
+    name: String,
+    ty: GgmlType,
+    buf: Buf,
+    /// Sorted, merged, half-open ranges written so far.
+    written: Vec<(u64, u64)>,
+}
+
+/// Indices into `Stage::weights` of one layer's tensors.
+struct LayerWeights {
+    attn_norm: usize,
+    wq: usize,
+    wk: usize,
+    wv: usize,
+    bias: Option<[usize; 3]>,
+    wo: usize,
+    ffn_norm: usize,
+    gate: usize,
+    up: usize,
+    down: usize,
+}
+
+/// Activation buffers of the layers.
+struct LayerScratch<Buf> {
+    q: Buf,
+    attn: Buf,
+    k: Buf,
+    v: Buf,
+    gate: Buf,
+    up: Buf,
+    act: Buf,
+}
+
+/// All activation buffers of a stage.
+struct Scratch<Buf> {
+    hidden: Buf,
+    normed: Option<Buf>,
+    layer: Option<LayerScratch<Buf>>,
+    logits: Option<Buf>,
+}
+
+/// A block of layers with its weights, KV cache and scratch on one backend.
+pub struct Stage<B: Backend> {
+    backend: Arc<B>,
+    cfg: ModelConfig,
+    spec: StageSpec,
+    weights: Vec<Weight<B::Buffer>>,
+    by_name: HashMap<String, usize>,
+    layers: Vec<LayerWeights>,
+    embd: Option<usize>,
+    out_norm: Option<usize>,
+    output: Option<usize>,
+    rope_freqs: Option<usize>,
+    /// `(K, V)` cache per layer of the stage.
+    kv_cache: Vec<(B::Buffer, B::Buffer)>,
+    scratch: Scratch<B::Buffer>,
+    kv: KvState,
+    allocs: u64,
+    loaded: bool,
+}
+
+fn check_spec(cfg: &ModelConfig, spec: &StageSpec) -> Result<(), ModelError> {
+    let bad = |why: String| Err(ModelError::InvalidArgument(why));
+    if spec.first_layer > spec.last_layer || spec.last_layer > cfg.n_layer {
+        return bad(format!(
+            "layers [{}, {}) are not a range inside the model's {} layers",
+            spec.first_layer, spec.last_layer, cfg.n_layer
+        ));
+    }
+    if spec.ubatch == 0 || spec.n_seq == 0 || spec.ctx_per_seq == 0 {
+        return bad(format!(
+            "ubatch ({}), n_seq ({}) and ctx_per_seq ({}) must all be at least 1",
+            spec.ubatch, spec.n_seq, spec.ctx_per_seq
+        ));
+    }
+    Ok(())
+}
+
+fn needed(cfg: &ModelConfig, spec: &StageSpec) -> Vec<TensorSpec> {
+    arch::stage_tensors(
+        cfg,
+        spec.first_layer,
+        spec.last_layer,
+        spec.has_embed,
+        spec.has_head,
+    )
+}
+
+impl<B: Backend> Stage<B> {
+    /// The tensors a stage of `spec` needs, with types and sizes taken from `file_tensors`;
+    /// errors name a missing or misshapen tensor.
+    pub fn required_tensors(
+        cfg: &ModelConfig,
+        spec: &StageSpec,
+        file_tensors: &[TensorInfo],
+    ) -> Result<Vec<TensorSlot>, ModelError> {
+        check_spec(cfg, spec)?;
+        needed(cfg, spec)
+            .iter()
+            .map(|s| {
+                let t = arch::check_tensor(s, file_tensors)?;
+                Ok(TensorSlot {
+                    name: t.name.clone(),
+                    ty: t.ty,
+                    dims: t.dims.clone(),
+                    bytes: slot_bytes(&t.name, t.ty, &t.dims)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Allocates every buffer of the stage: the tensors in `tensors` (as returned by
+    /// [`Self::required_tensors`]), the KV cache and the scratch. Weights start zeroed
+    /// and must be written with [`Self::load_tensor`] before [`Self::finish_load`].
+    pub fn new(
+        backend: Arc<B>,
+        cfg: ModelConfig,
+        spec: StageSpec,
+        tensors: &[TensorSlot],
+    ) -> Result<Self, ModelError> {
+        check_spec(&cfg, &spec)?;
+        let specs = needed(&cfg, &spec);
+        if tensors.len() != specs.len() {
+            return Err(ModelError::InvalidArgument(format!(
+                "{} tensors given for a stage that needs {}",
+                tensors.len(),
+                specs.len()
+            )));
+        }
+        let infos: Vec<TensorInfo> = tensors
+            .iter()
+            .map(|t| TensorInfo {
+                name: t.name.clone(),
+                ty: t.ty,
+                dims: t.dims.clone(),
+                offset: 0,
+                bytes: t.bytes,
+            })
+            .collect();
+        for s in &specs {
+            let t = arch::check_tensor(s, &infos)?;
+            if slot_bytes(&t.name, t.ty, &t.dims)? != t.bytes {
+                return Err(ModelError::InvalidArgument(format!(
+                    "tensor '{}': {} bytes given, {} {:?} needs {}",
+                    t.name,
+                    t.bytes,
+                    t.ty,
+                    t.dims,
+                    slot_bytes(&t.name, t.ty, &t.dims)?
+                )));
+            }
+        }
+        let kv = KvState::new(spec.n_seq, spec.ctx_per_seq)?;
+        let mut allocs = 0u64;
+        let mut alloc = |bytes: u64, what: &str| -> Result<B::Buffer, ModelError> {
+            let size = usize::try_from(bytes).map_err(|_| {
+                ModelError::InvalidArgument(format!(
+                    "{what}: {bytes} bytes exceed the address space"
+                ))
+            })?;
+            allocs += 1;
+            backend.alloc(size).map_err(|source| ModelError::Compute {
+                what: format!("allocating {bytes} bytes for {what}"),
+                source,
+            })
+        };
+        let mut weights = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            weights.push(Weight {
+                name: t.name.clone(),
+                ty: t.ty,
+                buf: alloc(t.bytes, &format!("tensor '{}'", t.name))?,
+                written: Vec::new(),
+            });
+        }
+        let n_layers = spec.last_layer - spec.first_layer;
+        let cache_bytes = kv_cache_bytes(&cfg, &spec);
+        let mut kv_cache = Vec::with_capacity(n_layers);
+        for layer in spec.first_layer..spec.last_layer {
+            let k = alloc(cache_bytes, &format!("the K cache of layer {layer}"))?;
+            let v = alloc(cache_bytes, &format!("the V cache of layer {layer}"))?;
+            kv_cache.push((k, v));
+        }
+        let sizes = scratch_sizes(&cfg, &spec);
+        let mut opt = |bytes: u64, what: &str| -> Result<Option<B::Buffer>, ModelError> {
+            if bytes == 0 {
+                Ok(None)
+            } else {
+                alloc(bytes, what).map(Some)
+            }
+        };
+        let hidden = opt(sizes.hidden, "the hidden-state scratch")?;
+        let normed = opt(sizes.normed, "the normed-state scratch")?;
+        let logits = opt(sizes.logits, "the logits scratch")?;
+        let layer = if n_layers > 0 {
+            Some(LayerScratch {
+                q: alloc(sizes.q, "the query scratch")?,
+                attn: alloc(sizes.q, "the attention-output scratch")?,
+                k: alloc(sizes.kv, "the key scratch")?,
+                v: alloc(sizes.kv, "the value scratch")?,
+                gate: alloc(sizes.ff, "the ffn gate scratch")?,
+                up: alloc(sizes.ff, "the ffn up scratch")?,
+                act: alloc(sizes.ff, "the ffn activation scratch")?,
+            })
+        } else {
+            None
+        };
+        let hidden = hidden.ok_or_else(|| {
+            ModelError::InvalidArgument("a stage needs a non-empty hidden state".into())
+        })?;
+        let by_name: HashMap<String, usize> = weights
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.name.clone(), i))
+            .collect();
+        let idx = |name: &str| {
+            by_name
+                .get(name)
+                .copied()
+                .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+        };
+        let mut layers = Vec::with_capacity(n_layers);
+        for l in spec.first_layer..spec.last_layer {
+            let n = |s: &str| idx(&arch::layer_tensor(l, s));
+            layers.push(LayerWeights {
+                attn_norm: n("attn_norm.weight")?,
+                wq: n("attn_q.weight")?,
+                wk: n("attn_k.weight")?,
+                wv: n("attn_v.weight")?,
+                bias: if cfg.arch.has_qkv_bias() {
+                    Some([n("attn_q.bias")?, n("attn_k.bias")?, n("attn_v.bias")?])
+                } else {
+                    None
+                },
+                wo: n("attn_output.weight")?,
+                ffn_norm: n("ffn_norm.weight")?,
+                gate: n("ffn_gate.weight")?,
+                up: n("ffn_up.weight")?,
+                down: n("ffn_down.weight")?,
+            });
+        }
+        let embd = by_name.get(TOKEN_EMBD).copied().filter(|_| spec.has_embed);
+        let out_norm = by_name.get(OUTPUT_NORM).copied();
+        let output = if cfg.tied_output {
+            by_name.get(TOKEN_EMBD)
+        } else {
+            by_name.get(OUTPUT)
+        }
+        .copied()
+        .filter(|_| spec.has_head);
+        let rope_freqs = by_name.get(ROPE_FREQS).copied();
+        Ok(Self {
+            backend,
+            cfg,
+            spec,
+            weights,
+            by_name,
+            layers,
+            embd,
+            out_norm,
+            output,
+            rope_freqs,
+            kv_cache,
+            scratch: Scratch {
+                hidden,
+                normed,
+                layer,
+                logits,
+            },
+            kv,
+            allocs,
+            loaded: false,
+        })
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// What the stage holds.
+    pub fn spec(&self) -> &StageSpec {
+        &self.spec
+    }
+
+    /// The backend the stage runs on.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// Positions cached for `seq`.
+    pub fn seq_len(&self, seq: u32) -> Result<u32, ModelError> {
+        self.kv.len(seq)
+    }
+
+    /// Bytes of device memory the stage holds (every buffer it allocated).
+    pub fn bytes(&self) -> u64 {
+        let weights: usize = self.weights.iter().map(|w| w.buf.bytes()).sum();
+        let kv: usize = self
+            .kv_cache
+            .iter()
+            .map(|(k, v)| k.bytes() + v.bytes())
+            .sum();
+        let s = &self.scratch;
+        let mut scratch = s.hidden.bytes();
+        scratch += s.normed.as_ref().map_or(0, |b| b.bytes());
+        scratch += s.logits.as_ref().map_or(0, |b| b.bytes());
+        if let Some(l) = &s.layer {
+            scratch += [&l.q, &l.attn, &l.k, &l.v, &l.gate, &l.up, &l.act]
+                .iter()
+                .map(|b| b.bytes())
+                .sum::<usize>();
+        }
+        (weights + kv + scratch) as u64
+    }
+
+    /// Number of device allocations the stage has made (all in [`Self::new`]).
+    pub fn alloc_count(&self) -> u64 {
+        self.allocs
+    }
+
+    /// Forgets everything sequence `seq` has cached.
+    pub fn kv_clear(&mut self, seq: u32) -> Result<(), ModelError> {
+        self.kv.clear(seq)
+    }
+
+    /// Keeps only the first `len` positions of sequence `seq`.
+    pub fn kv_truncate(&mut self, seq: u32, len: u32) -> Result<(), ModelError> {
+        self.kv.truncate(seq, len)
+    }
+
+    fn synchronize(&self) -> Result<(), ModelError> {
+        self.backend.synchronize().map_err(compute("synchronize"))
+    }
+}
+
+/// Bytes of a tensor of `ty` and `dims`, or an error naming it.
+fn slot_bytes(name: &str, ty: GgmlType, dims: &[u64]) -> Result<u64, ModelError> {
+    let elems = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+    elems
+        .filter(|_| {
+            dims.first()
+                .is_some_and(|d| d % ty.block_elems() as u64 == 0)
+        })
+        .and_then(|n| ty.bytes_for(n))
+        .ok_or_else(|| ModelError::TensorType {
+            name: name.to_string(),
+            ty,
+            reason: format!("dims {dims:?} are not whole {ty} blocks per row"),
+        })
+}

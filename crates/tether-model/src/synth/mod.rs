@@ -1,0 +1,404 @@
+//! Synthetic models: GGUF files with random weights in the exact shape of real models, for
+//! tests and benchmarks without downloading anything.
+
+mod blocks;
+mod vocab;
+
+use std::path::Path;
+
+use tether_gguf::{GgmlType, GgufWriter, MetaValue};
+
+use crate::error::ModelError;
+use blocks::{FastRng, fill_random};
+
+/// The shape of a synthetic model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SynthShape {
+    /// A 2-layer llama small enough for unit tests (every quant type fits its rows).
+    Tiny,
+    /// A 2-layer qwen2 (biases, NEOX rope, tied output) as small as `Tiny`.
+    TinyQwen2,
+    /// Llama 3.2 1B.
+    Llama3_1b,
+    /// Llama 3.1 8B.
+    Llama3_8b,
+    /// Llama 2 7B.
+    Llama2_7b,
+    /// Qwen2 0.5B.
+    Qwen2_0_5b,
+    /// Qwen2.5 14B.
+    Qwen2_5_14b,
+}
+
+/// Hyper-parameters of a shape.
+struct Dims {
+    arch: &'static str,
+    n_embd: usize,
+    n_layer: usize,
+    n_head: usize,
+    n_head_kv: usize,
+    n_ff: usize,
+    n_vocab: usize,
+    rope_base: f32,
+    ctx: u32,
+    tied: bool,
+    /// llama3-style `rope_freqs.weight`.
+    rope_freqs: bool,
+    bias: bool,
+}
+
+impl SynthShape {
+    /// Every shape.
+    pub const ALL: [SynthShape; 7] = [
+        SynthShape::Tiny,
+        SynthShape::TinyQwen2,
+        SynthShape::Llama3_1b,
+        SynthShape::Llama3_8b,
+        SynthShape::Llama2_7b,
+        SynthShape::Qwen2_0_5b,
+        SynthShape::Qwen2_5_14b,
+    ];
+
+    /// The command-line name (`tiny`, `llama3-8b`, `qwen2.5-14b`).
+    pub fn name(self) -> &'static str {
+        match self {
+            SynthShape::Tiny => "tiny",
+            SynthShape::TinyQwen2 => "tiny-qwen2",
+            SynthShape::Llama3_1b => "llama3-1b",
+            SynthShape::Llama3_8b => "llama3-8b",
+            SynthShape::Llama2_7b => "llama2-7b",
+            SynthShape::Qwen2_0_5b => "qwen2-0.5b",
+            SynthShape::Qwen2_5_14b => "qwen2.5-14b",
+        }
+    }
+
+    /// The shape called `name`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    fn dims(self) -> Dims {
+        let llama = |n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, rope_base, tied| Dims {
+            arch: "llama",
+            n_embd,
+            n_layer,
+            n_head,
+            n_head_kv,
+            n_ff,
+            n_vocab,
+            rope_base,
+            ctx: 8192,
+            tied,
+            bias: false,
+            rope_freqs: false,
+        };
+        let qwen = |n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, tied| Dims {
+            arch: "qwen2",
+            bias: true,
+            ..llama(n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, 1e6, tied)
+        };
+        match self {
+            SynthShape::Tiny => Dims {
+                rope_freqs: true,
+                ..llama(256, 2, 4, 2, 512, 320, 10000.0, false)
+            },
+            SynthShape::TinyQwen2 => qwen(256, 2, 4, 2, 512, 320, true),
+            SynthShape::Llama3_1b => Dims {
+                rope_freqs: true,
+                ..llama(2048, 16, 32, 8, 8192, 128256, 500000.0, true)
+            },
+            SynthShape::Llama3_8b => Dims {
+                rope_freqs: true,
+                ..llama(4096, 32, 32, 8, 14336, 128256, 500000.0, false)
+            },
+            SynthShape::Llama2_7b => llama(4096, 32, 32, 32, 11008, 32000, 10000.0, false),
+            SynthShape::Qwen2_0_5b => qwen(896, 24, 14, 2, 4864, 151936, true),
+            SynthShape::Qwen2_5_14b => qwen(5120, 48, 40, 8, 13824, 152064, false),
+        }
+    }
+}
+
+/// The type a `cols`-wide matrix gets when `ty`'s blocks do not divide its rows
+/// (llama.cpp's quantizer falls back the same way).
+fn fit_type(ty: GgmlType, cols: usize) -> GgmlType {
+    if cols.is_multiple_of(ty.block_elems()) {
+        return ty;
+    }
+    let fallback = match ty {
+        GgmlType::Q2K | GgmlType::Q3K => GgmlType::Q4_0,
+        GgmlType::Q4K => GgmlType::Q5_0,
+        GgmlType::Q5K => GgmlType::Q5_1,
+        _ => GgmlType::Q8_0,
+    };
+    if cols.is_multiple_of(fallback.block_elems()) {
+        fallback
+    } else {
+        GgmlType::F16
+    }
+}
+
+/// Adds a tensor whose random data is generated while the file is written.
+fn add_random(
+    w: &mut GgufWriter,
+    name: String,
+    ty: GgmlType,
+    dims: &[usize],
+    amp: f32,
+    seed: u64,
+) -> Result<(), ModelError> {
+    let dims64: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+    let elems: u64 = dims64.iter().product();
+    let total = ty.bytes_for(elems).ok_or_else(|| {
+        ModelError::Config(format!(
+            "tensor '{name}': {dims:?} is not whole {ty} blocks"
+        ))
+    })?;
+    // Whole rows per chunk keep every chunk whole blocks.
+    let row_bytes = ty.bytes_for(dims64[0]).unwrap_or(total).max(1);
+    let chunk = ((8u64 << 20) / row_bytes).max(1) * row_bytes;
+    let stream = Box::new(move |out: &mut dyn std::io::Write| {
+        let mut rng = FastRng::new(seed);
+        let mut buf = vec![0u8; chunk.min(total) as usize];
+        let mut left = total;
+        while left > 0 {
+            let n = left.min(chunk) as usize;
+            fill_random(ty, amp, &mut rng, &mut buf[..n]);
+            out.write_all(&buf[..n])?;
+            left -= n as u64;
+        }
+        Ok(())
+    });
+    w.add_tensor_stream(name, ty, &dims64, stream)?;
+    Ok(())
+}
+
+/// Adds an f32 vector of values `center ± spread`.
+fn add_vector(
+    w: &mut GgufWriter,
+    name: String,
+    n: usize,
+    center: f32,
+    spread: f32,
+    rng: &mut FastRng,
+) -> Result<(), ModelError> {
+    let data: Vec<u8> = (0..n)
+        .flat_map(|_| (center + spread * rng.signed_unit()).to_le_bytes())
+        .collect();
+    w.add_tensor(name, GgmlType::F32, &[n as u64], data)?;
+    Ok(())
+}
+
+/// Writes a GGUF file at `path` with random weights of `shape`; matrices are of type `ty`
+/// (or a fallback where its blocks do not fit a row), norms and biases f32. The same seed
+/// gives the same file.
+pub fn synthesize(
+    path: impl AsRef<Path>,
+    shape: SynthShape,
+    ty: GgmlType,
+    seed: u64,
+) -> Result<(), ModelError> {
+    if matches!(ty, GgmlType::Q8_1 | GgmlType::Q8K) {
+        return Err(ModelError::Config(format!(
+            "{ty} is not a weight type; pick f16, q8_0, q4_k, ..."
+        )));
+    }
+    let d = shape.dims();
+    let mut w = GgufWriter::new();
+    let key = |k: &str| format!("{}.{k}", d.arch);
+    w.add_metadata("general.architecture", MetaValue::String(d.arch.into()));
+    w.add_metadata(
+        "general.name",
+        MetaValue::String(format!(
+            "synthetic {} {} (random weights, seed {seed})",
+            shape.name(),
+            ty
+        )),
+    );
+    let u32v = |n: usize| MetaValue::U32(n as u32);
+    w.add_metadata(key("context_length"), MetaValue::U32(d.ctx));
+    w.add_metadata(key("embedding_length"), u32v(d.n_embd));
+    w.add_metadata(key("block_count"), u32v(d.n_layer));
+    w.add_metadata(key("feed_forward_length"), u32v(d.n_ff));
+    w.add_metadata(key("attention.head_count"), u32v(d.n_head));
+    w.add_metadata(key("attention.head_count_kv"), u32v(d.n_head_kv));
+    w.add_metadata(
+        key("attention.layer_norm_rms_epsilon"),
+        MetaValue::F32(1e-5),
+    );
+    w.add_metadata(key("rope.freq_base"), MetaValue::F32(d.rope_base));
+    w.add_metadata(key("rope.dimension_count"), u32v(d.n_embd / d.n_head));
+    vocab::add_tokenizer(&mut w, d.n_vocab);
+
+    let head_dim = d.n_embd / d.n_head;
+    let (e, q, kv, ff) = (d.n_embd, d.n_embd, d.n_head_kv * head_dim, d.n_ff);
+    let mut rng = FastRng::new(seed);
+    let mut next_seed = || rng.next_u64();
+    let mut vec_rng = FastRng::new(seed ^ 0x5eed);
+    // Uniform(±amp) has standard deviation amp/√3; ±√(3/cols) keeps each output near unit size.
+    let amp = |cols: usize| (3.0 / cols as f32).sqrt();
+    add_random(
+        &mut w,
+        "token_embd.weight".into(),
+        fit_type(ty, e),
+        &[e, d.n_vocab],
+        1.0,
+        next_seed(),
+    )?;
+    for l in 0..d.n_layer {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        add_vector(&mut w, n("attn_norm.weight"), e, 1.0, 0.1, &mut vec_rng)?;
+        add_random(
+            &mut w,
+            n("attn_q.weight"),
+            fit_type(ty, e),
+            &[e, q],
+            amp(e),
+            next_seed(),
+        )?;
+        add_random(
+            &mut w,
+            n("attn_k.weight"),
+            fit_type(ty, e),
+            &[e, kv],
+            amp(e),
+            next_seed(),
+        )?;
+        add_random(
+            &mut w,
+            n("attn_v.weight"),
+            fit_type(ty, e),
+            &[e, kv],
+            amp(e),
+            next_seed(),
+        )?;
+        if d.bias {
+            add_vector(&mut w, n("attn_q.bias"), q, 0.0, 0.1, &mut vec_rng)?;
+            add_vector(&mut w, n("attn_k.bias"), kv, 0.0, 0.1, &mut vec_rng)?;
+            add_vector(&mut w, n("attn_v.bias"), kv, 0.0, 0.1, &mut vec_rng)?;
+        }
+        add_random(
+            &mut w,
+            n("attn_output.weight"),
+            fit_type(ty, q),
+            &[q, e],
+            amp(q),
+            next_seed(),
+        )?;
+        add_vector(&mut w, n("ffn_norm.weight"), e, 1.0, 0.1, &mut vec_rng)?;
+        add_random(
+            &mut w,
+            n("ffn_gate.weight"),
+            fit_type(ty, e),
+            &[e, ff],
+            amp(e),
+            next_seed(),
+        )?;
+        add_random(
+            &mut w,
+            n("ffn_up.weight"),
+            fit_type(ty, e),
+            &[e, ff],
+            amp(e),
+            next_seed(),
+        )?;
+        add_random(
+            &mut w,
+            n("ffn_down.weight"),
+            fit_type(ty, ff),
+            &[ff, e],
+            amp(ff),
+            next_seed(),
+        )?;
+    }
+    if d.rope_freqs {
+        // llama3's shape of factors: 1 for the fast-turning pairs, rising to 8 for the slow ones.
+        let half = head_dim / 2;
+        let data: Vec<u8> = (0..half)
+            .map(|i| 1.0 + 7.0 * (2.0 * i as f32 / half as f32 - 1.0).max(0.0))
+            .flat_map(f32::to_le_bytes)
+            .collect();
+        w.add_tensor("rope_freqs.weight", GgmlType::F32, &[half as u64], data)?;
+    }
+    add_vector(
+        &mut w,
+        "output_norm.weight".into(),
+        e,
+        1.0,
+        0.1,
+        &mut vec_rng,
+    )?;
+    if !d.tied {
+        // Larger than unit size so logits spread out and greedy choices are clear.
+        add_random(
+            &mut w,
+            "output.weight".into(),
+            fit_type(ty, e),
+            &[e, d.n_vocab],
+            4.0 * amp(e),
+            next_seed(),
+        )?;
+    }
+    let path = path.as_ref();
+    w.write_file(path)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+
+    #[test]
+    fn shapes_round_trip_through_config() {
+        let dir = std::env::temp_dir().join(format!("tether-synth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (shape, ty) in [
+            (SynthShape::Tiny, GgmlType::Q4K),
+            (SynthShape::TinyQwen2, GgmlType::Q8_0),
+        ] {
+            let path = dir.join(format!("{}.gguf", shape.name()));
+            synthesize(&path, shape, ty, 1).unwrap();
+            let file = tether_gguf::GgufFile::open(&path).unwrap();
+            let cfg = ModelConfig::from_gguf(&file).unwrap();
+            let d = shape.dims();
+            assert_eq!(
+                (cfg.n_embd, cfg.n_layer, cfg.n_vocab),
+                (d.n_embd, d.n_layer, d.n_vocab)
+            );
+            assert_eq!(cfg.tied_output, d.tied);
+            assert_eq!(cfg.rope.neox, d.bias);
+            assert_eq!(cfg.has_rope_freqs, d.rope_freqs);
+            assert_eq!(file.tensor("blk.1.ffn_down.weight").unwrap().ty, ty);
+            assert_eq!(
+                file.get_str_array("tokenizer.ggml.tokens").unwrap().len(),
+                d.n_vocab
+            );
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+
+    #[test]
+    fn types_fall_back_where_blocks_do_not_fit() {
+        assert_eq!(fit_type(GgmlType::Q4K, 896), GgmlType::Q5_0);
+        assert_eq!(fit_type(GgmlType::Q6K, 896), GgmlType::Q8_0);
+        assert_eq!(fit_type(GgmlType::Q4K, 4096), GgmlType::Q4K);
+        assert_eq!(fit_type(GgmlType::Q4_0, 20), GgmlType::F16);
+    }
+
+    /// Slow (writes about 4.6 GB): `cargo test -p tether-model -- --ignored synth_8b`.
+    #[test]
+    #[ignore]
+    fn synth_8b_q4_k_takes_well_under_a_minute() {
+        let path =
+            std::env::temp_dir().join(format!("tether-synth-8b-{}.gguf", std::process::id()));
+        let start = std::time::Instant::now();
+        synthesize(&path, SynthShape::Llama3_8b, GgmlType::Q4K, 1).unwrap();
+        let took = start.elapsed();
+        let file = tether_gguf::GgufFile::open(&path).unwrap();
+        let cfg = ModelConfig::from_gguf(&file).unwrap();
+        assert_eq!((cfg.n_layer, cfg.n_vocab, cfg.n_head_kv), (32, 128256, 8));
+        std::fs::remove_file(&path).unwrap();
+        println!("llama3-8b q4_k synthesized in {took:?}");
+        assert!(took.as_secs() < 45, "{took:?}");
+    }
+}

@@ -1,0 +1,6 @@
+//! The forward pass against an independent reference, and the stage's behaviour.
+
+mod reference_model;
+mod stage_behaviour;
+mod support;
+mod vs_reference;

@@ -1,0 +1,232 @@
+//! An independent float64 forward pass of llama/qwen2 GGUF models: plain loops over
+//! dequantized weights, its own metadata reading, rope, attention and softmax. It shares no
+//! code with `Stage` or any backend; only the GGUF reader and dequantizer are common.
+//!
+//! Keys and values are rounded to f16 before attention, because the model as served keeps
+//! its KV cache in f16; everything else is f64.
+
+use std::collections::HashMap;
+
+use tether_gguf::GgufFile;
+
+pub struct Reference {
+    embd: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ff: usize,
+    vocab: usize,
+    eps: f64,
+    rope_base: f64,
+    rope_scale: f64,
+    n_rot: usize,
+    neox: bool,
+    w: HashMap<String, Vec<f64>>,
+}
+
+fn round_f16(x: f64) -> f64 {
+    f64::from(half::f16::from_f64(x).to_f64() as f32)
+}
+
+impl Reference {
+    pub fn load(file: &GgufFile) -> Reference {
+        let arch = file.get_str("general.architecture").unwrap().to_string();
+        let u = |k: &str| file.get_u64(&format!("{arch}.{k}")).map(|v| v as usize);
+        let embd = u("embedding_length").unwrap();
+        let heads = u("attention.head_count").unwrap();
+        let head_dim = embd / heads;
+        let mut w = HashMap::new();
+        for t in file.tensors() {
+            let mut f = vec![0f32; t.elements() as usize];
+            tether_gguf::dequantize(t.ty, file.tensor_data(t), &mut f).unwrap();
+            w.insert(t.name.clone(), f.into_iter().map(f64::from).collect());
+        }
+        let vocab = file.tensor("token_embd.weight").unwrap().dims[1] as usize;
+        let scale = match file.get_str(&format!("{arch}.rope.scaling.type")) {
+            Some("linear") => {
+                1.0 / f64::from(
+                    file.get_f32(&format!("{arch}.rope.scaling.factor"))
+                        .unwrap(),
+                )
+            }
+            _ => 1.0,
+        };
+        Reference {
+            embd,
+            layers: u("block_count").unwrap(),
+            heads,
+            kv_heads: u("attention.head_count_kv").unwrap_or(heads),
+            head_dim,
+            ff: u("feed_forward_length").unwrap(),
+            vocab,
+            eps: f64::from(
+                file.get_f32(&format!("{arch}.attention.layer_norm_rms_epsilon"))
+                    .unwrap(),
+            ),
+            rope_base: file
+                .get_f32(&format!("{arch}.rope.freq_base"))
+                .map_or(10000.0, f64::from),
+            rope_scale: scale,
+            n_rot: u("rope.dimension_count").unwrap_or(head_dim),
+            neox: arch == "qwen2",
+            w,
+        }
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    fn t(&self, name: &str) -> &[f64] {
+        &self.w[name]
+    }
+
+    /// `W x` for W of `rows` rows of `x.len()` columns.
+    fn mat(&self, name: &str, x: &[f64]) -> Vec<f64> {
+        let w = self.t(name);
+        let cols = x.len();
+        (0..w.len() / cols)
+            .map(|r| {
+                w[r * cols..(r + 1) * cols]
+                    .iter()
+                    .zip(x)
+                    .map(|(a, b)| a * b)
+                    .sum()
+            })
+            .collect()
+    }
+
+    fn norm(&self, name: &str, x: &[f64]) -> Vec<f64> {
+        let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+        let k = 1.0 / (ms + self.eps).sqrt();
+        x.iter().zip(self.t(name)).map(|(v, g)| v * k * g).collect()
+    }
+
+    fn rope(&self, x: &mut [f64], n_heads: usize, pos: usize) {
+        let factors = self.w.get("rope_freqs.weight");
+        for h in 0..n_heads {
+            let head = &mut x[h * self.head_dim..(h + 1) * self.head_dim];
+            for i in 0..self.n_rot / 2 {
+                let mut theta = pos as f64
+                    * self.rope_scale
+                    * self.rope_base.powf(-((2 * i) as f64) / self.n_rot as f64);
+                if let Some(f) = factors {
+                    theta /= f[i];
+                }
+                let (a, b) = if self.neox {
+                    (i, i + self.n_rot / 2)
+                } else {
+                    (2 * i, 2 * i + 1)
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * theta.cos() - x1 * theta.sin();
+                head[b] = x0 * theta.sin() + x1 * theta.cos();
+            }
+        }
+    }
+
+    /// Logits `[tokens.len()][vocab]`.
+    pub fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {
+        let (e, hd) = (self.embd, self.head_dim);
+        let table = self.t("token_embd.weight");
+        let mut xs: Vec<Vec<f64>> = tokens
+            .iter()
+            .map(|&id| table[id as usize * e..(id as usize + 1) * e].to_vec())
+            .collect();
+        let bias = |name: String, v: &mut Vec<f64>| {
+            if let Some(b) = self.w.get(&name) {
+                v.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+            }
+        };
+        for l in 0..self.layers {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            let mut qs = Vec::new();
+            let mut ks = Vec::new();
+            let mut vs = Vec::new();
+            for (pos, x) in xs.iter().enumerate() {
+                let h = self.norm(&n("attn_norm.weight"), x);
+                let mut q = self.mat(&n("attn_q.weight"), &h);
+                let mut k = self.mat(&n("attn_k.weight"), &h);
+                let mut v = self.mat(&n("attn_v.weight"), &h);
+                bias(n("attn_q.bias"), &mut q);
+                bias(n("attn_k.bias"), &mut k);
+                bias(n("attn_v.bias"), &mut v);
+                self.rope(&mut q, self.heads, pos);
+                self.rope(&mut k, self.kv_heads, pos);
+                qs.push(q);
+                ks.push(k.into_iter().map(round_f16).collect::<Vec<_>>());
+                vs.push(v.into_iter().map(round_f16).collect::<Vec<_>>());
+            }
+            let group = self.heads / self.kv_heads;
+            for (pos, x) in xs.iter_mut().enumerate() {
+                let mut att = vec![0.0; self.heads * hd];
+                for h in 0..self.heads {
+                    let kh = h / group;
+                    let q = &qs[pos][h * hd..(h + 1) * hd];
+                    let scores: Vec<f64> = (0..=pos)
+                        .map(|j| {
+                            let k = &ks[j][kh * hd..(kh + 1) * hd];
+                            q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let z: f64 = exps.iter().sum();
+                    for (j, p) in exps.iter().enumerate() {
+                        let v = &vs[j][kh * hd..(kh + 1) * hd];
+                        for d in 0..hd {
+                            att[h * hd + d] += p / z * v[d];
+                        }
+                    }
+                }
+                let o = self.mat(&n("attn_output.weight"), &att);
+                x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+                let h = self.norm(&n("ffn_norm.weight"), x);
+                let g = self.mat(&n("ffn_gate.weight"), &h);
+                let u = self.mat(&n("ffn_up.weight"), &h);
+                assert_eq!(g.len(), self.ff);
+                let act: Vec<f64> = g
+                    .iter()
+                    .zip(&u)
+                    .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                    .collect();
+                let d = self.mat(&n("ffn_down.weight"), &act);
+                x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+            }
+        }
+        let head = if self.w.contains_key("output.weight") {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
+        xs.iter()
+            .map(|x| self.mat(head, &self.norm("output_norm.weight", x)))
+            .collect()
+    }
+
+    /// Greedy continuation of `prompt` by `n` tokens, recomputing everything each step.
+    pub fn greedy(&self, prompt: &[u32], n: usize) -> Vec<u32> {
+        let mut toks = prompt.to_vec();
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let logits = self.logits(&toks);
+            let last = logits.last().unwrap();
+            let best = (0..last.len()).fold(0, |b, i| if last[i] > last[b] { i } else { b }) as u32;
+            out.push(best);
+            toks.push(best);
+        }
+        out
+    }
+}
+
+/// ‖a − b‖ / ‖b‖.
+pub fn relative_error(a: &[f32], b: &[f64]) -> f64 {
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - y).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}

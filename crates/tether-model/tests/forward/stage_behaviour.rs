@@ -1,0 +1,283 @@
+//! Splitting, KV truncation, sequence interleaving, memory accounting and bad input.
+
+use tether_compute::CpuBackend;
+use tether_gguf::GgmlType;
+use tether_model::{
+    BatchToken, ModelConfig, ModelError, Stage, SynthShape, load_stage_from_file, plan_stage,
+};
+use tether_model::{Generator, Sampler, SamplingParams, StopReason};
+
+use crate::support::{TempModel, backend, spec, synth, whole};
+
+fn batch(seq: u32, positions: std::ops::Range<u32>) -> Vec<BatchToken> {
+    positions.map(|pos| BatchToken { seq, pos }).collect()
+}
+
+fn run(stage: &mut Stage<CpuBackend>, ids: &[u32], toks: &[BatchToken]) -> Vec<f32> {
+    let cfg = stage.config().clone();
+    let mut h = vec![0.0; ids.len() * cfg.n_embd];
+    stage.embed(ids, &mut h).unwrap();
+    stage.forward(toks, &mut h).unwrap();
+    let mut out = vec![0.0; ids.len() * cfg.n_vocab];
+    stage.logits(&h, ids.len(), &mut out).unwrap();
+    out
+}
+
+fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn model() -> TempModel {
+    synth(SynthShape::Tiny, GgmlType::Q4K, 5)
+}
+
+const IDS: [u32; 10] = [1, 300, 17, 260, 45, 299, 3, 270, 288, 100];
+
+#[test]
+fn two_half_stages_equal_one_stage() {
+    let m = model();
+    let mut one = whole(&m.file, 1, 4);
+    let want = run(&mut one, &IDS, &batch(0, 0..10));
+    let mut a = load_stage_from_file(backend(), &m.file, spec(0, 1, true, false, 1, 4)).unwrap();
+    let mut b = load_stage_from_file(backend(), &m.file, spec(1, 2, false, true, 1, 4)).unwrap();
+    let cfg = a.config().clone();
+    let mut h = vec![0.0; IDS.len() * cfg.n_embd];
+    a.embed(&IDS, &mut h).unwrap();
+    a.forward(&batch(0, 0..10), &mut h).unwrap();
+    b.forward(&batch(0, 0..10), &mut h).unwrap();
+    let mut got = vec![0.0; IDS.len() * cfg.n_vocab];
+    b.logits(&h, IDS.len(), &mut got).unwrap();
+    assert!(max_rel_diff(&got, &want) < 1e-6);
+}
+
+#[test]
+fn truncate_then_reforward_reproduces_logits() {
+    let m = model();
+    let mut stage = whole(&m.file, 1, 16);
+    let v = stage.config().n_vocab;
+    let want = run(&mut stage, &IDS, &batch(0, 0..10));
+    stage.kv_truncate(0, 6).unwrap();
+    assert_eq!(stage.seq_len(0).unwrap(), 6);
+    let got = run(&mut stage, &IDS[6..], &batch(0, 6..10));
+    assert!(max_rel_diff(&got, &want[6 * v..]) < 1e-4);
+    stage.kv_clear(0).unwrap();
+    let again = run(&mut stage, &IDS, &batch(0, 0..10));
+    assert!(max_rel_diff(&again, &want) < 1e-6);
+}
+
+#[test]
+fn interleaved_sequences_equal_separate_runs() {
+    let m = model();
+    let mut stage = whole(&m.file, 3, 4);
+    let v = stage.config().n_vocab;
+    let a = run(&mut stage, &IDS[..5], &batch(2, 0..5));
+    let b = run(&mut stage, &IDS[5..], &batch(0, 0..5));
+    stage.kv_clear(0).unwrap();
+    stage.kv_clear(2).unwrap();
+    let mut ids = Vec::new();
+    let mut toks = Vec::new();
+    for i in 0..5u32 {
+        ids.extend([IDS[i as usize], IDS[5 + i as usize]]);
+        toks.extend([BatchToken { seq: 2, pos: i }, BatchToken { seq: 0, pos: i }]);
+    }
+    let mixed = run(&mut stage, &ids, &toks);
+    for i in 0..5 {
+        let row = |x: &[f32], r: usize| x[r * v..(r + 1) * v].to_vec();
+        assert!(
+            max_rel_diff(&row(&mixed, 2 * i), &row(&a, i)) < 1e-4,
+            "seq 2 pos {i}"
+        );
+        assert!(
+            max_rel_diff(&row(&mixed, 2 * i + 1), &row(&b, i)) < 1e-4,
+            "seq 0 pos {i}"
+        );
+    }
+}
+
+#[test]
+fn bytes_equal_the_plan_and_serving_allocates_nothing() {
+    let m = synth(SynthShape::TinyQwen2, GgmlType::Q8_0, 6);
+    let cfg = ModelConfig::from_gguf(&m.file).unwrap();
+    for s in [
+        spec(0, 2, true, true, 2, 8),
+        spec(0, 1, true, false, 1, 3),
+        spec(1, 2, false, true, 4, 1),
+        spec(0, 0, true, true, 1, 2),
+    ] {
+        let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+        let plan = plan_stage(&cfg, &s, &slots);
+        let mut stage = load_stage_from_file(backend(), &m.file, s.clone()).unwrap();
+        assert_eq!(stage.bytes(), plan.total_bytes, "{s:?}");
+        let allocs = stage.alloc_count();
+        assert!(allocs as usize >= slots.len());
+        if s.last_layer > s.first_layer {
+            let mut h = vec![0.5; 7 * cfg.n_embd];
+            for round in 0..5 {
+                stage.kv_clear(0).unwrap();
+                stage.forward(&batch(0, 0..7), &mut h).unwrap();
+                stage
+                    .forward(&batch(0, 7..8), &mut h[..cfg.n_embd])
+                    .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            }
+        }
+        assert_eq!(stage.alloc_count(), allocs);
+        assert_eq!(stage.bytes(), plan.total_bytes);
+    }
+    let kv = 2 * 2 * (2 * 64) * cfg.kv_dim() as u64 * 2;
+    let s = spec(0, 2, true, true, 2, 8);
+    let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+    assert_eq!(plan_stage(&cfg, &s, &slots).kv_bytes, kv);
+}
+
+#[test]
+fn bad_batches_are_refused_and_change_nothing() {
+    let m = model();
+    let mut stage = whole(&m.file, 2, 4);
+    let e = stage.config().n_embd;
+    let mut h = vec![0.1; 3 * e];
+    stage.forward(&batch(1, 0..3), &mut h).unwrap();
+    for bad in [
+        batch(1, 4..5),
+        batch(2, 0..1),
+        batch(0, 64..65),
+        vec![BatchToken { seq: 0, pos: 1 }],
+    ] {
+        let mut h = vec![0.1; e];
+        let err = stage.forward(&bad, &mut h).unwrap_err();
+        assert!(
+            matches!(err, ModelError::InvalidArgument(_)),
+            "{bad:?}: {err}"
+        );
+        assert_eq!(h, vec![0.1; e], "hidden untouched");
+    }
+    assert_eq!(stage.seq_len(1).unwrap(), 3);
+    assert_eq!(stage.seq_len(0).unwrap(), 0);
+    let mut h = vec![0.0; e];
+    assert!(
+        stage.embed(&[320], &mut h).is_err(),
+        "id past the vocabulary"
+    );
+    assert!(
+        stage.forward(&batch(0, 0..2), &mut h).is_err(),
+        "hidden of the wrong size"
+    );
+}
+
+#[test]
+fn loading_checks_bounds_and_completeness() {
+    let m = model();
+    let cfg = ModelConfig::from_gguf(&m.file).unwrap();
+    let s = spec(0, 1, true, false, 1, 2);
+    let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+    let mut stage = Stage::new(backend(), cfg, s, &slots).unwrap();
+    let first = &slots[0];
+    assert!(
+        stage
+            .load_tensor(&first.name, first.bytes - 1, &[0, 0])
+            .is_err()
+    );
+    assert!(
+        stage.load_tensor("blk.1.attn_q.weight", 0, &[0]).is_err(),
+        "not in this stage"
+    );
+    for slot in &slots {
+        let t = m.file.tensor(&slot.name).unwrap();
+        let data = m.file.tensor_data(t);
+        if slot.name == "blk.0.ffn_up.weight" {
+            stage
+                .load_tensor(&slot.name, 0, &data[..data.len() / 2])
+                .unwrap();
+            continue;
+        }
+        let mid = data.len() / 3;
+        stage
+            .load_tensor(&slot.name, mid as u64, &data[mid..])
+            .unwrap();
+        stage.load_tensor(&slot.name, 0, &data[..mid]).unwrap();
+    }
+    let err = stage.finish_load().unwrap_err().to_string();
+    assert!(err.contains("blk.0.ffn_up.weight"), "{err}");
+    let mut h = vec![0.0; cfg_embd(&stage)];
+    assert!(
+        stage.embed(&[1], &mut h).is_err(),
+        "not ready before a complete load"
+    );
+}
+
+fn cfg_embd(stage: &Stage<CpuBackend>) -> usize {
+    stage.config().n_embd
+}
+
+#[test]
+fn config_errors_name_the_problem() {
+    let m = model();
+    let cfg = ModelConfig::from_gguf(&m.file).unwrap();
+    let mut tensors = m.file.tensors().to_vec();
+    let t = tensors
+        .iter_mut()
+        .find(|t| t.name == "blk.1.attn_k.weight")
+        .unwrap();
+    t.dims = vec![256, 64];
+    let err = Stage::<CpuBackend>::required_tensors(&cfg, &spec(0, 2, true, true, 1, 1), &tensors)
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("blk.1.attn_k.weight")
+            && msg.contains("[256, 128]")
+            && msg.contains("[256, 64]"),
+        "{msg}"
+    );
+    tensors.retain(|t| t.name != "blk.0.ffn_gate.weight");
+    let err =
+        Stage::<CpuBackend>::required_tensors(&cfg, &spec(0, 1, false, false, 1, 1), &tensors)
+            .unwrap_err();
+    assert!(err.to_string().contains("blk.0.ffn_gate.weight"));
+    assert!(
+        Stage::<CpuBackend>::required_tensors(&cfg, &spec(1, 3, false, false, 1, 1), &tensors)
+            .is_err()
+    );
+}
+
+#[test]
+fn generation_stops_at_end_of_generation_and_on_request() {
+    let m = model();
+    let mut g = Generator::new(whole(&m.file, 1, 4)).unwrap();
+    let mut greedy = Sampler::new(SamplingParams::greedy());
+    let (free, why) = g
+        .generate(&[1, 300], 6, &mut greedy, &[], |_| true)
+        .unwrap();
+    assert_eq!((free.len(), why), (6, StopReason::Limit));
+    let (out, why) = g
+        .generate(&[1, 300], 6, &mut greedy, &[free[2]], |_| true)
+        .unwrap();
+    assert_eq!(why, StopReason::EndOfGeneration);
+    assert_eq!(
+        out,
+        free[..free.iter().position(|&t| t == free[2]).unwrap()].to_vec()
+    );
+    let mut seen = 0;
+    let (out, why) = g
+        .generate(&[1, 300], 6, &mut greedy, &[], |_| {
+            seen += 1;
+            seen < 3
+        })
+        .unwrap();
+    assert_eq!((out.len(), why), (3, StopReason::Callback));
+    assert!(g.eval_logits(&[]).is_err());
+}
+
+#[test]
+fn generation_fills_the_context_and_stops() {
+    let m = model();
+    let cfg = ModelConfig::from_gguf(&m.file).unwrap();
+    let mut s = spec(0, cfg.n_layer, true, true, 1, 4);
+    s.ctx_per_seq = 8;
+    let mut g = Generator::new(load_stage_from_file(backend(), &m.file, s).unwrap()).unwrap();
+    let mut greedy = Sampler::new(SamplingParams::greedy());
+    let (out, why) = g
+        .generate(&[1, 300, 17], 100, &mut greedy, &[], |_| true)
+        .unwrap();
+    // 3 prompt positions + 5 generated fill 8 cells; the 6th comes from the last cell's logits.
+    assert_eq!((out.len(), why), (6, StopReason::ContextFull));
+}

@@ -1,0 +1,59 @@
+//! Helpers shared by the forward tests.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tether_compute::CpuBackend;
+use tether_gguf::{GgmlType, GgufFile};
+use tether_model::{Stage, StageSpec, SynthShape, load_stage_from_file, synthesize};
+
+pub fn backend() -> Arc<CpuBackend> {
+    Arc::new(CpuBackend::new(Some(2)).unwrap())
+}
+
+/// A synthesized model in a temporary file, removed on drop.
+pub struct TempModel {
+    pub path: PathBuf,
+    pub file: GgufFile,
+}
+
+impl Drop for TempModel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+pub fn synth(shape: SynthShape, ty: GgmlType, seed: u64) -> TempModel {
+    let path = std::env::temp_dir().join(format!(
+        "tether-model-test-{}-{}-{ty}-{seed}.gguf",
+        std::process::id(),
+        shape.name()
+    ));
+    synthesize(&path, shape, ty, seed).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    TempModel { path, file }
+}
+
+pub fn spec(
+    first: usize,
+    last: usize,
+    embed: bool,
+    head: bool,
+    n_seq: usize,
+    ubatch: usize,
+) -> StageSpec {
+    StageSpec {
+        first_layer: first,
+        last_layer: last,
+        has_embed: embed,
+        has_head: head,
+        ctx_per_seq: 64,
+        n_seq,
+        ubatch,
+    }
+}
+
+pub fn whole(file: &GgufFile, n_seq: usize, ubatch: usize) -> Stage<CpuBackend> {
+    let n = tether_model::ModelConfig::from_gguf(file).unwrap().n_layer;
+    load_stage_from_file(backend(), file, spec(0, n, true, true, n_seq, ubatch)).unwrap()
+}

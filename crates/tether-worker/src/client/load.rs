@@ -1,0 +1,250 @@
+//! Loading and serving through a worker: Prepare (streamed, checksummed), Commit, Abort,
+//! Forward and KV operations.
+
+use super::{ClientError, WorkerClient};
+use crate::ids::{SessionId, TxnId};
+use crate::participant::{AbortCause, Outcome};
+use crate::service::convert::{f32s_from_le, f32s_to_le, spec_to_proto};
+use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, TokenPos};
+use std::sync::Arc;
+use std::time::Duration;
+use tether_proto::v1 as pb;
+
+/// Where a client reads tensor bytes from (an mmap of the GGUF file, or memory).
+pub trait TensorSource: Send + Sync + 'static {
+    /// The bytes of tensor `name`, or `None` when the source lacks it.
+    fn tensor_bytes(&self, name: &str) -> Option<&[u8]>;
+}
+
+/// A layer block to load.
+#[derive(Clone, Debug)]
+pub struct LoadRequest {
+    /// The transaction id, the same on every worker of one load.
+    pub txn: TxnId,
+    /// The model file's bytes before its tensor data.
+    pub gguf_header: Vec<u8>,
+    /// Length of the whole model file.
+    pub gguf_file_bytes: u64,
+    /// The block.
+    pub spec: BlockSpec,
+    /// Names of the tensors the block needs, in the order to send them.
+    pub tensors: Vec<String>,
+    /// How long the worker waits for Commit/Abort; `None` = its default.
+    pub decision_timeout: Option<Duration>,
+    /// Bytes per chunk message.
+    pub chunk_bytes: usize,
+}
+
+/// Default chunk size: large enough to stream fast, far below the message limit.
+pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
+
+struct Chunks {
+    source: Arc<dyn TensorSource>,
+    names: Vec<String>,
+    tensor: usize,
+    offset: usize,
+    chunk: usize,
+}
+
+impl Iterator for Chunks {
+    type Item = pb::PrepareRequest;
+
+    fn next(&mut self) -> Option<pb::PrepareRequest> {
+        loop {
+            let name = self.names.get(self.tensor)?;
+            let data = self.source.tensor_bytes(name).unwrap_or(&[]);
+            if self.offset >= data.len() {
+                self.tensor += 1;
+                self.offset = 0;
+                continue;
+            }
+            let end = (self.offset + self.chunk).min(data.len());
+            let chunk = pb::TensorChunk {
+                name: name.clone(),
+                offset: self.offset as u64,
+                data: data[self.offset..end].to_vec(),
+            };
+            self.offset = end;
+            return Some(pb::PrepareRequest {
+                kind: Some(pb::prepare_request::Kind::Chunk(chunk)),
+            });
+        }
+    }
+}
+
+impl WorkerClient {
+    /// Phase one: uploads the block's tensors with their sizes and CRC-32s; returns the bytes
+    /// the worker reserved. A refusal (e.g. not enough memory) is an error of kind
+    /// `ResourceExhausted` and leaves nothing staged.
+    pub async fn prepare(
+        &self,
+        session: SessionId,
+        load: LoadRequest,
+        source: Arc<dyn TensorSource>,
+    ) -> Result<u64, ClientError> {
+        let mut digests = Vec::with_capacity(load.tensors.len());
+        for name in &load.tensors {
+            let data = source.tensor_bytes(name).ok_or_else(|| {
+                ClientError::protocol(
+                    "prepare",
+                    &self.addr,
+                    format!("the tensor source has no tensor {name:?}"),
+                )
+            })?;
+            digests.push(pb::TensorDigest {
+                name: name.clone(),
+                bytes: data.len() as u64,
+                crc32: crc32fast::hash(data),
+            });
+        }
+        let begin = pb::PrepareBegin {
+            session_id: session.to_string(),
+            txn_id: load.txn.to_string(),
+            gguf_header: load.gguf_header,
+            gguf_file_bytes: load.gguf_file_bytes,
+            stage: Some(spec_to_proto(&load.spec)),
+            tensors: digests,
+            decision_timeout_ms: load
+                .decision_timeout
+                .map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX)),
+        };
+        let chunks = Chunks {
+            source,
+            names: load.tensors,
+            tensor: 0,
+            offset: 0,
+            chunk: load.chunk_bytes.max(1),
+        };
+        let messages = std::iter::once(pb::PrepareRequest {
+            kind: Some(pb::prepare_request::Kind::Begin(begin)),
+        })
+        .chain(chunks)
+        .chain(std::iter::once(pb::PrepareRequest {
+            kind: Some(pb::prepare_request::Kind::End(pb::PrepareEnd {})),
+        }));
+        let reply = self
+            .rpc
+            .clone()
+            .prepare(futures::stream::iter(messages))
+            .await
+            .map_err(|s| ClientError::rpc("prepare", &self.addr, &s))?;
+        Ok(reply.into_inner().reserved_bytes)
+    }
+
+    async fn decide(
+        &self,
+        op: &'static str,
+        session: SessionId,
+        txn: TxnId,
+    ) -> Result<Outcome, ClientError> {
+        let d = pb::Decision {
+            session_id: session.to_string(),
+            txn_id: txn.to_string(),
+        };
+        let mut rpc = self.rpc.clone();
+        let reply = if op == "commit" {
+            rpc.commit(d).await
+        } else {
+            rpc.abort(d).await
+        };
+        let reply = reply
+            .map_err(|s| ClientError::rpc(op, &self.addr, &s))?
+            .into_inner();
+        match pb::TxnState::try_from(reply.state) {
+            Ok(pb::TxnState::Committed) => Ok(Outcome::Committed),
+            Ok(pb::TxnState::Aborted) => Ok(Outcome::Aborted(AbortCause::Requested)),
+            _ => Err(ClientError::protocol(
+                op,
+                &self.addr,
+                format!("unknown transaction state {}", reply.state),
+            )),
+        }
+    }
+
+    /// Phase two: serve the prepared block. Idempotent.
+    pub async fn commit(&self, session: SessionId, txn: TxnId) -> Result<Outcome, ClientError> {
+        self.decide("commit", session, txn).await
+    }
+
+    /// Phase two: free the prepared block. Idempotent.
+    pub async fn abort(&self, session: SessionId, txn: TxnId) -> Result<Outcome, ClientError> {
+        self.decide("abort", session, txn).await
+    }
+
+    /// Runs the session's block over a batch.
+    pub async fn forward(
+        &self,
+        session: SessionId,
+        tokens: &[TokenPos],
+        input: &ForwardInput,
+        logits_rows: &[u32],
+    ) -> Result<ForwardOutput, ClientError> {
+        let (hidden, token_ids) = match input {
+            ForwardInput::Hidden(h) => (f32s_to_le(h), Vec::new()),
+            ForwardInput::TokenIds(ids) => (Vec::new(), ids.clone()),
+        };
+        let req = pb::ForwardRequest {
+            session_id: session.to_string(),
+            tokens: tokens
+                .iter()
+                .map(|t| pb::BatchToken {
+                    seq: t.seq,
+                    pos: t.pos,
+                })
+                .collect(),
+            hidden,
+            token_ids,
+            logits_rows: logits_rows.to_vec(),
+        };
+        let reply = self
+            .rpc
+            .clone()
+            .forward(req)
+            .await
+            .map_err(|s| ClientError::rpc("forward", &self.addr, &s))?;
+        let reply = reply.into_inner();
+        let decode = |b: &[u8]| {
+            f32s_from_le(b, "forward reply")
+                .map_err(|e| ClientError::domain("forward", &self.addr, e))
+        };
+        if logits_rows.is_empty() {
+            Ok(ForwardOutput::Hidden(decode(&reply.hidden)?))
+        } else {
+            Ok(ForwardOutput::Logits(decode(&reply.logits)?))
+        }
+    }
+
+    /// Forgets every KV cell of `seq`.
+    pub async fn kv_clear(&self, session: SessionId, seq: u32) -> Result<(), ClientError> {
+        let req = pb::KvClearRequest {
+            session_id: session.to_string(),
+            seq,
+        };
+        self.rpc
+            .clone()
+            .kv_clear(req)
+            .await
+            .map_err(|s| ClientError::rpc("kv clear", &self.addr, &s))?;
+        Ok(())
+    }
+
+    /// Keeps the first `length` positions of `seq`.
+    pub async fn kv_truncate(
+        &self,
+        session: SessionId,
+        seq: u32,
+        length: u32,
+    ) -> Result<(), ClientError> {
+        let req = pb::KvTruncateRequest {
+            session_id: session.to_string(),
+            seq,
+            length,
+        };
+        self.rpc
+            .clone()
+            .kv_truncate(req)
+            .await
+            .map_err(|s| ClientError::rpc("kv truncate", &self.addr, &s))?;
+        Ok(())
+    }
+}

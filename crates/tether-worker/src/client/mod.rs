@@ -1,0 +1,244 @@
+//! A domain-level client of a worker, for the coordinator and `tether attach`: no tonic or
+//! prost type appears in its public API.
+
+mod admin;
+mod load;
+mod session;
+
+pub use admin::AdminClient;
+pub use load::{DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource};
+pub use session::{AttachOptions, Session};
+
+use crate::error::WorkerError;
+use std::fmt;
+use std::time::Duration;
+use tether_proto::PROTOCOL_VERSION;
+use tether_proto::v1 as pb;
+use tonic::transport::{Channel, Endpoint};
+
+/// What kind of failure a worker reported, after gRPC's status codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// NOT_FOUND: unknown session or transaction.
+    NotFound,
+    /// INVALID_ARGUMENT / OUT_OF_RANGE: a malformed request.
+    InvalidArgument,
+    /// FAILED_PRECONDITION: not allowed in the current state (or version mismatch).
+    FailedPrecondition,
+    /// RESOURCE_EXHAUSTED: not enough memory, or a message over the size limit.
+    ResourceExhausted,
+    /// UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED: the worker cannot be reached or is leaving.
+    Unavailable,
+    /// UNAUTHENTICATED: the admin token is missing or wrong.
+    Unauthenticated,
+    /// ABORTED: the transaction was aborted.
+    Aborted,
+    /// Anything else.
+    Internal,
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// A failed client call: what was being done, on which worker, and what it said.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No connection could be made.
+    #[error(
+        "cannot connect to worker {addr}: {detail}; check the address and that the worker runs"
+    )]
+    Connect {
+        /// The worker's address.
+        addr: String,
+        /// The transport's message.
+        detail: String,
+    },
+    /// The worker answered with an error.
+    #[error("{op} on worker {addr} failed ({kind}): {message}")]
+    Rpc {
+        /// The call.
+        op: &'static str,
+        /// The worker's address.
+        addr: String,
+        /// The kind of failure.
+        kind: ErrorKind,
+        /// The worker's message.
+        message: String,
+    },
+    /// The worker broke the protocol or the request was refused before sending.
+    #[error("{op} on worker {addr}: {detail}")]
+    Protocol {
+        /// The call.
+        op: &'static str,
+        /// The worker's address.
+        addr: String,
+        /// What was wrong.
+        detail: String,
+    },
+}
+
+impl ClientError {
+    /// The kind of failure, for callers that react to it.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Connect { .. } => ErrorKind::Unavailable,
+            Self::Rpc { kind, .. } => *kind,
+            Self::Protocol { .. } => ErrorKind::InvalidArgument,
+        }
+    }
+
+    pub(crate) fn rpc(op: &'static str, addr: &str, s: &tonic::Status) -> Self {
+        use tonic::Code;
+        let kind = match s.code() {
+            Code::NotFound => ErrorKind::NotFound,
+            Code::InvalidArgument | Code::OutOfRange => ErrorKind::InvalidArgument,
+            Code::FailedPrecondition => ErrorKind::FailedPrecondition,
+            Code::ResourceExhausted => ErrorKind::ResourceExhausted,
+            Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded => ErrorKind::Unavailable,
+            Code::Unauthenticated | Code::PermissionDenied => ErrorKind::Unauthenticated,
+            Code::Aborted => ErrorKind::Aborted,
+            _ => ErrorKind::Internal,
+        };
+        Self::Rpc {
+            op,
+            addr: addr.to_string(),
+            kind,
+            message: s.message().to_string(),
+        }
+    }
+
+    pub(crate) fn protocol(op: &'static str, addr: &str, detail: impl Into<String>) -> Self {
+        Self::Protocol {
+            op,
+            addr: addr.to_string(),
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn domain(op: &'static str, addr: &str, e: WorkerError) -> Self {
+        Self::protocol(op, addr, e.to_string())
+    }
+}
+
+/// Connection settings.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// How long connecting may take.
+    pub connect_timeout: Duration,
+    /// HTTP/2 ping interval, so a dead worker is noticed even when idle.
+    pub keepalive_interval: Duration,
+    /// How long a ping may go unanswered.
+    pub keepalive_timeout: Duration,
+    /// Largest message sent or received.
+    pub max_message_bytes: usize,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            keepalive_interval: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(5),
+            max_message_bytes: crate::server::DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+}
+
+/// What a worker said in Hello.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerInfo {
+    /// Its build.
+    pub worker_version: String,
+    /// Its device.
+    pub device: String,
+    /// Bytes a session may still reserve.
+    pub free_bytes: u64,
+    /// Largest message it accepts.
+    pub max_message_bytes: u64,
+}
+
+pub(crate) fn endpoint_uri(addr: &str) -> String {
+    if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    }
+}
+
+pub(crate) async fn connect_channel(
+    addr: &str,
+    options: &ClientOptions,
+) -> Result<Channel, ClientError> {
+    let connect_err = |detail: String| ClientError::Connect {
+        addr: addr.to_string(),
+        detail,
+    };
+    let endpoint =
+        Endpoint::from_shared(endpoint_uri(addr)).map_err(|e| connect_err(e.to_string()))?;
+    endpoint
+        .connect_timeout(options.connect_timeout)
+        .http2_keep_alive_interval(options.keepalive_interval)
+        .keep_alive_timeout(options.keepalive_timeout)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .map_err(|e| {
+            connect_err(format!(
+                "{e} ({})",
+                std::error::Error::source(&e).map_or(String::new(), |s| s.to_string())
+            ))
+        })
+}
+
+/// A connection to one worker's session and serving API.
+#[derive(Clone)]
+pub struct WorkerClient {
+    pub(crate) addr: String,
+    pub(crate) rpc: pb::worker_client::WorkerClient<Channel>,
+    info: WorkerInfo,
+}
+
+impl WorkerClient {
+    /// Connects to `addr` ("host:port") and checks that the worker speaks this protocol.
+    pub async fn connect(addr: &str, options: &ClientOptions) -> Result<Self, ClientError> {
+        let channel = connect_channel(addr, options).await?;
+        let mut rpc = pb::worker_client::WorkerClient::new(channel)
+            .max_decoding_message_size(options.max_message_bytes)
+            .max_encoding_message_size(options.max_message_bytes);
+        let hello = rpc
+            .hello(pb::HelloRequest {
+                protocol_version: PROTOCOL_VERSION,
+                client_version: format!("tether {}", env!("CARGO_PKG_VERSION")),
+            })
+            .await
+            .map_err(|s| ClientError::rpc("hello", addr, &s))?
+            .into_inner();
+        crate::service::convert::check_version(hello.protocol_version)
+            .map_err(|e| ClientError::domain("hello", addr, e))?;
+        let info = WorkerInfo {
+            worker_version: hello.worker_version,
+            device: hello.device,
+            free_bytes: hello.free_bytes,
+            max_message_bytes: hello.max_message_bytes,
+        };
+        Ok(Self {
+            addr: addr.to_string(),
+            rpc,
+            info,
+        })
+    }
+
+    /// The worker's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// What the worker said when connecting.
+    pub fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+}

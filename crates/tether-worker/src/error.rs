@@ -1,0 +1,44 @@
+//! Errors of the worker's domain, each with the gRPC meaning it maps to at the edge.
+
+/// What went wrong in a worker operation. The variant decides the gRPC status code; the
+/// message says what was being done, with what, and what to do.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum WorkerError {
+    /// A session, transaction or tensor the request names does not exist (NOT_FOUND).
+    #[error("{0}")]
+    NotFound(String),
+    /// The request is malformed: bad sizes, positions, ids (INVALID_ARGUMENT).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The request is valid but the state does not allow it now (FAILED_PRECONDITION).
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// Admission refused: not enough memory (RESOURCE_EXHAUSTED).
+    #[error(
+        "{what}: asked {asked} bytes, {free} bytes free (limit {limit} bytes, {held} held by sessions); free memory by ending sessions, or lower the context/batch size"
+    )]
+    ResourceExhausted {
+        /// What was being reserved.
+        what: String,
+        /// Bytes asked for.
+        asked: u64,
+        /// Bytes that could still be reserved.
+        free: u64,
+        /// The admission limit.
+        limit: u64,
+        /// Bytes held by all sessions at the time.
+        held: u64,
+    },
+    /// The worker is draining or shutting down (UNAVAILABLE).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The transaction was aborted (ABORTED).
+    #[error("{0}")]
+    Aborted(String),
+    /// A bug or device failure on the worker (INTERNAL).
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// Result type of worker operations.
+pub type Result<T> = std::result::Result<T, WorkerError>;

@@ -1,0 +1,138 @@
+//! Admission and byte accounting: every byte a session holds is a [`Reservation`] taken from
+//! the worker's [`MemoryLedger`]; dropping the reservation gives the bytes back.
+
+use crate::error::WorkerError;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The worker's memory budget (`--max-memory`) and the bytes reserved against it.
+#[derive(Debug)]
+pub struct MemoryLedger {
+    limit: u64,
+    reserved: AtomicU64,
+}
+
+impl MemoryLedger {
+    /// A ledger admitting at most `limit` bytes at once.
+    pub fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            reserved: AtomicU64::new(0),
+        }
+    }
+
+    /// The admission limit in bytes.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Bytes reserved by all sessions now.
+    pub fn reserved(&self) -> u64 {
+        self.reserved.load(Ordering::Acquire)
+    }
+
+    /// Bytes that can still be reserved.
+    pub fn available(&self) -> u64 {
+        self.limit.saturating_sub(self.reserved())
+    }
+
+    /// Reserves `bytes` for `what`, counted both here and in the session's own counter, or
+    /// refuses with `ResourceExhausted` saying what was asked and what is free.
+    pub fn reserve(
+        self: &Arc<Self>,
+        session_bytes: &Arc<AtomicU64>,
+        bytes: u64,
+        what: &str,
+    ) -> Result<Reservation, WorkerError> {
+        let limit = self.limit;
+        self.reserved
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .map_err(|held| WorkerError::ResourceExhausted {
+                what: what.to_string(),
+                asked: bytes,
+                free: limit.saturating_sub(held),
+                limit,
+                held,
+            })?;
+        session_bytes.fetch_add(bytes, Ordering::AcqRel);
+        Ok(Reservation {
+            ledger: Arc::clone(self),
+            session_bytes: Arc::clone(session_bytes),
+            bytes,
+        })
+    }
+}
+
+/// Bytes reserved for one session. Dropping it returns them to the ledger and the session.
+#[derive(Debug)]
+pub struct Reservation {
+    ledger: Arc<MemoryLedger>,
+    session_bytes: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Reservation {
+    /// Bytes this reservation holds.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.ledger.reserved.fetch_sub(self.bytes, Ordering::AcqRel);
+        self.session_bytes.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_count_until_dropped() {
+        let ledger = Arc::new(MemoryLedger::new(1000));
+        let session = Arc::new(AtomicU64::new(0));
+        let a = ledger.reserve(&session, 600, "weights").unwrap();
+        assert_eq!(
+            (ledger.reserved(), session.load(Ordering::Acquire)),
+            (600, 600)
+        );
+        let err = ledger.reserve(&session, 500, "kv cache").unwrap_err();
+        match err {
+            WorkerError::ResourceExhausted {
+                asked,
+                free,
+                limit,
+                held,
+                ..
+            } => {
+                assert_eq!((asked, free, limit, held), (500, 400, 1000, 600));
+            }
+            other => panic!("expected ResourceExhausted, got {other:?}"),
+        }
+        assert_eq!(
+            ledger.reserved(),
+            600,
+            "a refused reservation takes nothing"
+        );
+        drop(a);
+        assert_eq!((ledger.reserved(), session.load(Ordering::Acquire)), (0, 0));
+    }
+
+    #[test]
+    fn refusal_message_says_asked_and_free() {
+        let ledger = Arc::new(MemoryLedger::new(10));
+        let session = Arc::new(AtomicU64::new(0));
+        let msg = ledger
+            .reserve(&session, 11, "stage")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("asked 11 bytes") && msg.contains("10 bytes free"),
+            "{msg}"
+        );
+    }
+}

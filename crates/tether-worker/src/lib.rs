@@ -1,0 +1,40 @@
+//! The worker side of tether: a session registry where every byte belongs to exactly one
+//! session, leases and the reaper, the two-phase-commit participant that loads layer blocks,
+//! forward passes, the gRPC services (the only place tonic types appear) and a domain-level
+//! client for coordinators and `tether attach`.
+
+pub mod client;
+pub mod error;
+pub mod ids;
+pub mod ledger;
+pub mod load;
+pub mod model_stage;
+pub mod participant;
+pub mod reaper;
+pub mod registry;
+pub mod serve;
+pub mod server;
+pub mod service;
+pub mod session;
+pub mod stage;
+pub mod staging;
+pub mod status;
+
+#[cfg(test)]
+mod model_stage_tests;
+#[cfg(test)]
+mod registry_tests;
+#[cfg(test)]
+mod service_tests;
+#[cfg(test)]
+pub(crate) mod testing;
+
+pub use error::{Result, WorkerError};
+pub use ids::{SessionId, TxnId};
+pub use load::{PrepareBegin, PrepareUpload};
+pub use registry::{RegistryConfig, SessionRegistry};
+pub use serve::ForwardCall;
+pub use session::{EndReason, Lease, SessionEnd};
+pub use stage::{BlockSpec, ForwardInput, ForwardOutput, StageFactory, TokenPos};
+pub use staging::TensorDigest;
+pub use status::{CounterValues, SessionSummary, WorkerStatus};

@@ -1,0 +1,238 @@
+//! Loading a layer block into a session by two-phase commit: Prepare (plan, admit, build,
+//! receive and verify every tensor), then Commit (serve) or Abort (free).
+
+use crate::error::{Result, WorkerError};
+use crate::ids::{SessionId, TxnId};
+use crate::participant::Outcome;
+use crate::registry::{SessionRegistry, unknown_session};
+use crate::session::{OwnedStage, SessionState};
+use crate::stage::BlockSpec;
+use crate::staging::{Staging, TensorDigest};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// The opening message of a Prepare.
+#[derive(Clone, Debug)]
+pub struct PrepareBegin {
+    /// The session loading the block.
+    pub session: SessionId,
+    /// The transaction, chosen by the coordinator.
+    pub txn: TxnId,
+    /// The model file's bytes before its tensor data.
+    pub gguf_header: Vec<u8>,
+    /// Length of the whole model file.
+    pub gguf_file_bytes: u64,
+    /// The block.
+    pub spec: BlockSpec,
+    /// Every tensor the client will send.
+    pub tensors: Vec<TensorDigest>,
+    /// How long the prepared state waits for a decision; `None` = the worker's default.
+    pub decision_timeout: Option<Duration>,
+}
+
+/// A Prepare whose block is built and reserved, receiving tensor bytes. Dropping it before
+/// [`PrepareUpload::finish`] aborts the transaction and frees the block.
+pub struct PrepareUpload {
+    registry: Arc<SessionRegistry>,
+    session: SessionId,
+    txn: TxnId,
+    staging: Staging,
+    staged: Option<OwnedStage>,
+    cancel: CancellationToken,
+    decision_timeout: Duration,
+}
+
+/// Marks the transaction failed if Prepare stops before handing over to [`PrepareUpload`].
+struct FailGuard<'a> {
+    registry: &'a SessionRegistry,
+    session: SessionId,
+    txn: TxnId,
+    armed: bool,
+}
+
+impl Drop for FailGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.registry.fail_prepare(self.session, self.txn);
+        }
+    }
+}
+
+impl SessionRegistry {
+    /// Phase one, first half: plans the block from the header, admits it against the memory
+    /// limit (RESOURCE_EXHAUSTED otherwise), and builds it. Tensor bytes follow through the
+    /// returned upload.
+    pub async fn begin_prepare(self: &Arc<Self>, begin: PrepareBegin) -> Result<PrepareUpload> {
+        let PrepareBegin {
+            session,
+            txn,
+            gguf_header,
+            gguf_file_bytes,
+            spec,
+            tensors,
+            decision_timeout,
+        } = begin;
+        let (session_bytes, cancel): (Arc<AtomicU64>, CancellationToken) = {
+            let mut inner = self.lock();
+            let s = inner
+                .sessions
+                .get_mut(&session)
+                .ok_or_else(|| unknown_session(session))?;
+            if let SessionState::Serving { spec: serving, .. } = &s.state {
+                return Err(WorkerError::FailedPrecondition(format!(
+                    "session {session} already serves layers {}..{}; a session serves one block, open another session for more",
+                    serving.first_layer, serving.last_layer
+                )));
+            }
+            s.participant.begin(txn)?;
+            (Arc::clone(&s.bytes), s.cancel.clone())
+        };
+        let mut guard = FailGuard {
+            registry: self,
+            session,
+            txn,
+            armed: true,
+        };
+
+        let factory = Arc::clone(&self.factory);
+        let plan = self
+            .run_blocking("planning the layer block", move || {
+                factory.plan(&gguf_header, gguf_file_bytes, &spec)
+            })
+            .await?;
+        let staging = Staging::new(plan.tensors(), &tensors)?;
+        let what = format!(
+            "prepare {txn} of session {session}: layers {}..{}",
+            spec.first_layer, spec.last_layer
+        );
+        let reservation = self
+            .ledger
+            .reserve(&session_bytes, plan.total_bytes(), &what)?;
+        let stage = self
+            .run_blocking("building the layer block", move || plan.build())
+            .await?;
+        let staged = OwnedStage { stage, reservation };
+        let timeout = decision_timeout
+            .unwrap_or(self.config.decision_timeout)
+            .min(self.config.max_decision_timeout);
+        guard.armed = false;
+        Ok(PrepareUpload {
+            registry: Arc::clone(self),
+            session,
+            txn,
+            staging,
+            staged: Some(staged),
+            cancel,
+            decision_timeout: timeout,
+        })
+    }
+
+    /// Runs blocking work on the tracked blocking pool.
+    pub(crate) async fn run_blocking<T: Send + 'static>(
+        &self,
+        what: &str,
+        work: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        self.tracker
+            .spawn_blocking(work)
+            .await
+            .map_err(|e| WorkerError::Internal(format!("{what} failed: {e}")))?
+    }
+
+    pub(crate) fn fail_prepare(&self, session: SessionId, txn: TxnId) {
+        if let Some(s) = self.lock().sessions.get_mut(&session) {
+            s.participant.fail(txn);
+        }
+        tracing::info!(session = %session, txn = %txn, "prepare failed; staged memory freed");
+    }
+
+    /// Phase two: the prepared block of `txn` serves. Idempotent.
+    pub fn commit(&self, session: SessionId, txn: TxnId) -> Result<Outcome> {
+        let mut inner = self.lock();
+        let s = inner
+            .sessions
+            .get_mut(&session)
+            .ok_or_else(|| unknown_session(session))?;
+        if let Some(staged) = s.participant.commit(txn)? {
+            let spec = staged.stage.shape().spec;
+            s.state = SessionState::Serving {
+                slot: Arc::new(std::sync::Mutex::new(staged)),
+                spec,
+            };
+            tracing::info!(session = %session, txn = %txn, bytes = s.bytes(), "committed: layers {}..{} serve", spec.first_layer, spec.last_layer);
+        }
+        Ok(Outcome::Committed)
+    }
+
+    /// Phase two: the prepared block of `txn` is freed. Idempotent.
+    pub fn abort(&self, session: SessionId, txn: TxnId) -> Result<Outcome> {
+        let mut inner = self.lock();
+        let s = inner
+            .sessions
+            .get_mut(&session)
+            .ok_or_else(|| unknown_session(session))?;
+        let outcome = s.participant.abort(txn)?;
+        tracing::info!(session = %session, txn = %txn, "aborted");
+        Ok(outcome)
+    }
+}
+
+impl PrepareUpload {
+    /// The transaction.
+    pub fn txn(&self) -> TxnId {
+        self.txn
+    }
+
+    /// Resolves when the session ends (the upload must then stop).
+    pub fn session_ended(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
+        self.cancel.clone().cancelled_owned()
+    }
+
+    /// Checks one chunk of a tensor and copies it into the block.
+    pub fn accept(&mut self, name: &str, offset: u64, data: &[u8]) -> Result<()> {
+        let staged = self
+            .staged
+            .as_mut()
+            .ok_or_else(|| WorkerError::Internal("upload already finished".into()))?;
+        self.staging
+            .accept(staged.stage.as_mut(), name, offset, data)
+    }
+
+    /// Verifies every tensor and moves the block to the prepared state. Returns the bytes
+    /// it holds.
+    pub fn finish(mut self) -> Result<u64> {
+        let mut staged = self
+            .staged
+            .take()
+            .ok_or_else(|| WorkerError::Internal("upload already finished".into()))?;
+        let staging = std::mem::replace(&mut self.staging, Staging::empty());
+        if let Err(e) = staging.finish().and_then(|()| staged.stage.finish_load()) {
+            drop(staged);
+            self.registry.fail_prepare(self.session, self.txn);
+            return Err(e);
+        }
+        let bytes = staged.reservation.bytes();
+        let deadline = Instant::now() + self.decision_timeout;
+        let mut inner = self.registry.lock();
+        let Some(s) = inner.sessions.get_mut(&self.session) else {
+            return Err(WorkerError::Aborted(format!(
+                "session {} ended during the upload of transaction {}; its memory is freed",
+                self.session, self.txn
+            )));
+        };
+        s.participant.prepared(self.txn, staged, deadline)?;
+        tracing::info!(session = %self.session, txn = %self.txn, bytes, "prepared");
+        Ok(bytes)
+    }
+}
+
+impl Drop for PrepareUpload {
+    fn drop(&mut self) {
+        if self.staged.take().is_some() {
+            self.registry.fail_prepare(self.session, self.txn);
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! The model side of a worker on a compute backend: plans and builds layer blocks with
+//! `tether_model::Stage`, which allocates all of a block's device memory when built and
+//! frees it when dropped.
+
+use crate::error::{Result, WorkerError};
+use crate::stage::{
+    BlockSpec, ForwardInput, ForwardOutput, PlannedStage, ServingStage, StageFactory, StageShape,
+    TensorNeed, TokenPos,
+};
+use std::sync::Arc;
+use tether_compute::{Backend, ComputeError};
+use tether_gguf::GgufFile;
+use tether_model::{BatchToken, ModelConfig, ModelError, Stage, StageSpec, TensorSlot, plan_stage};
+
+/// The largest model file a Prepare may describe (1 TiB): bounds the header check below.
+const MAX_FILE_BYTES: u64 = 1 << 40;
+
+/// Builds layer blocks on backend `B`.
+pub struct ModelStageFactory<B: Backend> {
+    backend: Arc<B>,
+}
+
+impl<B: Backend> ModelStageFactory<B> {
+    /// A factory building on `backend`.
+    pub fn new(backend: Arc<B>) -> Self {
+        Self { backend }
+    }
+}
+
+/// The worker error for a model error: bad input stays INVALID_ARGUMENT, a device that
+/// cannot give the memory is RESOURCE_EXHAUSTED.
+fn model_error(what: &str, e: ModelError) -> WorkerError {
+    let msg = format!("{what}: {e}");
+    match e {
+        ModelError::FailedPrecondition(_) => WorkerError::FailedPrecondition(msg),
+        ModelError::Compute {
+            source: ComputeError::OutOfMemory {
+                requested, free, ..
+            },
+            ..
+        } => WorkerError::ResourceExhausted {
+            what: msg,
+            asked: requested,
+            free,
+            limit: free,
+            held: 0,
+        },
+        ModelError::Compute { .. } | ModelError::Io { .. } => WorkerError::Internal(msg),
+        _ => WorkerError::InvalidArgument(msg),
+    }
+}
+
+/// Parses a GGUF header sent without its tensor data.
+///
+/// `GgufFile` checks that every tensor lies inside the bytes it is given, so the header is
+/// placed at the front of a zeroed buffer of the file's length. Zeroed allocations of this
+/// size are mapped lazily by the allocator, so only the header's pages become resident.
+// TODO: parse with a header-only constructor once tether-gguf offers one.
+fn parse_header(header: &[u8], file_bytes: u64) -> Result<GgufFile> {
+    if file_bytes > MAX_FILE_BYTES || (header.len() as u64) > file_bytes {
+        return Err(WorkerError::InvalidArgument(format!(
+            "prepare: a {}-byte GGUF header cannot start a {file_bytes}-byte file (limit {MAX_FILE_BYTES})",
+            header.len()
+        )));
+    }
+    let len = usize::try_from(file_bytes).map_err(|_| {
+        WorkerError::InvalidArgument(format!(
+            "prepare: a {file_bytes}-byte model does not fit this host's address space"
+        ))
+    })?;
+    let mut bytes = zeroed_bytes(len).ok_or_else(|| WorkerError::ResourceExhausted {
+        what: "prepare: address space to check the GGUF header against the file length".into(),
+        asked: file_bytes,
+        free: 0,
+        limit: 0,
+        held: 0,
+    })?;
+    bytes[..header.len()].copy_from_slice(header);
+    GgufFile::from_bytes("GGUF header from the coordinator", bytes).map_err(|e| {
+        WorkerError::InvalidArgument(format!("prepare: the GGUF header does not parse: {e}"))
+    })
+}
+
+/// A zeroed buffer of `len` bytes, or `None` when it cannot be allocated (never aborts).
+/// `alloc_zeroed` maps large sizes lazily, so untouched pages cost no memory.
+fn zeroed_bytes(len: usize) -> Option<Vec<u8>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+    // SAFETY: `layout` has a non-zero size. The pointer, when not null, comes from the global
+    // allocator with the layout of `[u8; len]`, which is what `Vec<u8>` with capacity `len`
+    // uses, and all `len` bytes are initialized (zeroed).
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout);
+        if ptr.is_null() {
+            return None;
+        }
+        Some(Vec::from_raw_parts(ptr, len, len))
+    }
+}
+
+fn to_model_spec(spec: &BlockSpec) -> StageSpec {
+    StageSpec {
+        first_layer: spec.first_layer,
+        last_layer: spec.last_layer,
+        has_embed: spec.has_embed,
+        has_head: spec.has_head,
+        ctx_per_seq: spec.ctx_per_seq,
+        n_seq: spec.n_seq,
+        ubatch: spec.ubatch,
+    }
+}
+
+impl<B: Backend> StageFactory for ModelStageFactory<B> {
+    fn device_name(&self) -> String {
+        self.backend.name()
+    }
+
+    fn memory_info(&self) -> Result<(u64, u64)> {
+        let m = self
+            .backend
+            .memory_info()
+            .map_err(|e| WorkerError::Internal(format!("reading device memory: {e}")))?;
+        Ok((m.total, m.free))
+    }
+
+    fn plan(
+        &self,
+        gguf_header: &[u8],
+        file_bytes: u64,
+        spec: &BlockSpec,
+    ) -> Result<Box<dyn PlannedStage>> {
+        let file = parse_header(gguf_header, file_bytes)?;
+        let cfg = ModelConfig::from_gguf(&file)
+            .map_err(|e| model_error("prepare: reading hyper-parameters", e))?;
+        let model_spec = to_model_spec(spec);
+        let slots = Stage::<B>::required_tensors(&cfg, &model_spec, file.tensors())
+            .map_err(|e| model_error("prepare: planning the layer block", e))?;
+        let total_bytes = plan_stage(&cfg, &model_spec, &slots).total_bytes;
+        let needs = slots
+            .iter()
+            .map(|s| TensorNeed {
+                name: s.name.clone(),
+                bytes: s.bytes,
+            })
+            .collect();
+        Ok(Box::new(PlannedModelStage {
+            backend: Arc::clone(&self.backend),
+            cfg,
+            spec: *spec,
+            slots,
+            needs,
+            total_bytes,
+        }))
+    }
+}
+
+struct PlannedModelStage<B: Backend> {
+    backend: Arc<B>,
+    cfg: ModelConfig,
+    spec: BlockSpec,
+    slots: Vec<TensorSlot>,
+    needs: Vec<TensorNeed>,
+    total_bytes: u64,
+}
+
+impl<B: Backend> PlannedStage for PlannedModelStage<B> {
+    fn tensors(&self) -> &[TensorNeed] {
+        &self.needs
+    }
+
+    fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    fn build(self: Box<Self>) -> Result<Box<dyn ServingStage>> {
+        let shape = StageShape {
+            n_embd: self.cfg.n_embd,
+            n_vocab: self.cfg.n_vocab,
+            spec: self.spec,
+        };
+        let stage = Stage::new(
+            self.backend,
+            self.cfg,
+            to_model_spec(&self.spec),
+            &self.slots,
+        )
+        .map_err(|e| model_error("prepare: allocating the layer block", e))?;
+        Ok(Box::new(ModelStage { stage, shape }))
+    }
+}
+
+struct ModelStage<B: Backend> {
+    stage: Stage<B>,
+    shape: StageShape,
+}
+
+impl<B: Backend> ServingStage for ModelStage<B> {
+    fn shape(&self) -> StageShape {
+        self.shape
+    }
+
+    fn load_tensor(&mut self, name: &str, offset: u64, data: &[u8]) -> Result<()> {
+        self.stage
+            .load_tensor(name, offset, data)
+            .map_err(|e| model_error("prepare: loading a tensor", e))
+    }
+
+    fn finish_load(&mut self) -> Result<()> {
+        self.stage
+            .finish_load()
+            .map_err(|e| model_error("prepare: finishing the load", e))
+    }
+
+    fn forward(
+        &mut self,
+        tokens: &[TokenPos],
+        input: ForwardInput,
+        logits_rows: &[u32],
+    ) -> Result<ForwardOutput> {
+        let n_embd = self.shape.n_embd;
+        let batch: Vec<BatchToken> = tokens
+            .iter()
+            .map(|t| BatchToken {
+                seq: t.seq,
+                pos: t.pos,
+            })
+            .collect();
+        let mut hidden = match input {
+            ForwardInput::Hidden(h) => h,
+            ForwardInput::TokenIds(ids) => {
+                let mut h = vec![0.0; ids.len() * n_embd];
+                self.stage
+                    .embed(&ids, &mut h)
+                    .map_err(|e| model_error("forward: embedding", e))?;
+                h
+            }
+        };
+        self.stage
+            .forward(&batch, &mut hidden)
+            .map_err(|e| model_error("forward", e))?;
+        if logits_rows.is_empty() {
+            return Ok(ForwardOutput::Hidden(hidden));
+        }
+        let mut rows = Vec::with_capacity(logits_rows.len() * n_embd);
+        for &r in logits_rows {
+            let start = r as usize * n_embd;
+            let row = hidden.get(start..start + n_embd).ok_or_else(|| {
+                WorkerError::InvalidArgument(format!(
+                    "forward: logits row {r} is outside the batch"
+                ))
+            })?;
+            rows.extend_from_slice(row);
+        }
+        let mut logits = vec![0.0; logits_rows.len() * self.shape.n_vocab];
+        self.stage
+            .logits(&rows, logits_rows.len(), &mut logits)
+            .map_err(|e| model_error("forward: output head", e))?;
+        Ok(ForwardOutput::Logits(logits))
+    }
+
+    fn kv_clear(&mut self, seq: u32) -> Result<()> {
+        self.stage
+            .kv_clear(seq)
+            .map_err(|e| model_error("kv clear", e))
+    }
+
+    fn kv_truncate(&mut self, seq: u32, length: u32) -> Result<()> {
+        self.stage
+            .kv_truncate(seq, length)
+            .map_err(|e| model_error("kv truncate", e))
+    }
+
+    fn bytes(&self) -> u64 {
+        self.stage.bytes()
+    }
+}

@@ -1,0 +1,348 @@
+//! The session registry: every live session of the worker, keyed by id. Opening, heartbeats,
+//! ending (close, disconnect, reap, kill, shutdown), drain and status live here; loading and
+//! serving are in [`crate::load`] and [`crate::serve`].
+
+use crate::error::{Result, WorkerError};
+use crate::ids::SessionId;
+use crate::ledger::MemoryLedger;
+use crate::session::{EndReason, Lease, Session, SessionEnd, SessionTicket};
+use crate::stage::StageFactory;
+use crate::status::{Counters, SessionSummary, WorkerStatus, process_rss_bytes};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Limits and defaults of a registry.
+#[derive(Clone, Debug)]
+pub struct RegistryConfig {
+    /// Lease used when the client asks for 0.
+    pub default_lease: Lease,
+    /// Shortest TTL granted.
+    pub min_ttl: Duration,
+    /// Longest TTL granted.
+    pub max_ttl: Duration,
+    /// How long a prepared transaction waits for a decision when the client names none.
+    pub decision_timeout: Duration,
+    /// Longest decision timeout granted.
+    pub max_decision_timeout: Duration,
+    /// The worker's build, for Hello and status.
+    pub worker_version: String,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            default_lease: Lease {
+                heartbeat_interval: Duration::from_secs(1),
+                ttl: Duration::from_secs(10),
+            },
+            min_ttl: Duration::from_millis(100),
+            max_ttl: Duration::from_secs(600),
+            decision_timeout: Duration::from_secs(30),
+            max_decision_timeout: Duration::from_secs(600),
+            worker_version: format!("tether {}", env!("CARGO_PKG_VERSION")),
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub sessions: HashMap<SessionId, Session>,
+    pub draining: bool,
+    pub closed: bool,
+}
+
+/// Every live session of one worker, the memory ledger they reserve from, and the factory
+/// that builds their layer blocks.
+pub struct SessionRegistry {
+    pub(crate) inner: Mutex<Inner>,
+    pub(crate) ledger: Arc<MemoryLedger>,
+    pub(crate) factory: Arc<dyn StageFactory>,
+    pub(crate) counters: Counters,
+    pub(crate) config: RegistryConfig,
+    /// Parent of every session's token; cancelled at shutdown.
+    root: CancellationToken,
+    /// Blocking work (builds, forward passes) that shutdown waits for.
+    pub(crate) tracker: TaskTracker,
+    started: Instant,
+    baseline_used: u64,
+}
+
+impl SessionRegistry {
+    /// A registry admitting `max_memory` bytes of session memory on `factory`'s device.
+    pub fn new(factory: Arc<dyn StageFactory>, max_memory: u64, config: RegistryConfig) -> Self {
+        let baseline_used = factory
+            .memory_info()
+            .map_or(0, |(total, free)| total - free.min(total));
+        Self {
+            inner: Mutex::new(Inner {
+                sessions: HashMap::new(),
+                draining: false,
+                closed: false,
+            }),
+            ledger: Arc::new(MemoryLedger::new(max_memory)),
+            factory,
+            counters: Counters::default(),
+            config,
+            root: CancellationToken::new(),
+            tracker: TaskTracker::new(),
+            started: Instant::now(),
+            baseline_used,
+        }
+    }
+
+    /// The registry's limits.
+    pub fn config(&self) -> &RegistryConfig {
+        &self.config
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> String {
+        self.factory.device_name()
+    }
+
+    /// Bytes a new reservation may still take.
+    pub fn available_bytes(&self) -> u64 {
+        self.ledger.available()
+    }
+
+    /// Tracks the worker's blocking work; shutdown waits on it.
+    pub fn tracker(&self) -> &TaskTracker {
+        &self.tracker
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves plain data behind; keep serving.
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Opens a session for `client_name` with the lease asked for (clamped to the limits).
+    pub fn open(&self, client_name: &str, asked: Lease) -> Result<SessionTicket> {
+        let lease = self.clamp_lease(asked);
+        let mut inner = self.lock();
+        if inner.closed {
+            return Err(WorkerError::Unavailable(
+                "the worker is shutting down; attach to another worker".into(),
+            ));
+        }
+        if inner.draining {
+            return Err(WorkerError::Unavailable(
+                "the worker is draining and accepts no new sessions; attach to another worker"
+                    .into(),
+            ));
+        }
+        let name: String = client_name.chars().take(256).collect();
+        let session = Session::new(name.clone(), lease, &self.root);
+        let ticket = session.ticket();
+        inner.sessions.insert(session.id, session);
+        drop(inner);
+        self.counters.opened.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            session = %ticket.id,
+            client = %name,
+            heartbeat_ms = lease.heartbeat_interval.as_millis() as u64,
+            ttl_ms = lease.ttl.as_millis() as u64,
+            "session opened"
+        );
+        Ok(ticket)
+    }
+
+    fn clamp_lease(&self, asked: Lease) -> Lease {
+        let c = &self.config;
+        let ttl = if asked.ttl.is_zero() {
+            c.default_lease.ttl
+        } else {
+            asked.ttl
+        };
+        let ttl = ttl.clamp(c.min_ttl, c.max_ttl);
+        let interval = if asked.heartbeat_interval.is_zero() {
+            c.default_lease.heartbeat_interval
+        } else {
+            asked.heartbeat_interval
+        };
+        // A heartbeat slower than the TTL would reap a healthy client.
+        let interval = interval.clamp(Duration::from_millis(10), ttl / 2);
+        Lease {
+            heartbeat_interval: interval,
+            ttl,
+        }
+    }
+
+    /// Records a client heartbeat, renewing the lease.
+    pub fn heartbeat(&self, id: SessionId) -> Result<()> {
+        let mut inner = self.lock();
+        let session = inner
+            .sessions
+            .get_mut(&id)
+            .ok_or_else(|| unknown_session(id))?;
+        session.last_heartbeat = Instant::now();
+        Ok(())
+    }
+
+    /// Ends a session: removes it, cancels its token, frees everything it owns and logs the
+    /// reason. Returns `None` when it had ended already.
+    pub fn end(&self, id: SessionId, reason: EndReason) -> Option<SessionEnd> {
+        let session = self.lock().sessions.remove(&id)?;
+        Some(self.finish(session, reason))
+    }
+
+    fn finish(&self, session: Session, reason: EndReason) -> SessionEnd {
+        let bytes_freed = session.bytes();
+        let end = SessionEnd {
+            reason,
+            bytes_freed,
+        };
+        let _ = session.end.set(end);
+        session.cancel.cancel();
+        let counter = match reason {
+            EndReason::Closed => &self.counters.closed,
+            EndReason::Disconnected => &self.counters.disconnected,
+            EndReason::Reaped => &self.counters.reaped,
+            EndReason::Killed => &self.counters.killed,
+            EndReason::Shutdown => &self.counters.shutdown,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        let (id, client) = (session.id, session.client_name.clone());
+        let lived_ms = session.opened_at.elapsed().as_millis() as u64;
+        drop(session);
+        tracing::info!(
+            session = %id,
+            client = %client,
+            reason = %reason,
+            bytes_freed,
+            lived_ms,
+            "session ended"
+        );
+        end
+    }
+
+    /// Ends a session on an operator's request.
+    pub fn kill(&self, id: SessionId) -> Result<SessionEnd> {
+        self.end(id, EndReason::Killed)
+            .ok_or_else(|| unknown_session(id))
+    }
+
+    /// Refuses new sessions from now on; returns how many are live.
+    pub fn drain(&self) -> usize {
+        let mut inner = self.lock();
+        inner.draining = true;
+        tracing::info!(
+            live = inner.sessions.len(),
+            "draining: new sessions are refused"
+        );
+        inner.sessions.len()
+    }
+
+    /// Refuses new sessions and ends every live one with reason `shutdown`.
+    pub fn shutdown(&self) -> usize {
+        let sessions: Vec<Session> = {
+            let mut inner = self.lock();
+            inner.closed = true;
+            inner.sessions.drain().map(|(_, s)| s).collect()
+        };
+        let n = sessions.len();
+        for session in sessions {
+            self.finish(session, EndReason::Shutdown);
+        }
+        self.root.cancel();
+        n
+    }
+
+    /// Ends sessions whose lease expired and aborts prepared transactions past their
+    /// decision deadline. Returns the number of sessions reaped.
+    pub fn reap_expired(&self, now: Instant) -> usize {
+        let (expired, aborted) = {
+            let mut inner = self.lock();
+            let ids: Vec<SessionId> = inner
+                .sessions
+                .values()
+                .filter(|s| s.is_expired(now))
+                .map(|s| s.id)
+                .collect();
+            let expired: Vec<Session> = ids
+                .iter()
+                .filter_map(|id| inner.sessions.remove(id))
+                .collect();
+            let mut aborted = Vec::new();
+            for s in inner.sessions.values_mut() {
+                for txn in s.participant.expire(now) {
+                    aborted.push((s.id, txn));
+                }
+            }
+            (expired, aborted)
+        };
+        for (session, txn) in aborted {
+            self.counters.txn_timed_out.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(session = %session, txn = %txn, "prepared transaction aborted: no decision within its timeout");
+        }
+        let n = expired.len();
+        for session in expired {
+            self.finish(session, EndReason::Reaped);
+        }
+        n
+    }
+
+    /// The worker's state for `tetherctl status`.
+    pub fn status(&self) -> WorkerStatus {
+        let (sessions, draining) = {
+            let inner = self.lock();
+            (inner.sessions.len() as u32, inner.draining || inner.closed)
+        };
+        let (total, free) = self.factory.memory_info().unwrap_or((0, 0));
+        let used = total.saturating_sub(free);
+        let session_bytes = self.ledger.reserved();
+        WorkerStatus {
+            worker_version: self.config.worker_version.clone(),
+            device: self.factory.device_name(),
+            device_total_bytes: total,
+            device_free_bytes: free,
+            baseline_used_bytes: self.baseline_used,
+            max_memory_bytes: self.ledger.limit(),
+            sessions,
+            session_bytes,
+            unaccounted_bytes: used.saturating_sub(self.baseline_used + session_bytes),
+            counters: self.counters.snapshot(),
+            draining,
+            uptime_s: self.started.elapsed().as_secs(),
+            process_rss_bytes: process_rss_bytes(),
+        }
+    }
+
+    /// Every live session, oldest first.
+    pub fn sessions(&self) -> Vec<SessionSummary> {
+        let now = Instant::now();
+        let inner = self.lock();
+        let mut list: Vec<(Instant, SessionSummary)> = inner
+            .sessions
+            .values()
+            .map(|s| {
+                let summary = SessionSummary {
+                    session_id: s.id.to_string(),
+                    client_name: s.client_name.clone(),
+                    bytes: s.bytes(),
+                    layers: s.layers(),
+                    ttl_ms: s.lease.ttl.as_millis() as u32,
+                    last_heartbeat_ms_ago: now
+                        .saturating_duration_since(s.last_heartbeat)
+                        .as_millis() as u64,
+                    age_ms: now.saturating_duration_since(s.opened_at).as_millis() as u64,
+                    prepared_txns: s.participant.prepared_count() as u32,
+                };
+                (s.opened_at, summary)
+            })
+            .collect();
+        list.sort_by_key(|(t, _)| *t);
+        list.into_iter().map(|(_, s)| s).collect()
+    }
+}
+
+pub(crate) fn unknown_session(id: SessionId) -> WorkerError {
+    WorkerError::NotFound(format!(
+        "session {id} is unknown to this worker (it ended or never existed); attach again"
+    ))
+}

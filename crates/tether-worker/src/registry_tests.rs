@@ -1,0 +1,278 @@
+//! Registry behaviour with the fake model: sessions end however they end and give every
+//! byte back.
+
+use crate::error::WorkerError;
+use crate::ids::TxnId;
+use crate::load::PrepareBegin;
+use crate::registry::{RegistryConfig, SessionRegistry};
+use crate::serve::ForwardCall;
+use crate::session::{EndReason, Lease};
+use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, TokenPos};
+use crate::staging::TensorDigest;
+use crate::testing::{FakeFactory, LAYER_TENSOR_BYTES, N_EMBD};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+fn registry(limit: u64) -> Arc<SessionRegistry> {
+    Arc::new(SessionRegistry::new(
+        Arc::new(FakeFactory { free: 1 << 30 }),
+        limit,
+        RegistryConfig::default(),
+    ))
+}
+
+fn lease(ttl_ms: u64) -> Lease {
+    Lease {
+        heartbeat_interval: Duration::from_millis(ttl_ms / 4),
+        ttl: Duration::from_millis(ttl_ms),
+    }
+}
+
+fn spec() -> BlockSpec {
+    BlockSpec {
+        first_layer: 0,
+        last_layer: 2,
+        has_embed: false,
+        has_head: false,
+        ctx_per_seq: 16,
+        n_seq: 2,
+        ubatch: 8,
+    }
+}
+
+fn begin(session: crate::SessionId, txn: TxnId) -> PrepareBegin {
+    let data = vec![7u8; LAYER_TENSOR_BYTES as usize];
+    let tensors = (0..2)
+        .map(|i| TensorDigest {
+            name: format!("blk.{i}.w"),
+            bytes: LAYER_TENSOR_BYTES,
+            crc32: crc32fast::hash(&data),
+        })
+        .collect();
+    PrepareBegin {
+        session,
+        txn,
+        gguf_header: b"fake-gguf".to_vec(),
+        gguf_file_bytes: 9,
+        spec: spec(),
+        tensors,
+        decision_timeout: None,
+    }
+}
+
+async fn load(reg: &Arc<SessionRegistry>, session: crate::SessionId) -> TxnId {
+    let txn = TxnId::new_random();
+    let mut upload = reg.begin_prepare(begin(session, txn)).await.unwrap();
+    let data = vec![7u8; LAYER_TENSOR_BYTES as usize];
+    for i in 0..2 {
+        upload.accept(&format!("blk.{i}.w"), 0, &data).unwrap();
+    }
+    upload.finish().unwrap();
+    txn
+}
+
+#[tokio::test]
+async fn close_after_load_returns_every_byte() {
+    let reg = registry(1 << 20);
+    let ticket = reg.open("test", lease(1000)).unwrap();
+    let txn = load(&reg, ticket.id).await;
+    assert!(reg.status().session_bytes > 0);
+    reg.commit(ticket.id, txn).unwrap();
+    let out = reg
+        .forward(
+            ticket.id,
+            ForwardCall {
+                tokens: vec![TokenPos { seq: 0, pos: 0 }],
+                input: ForwardInput::Hidden(vec![1.0; N_EMBD]),
+                logits_rows: vec![],
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        ForwardOutput::Hidden(vec![3.0; N_EMBD]),
+        "two fake layers add 2"
+    );
+    let end = reg.end(ticket.id, EndReason::Closed).unwrap();
+    assert!(end.bytes_freed > 0);
+    assert!(ticket.cancel.is_cancelled());
+    assert_eq!(reg.status().session_bytes, 0);
+    assert_eq!(reg.status().counters.closed, 1);
+    assert!(
+        reg.end(ticket.id, EndReason::Closed).is_none(),
+        "ending twice is a no-op"
+    );
+}
+
+#[tokio::test]
+async fn forward_before_commit_and_unknown_session_are_refused() {
+    let reg = registry(1 << 20);
+    let ticket = reg.open("test", lease(1000)).unwrap();
+    let call = ForwardCall {
+        tokens: vec![TokenPos { seq: 0, pos: 0 }],
+        input: ForwardInput::Hidden(vec![0.0; N_EMBD]),
+        logits_rows: vec![],
+    };
+    assert!(matches!(
+        reg.forward(ticket.id, call.clone()).await,
+        Err(WorkerError::FailedPrecondition(_))
+    ));
+    let txn = load(&reg, ticket.id).await;
+    assert!(matches!(
+        reg.forward(ticket.id, call.clone()).await,
+        Err(WorkerError::FailedPrecondition(_))
+    ));
+    reg.commit(ticket.id, txn).unwrap();
+    let bad_size = ForwardCall {
+        input: ForwardInput::Hidden(vec![0.0; 3]),
+        ..call.clone()
+    };
+    assert!(matches!(
+        reg.forward(ticket.id, bad_size).await,
+        Err(WorkerError::InvalidArgument(_))
+    ));
+    let bad_pos = ForwardCall {
+        tokens: vec![TokenPos { seq: 0, pos: 16 }],
+        ..call.clone()
+    };
+    assert!(matches!(
+        reg.forward(ticket.id, bad_pos).await,
+        Err(WorkerError::InvalidArgument(_))
+    ));
+    let bad_seq = ForwardCall {
+        tokens: vec![TokenPos { seq: 2, pos: 0 }],
+        ..call.clone()
+    };
+    assert!(matches!(
+        reg.forward(ticket.id, bad_seq).await,
+        Err(WorkerError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        reg.forward(crate::SessionId::new_random(), call.clone())
+            .await,
+        Err(WorkerError::NotFound(_))
+    ));
+    assert!(
+        reg.forward(ticket.id, call).await.is_ok(),
+        "the session carries on after bad requests"
+    );
+}
+
+#[tokio::test]
+async fn prepare_over_the_limit_is_refused_with_nothing_staged() {
+    let reg = registry(100);
+    let ticket = reg.open("test", lease(1000)).unwrap();
+    let err = reg
+        .begin_prepare(begin(ticket.id, TxnId::new_random()))
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, WorkerError::ResourceExhausted { asked, free: 100, .. } if asked > 100),
+        "{err:?}"
+    );
+    assert_eq!(reg.status().session_bytes, 0);
+    assert_eq!(reg.sessions()[0].prepared_txns, 0);
+    // The failed transaction does not block the next one.
+    assert!(
+        reg.begin_prepare(begin(ticket.id, TxnId::new_random()))
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test]
+async fn dropped_upload_frees_its_reservation() {
+    let reg = registry(1 << 20);
+    let ticket = reg.open("test", lease(1000)).unwrap();
+    let upload = reg
+        .begin_prepare(begin(ticket.id, TxnId::new_random()))
+        .await
+        .unwrap();
+    assert!(reg.status().session_bytes > 0);
+    drop(upload);
+    assert_eq!(reg.status().session_bytes, 0);
+    load(&reg, ticket.id).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn silent_sessions_are_reaped_after_their_ttl() {
+    let reg = registry(1 << 20);
+    let quiet = reg.open("quiet", lease(500)).unwrap();
+    let chatty = reg.open("chatty", lease(500)).unwrap();
+    load(&reg, quiet.id).await;
+    tokio::time::advance(Duration::from_millis(400)).await;
+    reg.heartbeat(chatty.id).unwrap();
+    assert_eq!(reg.reap_expired(Instant::now()), 0);
+    tokio::time::advance(Duration::from_millis(100)).await;
+    assert_eq!(reg.reap_expired(Instant::now()), 1);
+    assert_eq!(quiet.end.get().map(|e| e.reason), Some(EndReason::Reaped));
+    assert!(chatty.end.get().is_none());
+    assert_eq!(reg.status().session_bytes, 0);
+    assert_eq!(reg.status().counters.reaped, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn undecided_prepare_is_aborted_by_the_reaper() {
+    let reg = registry(1 << 20);
+    let ticket = reg.open("test", lease(60_000)).unwrap();
+    let txn = load(&reg, ticket.id).await;
+    assert!(reg.status().session_bytes > 0);
+    tokio::time::advance(reg.config().decision_timeout).await;
+    reg.heartbeat(ticket.id).unwrap();
+    reg.reap_expired(Instant::now());
+    assert_eq!(reg.status().session_bytes, 0);
+    assert_eq!(reg.status().counters.txn_timed_out, 1);
+    assert!(matches!(
+        reg.commit(ticket.id, txn),
+        Err(WorkerError::FailedPrecondition(_))
+    ));
+}
+
+#[tokio::test]
+async fn shutdown_ends_everything_and_refuses_new_sessions() {
+    let reg = registry(1 << 20);
+    let a = reg.open("a", lease(1000)).unwrap();
+    let b = reg.open("b", lease(1000)).unwrap();
+    load(&reg, a.id).await;
+    assert_eq!(reg.shutdown(), 2);
+    assert_eq!(a.end.get().map(|e| e.reason), Some(EndReason::Shutdown));
+    assert!(b.cancel.is_cancelled());
+    assert_eq!(reg.status().session_bytes, 0);
+    assert!(matches!(
+        reg.open("c", lease(1000)),
+        Err(WorkerError::Unavailable(_))
+    ));
+}
+
+#[tokio::test]
+async fn drain_refuses_new_sessions_but_keeps_current_ones() {
+    let reg = registry(1 << 20);
+    let a = reg.open("a", lease(1000)).unwrap();
+    assert_eq!(reg.drain(), 1);
+    assert!(matches!(
+        reg.open("b", lease(1000)),
+        Err(WorkerError::Unavailable(_))
+    ));
+    reg.heartbeat(a.id).unwrap();
+    assert!(reg.kill(a.id).is_ok());
+    assert!(matches!(reg.kill(a.id), Err(WorkerError::NotFound(_))));
+}
+
+#[tokio::test]
+async fn lease_is_clamped_to_the_limits() {
+    let reg = registry(1 << 20);
+    let t = reg
+        .open(
+            "x",
+            Lease {
+                heartbeat_interval: Duration::from_secs(100),
+                ttl: Duration::from_millis(1),
+            },
+        )
+        .unwrap();
+    assert_eq!(t.lease.ttl, reg.config().min_ttl);
+    assert!(t.lease.heartbeat_interval <= t.lease.ttl / 2);
+}

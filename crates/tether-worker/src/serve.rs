@@ -1,0 +1,166 @@
+//! Serving a committed block: forward passes and KV-cache operations. Every input is checked
+//! against the block's shape before the block sees it, so a bad request changes nothing.
+
+use crate::error::{Result, WorkerError};
+use crate::ids::SessionId;
+use crate::registry::{SessionRegistry, unknown_session};
+use crate::session::{OwnedStage, ServingSlot, SessionState};
+use crate::stage::{ForwardInput, ForwardOutput, StageShape, TokenPos};
+use std::sync::Arc;
+
+/// One forward pass request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ForwardCall {
+    /// The tokens of the batch.
+    pub tokens: Vec<TokenPos>,
+    /// Hidden states or token ids.
+    pub input: ForwardInput,
+    /// Rows whose logits to return; empty = return hidden states.
+    pub logits_rows: Vec<u32>,
+}
+
+impl SessionRegistry {
+    fn serving_slot(&self, session: SessionId, what: &str) -> Result<ServingSlot> {
+        let inner = self.lock();
+        let s = inner
+            .sessions
+            .get(&session)
+            .ok_or_else(|| unknown_session(session))?;
+        match &s.state {
+            SessionState::Serving { slot, .. } => Ok(Arc::clone(slot)),
+            SessionState::Open => Err(WorkerError::FailedPrecondition(format!(
+                "{what}: session {session} has no committed layer block; Prepare and Commit one first"
+            ))),
+        }
+    }
+
+    async fn with_stage<T: Send + 'static>(
+        &self,
+        session: SessionId,
+        what: &'static str,
+        work: impl FnOnce(&mut OwnedStage) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let slot = self.serving_slot(session, what)?;
+        self.run_blocking(what, move || {
+            let mut staged = slot.lock().map_err(|_| {
+                WorkerError::Internal(format!(
+                    "{what}: an earlier operation on this session's block panicked; end the session and load again"
+                ))
+            })?;
+            work(&mut staged)
+        })
+        .await
+    }
+
+    /// Runs the session's block over a batch.
+    pub async fn forward(&self, session: SessionId, call: ForwardCall) -> Result<ForwardOutput> {
+        self.with_stage(session, "forward", move |staged| {
+            let shape = staged.stage.shape();
+            check_forward(&shape, &call)?;
+            staged
+                .stage
+                .forward(&call.tokens, call.input, &call.logits_rows)
+        })
+        .await
+    }
+
+    /// Forgets every KV cell of `seq`.
+    pub async fn kv_clear(&self, session: SessionId, seq: u32) -> Result<()> {
+        self.with_stage(session, "kv clear", move |staged| {
+            check_seq(&staged.stage.shape(), seq)?;
+            staged.stage.kv_clear(seq)
+        })
+        .await
+    }
+
+    /// Keeps the first `length` positions of `seq`.
+    pub async fn kv_truncate(&self, session: SessionId, seq: u32, length: u32) -> Result<()> {
+        self.with_stage(session, "kv truncate", move |staged| {
+            let shape = staged.stage.shape();
+            check_seq(&shape, seq)?;
+            if length as usize > shape.spec.ctx_per_seq {
+                return Err(WorkerError::InvalidArgument(format!(
+                    "kv truncate: length {length} is beyond the {} cells of a sequence",
+                    shape.spec.ctx_per_seq
+                )));
+            }
+            staged.stage.kv_truncate(seq, length)
+        })
+        .await
+    }
+}
+
+fn check_seq(shape: &StageShape, seq: u32) -> Result<()> {
+    if seq as usize >= shape.spec.n_seq {
+        return Err(WorkerError::InvalidArgument(format!(
+            "sequence {seq} does not exist: the block serves {} sequences (0..{})",
+            shape.spec.n_seq, shape.spec.n_seq
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a forward request against the block's shape.
+pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()> {
+    let n = call.tokens.len();
+    let spec = &shape.spec;
+    if n == 0 || n > spec.ubatch {
+        return Err(WorkerError::InvalidArgument(format!(
+            "forward: {n} tokens; a batch holds 1 to {} tokens (the block's ubatch)",
+            spec.ubatch
+        )));
+    }
+    for (i, t) in call.tokens.iter().enumerate() {
+        check_seq(shape, t.seq)?;
+        if t.pos as usize >= spec.ctx_per_seq {
+            return Err(WorkerError::InvalidArgument(format!(
+                "forward: token {i} at position {} is beyond the {} KV cells of sequence {}",
+                t.pos, spec.ctx_per_seq, t.seq
+            )));
+        }
+    }
+    match &call.input {
+        ForwardInput::Hidden(h) => {
+            if h.len() != n * shape.n_embd {
+                return Err(WorkerError::InvalidArgument(format!(
+                    "forward: {} hidden values for {n} tokens of width {}; expected {}",
+                    h.len(),
+                    shape.n_embd,
+                    n * shape.n_embd
+                )));
+            }
+        }
+        ForwardInput::TokenIds(ids) => {
+            if !spec.has_embed {
+                return Err(WorkerError::InvalidArgument(
+                    "forward: token ids sent to a block without the embedding table; send hidden states".into(),
+                ));
+            }
+            if ids.len() != n {
+                return Err(WorkerError::InvalidArgument(format!(
+                    "forward: {} token ids for {n} tokens",
+                    ids.len()
+                )));
+            }
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= shape.n_vocab) {
+                return Err(WorkerError::InvalidArgument(format!(
+                    "forward: token id {bad} is outside the vocabulary of {}",
+                    shape.n_vocab
+                )));
+            }
+        }
+    }
+    if !call.logits_rows.is_empty() {
+        if !spec.has_head {
+            return Err(WorkerError::InvalidArgument(
+                "forward: logits asked of a block without the output head".into(),
+            ));
+        }
+        if let Some(bad) = call.logits_rows.iter().find(|&&r| r as usize >= n) {
+            return Err(WorkerError::InvalidArgument(format!(
+                "forward: logits row {bad} is outside the batch of {n} tokens"
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! Running a worker: the gRPC server with keepalive and message limits, the reaper, and the
+//! shutdown sequence (stop accepting, end every session with reason `shutdown`, let
+//! in-flight work finish within the grace period).
+
+use crate::reaper::run_reaper;
+use crate::registry::SessionRegistry;
+use crate::service::{AdminAuth, AdminService, WorkerService};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tether_proto::v1::admin_server::AdminServer;
+use tether_proto::v1::worker_server::WorkerServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+
+/// Largest gRPC message by default: room for a 16 MiB batch of hidden states and 4 MiB
+/// tensor chunks, far below anything that could exhaust memory.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// How a worker serves.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// Largest gRPC message accepted or sent.
+    pub max_message_bytes: usize,
+    /// HTTP/2 ping interval, so a dead peer whose TCP never closes is found.
+    pub keepalive_interval: Duration,
+    /// How long a ping may go unanswered before the connection is dropped.
+    pub keepalive_timeout: Duration,
+    /// How often the reaper looks for expired leases and undecided transactions.
+    pub reap_period: Duration,
+    /// How long shutdown waits for in-flight work.
+    pub shutdown_grace: Duration,
+    /// Token guarding the admin service; `None` leaves it open.
+    pub admin_token: Option<String>,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self {
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            keepalive_interval: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(5),
+            reap_period: Duration::from_millis(100),
+            shutdown_grace: Duration::from_secs(10),
+            admin_token: None,
+        }
+    }
+}
+
+/// Why serving stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The transport failed.
+    #[error("the gRPC server failed: {0}")]
+    Transport(String),
+}
+
+/// What shutdown did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Sessions ended with reason `shutdown`.
+    pub sessions_ended: usize,
+    /// In-flight work finished within the grace period.
+    pub finished_in_grace: bool,
+}
+
+/// Serves `registry` on `listener` until `shutdown` resolves, then shuts down in order.
+pub async fn serve(
+    listener: TcpListener,
+    registry: Arc<SessionRegistry>,
+    options: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<ShutdownReport, ServeError> {
+    let stop = CancellationToken::new();
+    let reaper = tokio::spawn(run_reaper(
+        Arc::clone(&registry),
+        options.reap_period,
+        stop.clone(),
+    ));
+
+    let limit = options.max_message_bytes;
+    let worker = WorkerServer::new(WorkerService::new(Arc::clone(&registry), limit))
+        .max_decoding_message_size(limit)
+        .max_encoding_message_size(limit);
+    let admin = AdminServer::with_interceptor(
+        AdminService::new(Arc::clone(&registry)),
+        AdminAuth::new(options.admin_token.clone()),
+    );
+    let server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(options.keepalive_interval))
+        .http2_keepalive_timeout(Some(options.keepalive_timeout))
+        .tcp_keepalive(Some(options.keepalive_interval))
+        .tcp_nodelay(true)
+        .add_service(worker)
+        .add_service(admin)
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(listener),
+            stop.clone().cancelled_owned(),
+        );
+    let mut server = tokio::spawn(server);
+
+    tokio::select! {
+        () = shutdown => {}
+        result = &mut server => {
+            stop.cancel();
+            registry.shutdown();
+            let _ = reaper.await;
+            return match result {
+                Ok(Ok(())) => Ok(ShutdownReport { sessions_ended: 0, finished_in_grace: true }),
+                Ok(Err(e)) => Err(ServeError::Transport(e.to_string())),
+                Err(e) => Err(ServeError::Transport(format!("server task failed: {e}"))),
+            };
+        }
+    }
+
+    tracing::info!(
+        grace_ms = options.shutdown_grace.as_millis() as u64,
+        "shutting down: no new sessions; ending every session"
+    );
+    let sessions_ended = registry.shutdown();
+    stop.cancel();
+    let _ = reaper.await;
+    let tracker = registry.tracker().clone();
+    tracker.close();
+    let drained = tokio::time::timeout(options.shutdown_grace, async {
+        let _ = server.await;
+        tracker.wait().await;
+    })
+    .await;
+    let finished_in_grace = drained.is_ok();
+    if finished_in_grace {
+        tracing::info!(sessions_ended, "shutdown complete: every session freed");
+    } else {
+        tracing::warn!(
+            sessions_ended,
+            "shutdown grace expired; cancelling in-flight work"
+        );
+    }
+    Ok(ShutdownReport {
+        sessions_ended,
+        finished_in_grace,
+    })
+}

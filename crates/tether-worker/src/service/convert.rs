@@ -1,0 +1,262 @@
+//! Conversions between the wire types of `tether.v1` and the worker's own types.
+
+use crate::error::WorkerError;
+use crate::session::EndReason;
+use crate::stage::BlockSpec;
+use crate::status::{CounterValues, SessionSummary, WorkerStatus};
+use tether_proto::PROTOCOL_VERSION;
+use tether_proto::v1 as pb;
+use tonic::{Code, Status};
+
+/// The gRPC status for a domain error.
+pub fn to_status(e: WorkerError) -> Status {
+    let code = match &e {
+        WorkerError::NotFound(_) => Code::NotFound,
+        WorkerError::InvalidArgument(_) => Code::InvalidArgument,
+        WorkerError::FailedPrecondition(_) => Code::FailedPrecondition,
+        WorkerError::ResourceExhausted { .. } => Code::ResourceExhausted,
+        WorkerError::Unavailable(_) => Code::Unavailable,
+        WorkerError::Aborted(_) => Code::Aborted,
+        WorkerError::Internal(_) => Code::Internal,
+    };
+    Status::new(code, e.to_string())
+}
+
+/// Refuses a peer speaking another protocol major version.
+pub fn check_version(peer: u32) -> Result<(), WorkerError> {
+    if peer == PROTOCOL_VERSION {
+        return Ok(());
+    }
+    Err(WorkerError::FailedPrecondition(format!(
+        "the peer speaks tether protocol v{peer}, this worker speaks v{PROTOCOL_VERSION}; run matching tether versions"
+    )))
+}
+
+/// The wire form of an end reason.
+pub fn reason_to_proto(r: EndReason) -> pb::EndReason {
+    match r {
+        EndReason::Closed => pb::EndReason::Closed,
+        EndReason::Disconnected => pb::EndReason::Disconnected,
+        EndReason::Reaped => pb::EndReason::Reaped,
+        EndReason::Killed => pb::EndReason::Killed,
+        EndReason::Shutdown => pb::EndReason::Shutdown,
+    }
+}
+
+/// The domain form of an end reason; `None` for an unspecified or unknown value.
+pub fn reason_from_proto(r: i32) -> Option<EndReason> {
+    match pb::EndReason::try_from(r).ok()? {
+        pb::EndReason::Closed => Some(EndReason::Closed),
+        pb::EndReason::Disconnected => Some(EndReason::Disconnected),
+        pb::EndReason::Reaped => Some(EndReason::Reaped),
+        pb::EndReason::Killed => Some(EndReason::Killed),
+        pb::EndReason::Shutdown => Some(EndReason::Shutdown),
+        pb::EndReason::Unspecified => None,
+    }
+}
+
+/// A block spec from the wire, checked for shape.
+pub fn spec_from_proto(spec: Option<pb::StageSpec>) -> Result<BlockSpec, WorkerError> {
+    let s = spec
+        .ok_or_else(|| WorkerError::InvalidArgument("prepare: the stage spec is missing".into()))?;
+    if s.first_layer > s.last_layer {
+        return Err(WorkerError::InvalidArgument(format!(
+            "prepare: first layer {} is after the end layer {}",
+            s.first_layer, s.last_layer
+        )));
+    }
+    if s.ctx_per_seq == 0 || s.n_seq == 0 || s.ubatch == 0 {
+        return Err(WorkerError::InvalidArgument(format!(
+            "prepare: ctx_per_seq ({}), n_seq ({}) and ubatch ({}) must all be positive",
+            s.ctx_per_seq, s.n_seq, s.ubatch
+        )));
+    }
+    Ok(BlockSpec {
+        first_layer: s.first_layer as usize,
+        last_layer: s.last_layer as usize,
+        has_embed: s.has_embed,
+        has_head: s.has_head,
+        ctx_per_seq: s.ctx_per_seq as usize,
+        n_seq: s.n_seq as usize,
+        ubatch: s.ubatch as usize,
+    })
+}
+
+/// The wire form of a block spec.
+pub fn spec_to_proto(s: &BlockSpec) -> pb::StageSpec {
+    pb::StageSpec {
+        first_layer: s.first_layer as u32,
+        last_layer: s.last_layer as u32,
+        has_embed: s.has_embed,
+        has_head: s.has_head,
+        ctx_per_seq: s.ctx_per_seq as u32,
+        n_seq: s.n_seq as u32,
+        ubatch: s.ubatch as u32,
+    }
+}
+
+/// f32 values from little-endian bytes.
+pub fn f32s_from_le(bytes: &[u8], what: &str) -> Result<Vec<f32>, WorkerError> {
+    if !bytes.len().is_multiple_of(4) {
+        return Err(WorkerError::InvalidArgument(format!(
+            "{what}: {} bytes is not a whole number of f32 values",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Little-endian bytes of f32 values.
+pub fn f32s_to_le(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * 4);
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// The wire form of a worker status.
+pub fn status_to_proto(s: &WorkerStatus) -> pb::StatusReply {
+    let c = &s.counters;
+    pb::StatusReply {
+        worker_version: s.worker_version.clone(),
+        device: s.device.clone(),
+        device_total_bytes: s.device_total_bytes,
+        device_free_bytes: s.device_free_bytes,
+        baseline_used_bytes: s.baseline_used_bytes,
+        max_memory_bytes: s.max_memory_bytes,
+        sessions: s.sessions,
+        session_bytes: s.session_bytes,
+        unaccounted_bytes: s.unaccounted_bytes,
+        counters: Some(pb::Counters {
+            opened: c.opened,
+            closed: c.closed,
+            disconnected: c.disconnected,
+            reaped: c.reaped,
+            killed: c.killed,
+            shutdown: c.shutdown,
+            txn_timed_out: c.txn_timed_out,
+        }),
+        draining: s.draining,
+        uptime_s: s.uptime_s,
+        process_rss_bytes: s.process_rss_bytes,
+    }
+}
+
+/// The domain form of a worker status.
+pub fn status_from_proto(s: pb::StatusReply) -> WorkerStatus {
+    let c = s.counters.unwrap_or_default();
+    WorkerStatus {
+        worker_version: s.worker_version,
+        device: s.device,
+        device_total_bytes: s.device_total_bytes,
+        device_free_bytes: s.device_free_bytes,
+        baseline_used_bytes: s.baseline_used_bytes,
+        max_memory_bytes: s.max_memory_bytes,
+        sessions: s.sessions,
+        session_bytes: s.session_bytes,
+        unaccounted_bytes: s.unaccounted_bytes,
+        counters: CounterValues {
+            opened: c.opened,
+            closed: c.closed,
+            disconnected: c.disconnected,
+            reaped: c.reaped,
+            killed: c.killed,
+            shutdown: c.shutdown,
+            txn_timed_out: c.txn_timed_out,
+        },
+        draining: s.draining,
+        uptime_s: s.uptime_s,
+        process_rss_bytes: s.process_rss_bytes,
+    }
+}
+
+/// The wire form of a session summary.
+pub fn session_to_proto(s: &SessionSummary) -> pb::SessionInfo {
+    pb::SessionInfo {
+        session_id: s.session_id.clone(),
+        client_name: s.client_name.clone(),
+        bytes: s.bytes,
+        layers: s.layers.clone(),
+        ttl_ms: s.ttl_ms,
+        last_heartbeat_ms_ago: s.last_heartbeat_ms_ago,
+        age_ms: s.age_ms,
+        prepared_txns: s.prepared_txns,
+    }
+}
+
+/// The domain form of a session summary.
+pub fn session_from_proto(s: pb::SessionInfo) -> SessionSummary {
+    SessionSummary {
+        session_id: s.session_id,
+        client_name: s.client_name,
+        bytes: s.bytes,
+        layers: s.layers,
+        ttl_ms: s.ttl_ms,
+        last_heartbeat_ms_ago: s.last_heartbeat_ms_ago,
+        age_ms: s.age_ms,
+        prepared_txns: s.prepared_txns,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f32_bytes_round_trip_and_odd_lengths_fail() {
+        let v = [1.5f32, -2.0, f32::MIN_POSITIVE];
+        assert_eq!(f32s_from_le(&f32s_to_le(&v), "x").unwrap(), v);
+        assert!(f32s_from_le(&[0; 5], "x").is_err());
+    }
+
+    #[test]
+    fn exhaustion_keeps_asked_and_free_in_the_message() {
+        let s = to_status(WorkerError::ResourceExhausted {
+            what: "w".into(),
+            asked: 5,
+            free: 3,
+            limit: 3,
+            held: 0,
+        });
+        assert_eq!(s.code(), Code::ResourceExhausted);
+        assert!(s.message().contains("asked 5 bytes, 3 bytes free"));
+        assert_eq!(
+            to_status(WorkerError::NotFound("x".into())).code(),
+            Code::NotFound
+        );
+    }
+
+    #[test]
+    fn version_mismatch_names_both_versions() {
+        assert!(check_version(PROTOCOL_VERSION).is_ok());
+        let msg = check_version(2).unwrap_err().to_string();
+        assert!(msg.contains("v2") && msg.contains("v1"), "{msg}");
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        let good = pb::StageSpec {
+            first_layer: 0,
+            last_layer: 1,
+            has_embed: false,
+            has_head: false,
+            ctx_per_seq: 8,
+            n_seq: 1,
+            ubatch: 4,
+        };
+        assert!(spec_from_proto(Some(good)).is_ok());
+        assert!(spec_from_proto(None).is_err());
+        assert!(
+            spec_from_proto(Some(pb::StageSpec {
+                first_layer: 2,
+                ..good
+            }))
+            .is_err()
+        );
+        assert!(spec_from_proto(Some(pb::StageSpec { ubatch: 0, ..good })).is_err());
+    }
+}

@@ -1,0 +1,9 @@
+//! The gRPC edge: the only place tonic and prost types meet the worker's domain.
+
+pub mod admin;
+mod attach;
+pub mod convert;
+pub mod worker;
+
+pub use admin::{AdminAuth, AdminService};
+pub use worker::WorkerService;

@@ -1,0 +1,266 @@
+//! The gRPC edge end to end in one process: a real server on a loopback port, the domain
+//! client, the fake model.
+
+use crate::client::{
+    AdminClient, AttachOptions, ClientOptions, ErrorKind, LoadRequest, TensorSource, WorkerClient,
+};
+use crate::ids::TxnId;
+use crate::registry::{RegistryConfig, SessionRegistry};
+use crate::server::{ServerOptions, serve};
+use crate::session::{EndReason, Lease};
+use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, TokenPos};
+use crate::testing::{FakeFactory, LAYER_TENSOR_BYTES, N_EMBD};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+struct Tensors(HashMap<String, Vec<u8>>);
+
+impl TensorSource for Tensors {
+    fn tensor_bytes(&self, name: &str) -> Option<&[u8]> {
+        self.0.get(name).map(Vec::as_slice)
+    }
+}
+
+struct Harness {
+    addr: String,
+    stop: CancellationToken,
+    done: tokio::task::JoinHandle<()>,
+}
+
+async fn start(limit: u64) -> Harness {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let registry = Arc::new(SessionRegistry::new(
+        Arc::new(FakeFactory { free: 1 << 30 }),
+        limit,
+        RegistryConfig::default(),
+    ));
+    let stop = CancellationToken::new();
+    let options = ServerOptions {
+        reap_period: Duration::from_millis(20),
+        max_message_bytes: 1 << 20,
+        ..ServerOptions::default()
+    };
+    let signal = stop.clone().cancelled_owned();
+    let done = tokio::spawn(async move {
+        serve(listener, registry, options, signal).await.unwrap();
+    });
+    Harness { addr, stop, done }
+}
+
+fn lease(ttl_ms: u64) -> Lease {
+    Lease {
+        heartbeat_interval: Duration::from_millis(ttl_ms / 5),
+        ttl: Duration::from_millis(ttl_ms),
+    }
+}
+
+fn load_request() -> (LoadRequest, Arc<dyn TensorSource>) {
+    let spec = BlockSpec {
+        first_layer: 0,
+        last_layer: 3,
+        has_embed: false,
+        has_head: false,
+        ctx_per_seq: 8,
+        n_seq: 1,
+        ubatch: 4,
+    };
+    let names: Vec<String> = (0..3).map(|i| format!("blk.{i}.w")).collect();
+    let source = Tensors(
+        names
+            .iter()
+            .map(|n| (n.clone(), vec![3u8; LAYER_TENSOR_BYTES as usize]))
+            .collect(),
+    );
+    let req = LoadRequest {
+        txn: TxnId::new_random(),
+        gguf_header: b"fake-gguf".to_vec(),
+        gguf_file_bytes: 9,
+        spec,
+        tensors: names,
+        decision_timeout: None,
+        chunk_bytes: 10,
+    };
+    (req, Arc::new(source))
+}
+
+async fn admin(addr: &str) -> AdminClient {
+    AdminClient::connect(addr, None, &ClientOptions::default())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn load_forward_close_over_grpc_frees_everything() {
+    let h = start(1 << 20).await;
+    let client = WorkerClient::connect(&h.addr, &ClientOptions::default())
+        .await
+        .unwrap();
+    let session = client
+        .attach(AttachOptions {
+            client_name: "t".into(),
+            lease: lease(2000),
+            heartbeat: true,
+        })
+        .await
+        .unwrap();
+    let (req, source) = load_request();
+    let txn = req.txn;
+    assert!(client.prepare(session.id(), req, source).await.unwrap() > 0);
+    let tokens = [TokenPos { seq: 0, pos: 0 }];
+    let err = client
+        .forward(
+            session.id(),
+            &tokens,
+            &ForwardInput::Hidden(vec![0.0; N_EMBD]),
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    client.commit(session.id(), txn).await.unwrap();
+    client.commit(session.id(), txn).await.unwrap();
+    let out = client
+        .forward(
+            session.id(),
+            &tokens,
+            &ForwardInput::Hidden(vec![1.0; N_EMBD]),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(out, ForwardOutput::Hidden(vec![4.0; N_EMBD]));
+    let err = client
+        .forward(
+            session.id(),
+            &tokens,
+            &ForwardInput::Hidden(vec![1.0; 3]),
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    let oversized = vec![0.0f32; (1 << 20) / 4 + 16];
+    let err = client
+        .forward(session.id(), &tokens, &ForwardInput::Hidden(oversized), &[])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err.kind(),
+            ErrorKind::ResourceExhausted | ErrorKind::InvalidArgument | ErrorKind::Internal
+        ),
+        "{err}"
+    );
+    assert!(
+        client
+            .forward(
+                session.id(),
+                &tokens,
+                &ForwardInput::Hidden(vec![1.0; N_EMBD]),
+                &[]
+            )
+            .await
+            .is_ok()
+    );
+    assert!(admin(&h.addr).await.status().await.unwrap().session_bytes > 0);
+    let end = session.close().await;
+    assert_eq!(end.reason, EndReason::Closed);
+    assert!(end.bytes_freed > 0);
+    let status = admin(&h.addr).await.status().await.unwrap();
+    assert_eq!(
+        (
+            status.sessions,
+            status.session_bytes,
+            status.counters.closed
+        ),
+        (0, 0, 1)
+    );
+    h.stop.cancel();
+    h.done.await.unwrap();
+}
+
+#[tokio::test]
+async fn dropped_client_and_silent_client_both_end() {
+    let h = start(1 << 20).await;
+    let client = WorkerClient::connect(&h.addr, &ClientOptions::default())
+        .await
+        .unwrap();
+    let dropped = client
+        .attach(AttachOptions {
+            client_name: "gone".into(),
+            lease: lease(60_000),
+            heartbeat: true,
+        })
+        .await
+        .unwrap();
+    let (req, source) = load_request();
+    client.prepare(dropped.id(), req, source).await.unwrap();
+    drop(dropped);
+    let mut zombie = client
+        .attach(AttachOptions {
+            client_name: "zombie".into(),
+            lease: lease(300),
+            heartbeat: false,
+        })
+        .await
+        .unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(2), zombie.ended())
+        .await
+        .unwrap();
+    assert_eq!(end.reason, EndReason::Reaped);
+    let status = admin(&h.addr).await.status().await.unwrap();
+    assert_eq!((status.sessions, status.session_bytes), (0, 0));
+    assert_eq!(
+        (status.counters.disconnected, status.counters.reaped),
+        (1, 1)
+    );
+    h.stop.cancel();
+    h.done.await.unwrap();
+}
+
+#[tokio::test]
+async fn over_limit_prepare_kill_and_shutdown() {
+    let h = start(100).await;
+    let client = WorkerClient::connect(&h.addr, &ClientOptions::default())
+        .await
+        .unwrap();
+    let mut session = client
+        .attach(AttachOptions {
+            client_name: "big".into(),
+            lease: lease(60_000),
+            heartbeat: true,
+        })
+        .await
+        .unwrap();
+    let (req, source) = load_request();
+    let err = client.prepare(session.id(), req, source).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ResourceExhausted);
+    assert!(
+        err.to_string().contains("asked") && err.to_string().contains("free"),
+        "{err}"
+    );
+    let mut a = admin(&h.addr).await;
+    assert_eq!(a.status().await.unwrap().session_bytes, 0);
+    let err = client
+        .commit(crate::SessionId::new_random(), TxnId::new_random())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound);
+    assert_eq!(a.sessions().await.unwrap().len(), 1);
+    a.kill(session.id()).await.unwrap();
+    assert_eq!(session.ended().await.reason, EndReason::Killed);
+    let mut last = client
+        .attach(AttachOptions {
+            client_name: "last".into(),
+            lease: lease(60_000),
+            heartbeat: true,
+        })
+        .await
+        .unwrap();
+    h.stop.cancel();
+    assert_eq!(last.ended().await.reason, EndReason::Shutdown);
+    h.done.await.unwrap();
+}

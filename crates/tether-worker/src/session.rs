@@ -1,0 +1,169 @@
+//! One session's lifecycle and everything it owns:
+//!
+//! ```text
+//! open ──commit──▶ serving
+//!   │                 │
+//!   └──── end(reason) ┴──▶ ending (removed from the registry) ──drop──▶ freed
+//! ```
+//!
+//! A [`Session`] owns its committed block and its prepared transactions; removing it from
+//! the registry and dropping it frees all of them. Upload state of a Prepare in progress is
+//! held by its handler, which watches the session's cancellation token and drops it when the
+//! session ends.
+
+use crate::ids::SessionId;
+use crate::ledger::Reservation;
+use crate::participant::Participant;
+use crate::stage::{BlockSpec, ServingStage};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// How often a client heartbeats and how long the worker waits for one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// Interval between heartbeats, both ways.
+    pub heartbeat_interval: Duration,
+    /// A session with no client heartbeat for this long is reaped.
+    pub ttl: Duration,
+}
+
+/// Why a session ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EndReason {
+    /// The client closed it.
+    Closed,
+    /// The stream ended or failed without a close.
+    Disconnected,
+    /// No heartbeat within the TTL.
+    Reaped,
+    /// An operator killed it.
+    Killed,
+    /// The worker shut down.
+    Shutdown,
+}
+
+impl EndReason {
+    /// The reason's name in logs and status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Disconnected => "disconnected",
+            Self::Reaped => "reaped",
+            Self::Killed => "killed",
+            Self::Shutdown => "shutdown",
+        }
+    }
+}
+
+impl fmt::Display for EndReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a session ended: the reason and the bytes it held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionEnd {
+    /// Why.
+    pub reason: EndReason,
+    /// Bytes freed with it.
+    pub bytes_freed: u64,
+}
+
+/// A built block together with the bytes reserved for it. Field order matters: the block is
+/// dropped (device memory freed) before the reservation returns its bytes to the ledger.
+pub struct OwnedStage {
+    /// The block.
+    pub stage: Box<dyn ServingStage>,
+    /// Its bytes in the ledger.
+    pub reservation: Reservation,
+}
+
+/// A committed block, shared with in-flight forward passes; the last holder frees it.
+pub type ServingSlot = Arc<Mutex<OwnedStage>>;
+
+/// What the session serves.
+pub(crate) enum SessionState {
+    /// Attached, nothing committed.
+    Open,
+    /// A committed block serves forward passes.
+    Serving { slot: ServingSlot, spec: BlockSpec },
+}
+
+/// What the attach stream's task needs to follow its session.
+#[derive(Clone)]
+pub struct SessionTicket {
+    /// The session.
+    pub id: SessionId,
+    /// The lease in force (after clamping).
+    pub lease: Lease,
+    /// Cancelled when the session ends, whoever ends it.
+    pub cancel: CancellationToken,
+    /// Set once, when the session ends.
+    pub end: Arc<OnceLock<SessionEnd>>,
+}
+
+/// One live session, owned by the registry.
+pub(crate) struct Session {
+    pub id: SessionId,
+    pub client_name: String,
+    pub lease: Lease,
+    pub opened_at: Instant,
+    pub last_heartbeat: Instant,
+    pub cancel: CancellationToken,
+    pub end: Arc<OnceLock<SessionEnd>>,
+    /// Bytes held by every reservation of this session (staged or serving).
+    pub bytes: Arc<AtomicU64>,
+    pub state: SessionState,
+    pub participant: Participant<OwnedStage>,
+}
+
+impl Session {
+    pub fn new(client_name: String, lease: Lease, parent: &CancellationToken) -> Self {
+        let now = Instant::now();
+        Self {
+            id: SessionId::new_random(),
+            client_name,
+            lease,
+            opened_at: now,
+            last_heartbeat: now,
+            cancel: parent.child_token(),
+            end: Arc::new(OnceLock::new()),
+            bytes: Arc::new(AtomicU64::new(0)),
+            state: SessionState::Open,
+            participant: Participant::default(),
+        }
+    }
+
+    pub fn ticket(&self) -> SessionTicket {
+        SessionTicket {
+            id: self.id,
+            lease: self.lease,
+            cancel: self.cancel.clone(),
+            end: Arc::clone(&self.end),
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Acquire)
+    }
+
+    pub fn is_expired(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.last_heartbeat) >= self.lease.ttl
+    }
+
+    /// Layers served, for status ("3..6"), or empty.
+    pub fn layers(&self) -> String {
+        match &self.state {
+            SessionState::Open => String::new(),
+            SessionState::Serving { spec, .. } => {
+                format!("{}..{}", spec.first_layer, spec.last_layer)
+            }
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! What the worker asks of the model side: plan a layer block from a GGUF header, build it
+//! (all memory allocated at once), load its tensors, and run it. The worker's logic sees only
+//! these traits, so it is testable without a model; [`crate::model_stage`] implements them
+//! with `tether_model::Stage`.
+
+use crate::error::Result;
+
+/// The layer block a session asks to load, and the batch shape it will serve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockSpec {
+    /// First layer of the block.
+    pub first_layer: usize,
+    /// One past the last layer of the block (as `tether_model::StageSpec`); equal to
+    /// `first_layer` for a block holding only the embedding or the head.
+    pub last_layer: usize,
+    /// The block also holds the token embedding table.
+    pub has_embed: bool,
+    /// The block also holds the output norm and head.
+    pub has_head: bool,
+    /// KV cells per sequence.
+    pub ctx_per_seq: usize,
+    /// Sequences served at once.
+    pub n_seq: usize,
+    /// Most tokens in one forward pass.
+    pub ubatch: usize,
+}
+
+/// One token of a batch: its sequence and position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenPos {
+    /// Sequence index, below `n_seq`.
+    pub seq: u32,
+    /// Position in the sequence, below `ctx_per_seq`.
+    pub pos: u32,
+}
+
+/// The sizes a forward pass is checked against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageShape {
+    /// Hidden size.
+    pub n_embd: usize,
+    /// Vocabulary size (rows of the head).
+    pub n_vocab: usize,
+    /// The block served.
+    pub spec: BlockSpec,
+}
+
+/// A tensor the block needs: its name in the GGUF file and its byte length there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorNeed {
+    /// Tensor name.
+    pub name: String,
+    /// Bytes of its data.
+    pub bytes: u64,
+}
+
+/// The input of a forward pass.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ForwardInput {
+    /// Hidden states `[tokens][n_embd]`.
+    Hidden(Vec<f32>),
+    /// Token ids, one per token (only for a block with the embedding table).
+    TokenIds(Vec<u32>),
+}
+
+/// The output of a forward pass.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ForwardOutput {
+    /// Hidden states `[tokens][n_embd]`.
+    Hidden(Vec<f32>),
+    /// Logits `[rows][n_vocab]` of the rows asked for.
+    Logits(Vec<f32>),
+}
+
+/// Builds layer blocks for one device.
+pub trait StageFactory: Send + Sync + 'static {
+    /// The device's name for logs and status.
+    fn device_name(&self) -> String;
+
+    /// Total and free device memory in bytes, as the driver reports them.
+    fn memory_info(&self) -> Result<(u64, u64)>;
+
+    /// Reads the hyper-parameters and tensor table from a GGUF header (the first bytes of a
+    /// file of `file_bytes` bytes) and plans `spec`: which tensors are needed and how many
+    /// bytes the built block will hold in all.
+    fn plan(
+        &self,
+        gguf_header: &[u8],
+        file_bytes: u64,
+        spec: &BlockSpec,
+    ) -> Result<Box<dyn PlannedStage>>;
+}
+
+/// A planned block: known size and tensors, nothing allocated yet.
+pub trait PlannedStage: Send + 'static {
+    /// The tensors the block needs, in the order the client should send them.
+    fn tensors(&self) -> &[TensorNeed];
+
+    /// Bytes the built block will hold: weights + KV cache + scratch.
+    fn total_bytes(&self) -> u64;
+
+    /// Allocates every buffer of the block (the only allocation it will ever make).
+    fn build(self: Box<Self>) -> Result<Box<dyn ServingStage>>;
+}
+
+/// A built block: load its tensors once, then serve forward passes.
+pub trait ServingStage: Send + 'static {
+    /// The sizes a forward pass is checked against.
+    fn shape(&self) -> StageShape;
+
+    /// Copies `data` into tensor `name` at byte `offset`.
+    fn load_tensor(&mut self, name: &str, offset: u64, data: &[u8]) -> Result<()>;
+
+    /// Called once every tensor is loaded; the block is then ready to serve.
+    fn finish_load(&mut self) -> Result<()>;
+
+    /// Runs the block over `tokens`. Inputs were checked against [`Self::shape`] already.
+    fn forward(
+        &mut self,
+        tokens: &[TokenPos],
+        input: ForwardInput,
+        logits_rows: &[u32],
+    ) -> Result<ForwardOutput>;
+
+    /// Forgets every KV cell of `seq`.
+    fn kv_clear(&mut self, seq: u32) -> Result<()>;
+
+    /// Keeps the first `length` positions of `seq`.
+    fn kv_truncate(&mut self, seq: u32, length: u32) -> Result<()>;
+
+    /// Bytes of device memory the block holds.
+    fn bytes(&self) -> u64;
+}

@@ -1,0 +1,125 @@
+//! What the worker reports about itself: counters, memory and sessions.
+
+use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Lifetime counters of a worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CounterValues {
+    /// Sessions opened.
+    pub opened: u64,
+    /// Ended by the client's close.
+    pub closed: u64,
+    /// Ended by the stream ending or failing.
+    pub disconnected: u64,
+    /// Ended by the reaper (no heartbeat within TTL).
+    pub reaped: u64,
+    /// Ended by an admin kill.
+    pub killed: u64,
+    /// Ended by worker shutdown.
+    pub shutdown: u64,
+    /// Prepared transactions aborted because no decision came in time.
+    pub txn_timed_out: u64,
+}
+
+/// The live counters behind [`CounterValues`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub opened: AtomicU64,
+    pub closed: AtomicU64,
+    pub disconnected: AtomicU64,
+    pub reaped: AtomicU64,
+    pub killed: AtomicU64,
+    pub shutdown: AtomicU64,
+    pub txn_timed_out: AtomicU64,
+}
+
+impl Counters {
+    pub fn snapshot(&self) -> CounterValues {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        CounterValues {
+            opened: get(&self.opened),
+            closed: get(&self.closed),
+            disconnected: get(&self.disconnected),
+            reaped: get(&self.reaped),
+            killed: get(&self.killed),
+            shutdown: get(&self.shutdown),
+            txn_timed_out: get(&self.txn_timed_out),
+        }
+    }
+}
+
+/// A worker's state as `tetherctl status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WorkerStatus {
+    /// The worker's build.
+    pub worker_version: String,
+    /// The device served.
+    pub device: String,
+    /// Device memory in all, as the driver reports it.
+    pub device_total_bytes: u64,
+    /// Device memory free now.
+    pub device_free_bytes: u64,
+    /// Device memory in use when the worker started.
+    pub baseline_used_bytes: u64,
+    /// The admission limit.
+    pub max_memory_bytes: u64,
+    /// Live sessions.
+    pub sessions: u32,
+    /// Bytes held by all sessions.
+    pub session_bytes: u64,
+    /// Device bytes in use beyond baseline and session bytes.
+    pub unaccounted_bytes: u64,
+    /// Lifetime counters.
+    pub counters: CounterValues,
+    /// New sessions are refused.
+    pub draining: bool,
+    /// Seconds since start.
+    pub uptime_s: u64,
+    /// Resident memory of the worker process.
+    pub process_rss_bytes: u64,
+}
+
+/// One live session as `tetherctl sessions` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SessionSummary {
+    /// Session id.
+    pub session_id: String,
+    /// The client's name.
+    pub client_name: String,
+    /// Bytes held.
+    pub bytes: u64,
+    /// Layers served ("0..6", last excluded), empty when nothing is committed.
+    pub layers: String,
+    /// Lease TTL.
+    pub ttl_ms: u32,
+    /// Milliseconds since the last client heartbeat.
+    pub last_heartbeat_ms_ago: u64,
+    /// Milliseconds since the session opened.
+    pub age_ms: u64,
+    /// Transactions waiting for a decision.
+    pub prepared_txns: u32,
+}
+
+/// Resident memory of this process in bytes, from /proc/self/status (0 where unavailable).
+pub fn process_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                let kb = l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim();
+                kb.parse::<u64>().ok()
+            })
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rss_is_read_on_linux() {
+        if cfg!(target_os = "linux") {
+            assert!(super::process_rss_bytes() > 0);
+        }
+    }
+}

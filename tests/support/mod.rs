@@ -1,0 +1,332 @@
+//! Shared helpers of the end-to-end tests: start a real `tether worker` on a free port, run
+//! `tetherctl`, attach clients as real processes, send signals, read memory.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Path of the `tether` binary under test.
+pub const TETHER: &str = env!("CARGO_BIN_EXE_tether");
+/// Path of the `tetherctl` binary under test.
+pub const TETHERCTL: &str = env!("CARGO_BIN_EXE_tetherctl");
+
+/// A worker process; killed when dropped.
+pub struct Worker {
+    pub child: Child,
+    pub addr: String,
+    log: Arc<Mutex<String>>,
+}
+
+/// Reads lines of a child's output into `sink`, sending the first line matching `prefix`.
+fn pump_lines(
+    stream: impl std::io::Read + Send + 'static,
+    sink: Arc<Mutex<String>>,
+    prefix: Option<(&'static str, std::sync::mpsc::Sender<String>)>,
+) {
+    std::thread::spawn(move || {
+        let mut prefix = prefix;
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if let Some((p, tx)) = &prefix
+                && let Some(rest) = line.strip_prefix(p)
+            {
+                let _ = tx.send(rest.to_string());
+                prefix = None;
+            }
+            if let Ok(mut s) = sink.lock() {
+                s.push_str(&line);
+                s.push('\n');
+            }
+        }
+    });
+}
+
+impl Worker {
+    /// Starts `tether worker --listen 127.0.0.1:0 --device cpu ARGS` and waits until it
+    /// listens.
+    pub fn start(args: &[&str]) -> Worker {
+        let mut child = Command::new(TETHER)
+            .args([
+                "worker",
+                "--listen",
+                "127.0.0.1:0",
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+            ])
+            .args(args)
+            .env("TETHER_LOG", "info")
+            .env("NO_COLOR", "1")
+            .env_remove("TETHER_ADMIN_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn tether worker");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stdout = child.stdout.take().expect("worker stdout");
+        let stderr = child.stderr.take().expect("worker stderr");
+        pump_lines(
+            stdout,
+            Arc::clone(&log),
+            Some(("tether worker listening on ", tx)),
+        );
+        pump_lines(stderr, Arc::clone(&log), None);
+        let line = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(line) => line,
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "worker did not start; log:\n{}",
+                    log.lock().map(|l| l.clone()).unwrap_or_default()
+                );
+            }
+        };
+        let addr = line.split_whitespace().next().expect("address").to_string();
+        Worker { child, addr, log }
+    }
+
+    /// Everything the worker printed so far.
+    pub fn log(&self) -> String {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// The worker's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `tetherctl --worker ADDR --json status`.
+    pub fn status(&self) -> serde_json::Value {
+        tetherctl_json(&self.addr, &["status"])
+    }
+
+    /// Polls status until `pred` holds or `timeout` passes; returns the time it took.
+    pub fn wait_status(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> Option<Duration> {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if pred(&self.status()) {
+                return Some(start.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs tetherctl with `--json` and parses its output.
+pub fn tetherctl_json(addr: &str, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(TETHERCTL)
+        .args(["--worker", addr, "--json"])
+        .args(args)
+        .env_remove("TETHER_ADMIN_TOKEN")
+        .output()
+        .expect("run tetherctl");
+    assert!(
+        out.status.success(),
+        "tetherctl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("tetherctl prints JSON")
+}
+
+/// A `tether attach` process; killed when dropped.
+pub struct Attached {
+    pub child: Child,
+    pub session: String,
+}
+
+impl Attached {
+    /// Starts `tether attach --worker ADDR ARGS` and waits for its session id.
+    pub fn start(addr: &str, args: &[&str]) -> Attached {
+        let mut child = Command::new(TETHER)
+            .args(["attach", "--worker", addr])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn tether attach");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        pump_lines(
+            child.stdout.take().expect("stdout"),
+            Arc::clone(&log),
+            Some(("session ", tx)),
+        );
+        pump_lines(child.stderr.take().expect("stderr"), Arc::clone(&log), None);
+        let session = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(id) => id,
+            Err(_) => {
+                let _ = child.kill();
+                panic!(
+                    "attach printed no session; output:\n{}",
+                    log.lock().map(|l| l.clone()).unwrap_or_default()
+                );
+            }
+        };
+        Attached { child, session }
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends `signal` to process `pid`.
+pub fn send_signal(pid: u32, signal: i32) {
+    // SAFETY: kill(2) with a pid of a child we spawned and a valid signal number.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, signal) };
+    assert_eq!(rc, 0, "kill({pid}, {signal}) failed");
+}
+
+/// Resident memory of process `pid` in kB (VmRSS).
+pub fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("VmRSS:")?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+        })
+        .unwrap_or(0)
+}
+
+/// `status["sessions"]` and `status["session_bytes"]`.
+pub fn sessions_and_bytes(status: &serde_json::Value) -> (u64, u64) {
+    (
+        status["sessions"].as_u64().unwrap_or(u64::MAX),
+        status["session_bytes"].as_u64().unwrap_or(u64::MAX),
+    )
+}
+
+/// A model file for loading tests: the shared stories260K when present.
+pub fn model_path() -> std::path::PathBuf {
+    std::path::PathBuf::from("/work/shared/models/stories260K.gguf")
+}
+
+/// A synthetic tiny llama (f32) in a temporary directory, removed on drop.
+pub struct TinyModel {
+    pub dir: std::path::PathBuf,
+    pub path: std::path::PathBuf,
+}
+
+impl TinyModel {
+    /// Writes the model.
+    pub fn new() -> TinyModel {
+        let dir = std::env::temp_dir().join(format!(
+            "tether-e2e-{}-{}",
+            std::process::id(),
+            rand_suffix()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("tiny.gguf");
+        tether_model::synthesize(
+            &path,
+            tether_model::SynthShape::Tiny,
+            tether_gguf::GgmlType::F32,
+            11,
+        )
+        .expect("synthesize tiny model");
+        TinyModel { dir, path }
+    }
+
+    /// The path as a string argument.
+    pub fn arg(&self) -> &str {
+        self.path.to_str().expect("utf-8 temp path")
+    }
+}
+
+impl Drop for TinyModel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn rand_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+}
+
+/// Tensor bytes straight from a GGUF file.
+pub struct GgufSource(pub tether_gguf::GgufFile);
+
+impl tether_worker::client::TensorSource for GgufSource {
+    fn tensor_bytes(&self, name: &str) -> Option<&[u8]> {
+        self.0.tensor(name).map(|t| self.0.tensor_data(t))
+    }
+}
+
+/// A Prepare of every layer of `model` (with embedding and head), and its tensor source.
+pub fn full_load(
+    model: &std::path::Path,
+    ctx: usize,
+) -> (
+    tether_worker::client::LoadRequest,
+    std::sync::Arc<dyn tether_worker::client::TensorSource>,
+    usize,
+) {
+    let file = tether_gguf::GgufFile::open(model).expect("open model");
+    let cfg = tether_model::ModelConfig::from_gguf(&file).expect("model config");
+    let spec = tether_model::StageSpec {
+        first_layer: 0,
+        last_layer: cfg.n_layer,
+        has_embed: true,
+        has_head: true,
+        ctx_per_seq: ctx,
+        n_seq: 1,
+        ubatch: 8,
+    };
+    let tensors = tether_model::Stage::<tether_compute::CpuBackend>::required_tensors(
+        &cfg,
+        &spec,
+        file.tensors(),
+    )
+    .expect("required tensors")
+    .into_iter()
+    .map(|s| s.name)
+    .collect();
+    let bytes = std::fs::read(model).expect("read model");
+    let request = tether_worker::client::LoadRequest {
+        txn: tether_worker::TxnId::new_random(),
+        gguf_header: bytes[..file.data_offset() as usize].to_vec(),
+        gguf_file_bytes: bytes.len() as u64,
+        spec: tether_worker::BlockSpec {
+            first_layer: spec.first_layer,
+            last_layer: spec.last_layer,
+            has_embed: true,
+            has_head: true,
+            ctx_per_seq: ctx,
+            n_seq: 1,
+            ubatch: 8,
+        },
+        tensors,
+        decision_timeout: None,
+        chunk_bytes: 64 << 10,
+    };
+    (request, std::sync::Arc::new(GgufSource(file)), cfg.n_embd)
+}

@@ -1,0 +1,156 @@
+//! Loading layers into a real worker process: admission refuses what does not fit and
+//! stages nothing, an undecided Prepare is aborted by timeout, and 200 load/forward/close
+//! cycles give every byte back without the process growing.
+
+mod support;
+
+use std::time::{Duration, Instant};
+use support::{TinyModel, Worker, full_load, rss_kb};
+use tether_worker::client::{AdminClient, AttachOptions, ClientOptions, ErrorKind, WorkerClient};
+use tether_worker::{EndReason, ForwardInput, ForwardOutput, Lease, TokenPos};
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn attach_options(name: &str) -> AttachOptions {
+    AttachOptions {
+        client_name: name.into(),
+        lease: Lease {
+            heartbeat_interval: Duration::from_millis(200),
+            ttl: Duration::from_secs(5),
+        },
+        heartbeat: true,
+    }
+}
+
+#[test]
+fn prepare_over_max_memory_is_refused_and_stages_nothing() {
+    let model = TinyModel::new();
+    let worker = Worker::start(&["--max-memory", "4K"]);
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        let session = client
+            .attach(attach_options("too-big"))
+            .await
+            .expect("attach");
+        let (load, source, _) = full_load(&model.path, 64);
+        let err = client
+            .prepare(session.id(), load, source)
+            .await
+            .unwrap_err();
+        println!("refusal: {err}");
+        assert_eq!(err.kind(), ErrorKind::ResourceExhausted, "{err}");
+        assert!(
+            err.to_string().contains("asked") && err.to_string().contains("4096 bytes free"),
+            "{err}"
+        );
+        let mut admin = AdminClient::connect(&worker.addr, None, &ClientOptions::default())
+            .await
+            .expect("admin");
+        let status = admin.status().await.expect("status");
+        assert_eq!(
+            (status.sessions, status.session_bytes),
+            (1, 0),
+            "the session lives on with nothing staged"
+        );
+        assert_eq!(
+            admin.sessions().await.expect("sessions")[0].prepared_txns,
+            0
+        );
+    });
+}
+
+#[test]
+fn prepare_without_commit_is_aborted_by_timeout_and_freed() {
+    let model = TinyModel::new();
+    let worker = Worker::start(&["--prepare-timeout", "500ms"]);
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        let session = client
+            .attach(attach_options("undecided"))
+            .await
+            .expect("attach");
+        let (load, source, _) = full_load(&model.path, 64);
+        let txn = load.txn;
+        let reserved = client
+            .prepare(session.id(), load, source)
+            .await
+            .expect("prepare");
+        let prepared_at = Instant::now();
+        let mut admin = AdminClient::connect(&worker.addr, None, &ClientOptions::default())
+            .await
+            .expect("admin");
+        assert_eq!(
+            admin.status().await.expect("status").session_bytes,
+            reserved
+        );
+        loop {
+            let status = admin.status().await.expect("status");
+            if status.session_bytes == 0 {
+                assert_eq!(status.counters.txn_timed_out, 1);
+                break;
+            }
+            assert!(
+                prepared_at.elapsed() < Duration::from_millis(1500),
+                "not aborted in time"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        println!(
+            "undecided prepare of {reserved} bytes freed {:?} after its vote",
+            prepared_at.elapsed()
+        );
+        let err = client.commit(session.id(), txn).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+        assert_eq!(session.close().await.reason, EndReason::Closed);
+    });
+}
+
+#[test]
+fn two_hundred_load_forward_close_cycles_return_every_byte() {
+    let model = TinyModel::new();
+    let worker = Worker::start(&[]);
+    let pid = worker.pid();
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default()).await.expect("connect");
+        let mut admin = AdminClient::connect(&worker.addr, None, &ClientOptions::default()).await.expect("admin");
+        let mut rss_after_warmup = 0;
+        let started = Instant::now();
+        for cycle in 0..200 {
+            let session = client.attach(attach_options("cycle")).await.expect("attach");
+            let (load, source, _) = full_load(&model.path, 32);
+            let txn = load.txn;
+            let reserved = client.prepare(session.id(), load, source).await.expect("prepare");
+            client.commit(session.id(), txn).await.expect("commit");
+            let tokens = [TokenPos { seq: 0, pos: 0 }, TokenPos { seq: 0, pos: 1 }];
+            let out = client
+                .forward(session.id(), &tokens, &ForwardInput::TokenIds(vec![1, 2]), &[1])
+                .await
+                .expect("forward");
+            let ForwardOutput::Logits(logits) = out else { panic!("asked for logits") };
+            assert!(!logits.is_empty() && logits.iter().all(|v| v.is_finite()));
+            let end = session.close().await;
+            assert_eq!((end.reason, end.bytes_freed), (EndReason::Closed, reserved), "cycle {cycle}");
+            let status = admin.status().await.expect("status");
+            assert_eq!((status.sessions, status.session_bytes), (0, 0), "cycle {cycle}");
+            if cycle == 9 {
+                rss_after_warmup = rss_kb(pid);
+            }
+        }
+        let rss_last = rss_kb(pid);
+        println!(
+            "200 cycles in {:?}: worker RSS after 10 cycles {rss_after_warmup} kB, after 200 {rss_last} kB",
+            started.elapsed()
+        );
+        assert!(rss_last <= rss_after_warmup + 8 * 1024, "RSS grew from {rss_after_warmup} kB to {rss_last} kB");
+        assert_eq!(admin.status().await.expect("status").counters.closed, 200);
+    });
+}
