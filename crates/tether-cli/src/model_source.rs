@@ -35,14 +35,26 @@ impl ModelArgs {
     pub fn resolve(&self) -> Result<ResolvedModel> {
         if let Some(path) = &self.model {
             if !path.is_file() {
-                bail!("model file {} does not exist or is not a file", path.display());
+                bail!(
+                    "model file {} does not exist or is not a file",
+                    path.display()
+                );
             }
-            return Ok(ResolvedModel { path: path.clone(), is_demo: false });
+            return Ok(ResolvedModel {
+                path: path.clone(),
+                is_demo: false,
+            });
         }
         if let Some(spec) = &self.hf {
-            return Ok(ResolvedModel { path: download_hf(spec)?, is_demo: false });
+            return Ok(ResolvedModel {
+                path: download_hf(spec)?,
+                is_demo: false,
+            });
         }
-        Ok(ResolvedModel { path: demo_model()?, is_demo: true })
+        Ok(ResolvedModel {
+            path: demo_model()?,
+            is_demo: true,
+        })
     }
 }
 

@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod error;
+pub mod heap;
 pub mod ids;
 pub mod ledger;
 pub mod load;

@@ -210,6 +210,7 @@ impl SessionRegistry {
         let (id, client) = (session.id, session.client_name.clone());
         let lived_ms = session.opened_at.elapsed().as_millis() as u64;
         drop(session);
+        crate::heap::return_freed_heap();
         tracing::info!(
             session = %id,
             client = %client,

@@ -1,10 +1,15 @@
 //! `tether`: run, serve and inspect GGUF models.
 
 use clap::{Parser, Subcommand};
+use std::io::IsTerminal;
 use tether_cli::cmd;
 
 #[derive(Parser, Debug)]
-#[command(name = "tether", version, about = "Serve GGUF language models from a pool of workers")]
+#[command(
+    name = "tether",
+    version,
+    about = "Serve GGUF language models from a pool of workers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -23,21 +28,35 @@ enum Command {
     /// GGUF file tools.
     #[command(subcommand)]
     Gguf(cmd::gguf::GgufCommand),
+    /// Serve one device's memory to coordinators over gRPC, session by session.
+    Worker(cmd::worker::WorkerArgs),
+    /// Open a session on a worker, load layers into it and hold it (a debugging client).
+    Attach(cmd::attach::AttachArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // Long-running services log their lifecycle by default; one-shot commands stay quiet.
+    let default_filter = match cli.command {
+        Command::Worker(_) | Command::Attach(_) => "info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TETHER_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let result = match cli.command {
         Command::Run(args) => cmd::run::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Gguf(command) => cmd::gguf::run(command),
-    }
+        Command::Worker(args) => cmd::worker::run(args),
+        Command::Attach(args) => cmd::attach::run(args),
+    };
+    tether_cli::exit_code(result)
 }

@@ -61,7 +61,11 @@ pub fn run(command: GgufCommand) -> Result<()> {
                 bail!(
                     "unknown shape {:?}; choose one of {}",
                     args.shape,
-                    SynthShape::NAMES.join(", ")
+                    SynthShape::ALL
+                        .iter()
+                        .map(|s| s.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 );
             };
             let Some(ty) = GgmlType::from_name(&args.ty) else {

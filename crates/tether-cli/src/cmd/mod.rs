@@ -1,7 +1,10 @@
 //! One module per `tether` subcommand.
 
+pub mod attach;
 pub mod bench;
 pub mod eval;
 pub mod gguf;
+pub mod local;
 pub mod run;
 pub mod tokenize;
+pub mod worker;

@@ -30,13 +30,14 @@ pub struct TokenizeArgs {
 pub fn run(args: TokenizeArgs) -> Result<()> {
     let text = match (&args.text, &args.text_file) {
         (Some(text), _) => text.clone(),
-        (None, Some(path)) => std::fs::read_to_string(path)
-            .with_context(|| format!("reading {}", path.display()))?,
+        (None, Some(path)) => {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+        }
         (None, None) => bail!("give --text or --text-file"),
     };
     let model = args.model.resolve()?;
-    let file = GgufFile::open(&model.path)
-        .with_context(|| format!("reading {}", model.path.display()))?;
+    let file =
+        GgufFile::open(&model.path).with_context(|| format!("reading {}", model.path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("loading the tokenizer of {}", model.path.display()))?;
     let add_bos = !args.no_bos && tokenizer.add_bos_default();

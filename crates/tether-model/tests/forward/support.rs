@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tether_compute::CpuBackend;
 use tether_gguf::{GgmlType, GgufFile};
@@ -24,9 +25,13 @@ impl Drop for TempModel {
 }
 
 pub fn synth(shape: SynthShape, ty: GgmlType, seed: u64) -> TempModel {
+    // Tests run in parallel and may ask for the same model: each gets its own file, so one
+    // test's cleanup never removes another's.
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
     let path = std::env::temp_dir().join(format!(
-        "tether-model-test-{}-{}-{ty}-{seed}.gguf",
+        "tether-model-test-{}-{}-{}-{ty}-{seed}.gguf",
         std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed),
         shape.name()
     ));
     synthesize(&path, shape, ty, seed).unwrap();

@@ -1,0 +1,127 @@
+//! `tether bench`: prompt-processing and generation speed, as llama-bench measures them
+//! (`pp N`: N prompt tokens from an empty context; `tg N`: N tokens decoded one at a time).
+
+use crate::cmd::local::{DEMO_LABEL, DeviceArgs, load};
+use crate::model_source::ModelArgs;
+use anyhow::{Result, bail};
+use clap::Args;
+use std::time::Instant;
+use tether_model::{Sampler, SamplingParams};
+
+/// Arguments of `tether bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Prompt tokens per `pp` test (0 skips it).
+    #[arg(long = "n-prompt", short = 'p', default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Generated tokens per `tg` test (0 skips it).
+    #[arg(long = "n-gen", short = 'n', default_value_t = 128)]
+    pub n_gen: usize,
+    /// Measured repetitions of each test (after one warm-up).
+    #[arg(long, short = 'r', default_value_t = 3)]
+    pub repetitions: usize,
+    /// Print one JSON object per test instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Mean and standard deviation of tokens per second over the repetitions.
+struct Rate {
+    mean: f64,
+    stddev: f64,
+}
+
+fn rate(samples: &[f64], tokens: usize) -> Rate {
+    let tps: Vec<f64> = samples.iter().map(|s| tokens as f64 / s).collect();
+    let mean = tps.iter().sum::<f64>() / tps.len() as f64;
+    let var = tps.iter().map(|t| (t - mean) * (t - mean)).sum::<f64>() / tps.len() as f64;
+    Rate {
+        mean,
+        stddev: var.sqrt(),
+    }
+}
+
+/// Runs the tests and prints a row per test.
+pub fn run(args: BenchArgs) -> Result<()> {
+    if args.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    let need = args.n_prompt.max(args.n_gen + 1).max(1);
+    let mut dev = args.device.clone();
+    dev.ctx = Some(dev.ctx.unwrap_or(need).max(need));
+    let mut loaded = load(&args.model, &dev, need)?;
+    if loaded.model.is_demo {
+        eprintln!("{DEMO_LABEL}");
+    }
+    let n_vocab = loaded.generator.stage().config().n_vocab as u64;
+    let weights = loaded.generator.stage().bytes();
+    // Deterministic pseudo-random prompt: speed does not depend on which ids they are.
+    let prompt: Vec<u32> = (0..args.n_prompt as u64)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % n_vocab) as u32)
+        .collect();
+    let name = loaded.model.path.display().to_string();
+    if !args.json {
+        println!(
+            "model: {name} | {:.2} GiB on {} | ctx {} | ubatch {}",
+            weights as f64 / (1u64 << 30) as f64,
+            dev.device,
+            loaded.ctx,
+            dev.ubatch
+        );
+        println!("| test | t/s | ± |");
+        println!("|---|---:|---:|");
+    }
+    let report = |test: String, r: Rate| {
+        if args.json {
+            let row = serde_json::json!({
+                "model": name, "device": dev.device, "test": test,
+                "tokens_per_second": r.mean, "stddev": r.stddev,
+                "repetitions": args.repetitions, "ubatch": dev.ubatch,
+            });
+            println!("{row}");
+        } else {
+            println!("| {test} | {:.2} | {:.2} |", r.mean, r.stddev);
+        }
+    };
+    if args.n_prompt > 0 {
+        let mut samples = Vec::new();
+        for i in 0..=args.repetitions {
+            let t = Instant::now();
+            loaded.generator.eval_logits(&prompt)?;
+            if i > 0 {
+                samples.push(t.elapsed().as_secs_f64());
+            }
+        }
+        report(
+            format!("pp{}", args.n_prompt),
+            rate(&samples, args.n_prompt),
+        );
+    }
+    if args.n_gen > 0 {
+        let mut samples = Vec::new();
+        for i in 0..=args.repetitions {
+            let mut sampler = Sampler::new(SamplingParams::greedy());
+            let t = Instant::now();
+            let (out, _) =
+                loaded
+                    .generator
+                    .generate(&[1], args.n_gen, &mut sampler, &[], |_| true)?;
+            if out.len() != args.n_gen {
+                bail!(
+                    "generation stopped after {} of {} tokens",
+                    out.len(),
+                    args.n_gen
+                );
+            }
+            if i > 0 {
+                samples.push(t.elapsed().as_secs_f64());
+            }
+        }
+        report(format!("tg{}", args.n_gen), rate(&samples, args.n_gen));
+    }
+    Ok(())
+}

@@ -1,0 +1,82 @@
+//! What `run`, `eval` and `bench` share: the device, the model file and a loaded
+//! single-process generator.
+
+use crate::model_source::{ModelArgs, ResolvedModel};
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use std::sync::Arc;
+use tether_compute::CpuBackend;
+use tether_gguf::GgufFile;
+use tether_model::Generator;
+
+/// Where and how a model runs in this process.
+#[derive(Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// Device to run on: `cpu` (the cuda backend is not built into this tether yet).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Compute threads for the cpu device (default: one per core).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// Context size in tokens (default: the model's training context, at most 4096).
+    #[arg(long, short = 'c')]
+    pub ctx: Option<usize>,
+    /// Tokens per forward micro-batch during prompt processing.
+    #[arg(long, short = 'u', default_value_t = 512)]
+    pub ubatch: usize,
+}
+
+/// Most context cells a command allocates when `--ctx` is not given.
+const DEFAULT_CTX_CAP: usize = 4096;
+
+/// A model file opened and loaded on a device.
+pub struct Loaded {
+    pub model: ResolvedModel,
+    pub file: GgufFile,
+    pub generator: Generator<CpuBackend>,
+    pub ctx: usize,
+}
+
+/// Opens the model and loads every layer of it into one stage on the chosen device.
+pub fn load(model: &ModelArgs, dev: &DeviceArgs, min_ctx: usize) -> Result<Loaded> {
+    let backend = backend(dev)?;
+    let model = model.resolve()?;
+    let file =
+        GgufFile::open(&model.path).with_context(|| format!("reading {}", model.path.display()))?;
+    let cfg = tether_model::ModelConfig::from_gguf(&file)
+        .with_context(|| format!("reading the hyper-parameters of {}", model.path.display()))?;
+    let ctx = dev
+        .ctx
+        .unwrap_or_else(|| cfg.n_ctx_train.clamp(1, DEFAULT_CTX_CAP).max(min_ctx));
+    if ctx < min_ctx {
+        bail!("--ctx {ctx} is smaller than the {min_ctx} tokens this command needs");
+    }
+    if dev.ubatch == 0 {
+        bail!("--ubatch must be at least 1");
+    }
+    let generator = Generator::from_file(backend, &file, ctx, dev.ubatch)
+        .with_context(|| format!("loading {}", model.path.display()))?;
+    Ok(Loaded {
+        model,
+        file,
+        generator,
+        ctx,
+    })
+}
+
+fn backend(dev: &DeviceArgs) -> Result<Arc<CpuBackend>> {
+    match dev.device.as_str() {
+        "cpu" => Ok(Arc::new(
+            CpuBackend::new(dev.threads).context("starting the cpu backend")?,
+        )),
+        d if d.starts_with("cuda") => {
+            bail!(
+                "device {d}: the cuda backend is not built into this tether yet; use --device cpu"
+            )
+        }
+        d => bail!("unknown device {d:?}; use cpu or cuda:N"),
+    }
+}
+
+/// The line every command prints before using the synthetic demo model.
+pub const DEMO_LABEL: &str = "DEMO MODEL: synthetic random weights (give --model FILE.gguf or --hf OWNER/REPO/FILE.gguf for a real one); its text is gibberish by design";
