@@ -1,0 +1,132 @@
+//! The contract between the generation engine and its front ends (HTTP API, `tether run`):
+//! token ids in, token ids out. Text (detokenization, stop strings, chat templates) is the
+//! front end's business, so the engine stays a scheduler of sequences.
+
+use std::sync::Arc;
+use std::time::Instant;
+use tether_model::SamplingParams;
+use tether_model::tokenizer::Tokenizer;
+use tokio::sync::mpsc;
+
+/// One generation request.
+#[derive(Clone, Debug)]
+pub struct GenRequest {
+    /// Prompt token ids (BOS already added when the model wants it); never empty.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// How to sample.
+    pub sampling: SamplingParams,
+    /// When the request gives up; the engine ends it with [`GenError::Timeout`].
+    pub deadline: Option<Instant>,
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token was sampled (not sent as a token), or the front end
+    /// matched a stop string.
+    Stop,
+    /// `max_tokens` reached, or the context is full.
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// What a running request reports, in order: tokens, then exactly one `Done` or an error.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GenEvent {
+    /// A generated token.
+    Token(u32),
+    /// The end.
+    Done {
+        /// Why it ended.
+        finish: FinishReason,
+        /// Prompt tokens processed.
+        prompt_tokens: usize,
+        /// Tokens generated.
+        completion_tokens: usize,
+    },
+}
+
+/// Why a request failed; each maps to one HTTP status.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GenError {
+    /// The request is wrong (e.g. a prompt longer than the context): HTTP 400.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// Every slot is taken and the queue is full: HTTP 429.
+    #[error("{0}")]
+    Busy(String),
+    /// The model is not serving (a worker is gone, loading, shutting down): HTTP 503.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The deadline passed: HTTP 504.
+    #[error("{0}")]
+    Timeout(String),
+    /// Anything else: HTTP 500.
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// Whether the engine serves now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Serving.
+    Ready,
+    /// Not serving, and why (shown in 503 replies and `/health`).
+    Unavailable(String),
+}
+
+/// What front ends need to know about the served model.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    /// The model's id in the API (file stem unless given).
+    pub id: String,
+    /// Context cells per sequence.
+    pub ctx_per_seq: usize,
+    /// Unix seconds when the model was loaded.
+    pub created: u64,
+    /// `tokenizer.chat_template` from the GGUF file.
+    pub chat_template: Option<String>,
+}
+
+/// Counters the engine keeps for `/metrics`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Requests waiting for a sequence slot.
+    pub queued: usize,
+    /// Requests generating now.
+    pub running: usize,
+    /// Tokens generated since start.
+    pub generated_tokens: u64,
+    /// Prompt tokens processed since start.
+    pub prompt_tokens: u64,
+}
+
+/// A generation engine: the coordinator's pipeline over workers, or anything else that
+/// turns token ids into token ids.
+pub trait Generation: Send + Sync + 'static {
+    /// The served model.
+    fn model(&self) -> ModelInfo;
+    /// The model's tokenizer.
+    fn tokenizer(&self) -> Arc<Tokenizer>;
+    /// Whether requests can be served now.
+    fn health(&self) -> Health;
+    /// Counters for `/metrics`.
+    fn stats(&self) -> EngineStats;
+    /// Starts a request. Events arrive on the receiver; dropping the receiver cancels the
+    /// request and frees its sequence slot at the next step.
+    fn submit(
+        &self,
+        req: GenRequest,
+    ) -> Result<mpsc::Receiver<Result<GenEvent, GenError>>, GenError>;
+}
