@@ -79,6 +79,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Total and free device memory.
     fn memory_info(&self) -> Result<MemoryInfo>;
 
+    /// Runs `f`, which issues many ops, in the backend's execution context. The cpu backend
+    /// runs it on its compute pool, so each op starts on a pool thread instead of waking
+    /// the pool from outside and blocking: for small models that hop costs more than the
+    /// op.
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
     /// Allocates `bytes` of device memory. Fails with [`ComputeError::OutOfMemory`], never aborts.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
 

@@ -76,6 +76,10 @@ impl Backend for CpuBackend {
         "cpu".to_string()
     }
 
+    fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.install(f)
+    }
+
     fn memory_info(&self) -> Result<MemoryInfo> {
         buffer::system_memory()
     }

@@ -64,6 +64,15 @@ impl<B: Backend> Stage<B> {
     /// Runs `hidden` (`[batch.len()][n_embd]`) through the stage's layers in place, writing
     /// each token's keys and values into its sequence's cells. On a bad token nothing changes.
     pub fn forward(&mut self, batch: &[BatchToken], hidden: &mut [f32]) -> Result<(), ModelError> {
+        let backend = self.backend.clone();
+        backend.scope(|| self.forward_in_scope(batch, hidden))
+    }
+
+    fn forward_in_scope(
+        &mut self,
+        batch: &[BatchToken],
+        hidden: &mut [f32],
+    ) -> Result<(), ModelError> {
         self.check_loaded()?;
         let e = self.cfg.n_embd;
         need_len("the hidden-state buffer", hidden.len(), batch.len() * e)?;
@@ -200,6 +209,16 @@ impl<B: Backend> Stage<B> {
     /// Final norm and output head: `out` (`[n_tokens][n_vocab]`) from `hidden`
     /// (`[n_tokens][n_embd]`).
     pub fn logits(
+        &mut self,
+        hidden: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let backend = self.backend.clone();
+        backend.scope(|| self.logits_in_scope(hidden, n_tokens, out))
+    }
+
+    fn logits_in_scope(
         &mut self,
         hidden: &[f32],
         n_tokens: usize,
