@@ -4,8 +4,10 @@
 
 pub mod backend;
 pub mod cpu;
+pub mod cuda;
 pub mod error;
 
 pub use backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
 pub use cpu::{CpuBackend, CpuBuffer};
+pub use cuda::{CudaBackend, CudaBuffer};
 pub use error::ComputeError;

@@ -9,6 +9,8 @@ pub mod heap;
 pub mod ids;
 pub mod ledger;
 pub mod load;
+pub mod metrics;
+pub mod metrics_http;
 pub mod model_stage;
 pub mod participant;
 pub mod reaper;
@@ -23,6 +25,8 @@ pub mod status;
 
 #[cfg(test)]
 mod model_stage_tests;
+#[cfg(test)]
+mod observability_tests;
 #[cfg(test)]
 mod registry_tests;
 #[cfg(test)]

@@ -3,6 +3,7 @@
 
 use crate::error::{Result, WorkerError};
 use crate::ids::{SessionId, TxnId};
+use crate::metrics::TxnOp;
 use crate::participant::Outcome;
 use crate::registry::{SessionRegistry, unknown_session};
 use crate::session::{OwnedStage, SessionState};
@@ -75,21 +76,9 @@ impl SessionRegistry {
             tensors,
             decision_timeout,
         } = begin;
-        let (session_bytes, cancel): (Arc<AtomicU64>, CancellationToken) = {
-            let mut inner = self.lock();
-            let s = inner
-                .sessions
-                .get_mut(&session)
-                .ok_or_else(|| unknown_session(session))?;
-            if let SessionState::Serving { spec: serving, .. } = &s.state {
-                return Err(WorkerError::FailedPrecondition(format!(
-                    "session {session} already serves layers {}..{}; a session serves one block, open another session for more",
-                    serving.first_layer, serving.last_layer
-                )));
-            }
-            s.participant.begin(txn)?;
-            (Arc::clone(&s.bytes), s.cancel.clone())
-        };
+        let (session_bytes, cancel) = self
+            .open_prepare(session, txn)
+            .inspect_err(|_| self.metrics.count_txn(TxnOp::Prepare, false))?;
         let mut guard = FailGuard {
             registry: self,
             session,
@@ -130,6 +119,27 @@ impl SessionRegistry {
         })
     }
 
+    /// Starts transaction `txn` in `session`: its byte counter and cancellation token.
+    fn open_prepare(
+        &self,
+        session: SessionId,
+        txn: TxnId,
+    ) -> Result<(Arc<AtomicU64>, CancellationToken)> {
+        let mut inner = self.lock();
+        let s = inner
+            .sessions
+            .get_mut(&session)
+            .ok_or_else(|| unknown_session(session))?;
+        if let SessionState::Serving { spec: serving, .. } = &s.state {
+            return Err(WorkerError::FailedPrecondition(format!(
+                "session {session} already serves layers {}..{}; a session serves one block, open another session for more",
+                serving.first_layer, serving.last_layer
+            )));
+        }
+        s.participant.begin(txn)?;
+        Ok((Arc::clone(&s.bytes), s.cancel.clone()))
+    }
+
     /// Runs blocking work on the tracked blocking pool.
     pub(crate) async fn run_blocking<T: Send + 'static>(
         &self,
@@ -143,6 +153,7 @@ impl SessionRegistry {
     }
 
     pub(crate) fn fail_prepare(&self, session: SessionId, txn: TxnId) {
+        self.metrics.count_txn(TxnOp::Prepare, false);
         if let Some(s) = self.lock().sessions.get_mut(&session) {
             s.participant.fail(txn);
         }
@@ -151,6 +162,12 @@ impl SessionRegistry {
 
     /// Phase two: the prepared block of `txn` serves. Idempotent.
     pub fn commit(&self, session: SessionId, txn: TxnId) -> Result<Outcome> {
+        let outcome = self.commit_inner(session, txn);
+        self.metrics.count_txn(TxnOp::Commit, outcome.is_ok());
+        outcome
+    }
+
+    fn commit_inner(&self, session: SessionId, txn: TxnId) -> Result<Outcome> {
         let mut inner = self.lock();
         let s = inner
             .sessions
@@ -169,6 +186,12 @@ impl SessionRegistry {
 
     /// Phase two: the prepared block of `txn` is freed. Idempotent.
     pub fn abort(&self, session: SessionId, txn: TxnId) -> Result<Outcome> {
+        let outcome = self.abort_inner(session, txn);
+        self.metrics.count_txn(TxnOp::Abort, outcome.is_ok());
+        outcome
+    }
+
+    fn abort_inner(&self, session: SessionId, txn: TxnId) -> Result<Outcome> {
         let mut inner = self.lock();
         let s = inner
             .sessions
@@ -216,14 +239,20 @@ impl PrepareUpload {
         }
         let bytes = staged.reservation.bytes();
         let deadline = Instant::now() + self.decision_timeout;
-        let mut inner = self.registry.lock();
-        let Some(s) = inner.sessions.get_mut(&self.session) else {
-            return Err(WorkerError::Aborted(format!(
-                "session {} ended during the upload of transaction {}; its memory is freed",
-                self.session, self.txn
-            )));
+        let prepared = {
+            let mut inner = self.registry.lock();
+            match inner.sessions.get_mut(&self.session) {
+                Some(s) => s.participant.prepared(self.txn, staged, deadline),
+                None => Err(WorkerError::Aborted(format!(
+                    "session {} ended during the upload of transaction {}; its memory is freed",
+                    self.session, self.txn
+                ))),
+            }
         };
-        s.participant.prepared(self.txn, staged, deadline)?;
+        self.registry
+            .metrics
+            .count_txn(TxnOp::Prepare, prepared.is_ok());
+        prepared?;
         tracing::info!(session = %self.session, txn = %self.txn, bytes, "prepared");
         Ok(bytes)
     }

@@ -8,7 +8,7 @@ use crate::stage::{
     TensorNeed, TokenPos,
 };
 use std::sync::Arc;
-use tether_compute::{Backend, ComputeError};
+use tether_compute::{Backend, ComputeError, CpuBackend};
 use tether_gguf::GgufFile;
 use tether_model::{BatchToken, ModelConfig, ModelError, Stage, StageSpec, TensorSlot, plan_stage};
 
@@ -115,6 +115,10 @@ fn to_model_spec(spec: &BlockSpec) -> StageSpec {
 impl<B: Backend> StageFactory for ModelStageFactory<B> {
     fn device_name(&self) -> String {
         self.backend.name()
+    }
+
+    fn holds_host_memory(&self) -> bool {
+        std::any::TypeId::of::<B>() == std::any::TypeId::of::<CpuBackend>()
     }
 
     fn memory_info(&self) -> Result<(u64, u64)> {

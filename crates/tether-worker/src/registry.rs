@@ -5,6 +5,7 @@
 use crate::error::{Result, WorkerError};
 use crate::ids::SessionId;
 use crate::ledger::MemoryLedger;
+use crate::metrics::WorkerMetrics;
 use crate::session::{EndReason, Lease, Session, SessionEnd, SessionTicket};
 use crate::stage::StageFactory;
 use crate::status::{Counters, SessionSummary, WorkerStatus, process_rss_bytes};
@@ -69,6 +70,11 @@ pub struct SessionRegistry {
     pub(crate) tracker: TaskTracker,
     started: Instant,
     baseline_used: u64,
+    /// Resident memory of the process when the registry was made, before any session.
+    baseline_rss: u64,
+    /// `true` while new sessions are admitted; the health service watches it.
+    accepting: tokio::sync::watch::Sender<bool>,
+    pub(crate) metrics: WorkerMetrics,
 }
 
 impl SessionRegistry {
@@ -91,6 +97,9 @@ impl SessionRegistry {
             tracker: TaskTracker::new(),
             started: Instant::now(),
             baseline_used,
+            baseline_rss: process_rss_bytes(),
+            accepting: tokio::sync::watch::Sender::new(true),
+            metrics: WorkerMetrics::default(),
         }
     }
 
@@ -232,6 +241,7 @@ impl SessionRegistry {
     pub fn drain(&self) -> usize {
         let mut inner = self.lock();
         inner.draining = true;
+        self.accepting.send_replace(false);
         tracing::info!(
             live = inner.sessions.len(),
             "draining: new sessions are refused"
@@ -244,6 +254,7 @@ impl SessionRegistry {
         let sessions: Vec<Session> = {
             let mut inner = self.lock();
             inner.closed = true;
+            self.accepting.send_replace(false);
             inner.sessions.drain().map(|(_, s)| s).collect()
         };
         let n = sessions.len();
@@ -288,6 +299,23 @@ impl SessionRegistry {
         n
     }
 
+    /// Whether new sessions are admitted now (not draining, not shutting down), and every
+    /// change from here on.
+    pub fn accepting(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.accepting.subscribe()
+    }
+
+    /// Memory held beyond the idle baseline and the sessions' bytes. On a device whose
+    /// memory is host memory (cpu) the worker's own resident set is what it holds, which
+    /// other processes do not move; elsewhere it is the driver's used bytes.
+    fn unaccounted_bytes(&self, device_used: u64, rss: u64, session_bytes: u64) -> u64 {
+        if self.factory.holds_host_memory() {
+            rss.saturating_sub(self.baseline_rss.saturating_add(session_bytes))
+        } else {
+            device_used.saturating_sub(self.baseline_used.saturating_add(session_bytes))
+        }
+    }
+
     /// The worker's state for `tetherctl status`.
     pub fn status(&self) -> WorkerStatus {
         let (sessions, draining) = {
@@ -297,6 +325,7 @@ impl SessionRegistry {
         let (total, free) = self.factory.memory_info().unwrap_or((0, 0));
         let used = total.saturating_sub(free);
         let session_bytes = self.ledger.reserved();
+        let rss = process_rss_bytes();
         WorkerStatus {
             worker_version: self.config.worker_version.clone(),
             device: self.factory.device_name(),
@@ -306,11 +335,12 @@ impl SessionRegistry {
             max_memory_bytes: self.ledger.limit(),
             sessions,
             session_bytes,
-            unaccounted_bytes: used.saturating_sub(self.baseline_used + session_bytes),
+            unaccounted_bytes: self.unaccounted_bytes(used, rss, session_bytes),
             counters: self.counters.snapshot(),
             draining,
             uptime_s: self.started.elapsed().as_secs(),
-            process_rss_bytes: process_rss_bytes(),
+            process_rss_bytes: rss,
+            baseline_rss_bytes: self.baseline_rss,
         }
     }
 

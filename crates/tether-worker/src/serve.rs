@@ -54,14 +54,20 @@ impl SessionRegistry {
 
     /// Runs the session's block over a batch.
     pub async fn forward(&self, session: SessionId, call: ForwardCall) -> Result<ForwardOutput> {
-        self.with_stage(session, "forward", move |staged| {
-            let shape = staged.stage.shape();
-            check_forward(&shape, &call)?;
-            staged
-                .stage
-                .forward(&call.tokens, call.input, &call.logits_rows)
-        })
-        .await
+        let output = self
+            .with_stage(session, "forward", move |staged| {
+                let shape = staged.stage.shape();
+                check_forward(&shape, &call)?;
+                let started = std::time::Instant::now();
+                let output = staged
+                    .stage
+                    .forward(&call.tokens, call.input, &call.logits_rows)?;
+                Ok((output, started.elapsed()))
+            })
+            .await;
+        let (output, took) = output?;
+        self.metrics.observe_forward(took);
+        Ok(output)
     }
 
     /// Forgets every KV cell of `seq`.

@@ -1,10 +1,11 @@
-//! Running a worker: the gRPC server with keepalive and message limits, the reaper, and the
-//! shutdown sequence (stop accepting, end every session with reason `shutdown`, let
-//! in-flight work finish within the grace period).
+//! Running a worker: the gRPC server (worker, admin and grpc.health.v1 services) with
+//! keepalive and message limits, the reaper, and the shutdown sequence (stop accepting,
+//! end every session with reason `shutdown`, let in-flight work finish within the grace
+//! period).
 
 use crate::reaper::run_reaper;
 use crate::registry::SessionRegistry;
-use crate::service::{AdminAuth, AdminService, WorkerService};
+use crate::service::{AdminAuth, AdminService, HealthService, WorkerService};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -87,6 +88,10 @@ pub async fn serve(
         AdminService::new(Arc::clone(&registry)),
         AdminAuth::new(options.admin_token.clone()),
     );
+    let health = tonic_health::pb::health_server::HealthServer::new(HealthService::new(
+        Arc::clone(&registry),
+        stop.clone(),
+    ));
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(options.keepalive_interval))
         .http2_keepalive_timeout(Some(options.keepalive_timeout))
@@ -94,6 +99,7 @@ pub async fn serve(
         .tcp_nodelay(true)
         .add_service(worker)
         .add_service(admin)
+        .add_service(health)
         .serve_with_incoming_shutdown(
             TcpListenerStream::new(listener),
             stop.clone().cancelled_owned(),

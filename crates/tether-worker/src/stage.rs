@@ -80,6 +80,12 @@ pub trait StageFactory: Send + Sync + 'static {
     /// Total and free device memory in bytes, as the driver reports them.
     fn memory_info(&self) -> Result<(u64, u64)>;
 
+    /// Whether the device's memory is this process's host memory (the cpu device): then
+    /// what the worker holds is its resident set, not the system's used memory.
+    fn holds_host_memory(&self) -> bool {
+        false
+    }
+
     /// Reads the hyper-parameters and tensor table from a GGUF header (the first bytes of a
     /// file of `file_bytes` bytes) and plans `spec`: which tensors are needed and how many
     /// bytes the built block will hold in all.

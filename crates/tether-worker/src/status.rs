@@ -68,7 +68,8 @@ pub struct WorkerStatus {
     pub sessions: u32,
     /// Bytes held by all sessions.
     pub session_bytes: u64,
-    /// Device bytes in use beyond baseline and session bytes.
+    /// Bytes held beyond the idle baseline and session bytes: process RSS over its start
+    /// value on a host-memory device (cpu), device used bytes over baseline elsewhere.
     pub unaccounted_bytes: u64,
     /// Lifetime counters.
     pub counters: CounterValues,
@@ -78,6 +79,8 @@ pub struct WorkerStatus {
     pub uptime_s: u64,
     /// Resident memory of the worker process.
     pub process_rss_bytes: u64,
+    /// Resident memory of the worker process when it started, before any session.
+    pub baseline_rss_bytes: u64,
 }
 
 /// One live session as `tetherctl sessions` shows it.

@@ -28,6 +28,8 @@ enum Command {
     /// GGUF file tools.
     #[command(subcommand)]
     Gguf(cmd::gguf::GgufCommand),
+    /// Print what each worker would hold for a model: layers, weights, KV, scratch, free memory.
+    Plan(cmd::plan::PlanArgs),
     /// Serve one device's memory to coordinators over gRPC, session by session.
     Worker(cmd::worker::WorkerArgs),
     /// Open a session on a worker, load layers into it and hold it (a debugging client).
@@ -55,6 +57,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Gguf(command) => cmd::gguf::run(command),
+        Command::Plan(args) => cmd::plan::run(args),
         Command::Worker(args) => cmd::worker::run(args),
         Command::Attach(args) => cmd::attach::run(args),
     };

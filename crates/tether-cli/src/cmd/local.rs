@@ -1,5 +1,6 @@
-//! What `run`, `eval` and `bench` share: the device, the model file and a loaded
-//! single-process generator.
+//! What `run`, `eval` and `bench` share: the device, the model file, the context size and
+//! a loaded single-process generator (`eval` and `bench`; `run` goes through the
+//! coordinator).
 
 use crate::model_source::{ModelArgs, ResolvedModel};
 use anyhow::{Context, Result, bail};
@@ -7,7 +8,7 @@ use clap::Args;
 use std::sync::Arc;
 use tether_compute::CpuBackend;
 use tether_gguf::GgufFile;
-use tether_model::Generator;
+use tether_model::{Generator, ModelConfig};
 
 /// Where and how a model runs in this process.
 #[derive(Args, Debug, Clone)]
@@ -45,15 +46,7 @@ pub fn load(model: &ModelArgs, dev: &DeviceArgs, min_ctx: usize) -> Result<Loade
         GgufFile::open(&model.path).with_context(|| format!("reading {}", model.path.display()))?;
     let cfg = tether_model::ModelConfig::from_gguf(&file)
         .with_context(|| format!("reading the hyper-parameters of {}", model.path.display()))?;
-    let ctx = dev
-        .ctx
-        .unwrap_or_else(|| cfg.n_ctx_train.clamp(1, DEFAULT_CTX_CAP).max(min_ctx));
-    if ctx < min_ctx {
-        bail!("--ctx {ctx} is smaller than the {min_ctx} tokens this command needs");
-    }
-    if dev.ubatch == 0 {
-        bail!("--ubatch must be at least 1");
-    }
+    let ctx = context_size(dev, &cfg, min_ctx)?;
     let generator = Generator::from_file(backend, &file, ctx, dev.ubatch)
         .with_context(|| format!("loading {}", model.path.display()))?;
     Ok(Loaded {
@@ -64,11 +57,32 @@ pub fn load(model: &ModelArgs, dev: &DeviceArgs, min_ctx: usize) -> Result<Loade
     })
 }
 
+/// The context size a command uses: `--ctx`, else the model's training context capped at
+/// 4096 and raised to `min_ctx`; also checks `--ubatch`.
+pub fn context_size(dev: &DeviceArgs, cfg: &ModelConfig, min_ctx: usize) -> Result<usize> {
+    let ctx = dev
+        .ctx
+        .unwrap_or_else(|| cfg.n_ctx_train.clamp(1, DEFAULT_CTX_CAP).max(min_ctx));
+    if ctx < min_ctx {
+        bail!("--ctx {ctx} is smaller than the {min_ctx} tokens this command needs");
+    }
+    if dev.ubatch == 0 {
+        bail!("--ubatch must be at least 1");
+    }
+    Ok(ctx)
+}
+
 fn backend(dev: &DeviceArgs) -> Result<Arc<CpuBackend>> {
+    check_device(dev)?;
+    Ok(Arc::new(
+        CpuBackend::new(dev.threads).context("starting the cpu backend")?,
+    ))
+}
+
+/// Checks that `--device` names a device this build can run on in-process.
+pub fn check_device(dev: &DeviceArgs) -> Result<()> {
     match dev.device.as_str() {
-        "cpu" => Ok(Arc::new(
-            CpuBackend::new(dev.threads).context("starting the cpu backend")?,
-        )),
+        "cpu" => Ok(()),
         d if d.starts_with("cuda") => {
             bail!(
                 "device {d}: the cuda backend is not built into this tether yet; use --device cpu"

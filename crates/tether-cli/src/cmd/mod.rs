@@ -5,6 +5,7 @@ pub mod bench;
 pub mod eval;
 pub mod gguf;
 pub mod local;
+pub mod plan;
 pub mod run;
 pub mod tokenize;
 pub mod worker;

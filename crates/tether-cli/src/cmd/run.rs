@@ -1,13 +1,15 @@
-//! `tether run`: generate text from a prompt in this process.
+//! `tether run`: generate text from a prompt through the coordinator engine, over embedded
+//! workers in this process (real gRPC on loopback) or over remote `--worker`s.
 
-use crate::cmd::local::{DEMO_LABEL, DeviceArgs, load};
+use crate::cmd::local::{DEMO_LABEL, DeviceArgs, check_device, context_size};
 use crate::model_source::ModelArgs;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::io::Write;
 use std::time::Instant;
-use tether_model::tokenizer::Tokenizer;
-use tether_model::{Sampler, SamplingParams, StopReason};
+use tether_coordinator::api::{FinishReason, GenEvent, GenRequest, Generation};
+use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
+use tether_model::SamplingParams;
 
 /// Arguments of `tether run`.
 #[derive(Args, Debug)]
@@ -30,6 +32,15 @@ pub struct RunArgs {
     /// Print the generated token ids on stderr after the text.
     #[arg(long)]
     pub print_ids: bool,
+    /// Embedded workers to split the model over when no --worker is given.
+    #[arg(long, default_value_t = 1)]
+    pub local_workers: usize,
+    /// A remote worker (host:port) to place layers on, in layer order; repeat for more.
+    #[arg(long = "worker")]
+    pub workers: Vec<String>,
+    /// Share of the model per worker, e.g. `3,1` (default: in proportion to free memory).
+    #[arg(long, value_delimiter = ',')]
+    pub split: Option<Vec<f64>>,
 }
 
 /// Sampling flags, named as llama.cpp names them.
@@ -84,62 +95,114 @@ impl SamplingArgs {
 
 /// Streams the generated text to stdout; timings go to stderr.
 pub fn run(args: RunArgs) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tether-run")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(run_async(args))
+}
+
+async fn run_async(args: RunArgs) -> Result<()> {
     let params = args.sampling.params()?;
     let started = Instant::now();
-    let mut loaded = load(&args.model, &args.device, 1)?;
-    if loaded.model.is_demo {
+    let resolved = args.model.resolve()?;
+    if resolved.is_demo {
         eprintln!("{DEMO_LABEL}");
     }
-    let tokenizer = Tokenizer::from_gguf(&loaded.file)?;
+    let model = ModelFile::open(&resolved.path)?;
+    let ctx = context_size(&args.device, model.config(), 1)?;
+    let local = if args.workers.is_empty() {
+        check_device(&args.device)?;
+        if args.local_workers == 0 {
+            bail!("--local-workers must be at least 1");
+        }
+        let options = LocalOptions {
+            threads: args.device.threads,
+            max_memory: None,
+        };
+        Some(LocalWorkers::start(args.local_workers, &options).await?)
+    } else {
+        None
+    };
+    let addrs = match &local {
+        Some(l) => l.addrs(),
+        None => args.workers.clone(),
+    };
+    let config = CoordinatorConfig {
+        split: args.split.clone(),
+        ctx_per_seq: ctx,
+        parallel: 1,
+        ubatch: args.device.ubatch,
+        queue_depth: 1,
+        ..CoordinatorConfig::new(&model, addrs)
+    };
+    let coordinator = Coordinator::start(model, config).await?;
+    if let Some(plan) = coordinator.plan().filter(|p| p.assignments.len() > 1) {
+        eprint!("{plan}");
+    }
     let load_s = started.elapsed().as_secs_f64();
+    let result = generate(&args, &coordinator, params, ctx, load_s).await;
+    coordinator.shutdown().await;
+    if let Some(local) = local {
+        local.shutdown().await;
+    }
+    result
+}
+
+async fn generate(
+    args: &RunArgs,
+    coordinator: &Coordinator,
+    params: SamplingParams,
+    ctx: usize,
+    load_s: f64,
+) -> Result<()> {
+    let tokenizer = coordinator.tokenizer();
     let add_bos = !args.no_bos && tokenizer.add_bos_default();
     let prompt = tokenizer.encode(&args.prompt, add_bos, false);
     if prompt.is_empty() {
         bail!("the prompt has no tokens; give a non-empty --prompt");
     }
-    if prompt.len() >= loaded.ctx {
+    if prompt.len() >= ctx {
         bail!(
-            "the prompt has {} tokens, the context {}: raise --ctx",
-            prompt.len(),
-            loaded.ctx
+            "the prompt has {} tokens, the context {ctx}: raise --ctx",
+            prompt.len()
         );
     }
-    let eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
-        .filter(|&t| tokenizer.is_eog(t))
-        .collect();
     let mut out = std::io::stdout().lock();
     out.write_all(args.prompt.as_bytes())?;
     out.flush()?;
-    let mut sampler = Sampler::new(params);
     let gen_start = Instant::now();
+    let mut events = coordinator.submit(GenRequest {
+        prompt: prompt.clone(),
+        max_tokens: args.n_predict,
+        sampling: params,
+        deadline: None,
+    })?;
     let mut first_token: Option<f64> = None;
-    let mut write_err = None;
-    let (tokens, reason) =
-        loaded
-            .generator
-            .generate(&prompt, args.n_predict, &mut sampler, &eog, |tok| {
+    let mut tokens = Vec::new();
+    let finish = loop {
+        match events.recv().await {
+            Some(Ok(GenEvent::Token(tok))) => {
                 first_token.get_or_insert_with(|| gen_start.elapsed().as_secs_f64());
-                let piece = tokenizer.token_to_piece(tok);
-                match out.write_all(&piece).and_then(|_| out.flush()) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        write_err = Some(e);
-                        false
-                    }
-                }
-            })?;
-    if let Some(e) = write_err {
-        return Err(e.into());
-    }
+                tokens.push(tok);
+                // An error writing (a closed pipe) drops `events`, which cancels the request.
+                out.write_all(&tokenizer.token_to_piece(tok))?;
+                out.flush()?;
+            }
+            Some(Ok(GenEvent::Done { finish, .. })) => break finish,
+            Some(Err(e)) => bail!("generation failed: {e}"),
+            None => bail!("the engine stopped without finishing the request"),
+        }
+    };
     writeln!(out)?;
     let total = gen_start.elapsed().as_secs_f64();
     let prefill = first_token.unwrap_or(total);
     let decode_n = tokens.len().saturating_sub(1);
-    let why = match reason {
-        StopReason::EndOfGeneration => "end of generation",
-        StopReason::Limit => "n-predict reached",
-        StopReason::ContextFull => "context full",
-        StopReason::Callback => "stopped",
+    let why = match finish {
+        FinishReason::Stop => "end of generation",
+        FinishReason::Length if tokens.len() >= args.n_predict => "n-predict reached",
+        FinishReason::Length => "context full",
     };
     eprintln!(
         "load {load_s:.2} s | prompt {} tokens in {:.3} s ({:.1} t/s) | generated {} tokens, {:.1} t/s | {why}",

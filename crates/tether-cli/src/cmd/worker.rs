@@ -6,6 +6,7 @@ use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
 use tether_compute::{Backend, CpuBackend};
+use tether_worker::metrics_http::serve_metrics;
 use tether_worker::model_stage::ModelStageFactory;
 use tether_worker::registry::{RegistryConfig, SessionRegistry};
 use tether_worker::server::{DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve};
@@ -49,6 +50,10 @@ pub struct WorkerArgs {
     /// How often expired leases and undecided transactions are looked for.
     #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     pub reap_period: Duration,
+    /// Serve Prometheus metrics at http://ADDR/metrics (off unless given; port 0 picks a
+    /// free port, and the address is printed).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
     /// Require this token on admin calls (tetherctl).
     #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
@@ -108,13 +113,40 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         shutdown_grace: args.shutdown_grace,
         admin_token: args.admin_token.clone(),
     };
+    let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+    let metrics = match &args.metrics_listen {
+        Some(listen) => {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding the metrics address {listen}"))?;
+            let metrics_addr = listener
+                .local_addr()
+                .context("reading the bound metrics address")?;
+            // Printed before the listening line, which scripts wait for.
+            println!("tether worker metrics on http://{metrics_addr}/metrics");
+            Some(tokio::spawn(serve_metrics(
+                listener,
+                Arc::clone(&registry),
+                async {
+                    // Resolves on the send below, or when the sender is dropped.
+                    let _ = metrics_stopped.await;
+                },
+            )))
+        }
+        None => None,
+    };
     tracing::info!(%addr, device = %factory.device_name(), max_memory, "worker listening");
     // Scripts and tests read this line to learn the port.
     println!(
         "tether worker listening on {addr} (device {}, max memory {max_memory} bytes)",
         factory.device_name()
     );
-    let report = serve(listener, registry, options, first_signal()).await?;
+    let served = serve(listener, registry, options, first_signal()).await;
+    let _ = metrics_stop.send(());
+    if let Some(task) = metrics {
+        let _ = task.await;
+    }
+    let report = served?;
     tracing::info!(
         sessions_ended = report.sessions_ended,
         in_grace = report.finished_in_grace,

@@ -2,10 +2,12 @@
 //! prost type appears in its public API.
 
 mod admin;
+mod health;
 mod load;
 mod session;
 
 pub use admin::AdminClient;
+pub use health::{Health, check_health};
 pub use load::{DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource};
 pub use session::{AttachOptions, Session};
 

@@ -143,6 +143,7 @@ pub fn status_to_proto(s: &WorkerStatus) -> pb::StatusReply {
         draining: s.draining,
         uptime_s: s.uptime_s,
         process_rss_bytes: s.process_rss_bytes,
+        baseline_rss_bytes: s.baseline_rss_bytes,
     }
 }
 
@@ -171,6 +172,7 @@ pub fn status_from_proto(s: pb::StatusReply) -> WorkerStatus {
         draining: s.draining,
         uptime_s: s.uptime_s,
         process_rss_bytes: s.process_rss_bytes,
+        baseline_rss_bytes: s.baseline_rss_bytes,
     }
 }
 

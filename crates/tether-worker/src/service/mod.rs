@@ -3,7 +3,9 @@
 pub mod admin;
 mod attach;
 pub mod convert;
+pub mod health;
 pub mod worker;
 
 pub use admin::{AdminAuth, AdminService};
+pub use health::HealthService;
 pub use worker::WorkerService;

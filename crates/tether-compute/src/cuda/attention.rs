@@ -1,0 +1,181 @@
+//! The attention op: size checks, the choice of kernel and of how many blocks split each
+//! head's cells, and the merge pass when they do.
+
+use cudarc::driver::LaunchConfig;
+use tether_gguf::GgmlType;
+
+use super::check::{
+    self, attention_shape, cache_type_supported, elems, f32s, row_bytes, shape_err, unsupported,
+};
+use super::launch::{Arg, int};
+use super::{CudaBackend, CudaBuffer};
+use crate::backend::{AttnShape, AttnSpan, DeviceBuffer, Result};
+
+/// Cells one attention block should at least get when the cells of a head are split.
+const MIN_CELLS_PER_SPLIT: usize = 64;
+/// Most splits made only to fill the GPU.
+const MAX_SPLITS: usize = 64;
+/// Most cells one attention block takes: its scores live in 4 bytes of shared memory each,
+/// and 32 KiB stays under the 48 KiB a kernel gets without opting in to more.
+const MAX_CHUNK: usize = 8192;
+
+/// How many blocks share the cells of each (token, head): enough that `blocks` of them
+/// fill the GPU twice over (no fewer than [`MIN_CELLS_PER_SPLIT`] cells each), and enough
+/// that none takes more than [`MAX_CHUNK`] cells. Prefill batches fill the GPU by
+/// themselves and get one split (no merge pass) unless their spans are very long.
+fn attention_splits(blocks: usize, max_cells: usize, sm_count: usize) -> usize {
+    let target = 2 * sm_count;
+    let to_fill = if blocks >= target {
+        1
+    } else {
+        target
+            .div_ceil(blocks.max(1))
+            .min(max_cells.div_ceil(MIN_CELLS_PER_SPLIT))
+            .clamp(1, MAX_SPLITS)
+    };
+    to_fill.max(max_cells.div_ceil(MAX_CHUNK))
+}
+
+impl CudaBackend {
+    /// [`crate::Backend::attention`] on the GPU.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run_attention(
+        &self,
+        q: &CudaBuffer,
+        k_cache: &CudaBuffer,
+        v_cache: &CudaBuffer,
+        cache_ty: GgmlType,
+        spans: &[AttnSpan],
+        shape: AttnShape,
+        scale: f32,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        attention_shape(OP, shape)?;
+        if !cache_type_supported(cache_ty) {
+            return Err(unsupported(OP, cache_ty));
+        }
+        let head_bytes = row_bytes(OP, cache_ty, shape.head_dim)?;
+        let n = elems(OP, &[spans.len(), shape.n_heads, shape.head_dim])?;
+        f32s(OP, "query", q, n)?;
+        f32s(OP, "output", out, n)?;
+        let cell_bytes = elems(OP, &[shape.n_kv_heads, head_bytes])?;
+        let n_cells = k_cache.bytes().min(v_cache.bytes()) / cell_bytes;
+        check::spans(OP, spans, n_cells)?;
+        let qp = self.addr(OP, "query", q)?;
+        let (kp, vp) = (
+            self.addr(OP, "key cache", k_cache)?,
+            self.addr(OP, "value cache", v_cache)?,
+        );
+        let op = self.addr(OP, "output", out)?;
+        if spans.is_empty() {
+            return Ok(());
+        }
+        let n_tokens = u32::try_from(spans.len())
+            .ok()
+            .filter(|&t| t <= 65_535)
+            .ok_or_else(|| {
+                shape_err(
+                    OP,
+                    format!("{} query tokens exceed 65535 per call", spans.len()),
+                )
+            })?;
+        let flat: Vec<u32> = spans
+            .iter()
+            .flat_map(|s| [s.first_cell, s.n_cells])
+            .collect();
+        let max_cells = spans.iter().map(|s| s.n_cells as usize).max().unwrap_or(1);
+        let splits = attention_splits(shape.n_heads * spans.len(), max_cells, self.sm_count);
+        let chunk = max_cells.div_ceil(splits);
+        if splits > 65_535 {
+            return Err(shape_err(
+                OP,
+                format!("spans of {max_cells} cells are too long"),
+            ));
+        }
+        let mut staging = self.lock_staging();
+        let spans_at = staging.stage_u32(&flat)?;
+        let mut scratch = self.lock_scratch();
+        let partial = if splits > 1 {
+            let bytes =
+                elems(OP, &[n, splits, 4])? + elems(OP, &[spans.len(), shape.n_heads, splits, 8])?;
+            if scratch.as_ref().is_none_or(|b| b.bytes() < bytes) {
+                // Freed (after a synchronize) before the larger one is taken.
+                *scratch = None;
+                *scratch = Some(self.device.alloc(bytes.next_power_of_two())?);
+            }
+            scratch.as_ref().map_or(0, |b| b.ptr())
+        } else {
+            0
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (shape.n_heads as u32, n_tokens, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (chunk * 4) as u32,
+        };
+        let args = [
+            Arg::Ptr(qp),
+            Arg::Ptr(kp),
+            Arg::Ptr(vp),
+            Arg::I32(cache_ty.id() as i32),
+            Arg::Ptr(spans_at),
+            int(OP, "n_heads", shape.n_heads)?,
+            int(OP, "n_kv_heads", shape.n_kv_heads)?,
+            int(OP, "head_dim", shape.head_dim)?,
+            Arg::U64(head_bytes as u64),
+            Arg::F32(scale),
+            Arg::I32(chunk as i32),
+            Arg::Ptr(op),
+            Arg::Ptr(partial),
+        ];
+        // Heads of 8..256 elements in whole 16-byte loads take the vectorised f16 kernel.
+        let g = shape.head_dim / 8;
+        let vectorised = cache_ty == GgmlType::F16
+            && shape.head_dim.is_multiple_of(8)
+            && g.is_power_of_two()
+            && g <= 32;
+        let kernel = if vectorised {
+            "attention_f16v"
+        } else {
+            "attention"
+        };
+        self.run(kernel, cfg, &args)?;
+        if splits == 1 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (shape.n_heads as u32, n_tokens, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::Ptr(partial),
+            Arg::I32(splits as i32),
+            int(OP, "n_heads", shape.n_heads)?,
+            int(OP, "head_dim", shape.head_dim)?,
+            Arg::Ptr(op),
+        ];
+        self.run("attention_merge", cfg, &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_attention_is_split_and_prefill_is_not() {
+        // 32 heads, one token, 4096 cells on 132 SMs: 9 splits of 456 cells.
+        assert_eq!(attention_splits(32, 4096, 132), 9);
+        // Few cells: no split smaller than 64 cells.
+        assert_eq!(attention_splits(32, 100, 132), 2);
+        assert_eq!(attention_splits(32, 10, 132), 1);
+        // A prefill batch fills the GPU by itself.
+        assert_eq!(attention_splits(32 * 64, 4096, 132), 1);
+        // Never more than MAX_SPLITS to fill the GPU...
+        assert_eq!(attention_splits(1, 100_000, 132), MAX_SPLITS);
+        // ...but always enough that no block takes more than MAX_CHUNK cells.
+        assert_eq!(attention_splits(1, 1 << 20, 4), (1 << 20) / MAX_CHUNK);
+        assert_eq!(attention_splits(32 * 64, 20_000, 132), 3);
+    }
+}

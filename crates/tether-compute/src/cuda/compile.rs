@@ -1,0 +1,299 @@
+//! Kernel sources (CUDA C in the repo's `kernels/`), compiled by NVRTC for the device's
+//! compute capability and cached on disk as PTX.
+//!
+//! The cache key is a hash of the source, the architecture and the NVRTC version, so a
+//! changed kernel, another GPU or another NVRTC never picks up a stale entry. A missing,
+//! unreadable or corrupt entry is recompiled; failing to write the cache is not an error.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+
+use crate::backend::Result;
+use crate::cuda::device::driver_err;
+use crate::error::ComputeError;
+
+/// Text prepended to every kernel file (NVRTC gets no include path).
+const COMMON: &str = include_str!("../../../../kernels/common.cuh");
+
+/// One kernel file: its name (for messages and cache files), source and entry points.
+struct KernelFile {
+    name: &'static str,
+    source: &'static str,
+    entries: &'static [&'static str],
+}
+
+const MATVEC_ENTRIES: &[&str] = &[
+    "matvec_f32_1",
+    "matvec_f32_2",
+    "matvec_f32_4",
+    "matvec_f32_8",
+    "matvec_f16_1",
+    "matvec_f16_2",
+    "matvec_f16_4",
+    "matvec_f16_8",
+    "matvec_bf16_1",
+    "matvec_bf16_2",
+    "matvec_bf16_4",
+    "matvec_bf16_8",
+    "matvec_q4_0_1",
+    "matvec_q4_0_2",
+    "matvec_q4_0_4",
+    "matvec_q4_0_8",
+    "matvec_q8_0_1",
+    "matvec_q8_0_2",
+    "matvec_q8_0_4",
+    "matvec_q8_0_8",
+    "matvec_q4_k_1",
+    "matvec_q4_k_2",
+    "matvec_q4_k_4",
+    "matvec_q4_k_8",
+    "matvec_q5_k_1",
+    "matvec_q5_k_2",
+    "matvec_q5_k_4",
+    "matvec_q5_k_8",
+    "matvec_q6_k_1",
+    "matvec_q6_k_2",
+    "matvec_q6_k_4",
+    "matvec_q6_k_8",
+];
+
+const FILES: &[KernelFile] = &[
+    KernelFile {
+        name: "matvec",
+        source: include_str!("../../../../kernels/matvec.cu"),
+        entries: MATVEC_ENTRIES,
+    },
+    KernelFile {
+        name: "elementwise",
+        source: include_str!("../../../../kernels/elementwise.cu"),
+        entries: &["rms_norm", "swiglu", "add", "add_bias", "rope", "get_rows"],
+    },
+    KernelFile {
+        name: "attention",
+        source: include_str!("../../../../kernels/attention.cu"),
+        entries: &[
+            "kv_store_f16",
+            "kv_store_quant",
+            "attention",
+            "attention_f16v",
+            "attention_merge",
+        ],
+    },
+];
+
+/// Every kernel entry point, loaded into the backend's context.
+pub(crate) struct Kernels {
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl Kernels {
+    /// Compiles (or reads from the disk cache) and loads every kernel file for compute
+    /// capability `cc` (`(9, 0)` for an H100).
+    pub(crate) fn load(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Self> {
+        let nvrtc = nvrtc_version()?;
+        let dir = cache_dir();
+        let mut functions = HashMap::new();
+        for file in FILES {
+            let load_err = |e| {
+                driver_err(
+                    &format!(
+                        "loading kernel module {} (PTX from NVRTC {}.{}) for sm_{}{}; \
+                         the driver may be older than NVRTC",
+                        file.name, nvrtc.0, nvrtc.1, cc.0, cc.1
+                    ),
+                    e,
+                )
+            };
+            let (ptx, cached) = module_ptx(file, cc, nvrtc, dir.as_deref(), true)?;
+            let module = match ctx.load_module(Ptx::from_src(ptx)) {
+                Ok(m) => m,
+                // A cache entry the driver rejects is treated like a corrupt one.
+                Err(_) if cached => {
+                    let (ptx, _) = module_ptx(file, cc, nvrtc, dir.as_deref(), false)?;
+                    ctx.load_module(Ptx::from_src(ptx)).map_err(load_err)?
+                }
+                Err(e) => return Err(load_err(e)),
+            };
+            for &entry in file.entries {
+                let f = module.load_function(entry).map_err(|e| {
+                    driver_err(&format!("finding kernel {entry} in {}", file.name), e)
+                })?;
+                functions.insert(entry, f);
+            }
+        }
+        Ok(Self { functions })
+    }
+
+    /// The entry point `name` (one of the names listed in `FILES`).
+    pub(crate) fn get(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions.get(name).ok_or_else(|| {
+            ComputeError::Device(format!("kernel {name} was not loaded; this is a bug"))
+        })
+    }
+}
+
+/// NVRTC's (major, minor) version; fails clearly when libnvrtc cannot be loaded.
+fn nvrtc_version() -> Result<(i32, i32)> {
+    // SAFETY: only probes whether the shared library can be opened.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(ComputeError::Unavailable(
+            "NVRTC (libnvrtc.so) was not found, and the CUDA backend compiles its kernels \
+             with it: install the CUDA toolkit's NVRTC or add its lib directory to \
+             LD_LIBRARY_PATH"
+                .to_string(),
+        ));
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present; both pointers are valid for the call.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(ComputeError::Unavailable(format!(
+            "asking NVRTC for its version failed ({status:?})"
+        )));
+    }
+    Ok((major, minor))
+}
+
+/// `$TETHER_CACHE/kernels`, else `~/.cache/tether/kernels`; `None` when neither is known.
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("TETHER_CACHE").filter(|d| !d.is_empty()) {
+        return Some(PathBuf::from(dir).join("kernels"));
+    }
+    let home = std::env::var_os("HOME").filter(|d| !d.is_empty())?;
+    Some(PathBuf::from(home).join(".cache/tether/kernels"))
+}
+
+/// FNV-1a: stable across Rust versions, unlike `DefaultHasher`, so cache names stay valid.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in *part {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // Separate the parts so ("ab", "c") and ("a", "bc") differ.
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// The name of the cache entry of `file` for this architecture and NVRTC.
+fn cache_name(file: &KernelFile, cc: (i32, i32), nvrtc: (i32, i32)) -> String {
+    let arch = format!("sm_{}{}", cc.0, cc.1);
+    let version = format!("nvrtc{}.{}", nvrtc.0, nvrtc.1);
+    let hash = fnv1a(&[
+        COMMON.as_bytes(),
+        file.source.as_bytes(),
+        arch.as_bytes(),
+        version.as_bytes(),
+    ]);
+    format!("{}-{hash:016x}-{arch}-{version}.ptx", file.name)
+}
+
+/// A PTX text that looks whole: NVRTC's output always declares `.version` and the entries.
+fn plausible_ptx(text: &str, file: &KernelFile) -> bool {
+    !text.contains('\0')
+        && text.contains(".version")
+        && file.entries.iter().all(|e| text.contains(e))
+}
+
+/// The PTX of `file` and whether it came from the cache: from the cache when `use_cache`
+/// and a valid entry exists, else compiled (and written to the cache).
+fn module_ptx(
+    file: &KernelFile,
+    cc: (i32, i32),
+    nvrtc: (i32, i32),
+    dir: Option<&Path>,
+    use_cache: bool,
+) -> Result<(String, bool)> {
+    let path = dir.map(|d| d.join(cache_name(file, cc, nvrtc)));
+    if use_cache
+        && let Some(text) = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok())
+        && plausible_ptx(&text, file)
+    {
+        return Ok((text, true));
+    }
+    let source = format!("{COMMON}\n{}", file.source);
+    let opts = CompileOptions {
+        options: vec![
+            format!("--gpu-architecture=compute_{}{}", cc.0, cc.1),
+            "--std=c++17".to_string(),
+        ],
+        name: Some(format!("{}.cu", file.name)),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(&source, opts).map_err(|e| {
+        ComputeError::Device(format!(
+            "NVRTC {}.{} failed to compile kernels/{}.cu for sm_{}{}: {e}",
+            nvrtc.0, nvrtc.1, file.name, cc.0, cc.1
+        ))
+    })?;
+    let text = ptx.to_src();
+    if let (Some(path), Some(dir)) = (path, dir) {
+        store(dir, &path, &text);
+    }
+    Ok((text, false))
+}
+
+/// Writes a cache entry through a temporary file and a rename, so a reader never sees half
+/// of one. Failures only cost a recompile next time.
+fn store(dir: &Path, path: &Path, text: &str) {
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_names_change_with_arch_and_nvrtc() {
+        let f = &FILES[0];
+        let a = cache_name(f, (9, 0), (12, 8));
+        assert_ne!(a, cache_name(f, (8, 0), (12, 8)));
+        assert_ne!(a, cache_name(f, (9, 0), (13, 0)));
+        assert!(a.starts_with("matvec-") && a.ends_with("-sm_90-nvrtc12.8.ptx"));
+    }
+
+    #[test]
+    fn hash_separates_parts() {
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+    }
+
+    #[test]
+    fn truncated_or_foreign_ptx_is_rejected() {
+        let f = &FILES[1];
+        let good = format!(".version 8.0\n{}", f.entries.join("\n"));
+        assert!(plausible_ptx(&good, f));
+        assert!(!plausible_ptx(&good[..good.len() - 3], f));
+        assert!(!plausible_ptx(&format!("{good}\0"), f));
+        assert!(!plausible_ptx("garbage", f));
+    }
+
+    #[test]
+    fn every_entry_is_defined_in_its_file() {
+        for f in FILES {
+            for e in f.entries {
+                // Matvec entries come from a macro: check the type part is instantiated.
+                let stem = e.trim_start_matches("matvec_");
+                let ty = stem.rsplit_once('_').map_or(stem, |(t, _)| t);
+                assert!(
+                    f.source.contains(&format!("{e}("))
+                        || f.source.contains(&format!("MV_ALL({ty})")),
+                    "{e} not found in {}",
+                    f.name
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The CUDA context and stream one backend works on, and device memory owned by values.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::sys::{CUdeviceptr, CUresult};
+use cudarc::driver::{CudaContext, CudaStream, DriverError, result};
+
+use crate::backend::{DeviceBuffer, Result};
+use crate::error::ComputeError;
+
+/// A driver error while doing `what`, as a [`ComputeError::Device`].
+pub(crate) fn driver_err(what: &str, e: DriverError) -> ComputeError {
+    ComputeError::Device(format!("{what}: CUDA driver error {:?}", e.0))
+}
+
+/// What every buffer of one backend shares: the context, the one stream every op and copy
+/// runs on (so ops are ordered without events), and the count of bytes allocated.
+pub(crate) struct Device {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) name: String,
+    allocated: AtomicU64,
+}
+
+impl Device {
+    pub(crate) fn new(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, name: String) -> Self {
+        Self {
+            ctx,
+            stream,
+            name,
+            allocated: AtomicU64::new(0),
+        }
+    }
+
+    /// Makes the context current on the calling thread; every raw driver call needs it.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the CUDA context to this thread", e))
+    }
+
+    /// Waits for every op issued on the stream.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_err("waiting for the CUDA stream", e))
+    }
+
+    /// Bytes currently allocated through this device by live buffers.
+    pub(crate) fn allocated_bytes(&self) -> u64 {
+        self.allocated.load(Ordering::Relaxed)
+    }
+
+    /// Free and total device memory, from cuMemGetInfo.
+    pub(crate) fn mem_info(&self) -> Result<(u64, u64)> {
+        self.bind()?;
+        let (free, total) =
+            result::mem_get_info().map_err(|e| driver_err("reading device memory info", e))?;
+        Ok((free as u64, total as u64))
+    }
+
+    /// Allocates `bytes` zeroed bytes (zeros like the cpu backend, so reading before writing
+    /// is defined).
+    pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<CudaBuffer> {
+        if bytes == 0 {
+            return Ok(CudaBuffer {
+                ptr: 0,
+                len: 0,
+                device: self.clone(),
+            });
+        }
+        self.bind()?;
+        // SAFETY: the context is current; the memory is zeroed below before any use.
+        let ptr = match unsafe { result::malloc_sync(bytes) } {
+            Ok(p) => p,
+            Err(e) if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                let free = self.mem_info().map(|(f, _)| f).unwrap_or(0);
+                return Err(ComputeError::OutOfMemory {
+                    device: self.name.clone(),
+                    requested: bytes as u64,
+                    free,
+                });
+            }
+            Err(e) => return Err(driver_err(&format!("allocating {bytes} bytes"), e)),
+        };
+        let buf = CudaBuffer {
+            ptr,
+            len: bytes,
+            device: self.clone(),
+        };
+        self.allocated.fetch_add(bytes as u64, Ordering::Relaxed);
+        // SAFETY: `ptr` holds `bytes` bytes; the memset is ordered on the stream before any
+        // op that uses the buffer.
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_err(&format!("zeroing {bytes} new bytes"), e))?;
+        Ok(buf)
+    }
+}
+
+/// A block of device memory owned by one value; dropping it waits for the backend's stream
+/// and frees the memory.
+pub struct CudaBuffer {
+    ptr: CUdeviceptr,
+    len: usize,
+    device: Arc<Device>,
+}
+
+impl CudaBuffer {
+    /// The device address (0 for an empty buffer).
+    pub(crate) fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// Whether the buffer was allocated by the device `d`.
+    pub(crate) fn belongs_to(&self, d: &Arc<Device>) -> bool {
+        Arc::ptr_eq(&self.device, d)
+    }
+}
+
+impl DeviceBuffer for CudaBuffer {
+    fn bytes(&self) -> usize {
+        self.len
+    }
+}
+
+impl std::fmt::Debug for CudaBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBuffer({} bytes on {})", self.len, self.device.name)
+    }
+}
+
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        // A kernel still queued may use this memory: wait for the stream before freeing.
+        // Errors here cannot be returned; a failed sync means the context is broken, and
+        // freeing then is still the best that can be done.
+        let _ = self.device.synchronize();
+        // SAFETY: `ptr` came from malloc_sync, is freed once, and the stream is idle.
+        let _ = unsafe { result::free_sync(self.ptr) };
+        self.device
+            .allocated
+            .fetch_sub(self.len as u64, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,161 @@
+//! The CUDA backend: device memory owned by [`CudaBuffer`] values, kernels written in CUDA C
+//! (`kernels/*.cu` at the repository root) and compiled by NVRTC at backend creation.
+//!
+//! The CUDA libraries are loaded at run time, so building needs no CUDA toolkit, and a
+//! machine without a driver gets an error from [`CudaBackend::new`], never a panic. Every
+//! op and copy runs on one stream per backend, which orders them without events; a buffer's
+//! `Drop` synchronizes that stream before freeing.
+
+mod attention;
+mod check;
+mod compile;
+mod device;
+mod launch;
+mod ops;
+mod staging;
+
+pub use device::CudaBuffer;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::CudaContext;
+use cudarc::driver::sys::CUdevice_attribute;
+
+use crate::backend::{DeviceBuffer, Result};
+use crate::error::ComputeError;
+use compile::Kernels;
+use device::{Device, driver_err};
+use staging::Staging;
+
+/// A backend on one CUDA device.
+pub struct CudaBackend {
+    device: Arc<Device>,
+    kernels: Kernels,
+    /// Index staging; held for the whole of an op, from staging to launch, so no other
+    /// thread can recycle the slot in between.
+    staging: Mutex<Staging>,
+    /// Partial results of split attention, grown on first need; locked after `staging`.
+    scratch: Mutex<Option<CudaBuffer>>,
+    /// Multiprocessors of the device: decode attention splits its cells to fill them.
+    sm_count: usize,
+}
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the shared library; nothing is called through it.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`, compiles (or loads from the disk cache) the kernels and
+    /// allocates the index staging memory. Fails with [`ComputeError::Unavailable`] when
+    /// there is no CUDA driver, no such device, or no NVRTC.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // cudarc panics on the first call into a missing library; ask before calling.
+        if !driver_present() {
+            return Err(ComputeError::Unavailable(
+                "the CUDA driver library (libcuda.so) was not found on this machine: install \
+                 the NVIDIA driver, or use the cpu backend"
+                    .to_string(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            ComputeError::Unavailable(format!(
+                "opening CUDA device {ordinal} failed (driver error {:?}); check that the \
+                 device exists (nvidia-smi) and is visible (CUDA_VISIBLE_DEVICES)",
+                e.0
+            ))
+        })?;
+        let gpu = ctx
+            .name()
+            .map_err(|e| driver_err(&format!("reading the name of CUDA device {ordinal}"), e))?;
+        let cc = ctx.compute_capability().map_err(|e| {
+            driver_err(
+                &format!("reading the compute capability of CUDA device {ordinal}"),
+                e,
+            )
+        })?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_err(&format!("creating a stream on CUDA device {ordinal}"), e))?;
+        let sm_count = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| {
+                driver_err(&format!("reading the SM count of CUDA device {ordinal}"), e)
+            })?;
+        let kernels = Kernels::load(&ctx, cc)?;
+        let device = Arc::new(Device::new(ctx, stream, format!("cuda:{ordinal} {gpu}")));
+        let staging = Mutex::new(Staging::new(&device)?);
+        Ok(Self {
+            device,
+            kernels,
+            staging,
+            scratch: Mutex::new(None),
+            sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
+        })
+    }
+
+    /// Bytes of device memory currently allocated through this backend (buffers, staging).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.device.allocated_bytes()
+    }
+
+    /// Bytes of device memory the backend holds for itself (index staging, attention
+    /// scratch).
+    pub fn internal_bytes(&self) -> usize {
+        let staging = self.lock_staging().device_bytes();
+        staging + self.lock_scratch().as_ref().map_or(0, |b| b.bytes())
+    }
+
+    fn lock_scratch(&self) -> MutexGuard<'_, Option<CudaBuffer>> {
+        // The scratch holds no state between ops, so a poisoned lock is still usable.
+        self.scratch.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_staging(&self) -> MutexGuard<'_, Staging> {
+        // A panic while staging leaves the ring consistent (offsets only grow), so a
+        // poisoned lock is still usable.
+        self.staging.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The device address of `buf`, after checking it was allocated by this backend.
+    fn addr(&self, op: &'static str, what: &str, buf: &CudaBuffer) -> Result<u64> {
+        if !buf.belongs_to(&self.device) {
+            return Err(check::shape_err(
+                op,
+                format!(
+                    "{what} ({} bytes) was allocated by another CUDA backend",
+                    buf.bytes()
+                ),
+            ));
+        }
+        Ok(buf.ptr())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_reports_an_error_instead_of_panicking_without_a_gpu() {
+        let result = std::panic::catch_unwind(|| CudaBackend::new(0));
+        let result = result.expect("CudaBackend::new must not panic");
+        if !driver_present() {
+            match result {
+                Err(ComputeError::Unavailable(msg)) => assert!(msg.contains("libcuda"), "{msg}"),
+                Err(e) => panic!("expected Unavailable, got {e}"),
+                Ok(_) => panic!("a backend without a CUDA driver"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_device_that_does_not_exist_is_an_error() {
+        match CudaBackend::new(4096) {
+            Err(ComputeError::Unavailable(msg)) => assert!(!msg.is_empty()),
+            Err(e) => panic!("expected Unavailable, got {e}"),
+            Ok(_) => panic!("device 4096 should not exist"),
+        }
+    }
+}

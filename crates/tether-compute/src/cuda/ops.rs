@@ -1,0 +1,444 @@
+//! [`Backend`] for [`CudaBackend`]: size checks, then one kernel launch per op (a few for
+//! large batches) on the backend's stream.
+
+use cudarc::driver::{LaunchConfig, result};
+use tether_gguf::GgmlType;
+
+use super::check::{
+    cache_type_supported, elems, f32s, need, row_bytes, shape_err, unsupported,
+    weight_type_supported,
+};
+use super::launch::{Arg, grid_for, int, launch};
+use super::{CudaBackend, CudaBuffer};
+use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
+use crate::cuda::device::driver_err;
+
+/// Threads per block of the element-wise kernels.
+const THREADS: u32 = 256;
+/// Weight rows per matvec block (one warp each); must match `MV_WARPS` in matvec.cu.
+const MV_ROWS_PER_BLOCK: usize = 4;
+/// Most tokens one matvec launch multiplies; larger batches are split.
+const MV_MAX_TOKENS: usize = 8;
+
+/// The name stem of the matvec kernels for `ty`.
+fn matvec_stem(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4K => "q4_k",
+        GgmlType::Q5K => "q5_k",
+        GgmlType::Q6K => "q6_k",
+        _ => return None,
+    })
+}
+
+impl CudaBackend {
+    pub(super) fn run(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        launch(
+            &self.device.stream,
+            self.kernels.get(name)?,
+            name,
+            cfg,
+            args,
+        )
+    }
+
+    fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.device.bind()?;
+        // SAFETY: the caller checked that `ptr` holds `bytes` bytes of a live buffer.
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.device.stream.cu_stream()) }
+            .map_err(|e| driver_err("zeroing an output", e))
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+
+    fn name(&self) -> String {
+        self.device.name.clone()
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        let (free, total) = self.device.mem_info()?;
+        Ok(MemoryInfo { total, free })
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
+        self.device.alloc(bytes)
+    }
+
+    fn upload(&self, dst: &mut CudaBuffer, offset: usize, src: &[u8]) -> Result<()> {
+        need(
+            "upload",
+            "destination buffer",
+            dst.bytes(),
+            offset.checked_add(src.len()),
+        )?;
+        let at = self.addr("upload", "destination buffer", dst)? + offset as u64;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.device.bind()?;
+        // SAFETY: the range is inside `dst` (checked). For pageable host memory the driver
+        // has copied `src` into its own staging before returning, so `src` may go after.
+        unsafe { result::memcpy_htod_async(at, src, self.device.stream.cu_stream()) }
+            .map_err(|e| driver_err(&format!("uploading {} bytes", src.len()), e))
+    }
+
+    fn download(&self, src: &CudaBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
+        need(
+            "download",
+            "source buffer",
+            src.bytes(),
+            offset.checked_add(dst.len()),
+        )?;
+        let at = self.addr("download", "source buffer", src)? + offset as u64;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.device.bind()?;
+        // SAFETY: the range is inside `src` (checked); the stream is synchronized below
+        // before `dst` is handed back.
+        unsafe { result::memcpy_dtoh_async(dst, at, self.device.stream.cu_stream()) }
+            .map_err(|e| driver_err(&format!("downloading {} bytes", dst.len()), e))?;
+        self.device.synchronize()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.device.synchronize()
+    }
+
+    fn get_rows(
+        &self,
+        table: &CudaBuffer,
+        ty: GgmlType,
+        row_len: usize,
+        ids: &[u32],
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        const OP: &str = "get_rows";
+        if !weight_type_supported(ty) {
+            return Err(unsupported(OP, ty));
+        }
+        let rb = row_bytes(OP, ty, row_len)?;
+        let n_rows = table.bytes().checked_div(rb).unwrap_or(0);
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= n_rows) {
+            return Err(shape_err(
+                OP,
+                format!("row id {bad} is outside the table of {n_rows} rows of {row_len} {ty}"),
+            ));
+        }
+        f32s(OP, "output", out, elems(OP, &[ids.len(), row_len])?)?;
+        let (t, o) = (
+            self.addr(OP, "table", table)?,
+            self.addr(OP, "output", out)?,
+        );
+        if ids.is_empty() || row_len == 0 {
+            return Ok(());
+        }
+        let row_len = int(OP, "row length", row_len)?;
+        let _ = int(OP, "token count", ids.len())?;
+        let mut staging = self.lock_staging();
+        let ids_at = staging.stage_u32(ids)?;
+        let cfg = LaunchConfig {
+            grid_dim: (ids.len() as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::Ptr(t),
+            Arg::I32(ty.id() as i32),
+            Arg::U64(rb as u64),
+            row_len,
+            Arg::Ptr(ids_at),
+            Arg::Ptr(o),
+        ];
+        self.run("get_rows", cfg, &args)
+    }
+
+    fn matmul(
+        &self,
+        w: &CudaBuffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &CudaBuffer,
+        n_tokens: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let stem = matvec_stem(ty).ok_or_else(|| unsupported(OP, ty))?;
+        let rb = row_bytes(OP, ty, cols)?;
+        need(OP, "weight buffer", w.bytes(), rb.checked_mul(rows))?;
+        f32s(OP, "input", x, elems(OP, &[n_tokens, cols])?)?;
+        f32s(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
+        let (wp, xp) = (self.addr(OP, "weight", w)?, self.addr(OP, "input", x)?);
+        let op = self.addr(OP, "output", out)?;
+        if rows == 0 || n_tokens == 0 {
+            return Ok(());
+        }
+        if cols == 0 {
+            return self.zero(op, rows * n_tokens * 4);
+        }
+        let (rows_arg, cols_arg) = (int(OP, "rows", rows)?, int(OP, "cols", cols)?);
+        let blocks = u32::try_from(rows.div_ceil(MV_ROWS_PER_BLOCK))
+            .map_err(|_| shape_err(OP, format!("{rows} rows are too many for one launch")))?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut t0 = 0;
+        while t0 < n_tokens {
+            let n = (n_tokens - t0).min(MV_MAX_TOKENS);
+            let width = n.next_power_of_two();
+            let name = format!("matvec_{stem}_{width}");
+            let args = [
+                Arg::Ptr(wp),
+                rows_arg,
+                cols_arg,
+                Arg::Ptr(xp + (t0 * cols * 4) as u64),
+                Arg::I32(n as i32),
+                Arg::Ptr(op + (t0 * rows * 4) as u64),
+            ];
+            self.run(&name, cfg, &args)?;
+            t0 += n;
+        }
+        Ok(())
+    }
+
+    fn add_bias(
+        &self,
+        x: &mut CudaBuffer,
+        bias: &CudaBuffer,
+        n_tokens: usize,
+        dim: usize,
+    ) -> Result<()> {
+        const OP: &str = "add_bias";
+        let n = elems(OP, &[n_tokens, dim])?;
+        f32s(OP, "input", x, n)?;
+        f32s(OP, "bias", bias, dim)?;
+        let (xp, bp) = (self.addr(OP, "input", x)?, self.addr(OP, "bias", bias)?);
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            Arg::Ptr(xp),
+            Arg::Ptr(bp),
+            Arg::U64(n as u64),
+            Arg::U64(dim as u64),
+        ];
+        self.run("add_bias", grid_for(n, THREADS), &args)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaBuffer,
+        weight: &CudaBuffer,
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm";
+        let n = elems(OP, &[n_tokens, dim])?;
+        f32s(OP, "input", x, n)?;
+        f32s(OP, "weight", weight, dim)?;
+        f32s(OP, "output", out, n)?;
+        let (xp, wp) = (self.addr(OP, "input", x)?, self.addr(OP, "weight", weight)?);
+        let op = self.addr(OP, "output", out)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = u32::try_from(n_tokens)
+            .map_err(|_| shape_err(OP, format!("{n_tokens} tokens are too many")))?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::Ptr(xp),
+            Arg::Ptr(wp),
+            int(OP, "dim", dim)?,
+            Arg::F32(eps),
+            Arg::Ptr(op),
+        ];
+        self.run("rms_norm", cfg, &args)
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaBuffer,
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        params: &RopeParams,
+        freq_factors: Option<&CudaBuffer>,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        if !params.n_rot.is_multiple_of(2) || params.n_rot > head_dim {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "n_rot {} must be even and at most head_dim {head_dim}",
+                    params.n_rot
+                ),
+            ));
+        }
+        if positions.len() < n_tokens {
+            return Err(shape_err(
+                OP,
+                format!("{} positions for {n_tokens} tokens", positions.len()),
+            ));
+        }
+        f32s(OP, "input", x, elems(OP, &[n_tokens, n_heads, head_dim])?)?;
+        let factors = match freq_factors {
+            Some(f) => {
+                f32s(OP, "freq_factors", f, params.n_rot / 2)?;
+                self.addr(OP, "freq_factors", f)?
+            }
+            None => 0,
+        };
+        let xp = self.addr(OP, "input", x)?;
+        let pairs = elems(OP, &[n_tokens, n_heads, params.n_rot / 2])?;
+        if pairs == 0 {
+            return Ok(());
+        }
+        let mut staging = self.lock_staging();
+        let pos_at = staging.stage_u32(&positions[..n_tokens])?;
+        let args = [
+            Arg::Ptr(xp),
+            int(OP, "n_tokens", n_tokens)?,
+            int(OP, "n_heads", n_heads)?,
+            int(OP, "head_dim", head_dim)?,
+            Arg::Ptr(pos_at),
+            int(OP, "n_rot", params.n_rot)?,
+            Arg::F32(params.freq_base),
+            Arg::F32(params.freq_scale),
+            Arg::I32(i32::from(params.neox)),
+            Arg::Ptr(factors),
+        ];
+        self.run("rope", grid_for(pairs, THREADS), &args)
+    }
+
+    fn kv_store(
+        &self,
+        src: &CudaBuffer,
+        kv_dim: usize,
+        cells: &[u32],
+        cache: &mut CudaBuffer,
+        cache_ty: GgmlType,
+    ) -> Result<()> {
+        const OP: &str = "kv_store";
+        if !cache_type_supported(cache_ty) {
+            return Err(unsupported(OP, cache_ty));
+        }
+        let rb = row_bytes(OP, cache_ty, kv_dim)?;
+        f32s(OP, "source", src, elems(OP, &[cells.len(), kv_dim])?)?;
+        let n_cells = cache.bytes().checked_div(rb).unwrap_or(0);
+        if let Some(&bad) = cells.iter().find(|&&c| c as usize >= n_cells) {
+            return Err(shape_err(
+                OP,
+                format!("cell {bad} is outside the cache of {n_cells} cells"),
+            ));
+        }
+        let (sp, cp) = (
+            self.addr(OP, "source", src)?,
+            self.addr(OP, "cache", cache)?,
+        );
+        if cells.is_empty() || kv_dim == 0 {
+            return Ok(());
+        }
+        let mut staging = self.lock_staging();
+        let cells_at = staging.stage_u32(cells)?;
+        let mut args = vec![
+            Arg::Ptr(sp),
+            int(OP, "kv_dim", kv_dim)?,
+            Arg::Ptr(cells_at),
+            int(OP, "token count", cells.len())?,
+            Arg::Ptr(cp),
+        ];
+        if cache_ty == GgmlType::F16 {
+            self.run(
+                "kv_store_f16",
+                grid_for(cells.len() * kv_dim, THREADS),
+                &args,
+            )
+        } else {
+            args.push(Arg::I32(cache_ty.id() as i32));
+            let blocks = cells.len() * (kv_dim / 32);
+            self.run("kv_store_quant", grid_for(blocks, THREADS), &args)
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &CudaBuffer,
+        k_cache: &CudaBuffer,
+        v_cache: &CudaBuffer,
+        cache_ty: GgmlType,
+        spans: &[AttnSpan],
+        shape: AttnShape,
+        scale: f32,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.run_attention(q, k_cache, v_cache, cache_ty, spans, shape, scale, out)
+    }
+
+    fn swiglu(
+        &self,
+        gate: &CudaBuffer,
+        up: &CudaBuffer,
+        n: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        const OP: &str = "swiglu";
+        f32s(OP, "gate", gate, n)?;
+        f32s(OP, "up", up, n)?;
+        f32s(OP, "output", out, n)?;
+        let (g, u) = (self.addr(OP, "gate", gate)?, self.addr(OP, "up", up)?);
+        let o = self.addr(OP, "output", out)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [Arg::Ptr(g), Arg::Ptr(u), Arg::U64(n as u64), Arg::Ptr(o)];
+        self.run("swiglu", grid_for(n, THREADS), &args)
+    }
+
+    fn add(&self, x: &mut CudaBuffer, y: &CudaBuffer, n: usize) -> Result<()> {
+        const OP: &str = "add";
+        f32s(OP, "x", x, n)?;
+        f32s(OP, "y", y, n)?;
+        let (xp, yp) = (self.addr(OP, "x", x)?, self.addr(OP, "y", y)?);
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [Arg::Ptr(xp), Arg::Ptr(yp), Arg::U64(n as u64)];
+        self.run("add", grid_for(n, THREADS), &args)
+    }
+
+    fn copy(&self, src: &CudaBuffer, dst: &mut CudaBuffer, bytes: usize) -> Result<()> {
+        const OP: &str = "copy";
+        need(OP, "source buffer", src.bytes(), Some(bytes))?;
+        need(OP, "destination buffer", dst.bytes(), Some(bytes))?;
+        let (s, d) = (
+            self.addr(OP, "source", src)?,
+            self.addr(OP, "destination", dst)?,
+        );
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.device.bind()?;
+        // SAFETY: both ranges are inside live buffers of this backend (checked).
+        unsafe { result::memcpy_dtod_async(d, s, bytes, self.device.stream.cu_stream()) }
+            .map_err(|e| driver_err(&format!("copying {bytes} bytes on the device"), e))
+    }
+}

@@ -1,0 +1,103 @@
+//! Timings of the CUDA decode path (matvec, attention). Ignored by default; on a GPU:
+//! `cargo test -p tether-compute --release --test cuda_bench -- --ignored --nocapture`.
+
+use std::time::Instant;
+
+use tether_compute::{AttnShape, AttnSpan, Backend, CudaBackend};
+use tether_gguf::GgmlType;
+
+fn gpu() -> CudaBackend {
+    CudaBackend::new(0).unwrap_or_else(|e| panic!("this benchmark needs a CUDA GPU: {e}"))
+}
+
+/// Mean seconds per call of `f` over `iters` calls, after a warm-up.
+fn time(be: &CudaBackend, iters: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    be.synchronize().unwrap();
+    let start = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    be.synchronize().unwrap();
+    start.elapsed().as_secs_f64() / iters as f64
+}
+
+/// Weight bytes with a small positive f16 scale in every block (zeros elsewhere), so the
+/// kernels do real arithmetic on finite values.
+fn weights(ty: GgmlType, elems: usize) -> Vec<u8> {
+    let mut w = vec![0x11u8; ty.bytes_for(elems as u64).unwrap() as usize];
+    if ty.is_quantized() {
+        let scale = half::f16::from_f32(0.01).to_le_bytes();
+        let at = if ty == GgmlType::Q6K { 208 } else { 0 };
+        for b in w.chunks_exact_mut(ty.block_bytes()) {
+            b[at..at + 2].copy_from_slice(&scale);
+        }
+    }
+    w
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bench_decode_matvec() {
+    let g = gpu();
+    let types = [
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::F32,
+    ];
+    for (rows, cols) in [(4096usize, 4096usize), (14336, 4096), (4096, 14336)] {
+        for ty in types {
+            let wb = weights(ty, rows * cols);
+            let mut w = g.alloc(wb.len()).unwrap();
+            g.upload(&mut w, 0, &wb).unwrap();
+            for n in [1usize, 8] {
+                let x = g.alloc(n * cols * 4).unwrap();
+                let mut out = g.alloc(n * rows * 4).unwrap();
+                let secs = time(&g, 50, || {
+                    g.matmul(&w, ty, rows, cols, &x, n, &mut out).unwrap();
+                });
+                eprintln!(
+                    "matvec {ty:>5} {rows:>5}x{cols:<5} n={n}: {:8.1} us  {:7.1} GB/s of weights",
+                    secs * 1e6,
+                    wb.len() as f64 / secs / 1e9
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bench_decode_attention() {
+    let g = gpu();
+    let shape = AttnShape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    };
+    let kv_dim = shape.n_kv_heads * shape.head_dim;
+    for cells in [512usize, 4096, 32768] {
+        let k = g.alloc(cells * kv_dim * 2).unwrap();
+        let v = g.alloc(cells * kv_dim * 2).unwrap();
+        let q = g.alloc(shape.n_heads * shape.head_dim * 4).unwrap();
+        let mut out = g.alloc(shape.n_heads * shape.head_dim * 4).unwrap();
+        let spans = [AttnSpan {
+            first_cell: 0,
+            n_cells: cells as u32,
+        }];
+        let secs = time(&g, 50, || {
+            g.attention(&q, &k, &v, GgmlType::F16, &spans, shape, 0.088, &mut out)
+                .unwrap();
+        });
+        eprintln!(
+            "attention f16 decode, {cells:>6} cells: {:8.1} us  {:7.1} GB/s of cache",
+            secs * 1e6,
+            (2 * cells * kv_dim * 2) as f64 / secs / 1e9
+        );
+    }
+}

@@ -1,0 +1,488 @@
+//! The CUDA backend against the cpu backend, op by op, on random inputs.
+//!
+//! Every test needs a GPU and is ignored by default; run them with
+//! `cargo test -p tether-compute --test cuda_ops -- --ignored --test-threads=1`.
+//! Without a GPU they fail (the backend cannot be created), they do not skip.
+
+use tether_compute::{
+    AttnShape, AttnSpan, Backend, ComputeError, CpuBackend, CudaBackend, DeviceBuffer, RopeParams,
+};
+use tether_gguf::GgmlType;
+
+/// splitmix64: deterministic test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn f32s(&mut self, n: usize, amp: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| ((self.unit() * 2.0 - 1.0) * f64::from(amp)) as f32)
+            .collect()
+    }
+}
+
+/// Offsets of the f16 scales inside one block of `ty` (random bytes there would give
+/// infinities and NaNs).
+fn scale_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q6K => &[208],
+        _ => &[],
+    }
+}
+
+/// Random weights of `ty`: random quants with sane scales, or values in [-1, 1).
+fn random_weights(rng: &mut Rng, ty: GgmlType, elems: usize) -> Vec<u8> {
+    let floats = rng.f32s(elems, 1.0);
+    match ty {
+        GgmlType::F32 => floats.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        GgmlType::F16 => floats
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => floats
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        _ => {
+            let block = ty.block_bytes();
+            let mut out: Vec<u8> = (0..elems / ty.block_elems() * block)
+                .map(|_| rng.next_u64() as u8)
+                .collect();
+            for b in out.chunks_exact_mut(block) {
+                for &at in scale_offsets(ty) {
+                    let mag = 1e-3 * 100f64.powf(rng.unit());
+                    let s = if rng.next_u64() & 1 == 0 { mag } else { -mag };
+                    b[at..at + 2].copy_from_slice(&half::f16::from_f64(s).to_le_bytes());
+                }
+            }
+            out
+        }
+    }
+}
+
+/// ‖a − b‖ / ‖b‖.
+fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "compared vectors differ in length");
+    let d: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    if n == 0.0 { d.sqrt() } else { (d / n).sqrt() }
+}
+
+fn gpu() -> CudaBackend {
+    CudaBackend::new(0).unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"))
+}
+
+fn cpu() -> CpuBackend {
+    CpuBackend::new(None).unwrap()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Uploads `bytes` to a new buffer of `be`.
+fn put<B: Backend>(be: &B, bytes: &[u8]) -> B::Buffer {
+    let mut b = be.alloc(bytes.len()).unwrap();
+    be.upload(&mut b, 0, bytes).unwrap();
+    b
+}
+
+/// The first `n` f32 of `buf`.
+fn get<B: Backend>(be: &B, buf: &B::Buffer, n: usize) -> Vec<f32> {
+    let mut bytes = vec![0u8; n * 4];
+    be.download(buf, 0, &mut bytes).unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Both backends' buffers for the same bytes.
+struct Pair {
+    g: <CudaBackend as Backend>::Buffer,
+    c: <CpuBackend as Backend>::Buffer,
+}
+
+fn pair(g: &CudaBackend, c: &CpuBackend, bytes: &[u8]) -> Pair {
+    Pair {
+        g: put(g, bytes),
+        c: put(c, bytes),
+    }
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "{what}: non-finite output"
+    );
+    let e = relative_error(got, want);
+    assert!(e < tol, "{what}: relative error {e} >= {tol}");
+}
+
+const WEIGHT_TYPES: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matmul_matches_cpu_for_every_weight_type_and_batch() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(1);
+    for ty in WEIGHT_TYPES {
+        // Rows off the 4-rows-per-block grid; several column counts, odd ones for floats.
+        let col_counts: &[usize] = if ty.block_elems() == 1 {
+            &[512, 100, 4096]
+        } else {
+            &[512, 4096]
+        };
+        for &cols in col_counts {
+            let rows = 67;
+            let w = pair(&g, &c, &random_weights(&mut rng, ty, rows * cols));
+            for n in [1usize, 2, 3, 8, 13] {
+                let x = pair(&g, &c, &f32_bytes(&rng.f32s(n * cols, 1.0)));
+                let mut og = g.alloc(n * rows * 4).unwrap();
+                let mut oc = c.alloc(n * rows * 4).unwrap();
+                g.matmul(&w.g, ty, rows, cols, &x.g, n, &mut og).unwrap();
+                c.matmul(&w.c, ty, rows, cols, &x.c, n, &mut oc).unwrap();
+                let what = format!("matmul {ty} {rows}x{cols} n={n}");
+                assert_close(
+                    &what,
+                    &get(&g, &og, n * rows),
+                    &get(&c, &oc, n * rows),
+                    1e-2,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matmul_refuses_unsupported_types_and_bad_sizes() {
+    let g = gpu();
+    let w = g.alloc(1 << 16).unwrap();
+    let x = g.alloc(1 << 12).unwrap();
+    let mut o = g.alloc(1 << 12).unwrap();
+    let r = g.matmul(&w, GgmlType::Q2K, 4, 256, &x, 1, &mut o);
+    assert!(matches!(r, Err(ComputeError::Unsupported { .. })), "{r:?}");
+    let r = g.matmul(&w, GgmlType::Q4_0, 4, 100, &x, 1, &mut o);
+    assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
+    let r = g.matmul(&w, GgmlType::F32, 4096, 4096, &x, 1, &mut o);
+    assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn get_rows_matches_cpu_for_every_weight_type() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(2);
+    for ty in WEIGHT_TYPES {
+        let row_len = 512;
+        let table = pair(&g, &c, &random_weights(&mut rng, ty, 7 * row_len));
+        let ids = [6u32, 0, 3, 3, 1];
+        let mut og = g.alloc(ids.len() * row_len * 4).unwrap();
+        let mut oc = c.alloc(ids.len() * row_len * 4).unwrap();
+        g.get_rows(&table.g, ty, row_len, &ids, &mut og).unwrap();
+        c.get_rows(&table.c, ty, row_len, &ids, &mut oc).unwrap();
+        let n = ids.len() * row_len;
+        assert_close(
+            &format!("get_rows {ty}"),
+            &get(&g, &og, n),
+            &get(&c, &oc, n),
+            1e-6,
+        );
+        let r = g.get_rows(&table.g, ty, row_len, &[7], &mut og);
+        assert!(matches!(r, Err(ComputeError::Shape { .. })), "{ty}: {r:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn elementwise_ops_match_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(3);
+    for (n_tokens, dim) in [(1usize, 4096usize), (5, 1000)] {
+        let n = n_tokens * dim;
+        let x = pair(&g, &c, &f32_bytes(&rng.f32s(n, 3.0)));
+        let y = pair(&g, &c, &f32_bytes(&rng.f32s(n, 3.0)));
+        let w = pair(&g, &c, &f32_bytes(&rng.f32s(dim, 1.0)));
+        let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
+
+        g.rms_norm(&x.g, &w.g, n_tokens, dim, 1e-5, &mut og)
+            .unwrap();
+        c.rms_norm(&x.c, &w.c, n_tokens, dim, 1e-5, &mut oc)
+            .unwrap();
+        assert_close("rms_norm", &get(&g, &og, n), &get(&c, &oc, n), 1e-5);
+
+        g.swiglu(&x.g, &y.g, n, &mut og).unwrap();
+        c.swiglu(&x.c, &y.c, n, &mut oc).unwrap();
+        assert_close("swiglu", &get(&g, &og, n), &get(&c, &oc, n), 1e-5);
+
+        let mut a = pair(&g, &c, &f32_bytes(&get(&c, &x.c, n)));
+        g.add(&mut a.g, &y.g, n).unwrap();
+        c.add(&mut a.c, &y.c, n).unwrap();
+        assert_close("add", &get(&g, &a.g, n), &get(&c, &a.c, n), 1e-6);
+
+        g.add_bias(&mut a.g, &w.g, n_tokens, dim).unwrap();
+        c.add_bias(&mut a.c, &w.c, n_tokens, dim).unwrap();
+        assert_close("add_bias", &get(&g, &a.g, n), &get(&c, &a.c, n), 1e-6);
+
+        let mut copy = g.alloc(n * 4).unwrap();
+        g.copy(&a.g, &mut copy, n * 4).unwrap();
+        assert_eq!(get(&g, &copy, n), get(&c, &a.c, n), "copy");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rope_matches_cpu_in_both_styles() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(4);
+    let (n_tokens, n_heads, head_dim) = (6, 4, 64);
+    let n = n_tokens * n_heads * head_dim;
+    let positions = [0u32, 1, 7, 100, 4095, 123_456];
+    let factors = pair(
+        &g,
+        &c,
+        &f32_bytes(
+            &rng.f32s(24, 1.0)
+                .iter()
+                .map(|v| 1.0 + v.abs() * 4.0)
+                .collect::<Vec<_>>(),
+        ),
+    );
+    for neox in [false, true] {
+        for (n_rot, use_factors) in [(64, false), (48, true)] {
+            let params = RopeParams {
+                n_rot,
+                freq_base: 500_000.0,
+                freq_scale: 0.5,
+                neox,
+            };
+            let mut x = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
+            let (fg, fc) = if use_factors {
+                (Some(&factors.g), Some(&factors.c))
+            } else {
+                (None, None)
+            };
+            g.rope(
+                &mut x.g, n_tokens, n_heads, head_dim, &positions, &params, fg,
+            )
+            .unwrap();
+            c.rope(
+                &mut x.c, n_tokens, n_heads, head_dim, &positions, &params, fc,
+            )
+            .unwrap();
+            let what = format!("rope neox={neox} n_rot={n_rot}");
+            assert_close(&what, &get(&g, &x.g, n), &get(&c, &x.c, n), 1e-5);
+        }
+    }
+}
+
+/// Stores the same rows in both backends' caches of `ty`; returns the caches.
+fn filled_caches(
+    g: &CudaBackend,
+    c: &CpuBackend,
+    rng: &mut Rng,
+    ty: GgmlType,
+    kv_dim: usize,
+    n_cells: usize,
+) -> (Pair, Pair) {
+    let row_bytes = ty.bytes_for(kv_dim as u64).unwrap() as usize;
+    let mut caches = Vec::new();
+    for _ in 0..2 {
+        let mut cache = pair(g, c, &vec![0u8; n_cells * row_bytes]);
+        // Cells in a scrambled order, to check the cell indexing.
+        let cells: Vec<u32> = (0..n_cells as u32)
+            .map(|i| (i * 7) % n_cells as u32)
+            .collect();
+        let src = pair(g, c, &f32_bytes(&rng.f32s(n_cells * kv_dim, 2.0)));
+        g.kv_store(&src.g, kv_dim, &cells, &mut cache.g, ty)
+            .unwrap();
+        c.kv_store(&src.c, kv_dim, &cells, &mut cache.c, ty)
+            .unwrap();
+        caches.push(cache);
+    }
+    let v = caches.pop().unwrap();
+    (caches.pop().unwrap(), v)
+}
+
+/// The cache bytes of both backends, decoded to f32.
+fn decoded_caches(g: &CudaBackend, c: &CpuBackend, p: &Pair, ty: GgmlType) -> (Vec<f32>, Vec<f32>) {
+    let bytes = p.c.bytes();
+    let (mut bg, mut bc) = (vec![0u8; bytes], vec![0u8; bytes]);
+    g.download(&p.g, 0, &mut bg).unwrap();
+    c.download(&p.c, 0, &mut bc).unwrap();
+    let n = bytes / ty.block_bytes() * ty.block_elems();
+    let (mut fg, mut fc) = (vec![0.0f32; n], vec![0.0f32; n]);
+    tether_gguf::dequantize(ty, &bg, &mut fg).unwrap();
+    tether_gguf::dequantize(ty, &bc, &mut fc).unwrap();
+    if ty == GgmlType::F16 {
+        assert_eq!(bg, bc, "f16 cache bytes differ");
+    }
+    // Name the first block that differs much, to tell a rounding tie from a wrong write.
+    let (be, bb) = (ty.block_elems(), ty.block_bytes());
+    for (i, (a, b)) in fg.chunks(be).zip(fc.chunks(be)).enumerate() {
+        let e = relative_error(a, b);
+        assert!(
+            e < 0.02,
+            "{ty} cache block {i} differs (relative error {e}): gpu {:?} cpu {:?}",
+            &bg[i * bb..(i + 1) * bb],
+            &bc[i * bb..(i + 1) * bb]
+        );
+    }
+    (fg, fc)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kv_store_and_attention_match_cpu_for_every_cache_type() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(5);
+    let shapes = [
+        (8usize, 2usize, 64usize),
+        (4, 4, 128),
+        (6, 2, 32),
+        (6, 3, 96),
+    ];
+    for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
+        for (n_heads, n_kv_heads, head_dim) in shapes {
+            let shape = AttnShape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            };
+            let kv_dim = n_kv_heads * head_dim;
+            let n_cells = 1100;
+            let (k, v) = filled_caches(&g, &c, &mut rng, ty, kv_dim, n_cells);
+            for cache in [&k, &v] {
+                let (fg, fc) = decoded_caches(&g, &c, cache, ty);
+                assert_close(&format!("kv_store {ty}"), &fg, &fc, 1e-2);
+            }
+            // Decode (one token over many cells) and a causal prefill of 9 tokens.
+            let decode = vec![AttnSpan {
+                first_cell: 5,
+                n_cells: 1090,
+            }];
+            let prefill: Vec<AttnSpan> = (0..9)
+                .map(|t| AttnSpan {
+                    first_cell: 40,
+                    n_cells: 200 + t,
+                })
+                .collect();
+            for spans in [decode, prefill] {
+                let n = spans.len() * n_heads * head_dim;
+                let q = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
+                let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
+                let scale = 1.0 / (head_dim as f32).sqrt();
+                g.attention(&q.g, &k.g, &v.g, ty, &spans, shape, scale, &mut og)
+                    .unwrap();
+                c.attention(&q.c, &k.c, &v.c, ty, &spans, shape, scale, &mut oc)
+                    .unwrap();
+                let what = format!("attention {ty} {shape:?} {} tokens", spans.len());
+                // Both read their own cache; Q4_0 rounding ties may differ between them.
+                let tol = if ty == GgmlType::F16 { 1e-4 } else { 1e-2 };
+                assert_close(&what, &get(&g, &og, n), &get(&c, &oc, n), tol);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_over_spans_longer_than_one_block_takes_matches_cpu() {
+    // 288 (token, head) blocks fill the GPU; spans of 9000+ cells still need splitting.
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(6);
+    let shape = AttnShape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 32,
+    };
+    let kv_dim = shape.n_kv_heads * shape.head_dim;
+    let n_cells = 9100;
+    let (k, v) = filled_caches(&g, &c, &mut rng, GgmlType::F16, kv_dim, n_cells);
+    let spans: Vec<AttnSpan> = (0..9)
+        .map(|t| AttnSpan {
+            first_cell: 10,
+            n_cells: 9000 + t,
+        })
+        .collect();
+    let n = spans.len() * shape.n_heads * shape.head_dim;
+    let q = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
+    let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
+    g.attention(&q.g, &k.g, &v.g, GgmlType::F16, &spans, shape, 0.3, &mut og)
+        .unwrap();
+    c.attention(&q.c, &k.c, &v.c, GgmlType::F16, &spans, shape, 0.3, &mut oc)
+        .unwrap();
+    assert_close("long attention", &get(&g, &og, n), &get(&c, &oc, n), 1e-4);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn transfers_are_bounds_checked_and_round_trip() {
+    let g = gpu();
+    let mut b = g.alloc(16).unwrap();
+    g.upload(&mut b, 4, &[1, 2, 3, 4]).unwrap();
+    let mut back = [9u8; 6];
+    g.download(&b, 3, &mut back).unwrap();
+    assert_eq!(back, [0, 1, 2, 3, 4, 0]);
+    assert!(matches!(
+        g.upload(&mut b, 13, &[0; 4]),
+        Err(ComputeError::Shape { .. })
+    ));
+    assert!(matches!(
+        g.download(&b, 10, &mut [0; 7]),
+        Err(ComputeError::Shape { .. })
+    ));
+    assert!(g.name().starts_with("cuda:0"), "{}", g.name());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn alloc_free_cycles_return_the_memory() {
+    let g = gpu();
+    g.synchronize().unwrap();
+    let start = g.memory_info().unwrap();
+    let base = g.allocated_bytes();
+    assert!(start.free > 0 && start.free <= start.total);
+    for i in 0..1000usize {
+        let b = g.alloc((1 << 20) + i * 4096).unwrap();
+        assert_eq!(g.allocated_bytes(), base + b.bytes() as u64);
+        drop(b);
+    }
+    assert_eq!(g.allocated_bytes(), base);
+    g.synchronize().unwrap();
+    let end = g.memory_info().unwrap();
+    let drift = start.free.abs_diff(end.free);
+    assert!(drift <= 16 << 20, "free memory moved by {drift} bytes");
+    let too_much = usize::try_from(start.total * 2).unwrap();
+    assert!(matches!(
+        g.alloc(too_much),
+        Err(ComputeError::OutOfMemory { .. })
+    ));
+}

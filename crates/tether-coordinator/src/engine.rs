@@ -1,0 +1,309 @@
+//! [`Coordinator`]: the generation engine over workers. It connects to the workers, places
+//! the model, loads it by two-phase commit, and hands it to the scheduler task, which serves
+//! [`Generation`] requests with continuous batching.
+
+use crate::api::{EngineStats, GenError, GenEvent, GenRequest, Generation, Health, ModelInfo};
+use crate::load::{LoadError, LoadOptions, LoadedModel, load_plan};
+use crate::model_file::ModelFile;
+use crate::placement::{PlacementError, Plan, ServeShape, WorkerCapacity, place};
+use crate::scheduler::{Admitted, Scheduler, Shared};
+use futures::future::join_all;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tether_model::tokenizer::Tokenizer;
+use tether_worker::client::{ClientOptions, WorkerClient};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Most context cells per sequence when none is given.
+const DEFAULT_CTX_CAP: usize = 4096;
+
+/// How the coordinator serves.
+#[derive(Clone, Debug)]
+pub struct CoordinatorConfig {
+    /// The model's id in the API.
+    pub model_id: String,
+    /// Worker addresses, in layer order.
+    pub workers: Vec<String>,
+    /// Relative share of the model per worker (`--split 3,1`); `None` = by free memory.
+    pub split: Option<Vec<f64>>,
+    /// KV cells per sequence.
+    pub ctx_per_seq: usize,
+    /// Sequences served at once (`--parallel`).
+    pub parallel: usize,
+    /// Most tokens in one forward pass.
+    pub ubatch: usize,
+    /// Requests that may wait for a slot before `submit` answers Busy.
+    pub queue_depth: usize,
+    /// Sessions and loading.
+    pub load: LoadOptions,
+    /// Connections to workers.
+    pub client: ClientOptions,
+    /// How often a lost model is loaded again.
+    pub retry_every: Duration,
+}
+
+impl CoordinatorConfig {
+    /// Defaults for `model` over `workers`: the model's training context (at most 4096),
+    /// 4 sequences, micro-batches of 512, a queue of 64, a retry every 3 s.
+    pub fn new(model: &ModelFile, workers: Vec<String>) -> Self {
+        let model_id = model
+            .path()
+            .file_stem()
+            .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
+        Self {
+            model_id,
+            workers,
+            split: None,
+            ctx_per_seq: model.config().n_ctx_train.clamp(1, DEFAULT_CTX_CAP),
+            parallel: 4,
+            ubatch: 512,
+            queue_depth: 64,
+            load: LoadOptions::default(),
+            client: ClientOptions::default(),
+            retry_every: Duration::from_secs(3),
+        }
+    }
+}
+
+/// Why the coordinator could not start serving.
+#[derive(Debug, thiserror::Error)]
+pub enum CoordinatorError {
+    /// A setting is out of range.
+    #[error("invalid coordinator setting: {0}")]
+    Config(String),
+    /// A worker could not be reached.
+    #[error("{0}")]
+    Connect(String),
+    /// No plan fits the workers.
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    /// The two-phase load failed (nothing stays loaded).
+    #[error(transparent)]
+    Load(#[from] LoadError),
+}
+
+/// What connecting and loading need, kept by the scheduler for loading again.
+pub(crate) struct Setup {
+    pub workers: Vec<String>,
+    pub split: Option<Vec<f64>>,
+    pub shape: ServeShape,
+    pub load: LoadOptions,
+    pub client: ClientOptions,
+}
+
+impl Setup {
+    /// Connects to the workers, places the model and loads it. With `require_all`, every
+    /// worker must answer; otherwise the ones that answer are used.
+    pub async fn connect_and_load(
+        &self,
+        model: &Arc<ModelFile>,
+        require_all: bool,
+    ) -> Result<(LoadedModel, Plan), CoordinatorError> {
+        let answers = join_all(
+            self.workers
+                .iter()
+                .map(|addr| WorkerClient::connect(addr, &self.client)),
+        )
+        .await;
+        let mut clients = Vec::new();
+        let mut split = Vec::new();
+        let mut failures = Vec::new();
+        for (i, answer) in answers.into_iter().enumerate() {
+            match answer {
+                Ok(c) => {
+                    clients.push(c);
+                    if let Some(s) = &self.split {
+                        split.push(s.get(i).copied().unwrap_or(0.0));
+                    }
+                }
+                Err(e) => failures.push(e.to_string()),
+            }
+        }
+        if clients.is_empty() || (require_all && !failures.is_empty()) {
+            return Err(CoordinatorError::Connect(failures.join("; ")));
+        }
+        let capacity: Vec<WorkerCapacity> = clients
+            .iter()
+            .map(|c| WorkerCapacity {
+                addr: c.addr().to_string(),
+                free_bytes: c.info().free_bytes,
+            })
+            .collect();
+        let split = self.split.as_ref().map(|_| split.as_slice());
+        let plan = place(
+            model.config(),
+            model.gguf().tensors(),
+            self.shape,
+            &capacity,
+            split,
+        )?;
+        let loaded = load_plan(model, &plan, &clients, &self.load).await?;
+        Ok((loaded, plan))
+    }
+}
+
+/// The generation engine over workers.
+pub struct Coordinator {
+    info: ModelInfo,
+    tokenizer: Arc<Tokenizer>,
+    n_vocab: usize,
+    shared: Arc<Shared>,
+    submit: mpsc::Sender<Admitted>,
+    stop: CancellationToken,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Coordinator {
+    /// Connects to every worker, places and loads the model, and starts serving. Fails when
+    /// any worker cannot be reached or refuses its part; nothing then stays loaded.
+    pub async fn start(
+        model: Arc<ModelFile>,
+        config: CoordinatorConfig,
+    ) -> Result<Coordinator, CoordinatorError> {
+        let bad = |why: &str| Err(CoordinatorError::Config(why.to_string()));
+        if config.workers.is_empty() {
+            return bad("no workers given");
+        }
+        if config.parallel == 0 || config.ubatch == 0 || config.ctx_per_seq == 0 {
+            return bad("--parallel, --ubatch and --ctx must all be at least 1");
+        }
+        if config.queue_depth == 0 {
+            return bad("the queue depth must be at least 1");
+        }
+        let setup = Setup {
+            workers: config.workers.clone(),
+            split: config.split.clone(),
+            shape: ServeShape {
+                ctx_per_seq: config.ctx_per_seq,
+                n_seq: config.parallel,
+                ubatch: config.ubatch,
+            },
+            load: config.load.clone(),
+            client: config.client.clone(),
+        };
+        let (loaded, plan) = setup.connect_and_load(&model, true).await?;
+        tracing::info!("model {} loaded:\n{plan}", config.model_id);
+        let shared = Arc::new(Shared::new(plan));
+        let (submit, requests) = mpsc::channel(config.queue_depth);
+        let stop = CancellationToken::new();
+        let scheduler = Scheduler::new(
+            Arc::clone(&shared),
+            requests,
+            stop.clone(),
+            Arc::clone(&model),
+            setup,
+            config.retry_every,
+        );
+        let task = tokio::spawn(scheduler.run(loaded));
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Ok(Coordinator {
+            info: ModelInfo {
+                id: config.model_id,
+                ctx_per_seq: config.ctx_per_seq,
+                created,
+                chat_template: model.chat_template(),
+            },
+            tokenizer: model.tokenizer(),
+            n_vocab: model.config().n_vocab,
+            shared,
+            submit,
+            stop,
+            task: Mutex::new(Some(task)),
+        })
+    }
+
+    /// The placement in force (`None` while no model is loaded).
+    pub fn plan(&self) -> Option<Plan> {
+        self.shared.plan()
+    }
+
+    /// Stops serving: running requests end with Unavailable, every session is closed.
+    pub async fn shutdown(&self) {
+        self.stop.cancel();
+        let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+    }
+
+    fn check(&self, req: &GenRequest) -> Result<(), GenError> {
+        let ctx = self.info.ctx_per_seq;
+        if req.prompt.is_empty() {
+            return Err(GenError::InvalidRequest(
+                "the prompt has no tokens; give at least one".into(),
+            ));
+        }
+        if req.prompt.len() > ctx {
+            return Err(GenError::InvalidRequest(format!(
+                "the prompt has {} tokens but the context holds {ctx}; shorten it",
+                req.prompt.len()
+            )));
+        }
+        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.n_vocab) {
+            return Err(GenError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary of {} tokens",
+                self.n_vocab
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        // The scheduler task sees the stop and closes every session.
+        self.stop.cancel();
+    }
+}
+
+impl Generation for Coordinator {
+    fn model(&self) -> ModelInfo {
+        self.info.clone()
+    }
+
+    fn tokenizer(&self) -> Arc<Tokenizer> {
+        Arc::clone(&self.tokenizer)
+    }
+
+    fn health(&self) -> Health {
+        self.shared.health()
+    }
+
+    fn stats(&self) -> EngineStats {
+        EngineStats {
+            queued: self.submit.max_capacity() - self.submit.capacity(),
+            running: self.shared.running.load(Ordering::Relaxed),
+            generated_tokens: self.shared.generated_tokens.load(Ordering::Relaxed),
+            prompt_tokens: self.shared.prompt_tokens.load(Ordering::Relaxed),
+        }
+    }
+
+    fn submit(
+        &self,
+        req: GenRequest,
+    ) -> Result<mpsc::Receiver<Result<GenEvent, GenError>>, GenError> {
+        if let Health::Unavailable(why) = self.shared.health() {
+            return Err(GenError::Unavailable(why));
+        }
+        self.check(&req)?;
+        // Room for every event a request can produce, so the scheduler never waits on a
+        // slow reader (tokio allocates channel blocks lazily).
+        let capacity = req.max_tokens.min(self.info.ctx_per_seq) + 2;
+        let (events, rx) = mpsc::channel(capacity);
+        match self.submit.try_send(Admitted { req, events }) {
+            Ok(()) => Ok(rx),
+            Err(mpsc::error::TrySendError::Full(_)) => Err(GenError::Busy(format!(
+                "every sequence slot is taken and {} requests are queued; retry later",
+                self.submit.max_capacity()
+            ))),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(GenError::Unavailable(
+                "the coordinator has shut down".into(),
+            )),
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! `POST /v1/completions` and `POST /v1/chat/completions`, whole or streamed as
+//! server-sent events.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use super::SharedState;
+use super::error::ApiError;
+use super::prepare::{self, Prepared};
+use super::run::{Run, RunEvent};
+use crate::api::FinishReason;
+
+/// Which of the two endpoints a reply is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// `POST /v1/completions`.
+pub(super) async fn completions(
+    State(state): State<SharedState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let started = Instant::now();
+    let prepared = parse(body).and_then(|req| prepare::completion(&state, req));
+    respond(&state, Kind::Completion, prepared, started).await
+}
+
+/// `POST /v1/chat/completions`.
+pub(super) async fn chat_completions(
+    State(state): State<SharedState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let started = Instant::now();
+    let prepared = parse(body).and_then(|req| prepare::chat(&state, req));
+    respond(&state, Kind::Chat, prepared, started).await
+}
+
+/// The JSON body, or a 400 that says what is wrong with it.
+fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let bytes = body.map_err(|rejection| ApiError {
+        status: rejection.status(),
+        ..ApiError::invalid(format!(
+            "reading the request body: {}",
+            rejection.body_text()
+        ))
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::invalid(format!(
+            "the request body is not valid JSON for this endpoint: {e}"
+        ))
+    })
+}
+
+async fn respond(
+    state: &SharedState,
+    kind: Kind,
+    prepared: Result<Prepared, ApiError>,
+    started: Instant,
+) -> Response {
+    match generate(state, kind, prepared, started).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn generate(
+    state: &SharedState,
+    kind: Kind,
+    prepared: Result<Prepared, ApiError>,
+    started: Instant,
+) -> Result<Response, ApiError> {
+    let prepared = prepared?;
+    let (stream, include_usage) = (prepared.stream, prepared.include_usage);
+    let mut run = Run::start(state, prepared, started)?;
+    let shape = Shape::new(kind, &state.model_id);
+    // Waiting for the first event lets errors found before any token (a full queue, a
+    // prompt the engine refuses) keep their HTTP status even when streaming.
+    let first = match run.next().await {
+        Some(Ok(event)) => event,
+        Some(Err(e)) => return Err(e),
+        None => return Err(ApiError::internal("the request ended without a reply")),
+    };
+    if stream {
+        return Ok(sse_response(run, shape, first, include_usage));
+    }
+    let mut text = String::new();
+    let mut event = first;
+    loop {
+        match event {
+            RunEvent::Text(t) => text.push_str(&t),
+            RunEvent::End {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                let body = shape.whole(&text, finish, usage(prompt_tokens, completion_tokens));
+                return Ok(axum::Json(body).into_response());
+            }
+        }
+        event = match run.next().await {
+            Some(Ok(e)) => e,
+            Some(Err(e)) => return Err(e),
+            None => return Err(ApiError::internal("the request ended without a reply")),
+        };
+    }
+}
+
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+/// Builds reply bodies of one response.
+struct Shape {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Shape {
+    fn new(kind: Kind, model: &str) -> Self {
+        let prefix = match kind {
+            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl",
+        };
+        Self {
+            kind,
+            id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            model: model.to_owned(),
+        }
+    }
+
+    fn object(&self, choice: Value, object: &str) -> Value {
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+
+    /// The non-streamed reply.
+    fn whole(&self, text: &str, finish: FinishReason, usage: Value) -> Value {
+        let mut body = match self.kind {
+            Kind::Completion => self.object(
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()}),
+                "text_completion",
+            ),
+            Kind::Chat => self.object(
+                json!({
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": null,
+                    "finish_reason": finish.as_str(),
+                }),
+                "chat.completion",
+            ),
+        };
+        body["usage"] = usage;
+        body
+    }
+
+    /// A streamed chunk with `text` (chat: as `delta.content`) and maybe the finish reason.
+    fn chunk(&self, text: Option<&str>, finish: Option<FinishReason>) -> Value {
+        let finish = finish.map(FinishReason::as_str);
+        match self.kind {
+            Kind::Completion => self.object(
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+                "text_completion",
+            ),
+            Kind::Chat => {
+                let delta = match text {
+                    Some(t) => json!({"content": t}),
+                    None => json!({}),
+                };
+                self.object(
+                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
+                    "chat.completion.chunk",
+                )
+            }
+        }
+    }
+
+    /// The chat stream's opening chunk, naming the role.
+    fn role_chunk(&self) -> Value {
+        self.object(
+            json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+            "chat.completion.chunk",
+        )
+    }
+
+    /// The chunk with usage only, sent last when the client asked for it.
+    fn usage_chunk(&self, usage: Value) -> Value {
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        })
+    }
+}
+
+fn frame(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// What the event stream still has to send.
+struct SseState {
+    run: Run,
+    shape: Shape,
+    frames: VecDeque<Bytes>,
+    include_usage: bool,
+    ended: bool,
+}
+
+impl SseState {
+    /// Turns one run event (or error) into frames.
+    fn push(&mut self, event: Option<Result<RunEvent, ApiError>>) {
+        match event {
+            Some(Ok(RunEvent::Text(t))) => {
+                let chunk = self.shape.chunk(Some(&t), None);
+                self.frames.push_back(frame(&chunk));
+            }
+            Some(Ok(RunEvent::End {
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            })) => {
+                let chunk = self.shape.chunk(None, Some(finish));
+                self.frames.push_back(frame(&chunk));
+                if self.include_usage {
+                    let chunk = self
+                        .shape
+                        .usage_chunk(usage(prompt_tokens, completion_tokens));
+                    self.frames.push_back(frame(&chunk));
+                }
+                self.frames
+                    .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                self.ended = true;
+            }
+            Some(Err(e)) => {
+                self.frames.push_back(frame(&e.body()));
+                self.ended = true;
+            }
+            None => self.ended = true,
+        }
+    }
+
+    async fn next_frame(&mut self) -> Option<Bytes> {
+        loop {
+            if let Some(f) = self.frames.pop_front() {
+                return Some(f);
+            }
+            if self.ended {
+                return None;
+            }
+            let event = self.run.next().await;
+            self.push(event);
+        }
+    }
+}
+
+/// A `text/event-stream` reply; dropping the body (the client left) drops the run, which
+/// cancels the request.
+fn sse_response(run: Run, shape: Shape, first: RunEvent, include_usage: bool) -> Response {
+    let mut state = SseState {
+        run,
+        shape,
+        frames: VecDeque::new(),
+        include_usage,
+        ended: false,
+    };
+    if state.shape.kind == Kind::Chat {
+        let chunk = state.shape.role_chunk();
+        state.frames.push_back(frame(&chunk));
+    }
+    state.push(Some(Ok(first)));
+    let body = futures::stream::unfold(state, |mut state| async move {
+        let frame = state.next_frame().await?;
+        Some((Ok::<_, Infallible>(frame), state))
+    });
+    let mut response = Body::from_stream(body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}

@@ -1,0 +1,244 @@
+//! The OpenAI-compatible HTTP API over any [`Generation`] engine: `/v1/completions`,
+//! `/v1/chat/completions` (both streaming), `/v1/models`, `/health` and `/metrics`.
+//!
+//! The engine deals in token ids; this module owns the text: tokenizing prompts, rendering
+//! chat templates, detokenizing as tokens stream, and cutting at stop strings.
+
+mod endpoints;
+pub mod error;
+pub mod metrics;
+mod prepare;
+mod run;
+pub mod template;
+pub mod text;
+pub mod types;
+
+#[cfg(test)]
+pub(crate) mod test_support;
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod tests_errors;
+#[cfg(test)]
+mod tests_stream;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+use tether_model::tokenizer::Tokenizer;
+
+use crate::api::{Generation, Health, ModelInfo};
+pub use error::ApiError;
+use metrics::Metrics;
+use template::ChatTemplate;
+
+/// How the HTTP API behaves.
+#[derive(Clone, Debug)]
+pub struct HttpOptions {
+    /// When set, `/v1/*` requests must send `Authorization: Bearer <api_key>`.
+    pub api_key: Option<String>,
+    /// How long one generation request may take before it fails with 504.
+    pub request_timeout: Duration,
+    /// Longest prompt accepted, in tokens (the context size always bounds it too).
+    pub max_prompt_tokens: Option<usize>,
+    /// Largest `max_tokens` a request may ask for; larger values are refused with 400.
+    pub max_tokens_limit: usize,
+    /// The model's id in the API instead of the engine's.
+    pub model_id: Option<String>,
+}
+
+impl Default for HttpOptions {
+    fn default() -> Self {
+        Self {
+            api_key: None,
+            request_timeout: Duration::from_secs(600),
+            max_prompt_tokens: None,
+            max_tokens_limit: 4096,
+            model_id: None,
+        }
+    }
+}
+
+/// What every handler shares.
+struct AppState {
+    engine: Arc<dyn Generation>,
+    opts: HttpOptions,
+    model: ModelInfo,
+    model_id: String,
+    tokenizer: Arc<Tokenizer>,
+    template: ChatTemplate,
+    metrics: Arc<Metrics>,
+}
+
+type SharedState = Arc<AppState>;
+
+/// Endpoints named in `/metrics`; anything else is counted as `other`.
+const ENDPOINTS: [&str; 5] = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+];
+
+/// The API's routes over `engine`.
+pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
+    let model = engine.model();
+    let tokenizer = engine.tokenizer();
+    let template = ChatTemplate::for_model(&model, &tokenizer);
+    let model_id = opts.model_id.clone().unwrap_or_else(|| model.id.clone());
+    let state = Arc::new(AppState {
+        engine,
+        opts,
+        model,
+        model_id,
+        tokenizer,
+        template,
+        metrics: Arc::new(Metrics::default()),
+    });
+    let v1 = Router::new()
+        .route("/v1/completions", post(endpoints::completions))
+        .route("/v1/chat/completions", post(endpoints::chat_completions))
+        .route("/v1/models", get(list_models))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            require_api_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            count_requests,
+        ))
+        .with_state(state)
+}
+
+/// Serves `router` on `listener` until `shutdown` completes, then lets open requests finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Counts each request by endpoint and status for `/metrics`.
+async fn count_requests(State(state): State<SharedState>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let endpoint = ENDPOINTS
+        .iter()
+        .find(|e| **e == path)
+        .copied()
+        .unwrap_or("other");
+    let response = next.run(req).await;
+    state
+        .metrics
+        .count_request(endpoint, response.status().as_u16());
+    response
+}
+
+/// Refuses requests without the configured API key.
+async fn require_api_key(State(state): State<SharedState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.opts.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Compares without an early exit, so the time taken does not reveal how much of a guessed
+/// key was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() ^ b.len()) as u64;
+    for (i, y) in b.iter().enumerate() {
+        let x = a.get(i).copied().unwrap_or(0);
+        diff |= u64::from(x ^ y);
+    }
+    diff == 0
+}
+
+/// `GET /v1/models`.
+async fn list_models(State(state): State<SharedState>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_id,
+            "object": "model",
+            "created": state.model.created,
+            "owned_by": "tether",
+            "context_length": state.model.ctx_per_seq,
+        }],
+    }))
+    .into_response()
+}
+
+/// `GET /health`: 200 when the engine serves, else 503 with the reason.
+async fn health(State(state): State<SharedState>) -> Response {
+    match state.engine.health() {
+        Health::Ready => (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
+        Health::Unavailable(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "unavailable", "reason": reason})),
+        )
+            .into_response(),
+    }
+}
+
+/// `GET /metrics`.
+async fn metrics_text(State(state): State<SharedState>) -> Response {
+    let body = state.metrics.render(&state.engine.stats());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// Unknown paths, in the API's error shape.
+async fn not_found(req: Request) -> Response {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        kind: "invalid_request_error",
+        message: format!("no endpoint {} {}", req.method(), req.uri().path()),
+        param: None,
+        code: Some("unknown_url"),
+    }
+    .into_response()
+}
+
+#[cfg(test)]
+mod unit_tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn constant_time_eq_matches_only_equal_keys() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secreT", b"secret"));
+        assert!(!constant_time_eq(b"secret1", b"secret"));
+        assert!(!constant_time_eq(b"secre", b"secret"));
+        assert!(!constant_time_eq(b"", b"secret"));
+    }
+}

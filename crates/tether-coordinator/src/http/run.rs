@@ -1,0 +1,161 @@
+//! One generation request as a sequence of text events: engine tokens through the text
+//! assembler, with the deadline, stop strings and metrics applied. Dropping a [`Run`]
+//! drops the engine's receiver, which cancels the request.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use super::AppState;
+use super::error::ApiError;
+use super::metrics::Metrics;
+use super::prepare::Prepared;
+use super::text::{TextAssembler, TextStep};
+use crate::api::{FinishReason, GenError, GenEvent, GenRequest};
+
+/// What a run produces, in order: text pieces, then one `End`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum RunEvent {
+    /// Text to show (never empty).
+    Text(String),
+    /// The end.
+    End {
+        /// Why it ended.
+        finish: FinishReason,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+    },
+}
+
+type Events = mpsc::Receiver<Result<GenEvent, GenError>>;
+
+/// A submitted request being read.
+pub(super) struct Run {
+    events: Option<Events>,
+    assembler: TextAssembler,
+    pending: VecDeque<RunEvent>,
+    deadline: tokio::time::Instant,
+    started: Instant,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    first_token_seen: bool,
+    metrics: Arc<Metrics>,
+}
+
+impl Run {
+    /// Submits `prepared` to the engine; `started` is when the HTTP request arrived.
+    pub(super) fn start(
+        state: &AppState,
+        prepared: Prepared,
+        started: Instant,
+    ) -> Result<Run, ApiError> {
+        let deadline = started + state.opts.request_timeout;
+        let prompt_tokens = prepared.prompt.len();
+        let events = state.engine.submit(GenRequest {
+            prompt: prepared.prompt,
+            max_tokens: prepared.max_tokens,
+            sampling: prepared.sampling,
+            deadline: Some(deadline),
+        })?;
+        Ok(Run {
+            events: Some(events),
+            assembler: TextAssembler::new(Arc::clone(&state.tokenizer), prepared.stops),
+            pending: VecDeque::new(),
+            deadline: deadline.into(),
+            started,
+            prompt_tokens,
+            completion_tokens: 0,
+            first_token_seen: false,
+            metrics: Arc::clone(&state.metrics),
+        })
+    }
+
+    /// The next event; `None` after the end or an error.
+    pub(super) async fn next(&mut self) -> Option<Result<RunEvent, ApiError>> {
+        loop {
+            if let Some(event) = self.pending.pop_front() {
+                return Some(Ok(event));
+            }
+            let events = self.events.as_mut()?;
+            let received = tokio::time::timeout_at(self.deadline, events.recv()).await;
+            match received {
+                Err(_) => {
+                    self.events = None;
+                    return Some(Err(ApiError::timeout(
+                        "the request took longer than the server's request timeout",
+                    )));
+                }
+                Ok(None) => {
+                    self.events = None;
+                    return Some(Err(ApiError::internal(
+                        "the engine dropped the request before finishing it",
+                    )));
+                }
+                Ok(Some(Err(e))) => {
+                    self.events = None;
+                    return Some(Err(e.into()));
+                }
+                Ok(Some(Ok(GenEvent::Token(id)))) => {
+                    self.completion_tokens += 1;
+                    if !self.first_token_seen {
+                        self.first_token_seen = true;
+                        self.metrics.observe_first_token(self.started.elapsed());
+                    }
+                    let step = self.assembler.push_token(id);
+                    self.queue(step, FinishReason::Stop, self.completion_tokens);
+                }
+                Ok(Some(Ok(GenEvent::Done {
+                    finish,
+                    completion_tokens,
+                    ..
+                }))) => {
+                    let step = self.assembler.finish();
+                    self.queue(step, finish, completion_tokens);
+                    // A Done always ends the run, matched stop string or not.
+                    if self.events.is_some() {
+                        self.end(finish, completion_tokens);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Queues the text of `step`; ends the run if it matched a stop string.
+    fn queue(&mut self, step: TextStep, finish: FinishReason, completion_tokens: usize) {
+        if !step.text.is_empty() {
+            self.pending.push_back(RunEvent::Text(step.text));
+        }
+        if step.stopped {
+            let finish = if finish == FinishReason::Length {
+                // The stop string matched in the last text; the stop string is the reason.
+                FinishReason::Stop
+            } else {
+                finish
+            };
+            self.end(finish, completion_tokens);
+        }
+    }
+
+    /// Drops the receiver (cancelling the request if it still runs) and queues the end.
+    fn end(&mut self, finish: FinishReason, completion_tokens: usize) {
+        self.events = None;
+        self.completion_tokens = completion_tokens;
+        self.pending.push_back(RunEvent::End {
+            finish,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens,
+        });
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        self.metrics
+            .count_tokens(self.prompt_tokens, self.completion_tokens);
+        self.metrics.observe_duration(self.started.elapsed());
+    }
+}

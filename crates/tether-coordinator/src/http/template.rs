@@ -1,0 +1,248 @@
+//! Chat prompts rendered with the model's Jinja template (`tokenizer.chat_template`), the
+//! way Hugging Face's `apply_chat_template` does, or with ChatML when the model has none.
+
+use minijinja::{Environment, ErrorKind};
+use serde::Serialize;
+use tether_model::tokenizer::Tokenizer;
+
+use crate::api::ModelInfo;
+
+/// The template used when the model carries none.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}\
+{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
+{% endfor %}\
+{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// ChatML's end-of-turn marker, a stop string when the vocabulary lacks it as a token.
+pub const CHATML_END: &str = "<|im_end|>";
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// One message of a conversation, as the template sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// Why a template could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    /// The template's source does not parse.
+    #[error("the chat template does not compile: {0:#}")]
+    Compile(minijinja::Error),
+    /// Rendering failed, e.g. the template raised an exception about the messages.
+    #[error("rendering the chat template: {0:#}")]
+    Render(minijinja::Error),
+}
+
+/// A compiled chat template with the special-token texts it may use.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+    chatml_fallback: bool,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .field("chatml_fallback", &self.chatml_fallback)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `source` (ChatML when `None`).
+    pub fn new(
+        source: Option<&str>,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<Self, TemplateError> {
+        // Hugging Face renders chat templates with these two Jinja options on.
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_template_owned(TEMPLATE_NAME, source.unwrap_or(CHATML_TEMPLATE).to_owned())
+            .map_err(TemplateError::Compile)?;
+        Ok(Self {
+            env,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+            chatml_fallback: source.is_none(),
+        })
+    }
+
+    /// The template of `info`'s model, or ChatML when it has none or its template does not
+    /// compile (logged, since replies will then likely be poor).
+    pub fn for_model(info: &ModelInfo, tokenizer: &Tokenizer) -> Self {
+        let text = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.token_text(id))
+                .unwrap_or("")
+                .to_owned()
+        };
+        let (bos, eos) = (text(tokenizer.bos()), text(tokenizer.eos()));
+        match ChatTemplate::new(info.chat_template.as_deref(), &bos, &eos) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(model = %info.id, error = %e, "using ChatML instead of the model's chat template");
+                Self::chatml(&bos, &eos)
+            }
+        }
+    }
+
+    /// The ChatML fallback.
+    fn chatml(bos_token: &str, eos_token: &str) -> Self {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        // The built-in template is a constant that compiles; a failure would show in tests.
+        let _ = env.add_template(TEMPLATE_NAME, CHATML_TEMPLATE);
+        Self {
+            env,
+            bos_token: bos_token.to_owned(),
+            eos_token: eos_token.to_owned(),
+            chatml_fallback: true,
+        }
+    }
+
+    /// Whether this is the ChatML fallback rather than the model's own template.
+    pub fn is_chatml_fallback(&self) -> bool {
+        self.chatml_fallback
+    }
+
+    /// The BOS token's text as the template sees it.
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+
+    /// The prompt for `messages`, ending with the assistant's turn opened.
+    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, TemplateError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(TemplateError::Render)?;
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => true,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+            })
+            .map_err(TemplateError::Render)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msgs(pairs: &[(&str, &str)]) -> Vec<ChatMessage> {
+        pairs
+            .iter()
+            .map(|(role, content)| ChatMessage {
+                role: (*role).into(),
+                content: (*content).into(),
+            })
+            .collect()
+    }
+
+    /// The template Meta published with Llama 3 Instruct.
+    const LLAMA3: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}\
+{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}\
+{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}\
+{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+    #[test]
+    fn llama3_template_renders_headers_and_bos() {
+        let t = ChatTemplate::new(Some(LLAMA3), "<|begin_of_text|>", "<|end_of_text|>")
+            .expect("compiles");
+        let out = t
+            .render(&msgs(&[("system", "Be brief. "), ("user", "Hi")]))
+            .expect("renders");
+        let want = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+<|start_header_id|>assistant<|end_header_id|>\n\n";
+        assert_eq!(out, want);
+    }
+
+    #[test]
+    fn chatml_fallback_when_no_template() {
+        let t = ChatTemplate::new(None, "<s>", "</s>").expect("compiles");
+        assert!(t.is_chatml_fallback());
+        let out = t
+            .render(&msgs(&[
+                ("user", "Hello"),
+                ("assistant", "Hi!"),
+                ("user", "Bye"),
+            ]))
+            .expect("renders");
+        assert_eq!(
+            out,
+            "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>\n\
+<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn trim_and_lstrip_blocks_are_on() {
+        let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}";
+        let t = ChatTemplate::new(Some(src), "", "").expect("compiles");
+        assert_eq!(
+            t.render(&msgs(&[("user", "a"), ("user", "b")]))
+                .expect("renders"),
+            "[a]\n[b]\n"
+        );
+    }
+
+    #[test]
+    fn python_string_methods_work() {
+        let src = "{% for m in messages %}{% if m.content.startswith('x') %}{{ m.content.strip().upper() }}{% endif %}{% endfor %}";
+        let t = ChatTemplate::new(Some(src), "", "").expect("compiles");
+        assert_eq!(
+            t.render(&msgs(&[("user", "x y "), ("user", "no")]))
+                .expect("renders"),
+            "X Y"
+        );
+    }
+
+    #[test]
+    fn raise_exception_fails_the_render_with_its_message() {
+        let src = "{% if messages[0].role != 'user' %}{{ raise_exception('roles must start with user') }}{% endif %}ok";
+        let t = ChatTemplate::new(Some(src), "", "").expect("compiles");
+        let err = t.render(&msgs(&[("assistant", "x")])).expect_err("raises");
+        assert!(
+            err.to_string().contains("roles must start with user"),
+            "{err}"
+        );
+        assert_eq!(t.render(&msgs(&[("user", "x")])).expect("renders"), "ok");
+    }
+
+    #[test]
+    fn broken_template_is_a_compile_error() {
+        let err = ChatTemplate::new(Some("{% for m in messages %}"), "", "").expect_err("fails");
+        assert!(matches!(err, TemplateError::Compile(_)));
+    }
+
+    #[test]
+    fn builtin_chatml_fallback_compiles() {
+        let t = ChatTemplate::chatml("<s>", "</s>");
+        assert!(
+            t.render(&msgs(&[("user", "q")]))
+                .expect("renders")
+                .ends_with("assistant\n")
+        );
+    }
+}

@@ -1,0 +1,255 @@
+//! Helpers for the HTTP tests: models, an in-process engine, a server on a free port, and
+//! a small HTTP/1.1 client over a raw socket (so tests can also hang up mid-stream).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use tether_compute::CpuBackend;
+use tether_gguf::{GgmlType, GgufFile};
+use tether_model::tokenizer::Tokenizer;
+use tether_model::{Generator, Sampler, SamplingParams, SynthShape};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use super::{HttpOptions, router, serve};
+use crate::single::{SingleOptions, SingleProcessEngine};
+
+/// Context of the test engines.
+pub const TEST_CTX: usize = 256;
+
+/// A synthetic tiny llama, written once per test process.
+pub fn tiny_model() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("tether-http-tests-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir is writable");
+        let path = dir.join("tiny-q8_0.gguf");
+        tether_model::synthesize(&path, SynthShape::Tiny, GgmlType::Q8_0, 7)
+            .expect("synthesizing the tiny model");
+        path
+    })
+}
+
+/// `stories260K.gguf` from the shared models folder, when present.
+pub fn stories_model() -> Option<PathBuf> {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/stories260K.gguf");
+    path.exists().then_some(path)
+}
+
+/// An in-process engine over `model` with a context of `ctx` and `queue` waiting slots.
+pub fn engine(model: &Path, ctx: usize, queue: usize) -> Arc<SingleProcessEngine> {
+    let opts = SingleOptions {
+        ctx: Some(ctx),
+        ubatch: 32,
+        threads: Some(1),
+        queue,
+        model_id: None,
+    };
+    Arc::new(SingleProcessEngine::load(model, opts).expect("loading the test engine"))
+}
+
+/// What a plain single-process generation of `prompt` gives: the tokens, the text and
+/// whether it stopped at an end-of-generation token.
+pub fn reference(model: &Path, ctx: usize, prompt: &[u32], n: usize) -> (Vec<u32>, String, bool) {
+    let file = GgufFile::open(model).expect("model opens");
+    let tokenizer = Tokenizer::from_gguf(&file).expect("tokenizer");
+    let backend = Arc::new(CpuBackend::new(Some(1)).expect("cpu backend"));
+    let mut generator = Generator::from_file(backend, &file, ctx, 32).expect("generator");
+    let eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
+        .filter(|&t| tokenizer.is_eog(t))
+        .collect();
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    let (tokens, why) = generator
+        .generate(prompt, n, &mut sampler, &eog, |_| true)
+        .expect("generation");
+    let bytes: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| tokenizer.token_to_piece(t))
+        .collect();
+    let ended_at_eog = why == tether_model::StopReason::EndOfGeneration;
+    (
+        tokens,
+        String::from_utf8_lossy(&bytes).into_owned(),
+        ended_at_eog,
+    )
+}
+
+/// A server on a free port of 127.0.0.1, stopped when dropped.
+pub struct TestServer {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+impl TestServer {
+    /// Serves `engine` with `opts`.
+    pub async fn start(engine: Arc<SingleProcessEngine>, opts: HttpOptions) -> TestServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binding a free port");
+        let addr = listener.local_addr().expect("local address");
+        let (tx, rx) = oneshot::channel::<()>();
+        let app = router(engine, opts);
+        let task = tokio::spawn(serve(listener, app, async move {
+            let _ = rx.await;
+        }));
+        TestServer {
+            addr,
+            shutdown: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    /// Stops the server and waits for it.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let result = task.await.expect("server task");
+            result.expect("server ends cleanly");
+        }
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A reply.
+#[derive(Debug)]
+pub struct Reply {
+    /// The status code.
+    pub status: u16,
+    /// Headers, names lower-cased.
+    pub headers: Vec<(String, String)>,
+    /// The body (de-chunked).
+    pub body: String,
+}
+
+impl Reply {
+    /// The body as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.body))
+    }
+
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The `data:` payloads of an event stream.
+    pub fn sse_data(&self) -> Vec<String> {
+        self.body
+            .split("\n\n")
+            .filter_map(|event| event.strip_prefix("data: "))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// The request's bytes.
+pub fn request_bytes(
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Vec<u8> {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        req.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if let Some(body) = body {
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        ));
+    }
+    req.push_str("\r\n");
+    req.push_str(body.unwrap_or(""));
+    req.into_bytes()
+}
+
+/// Sends one request and reads the whole reply.
+pub async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Reply {
+    let mut stream = TcpStream::connect(addr).await.expect("connecting");
+    stream
+        .write_all(&request_bytes(method, path, headers, body))
+        .await
+        .expect("writing the request");
+    let mut raw = Vec::new();
+    stream
+        .read_to_end(&mut raw)
+        .await
+        .expect("reading the reply");
+    parse_reply(&raw)
+}
+
+/// `POST path` with a JSON body.
+pub async fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Reply {
+    send(addr, "POST", path, &[], Some(&body.to_string())).await
+}
+
+/// Splits a raw HTTP/1.1 reply.
+pub fn parse_reply(raw: &[u8]) -> Reply {
+    let text = String::from_utf8_lossy(raw);
+    let (head, body) = text.split_once("\r\n\r\n").expect("reply has a head");
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().expect("status line");
+    let status = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status code");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let chunked = headers
+        .iter()
+        .any(|(n, v)| n == "transfer-encoding" && v.contains("chunked"));
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
+}

@@ -1,0 +1,291 @@
+//! Two-phase load of a [`Plan`]: a session on every worker, Prepare on all at once (tensor
+//! bytes streamed from the coordinator's mmap), then Commit on all when every worker voted
+//! yes, or Abort on all and close every session. A half-loaded model never serves.
+
+use crate::model_file::{MappedSource, ModelFile};
+use crate::placement::Plan;
+use futures::future::join_all;
+use std::sync::Arc;
+use std::time::Duration;
+use tether_worker::client::{AttachOptions, LoadRequest, Session, TensorSource, WorkerClient};
+use tether_worker::{BlockSpec, Lease, SessionId, TxnId};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+/// How sessions are opened and blocks loaded.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Who is attaching, for the workers' logs.
+    pub client_name: String,
+    /// The lease asked for.
+    pub lease: Lease,
+    /// How long a prepared block waits for Commit/Abort before the worker aborts it.
+    pub decision_timeout: Duration,
+    /// Bytes per tensor chunk message.
+    pub chunk_bytes: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            client_name: format!("tether-coordinator:{}", std::process::id()),
+            lease: Lease {
+                heartbeat_interval: Duration::from_secs(1),
+                ttl: Duration::from_secs(10),
+            },
+            decision_timeout: Duration::from_secs(60),
+            chunk_bytes: tether_worker::client::DEFAULT_CHUNK_BYTES,
+        }
+    }
+}
+
+/// Why a load failed; nothing stays loaded on any worker afterwards.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The plan names a worker no client was given for.
+    #[error("the plan names worker {0} but no connection to it was given")]
+    NoClient(String),
+    /// A session could not be opened.
+    #[error("opening a session on worker {addr} failed: {detail}; no worker keeps anything loaded")]
+    Attach {
+        /// The worker.
+        addr: String,
+        /// Its error.
+        detail: String,
+    },
+    /// A worker voted no in Prepare; every worker aborted.
+    #[error(
+        "worker {addr} refused layers {first}..{last}: {detail}; the load was aborted on every worker and nothing stays loaded"
+    )]
+    Refused {
+        /// The worker.
+        addr: String,
+        /// First layer of its block.
+        first: usize,
+        /// One past its last layer.
+        last: usize,
+        /// Its error.
+        detail: String,
+    },
+    /// Commit failed on a worker after every worker prepared; every session was closed.
+    #[error(
+        "commit on worker {addr} failed: {detail}; every session was closed so nothing stays loaded"
+    )]
+    Commit {
+        /// The worker.
+        addr: String,
+        /// Its error.
+        detail: String,
+    },
+}
+
+/// A block committed on one worker.
+#[derive(Clone)]
+pub struct LoadedStage {
+    /// The connection.
+    pub client: WorkerClient,
+    /// The session holding the block.
+    pub session: SessionId,
+    /// The block.
+    pub spec: BlockSpec,
+    /// Bytes the worker reserved for it.
+    pub reserved: u64,
+}
+
+/// A model committed on every worker of a plan. Its sessions are watched: when any ends,
+/// the others are closed and [`LoadedModel::lost`] resolves. Dropping it closes them all.
+pub struct LoadedModel {
+    /// The blocks, in layer order.
+    pub stages: Vec<LoadedStage>,
+    lost: watch::Receiver<Option<String>>,
+    close: Option<oneshot::Sender<()>>,
+    guard: Option<JoinHandle<()>>,
+    close_wait: Duration,
+}
+
+impl LoadedModel {
+    /// Resolves with the reason once any session has ended (all others are then closed).
+    pub async fn lost(&mut self) -> String {
+        match self.lost.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or_default(),
+            Err(_) => "the session watcher stopped".to_string(),
+        }
+    }
+
+    /// Why a session ended, if one has.
+    pub fn lost_reason(&self) -> Option<String> {
+        self.lost.borrow().clone()
+    }
+
+    /// Closes every session and waits until the workers confirm (or the lease passes).
+    pub async fn close(mut self) {
+        if let Some(close) = self.close.take() {
+            let _ = close.send(());
+        }
+        if let Some(guard) = self.guard.take() {
+            let _ = tokio::time::timeout(self.close_wait, guard).await;
+        }
+    }
+}
+
+impl Drop for LoadedModel {
+    fn drop(&mut self) {
+        // Dropping `close` tells the watcher to close every session; it owns them.
+        drop(self.close.take());
+    }
+}
+
+/// Watches `sessions`; on the first end, or on `close`, closes them all.
+async fn watch_sessions(
+    mut sessions: Vec<(String, Session)>,
+    lost: watch::Sender<Option<String>>,
+    close: oneshot::Receiver<()>,
+    close_wait: Duration,
+) {
+    if !sessions.is_empty() {
+        let ends = futures::future::select_all(sessions.iter_mut().map(|(addr, s)| {
+            Box::pin(async move {
+                let end = s.ended().await;
+                (addr.clone(), end)
+            })
+        }));
+        tokio::select! {
+            ((addr, end), _, _) = ends => {
+                let reason = format!("worker {addr} ended its session ({})", end.reason);
+                tracing::warn!("{reason}; closing the sessions on the other workers");
+                let _ = lost.send(Some(reason));
+            }
+            _ = close => {}
+        }
+    }
+    close_sessions(sessions, close_wait).await;
+}
+
+async fn close_sessions(sessions: Vec<(String, Session)>, wait: Duration) {
+    join_all(sessions.into_iter().map(|(addr, s)| async move {
+        if tokio::time::timeout(wait, s.close()).await.is_err() {
+            tracing::warn!(worker = %addr, "closing the session timed out; the lease will free it");
+        }
+    }))
+    .await;
+}
+
+/// Loads `plan` over `clients` (one per worker of the plan) by two-phase commit.
+pub async fn load_plan(
+    model: &Arc<ModelFile>,
+    plan: &Plan,
+    clients: &[WorkerClient],
+    options: &LoadOptions,
+) -> Result<LoadedModel, LoadError> {
+    let close_wait = options.lease.ttl + Duration::from_secs(1);
+    let mut picked = Vec::with_capacity(plan.assignments.len());
+    for a in &plan.assignments {
+        let client = clients
+            .iter()
+            .find(|c| c.addr() == a.addr)
+            .ok_or_else(|| LoadError::NoClient(a.addr.clone()))?;
+        picked.push((client.clone(), a));
+    }
+
+    let attach = AttachOptions {
+        client_name: options.client_name.clone(),
+        lease: options.lease,
+        heartbeat: true,
+    };
+    let opened = join_all(picked.iter().map(|(c, _)| c.attach(attach.clone()))).await;
+    let mut sessions = Vec::with_capacity(opened.len());
+    let mut attach_error = None;
+    for ((client, _), result) in picked.iter().zip(opened) {
+        match result {
+            Ok(s) => sessions.push((client.addr().to_string(), s)),
+            Err(e) => {
+                attach_error.get_or_insert(LoadError::Attach {
+                    addr: client.addr().to_string(),
+                    detail: e.to_string(),
+                });
+            }
+        }
+    }
+    if let Some(e) = attach_error {
+        close_sessions(sessions, close_wait).await;
+        return Err(e);
+    }
+
+    let txn = TxnId::new_random();
+    let source: Arc<dyn TensorSource> = Arc::new(MappedSource(Arc::clone(model)));
+    let prepared = join_all(picked.iter().zip(&sessions).map(|((client, a), (_, s))| {
+        let request = LoadRequest {
+            txn,
+            gguf_header: model.header().to_vec(),
+            gguf_file_bytes: model.file_bytes(),
+            spec: a.spec,
+            tensors: a.tensors.clone(),
+            decision_timeout: Some(options.decision_timeout),
+            chunk_bytes: options.chunk_bytes,
+        };
+        client.prepare(s.id(), request, Arc::clone(&source))
+    }))
+    .await;
+
+    let refusal = picked.iter().zip(&prepared).find_map(|((client, a), r)| {
+        r.as_ref().err().map(|e| LoadError::Refused {
+            addr: client.addr().to_string(),
+            first: a.spec.first_layer,
+            last: a.spec.last_layer,
+            detail: e.to_string(),
+        })
+    });
+    if let Some(refusal) = refusal {
+        tracing::warn!("{refusal}");
+        join_all(
+            picked
+                .iter()
+                .zip(&sessions)
+                .map(|((c, _), (_, s))| c.abort(s.id(), txn)),
+        )
+        .await;
+        close_sessions(sessions, close_wait).await;
+        return Err(refusal);
+    }
+
+    let committed = join_all(
+        picked
+            .iter()
+            .zip(&sessions)
+            .map(|((c, _), (_, s))| c.commit(s.id(), txn)),
+    )
+    .await;
+    if let Some((client, e)) = picked
+        .iter()
+        .zip(committed)
+        .find_map(|((c, _), r)| r.err().map(|e| (c, e)))
+    {
+        close_sessions(sessions, close_wait).await;
+        return Err(LoadError::Commit {
+            addr: client.addr().to_string(),
+            detail: e.to_string(),
+        });
+    }
+
+    let stages = picked
+        .iter()
+        .zip(&sessions)
+        .zip(&prepared)
+        .map(|(((client, a), (_, s)), reserved)| LoadedStage {
+            client: client.clone(),
+            session: s.id(),
+            spec: a.spec,
+            reserved: *reserved.as_ref().unwrap_or(&0),
+        })
+        .collect();
+    let (lost_tx, lost) = watch::channel(None);
+    let (close_tx, close_rx) = oneshot::channel();
+    let guard = tokio::spawn(watch_sessions(sessions, lost_tx, close_rx, close_wait));
+    Ok(LoadedModel {
+        stages,
+        lost,
+        close: Some(close_tx),
+        guard: Some(guard),
+        close_wait,
+    })
+}

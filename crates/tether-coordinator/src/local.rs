@@ -1,0 +1,159 @@
+//! Embedded workers: real tether workers serving gRPC on loopback inside this process, so
+//! `tether run` without `--worker` and the tests exercise the same protocol as a cluster.
+
+use std::sync::Arc;
+use tether_compute::CpuBackend;
+use tether_worker::model_stage::ModelStageFactory;
+use tether_worker::registry::{RegistryConfig, SessionRegistry};
+use tether_worker::server::{ServerOptions, serve};
+use tether_worker::stage::StageFactory;
+use tether_worker::status::WorkerStatus;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Memory left to the rest of the machine when no limit is given: a tenth, at most 1 GiB.
+const RESERVE_MAX: u64 = 1 << 30;
+
+/// How to start embedded workers.
+#[derive(Clone, Debug, Default)]
+pub struct LocalOptions {
+    /// Compute threads in all, split evenly between the workers (default: one per core).
+    pub threads: Option<usize>,
+    /// Admission limit of each worker, in bytes (default: free memory less a reserve).
+    pub max_memory: Option<u64>,
+}
+
+/// Why embedded workers could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("starting embedded worker {index}: {detail}")]
+pub struct LocalError {
+    /// Which worker.
+    pub index: usize,
+    /// What failed.
+    pub detail: String,
+}
+
+/// One embedded worker. Dropping it shuts it down (every session ends with reason
+/// `shutdown`).
+pub struct LocalWorker {
+    addr: String,
+    registry: Arc<SessionRegistry>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl LocalWorker {
+    /// Starts one worker on 127.0.0.1 with `threads` cpu threads and the given memory limit.
+    pub async fn start(
+        index: usize,
+        threads: Option<usize>,
+        max_memory: Option<u64>,
+    ) -> Result<LocalWorker, LocalError> {
+        let err = |detail: String| LocalError { index, detail };
+        let backend = CpuBackend::new(threads).map_err(|e| err(e.to_string()))?;
+        let factory: Arc<dyn StageFactory> = Arc::new(ModelStageFactory::new(Arc::new(backend)));
+        let max_memory = match max_memory {
+            Some(bytes) => bytes,
+            None => {
+                let (total, free) = factory
+                    .memory_info()
+                    .map_err(|e| err(format!("reading memory: {e}")))?;
+                free.saturating_sub((total / 10).min(RESERVE_MAX))
+            }
+        };
+        let registry = Arc::new(SessionRegistry::new(
+            factory,
+            max_memory,
+            RegistryConfig::default(),
+        ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| err(format!("binding 127.0.0.1:0: {e}")))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| err(format!("reading the bound address: {e}")))?
+            .to_string();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let serving = Arc::clone(&registry);
+        let task = tokio::spawn(async move {
+            let shutdown = async {
+                let _ = stopped.await;
+            };
+            if let Err(e) = serve(listener, serving, ServerOptions::default(), shutdown).await {
+                tracing::warn!("embedded worker {index} stopped: {e}");
+            }
+        });
+        tracing::debug!(%addr, max_memory, "embedded worker {index} listening");
+        Ok(LocalWorker {
+            addr,
+            registry,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// Its address ("127.0.0.1:PORT").
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Its status, as `tetherctl status` would show it.
+    pub fn status(&self) -> WorkerStatus {
+        self.registry.status()
+    }
+
+    /// Shuts it down and waits until every session is freed.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for LocalWorker {
+    fn drop(&mut self) {
+        // The server task sees the stop and ends every session; nobody waits for it here.
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Several embedded workers; dropping it shuts them all down.
+pub struct LocalWorkers {
+    /// The workers, in the order started.
+    pub workers: Vec<LocalWorker>,
+}
+
+impl LocalWorkers {
+    /// Starts `n` workers (at least one), splitting the threads evenly between them.
+    pub async fn start(n: usize, options: &LocalOptions) -> Result<LocalWorkers, LocalError> {
+        let n = n.max(1);
+        let total = options.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(usize::from)
+                .unwrap_or(1)
+        });
+        let per_worker = (total / n).max(1);
+        let mut workers = Vec::with_capacity(n);
+        for i in 0..n {
+            workers.push(LocalWorker::start(i, Some(per_worker), options.max_memory).await?);
+        }
+        Ok(LocalWorkers { workers })
+    }
+
+    /// Their addresses.
+    pub fn addrs(&self) -> Vec<String> {
+        self.workers.iter().map(|w| w.addr.clone()).collect()
+    }
+
+    /// Shuts every worker down and waits for each.
+    pub async fn shutdown(self) {
+        for w in self.workers {
+            w.shutdown().await;
+        }
+    }
+}

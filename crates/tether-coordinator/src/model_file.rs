@@ -1,0 +1,108 @@
+//! The coordinator's view of the model file: an mmap the tensors are streamed from, the
+//! header the workers plan from, the hyper-parameters and the tokenizer.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tether_gguf::GgufFile;
+use tether_model::ModelConfig;
+use tether_model::tokenizer::Tokenizer;
+use tether_worker::client::TensorSource;
+
+/// Why the model file could not be used.
+#[derive(Debug, thiserror::Error)]
+#[error("reading the model {path}: {detail}; check that it is a complete GGUF file")]
+pub struct ModelFileError {
+    /// The file.
+    pub path: String,
+    /// What went wrong.
+    pub detail: String,
+}
+
+/// A model file opened once and shared by every load.
+pub struct ModelFile {
+    path: PathBuf,
+    file: GgufFile,
+    header: Vec<u8>,
+    file_bytes: u64,
+    config: ModelConfig,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl ModelFile {
+    /// Opens `path`, reads its hyper-parameters, tokenizer and header bytes.
+    pub fn open(path: impl AsRef<Path>) -> Result<Arc<ModelFile>, ModelFileError> {
+        let path = path.as_ref().to_path_buf();
+        let err = |detail: String| ModelFileError {
+            path: path.display().to_string(),
+            detail,
+        };
+        let file = GgufFile::open(&path).map_err(|e| err(e.to_string()))?;
+        let config = ModelConfig::from_gguf(&file).map_err(|e| err(e.to_string()))?;
+        let tokenizer = Tokenizer::from_gguf(&file).map_err(|e| err(e.to_string()))?;
+        let file_bytes = std::fs::metadata(&path)
+            .map_err(|e| err(format!("reading its size: {e}")))?
+            .len();
+        let mut header = Vec::new();
+        std::fs::File::open(&path)
+            .map_err(|e| err(e.to_string()))?
+            .take(file.data_offset())
+            .read_to_end(&mut header)
+            .map_err(|e| err(format!("reading its header: {e}")))?;
+        Ok(Arc::new(ModelFile {
+            path,
+            file,
+            header,
+            file_bytes,
+            config,
+            tokenizer: Arc::new(tokenizer),
+        }))
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The parsed file.
+    pub fn gguf(&self) -> &GgufFile {
+        &self.file
+    }
+
+    /// Bytes before the tensor data, which workers plan from.
+    pub fn header(&self) -> &[u8] {
+        &self.header
+    }
+
+    /// Length of the whole file.
+    pub fn file_bytes(&self) -> u64 {
+        self.file_bytes
+    }
+
+    /// Hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> Arc<Tokenizer> {
+        Arc::clone(&self.tokenizer)
+    }
+
+    /// `tokenizer.chat_template`, when present.
+    pub fn chat_template(&self) -> Option<String> {
+        self.file
+            .get_str("tokenizer.chat_template")
+            .map(str::to_string)
+    }
+}
+
+/// Streams tensor bytes straight from the mapping.
+pub(crate) struct MappedSource(pub(crate) Arc<ModelFile>);
+
+impl TensorSource for MappedSource {
+    fn tensor_bytes(&self, name: &str) -> Option<&[u8]> {
+        let file = &self.0.file;
+        file.tensor(name).map(|t| file.tensor_data(t))
+    }
+}

@@ -1,0 +1,391 @@
+//! The scheduler task: owns the loaded model, gives each request a sequence slot, runs each
+//! step's batch of every active sequence through the workers (cut into groups of sequences
+//! that are in flight on different workers at once), samples, and reports. When a
+//! worker's session ends it fails the in-flight requests, closes the other sessions and
+//! loads again in the background over the workers that answer.
+
+use crate::api::{FinishReason, GenError, GenEvent, GenRequest, Health};
+use crate::engine::Setup;
+use crate::load::{LoadedModel, LoadedStage};
+use crate::model_file::ModelFile;
+use crate::placement::Plan;
+use crate::sequence::{Batch, Events, Next, Sequence, build_batch, split_batch};
+use futures::future::join_all;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tether_model::Sampler;
+use tether_worker::{ForwardInput, ForwardOutput};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// A request accepted by `submit`, waiting for a slot.
+pub(crate) struct Admitted {
+    pub req: GenRequest,
+    pub events: Events,
+}
+
+/// What the engine's front and the scheduler share.
+pub(crate) struct Shared {
+    pub health: Mutex<Health>,
+    pub plan: Mutex<Option<Plan>>,
+    pub running: AtomicUsize,
+    pub generated_tokens: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+}
+
+impl Shared {
+    pub fn new(plan: Plan) -> Self {
+        Self {
+            health: Mutex::new(Health::Ready),
+            plan: Mutex::new(Some(plan)),
+            running: AtomicUsize::new(0),
+            generated_tokens: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+        }
+    }
+
+    pub fn health(&self) -> Health {
+        self.health
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_health(&self, health: Health) {
+        *self.health.lock().unwrap_or_else(|e| e.into_inner()) = health;
+    }
+
+    pub fn plan(&self) -> Option<Plan> {
+        self.plan.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// How serving a loaded model ended.
+enum Ended {
+    Stopped,
+    Lost(String),
+}
+
+/// The scheduler's state.
+pub(crate) struct Scheduler {
+    pub shared: Arc<Shared>,
+    pub requests: mpsc::Receiver<Admitted>,
+    pub stop: CancellationToken,
+    pub model: Arc<ModelFile>,
+    pub setup: Setup,
+    pub retry_every: Duration,
+    slots: Vec<Option<Sequence>>,
+    to_clear: Vec<u32>,
+    rotation: usize,
+}
+
+impl Scheduler {
+    pub fn new(
+        shared: Arc<Shared>,
+        requests: mpsc::Receiver<Admitted>,
+        stop: CancellationToken,
+        model: Arc<ModelFile>,
+        setup: Setup,
+        retry_every: Duration,
+    ) -> Self {
+        let n_seq = setup.shape.n_seq;
+        Self {
+            shared,
+            requests,
+            stop,
+            model,
+            setup,
+            retry_every,
+            slots: (0..n_seq).map(|_| None).collect(),
+            to_clear: Vec::new(),
+            rotation: 0,
+        }
+    }
+
+    /// Serves until stopped, loading again whenever a worker is lost.
+    pub async fn run(mut self, mut loaded: LoadedModel) {
+        loop {
+            match self.serve(loaded).await {
+                Ended::Stopped => break,
+                Ended::Lost(reason) => match self.recover(reason).await {
+                    Some(m) => loaded = m,
+                    None => break,
+                },
+            }
+        }
+        let reason = "the coordinator has shut down";
+        self.shared
+            .set_health(Health::Unavailable(reason.to_string()));
+        self.requests.close();
+        while let Ok(a) = self.requests.try_recv() {
+            let _ = a
+                .events
+                .try_send(Err(GenError::Unavailable(reason.to_string())));
+        }
+    }
+
+    fn active(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    fn free(&mut self, i: usize) {
+        if let Some(seq) = self.slots[i].take() {
+            self.to_clear.push(seq.slot);
+        }
+        self.shared.running.store(self.active(), Ordering::Relaxed);
+    }
+
+    /// Ends cancelled requests (receiver dropped) and those past their deadline.
+    fn reap(&mut self) {
+        let now = Instant::now();
+        for i in 0..self.slots.len() {
+            let Some(seq) = &self.slots[i] else { continue };
+            let ends = if seq.events.is_closed() {
+                true
+            } else if seq.deadline.is_some_and(|d| now >= d) {
+                seq.send(Err(GenError::Timeout(format!(
+                    "the deadline passed after {} generated tokens",
+                    seq.generated
+                ))));
+                true
+            } else {
+                false
+            };
+            if ends {
+                self.free(i);
+            }
+        }
+    }
+
+    /// Gives a request a free slot, or ends it at once when there is nothing to do.
+    fn start(&mut self, a: Admitted) {
+        let Admitted { req, events } = a;
+        if req.deadline.is_some_and(|d| Instant::now() >= d) {
+            let _ = events.try_send(Err(GenError::Timeout(
+                "the deadline passed while the request was queued".into(),
+            )));
+            return;
+        }
+        if req.max_tokens == 0 {
+            let _ = events.try_send(Ok(GenEvent::Done {
+                finish: FinishReason::Length,
+                prompt_tokens: req.prompt.len(),
+                completion_tokens: 0,
+            }));
+            return;
+        }
+        let Some(i) = self.slots.iter().position(Option::is_none) else {
+            let _ = events.try_send(Err(GenError::Internal(
+                "no free sequence slot for an admitted request".into(),
+            )));
+            return;
+        };
+        self.slots[i] = Some(Sequence {
+            slot: i as u32,
+            prompt_len: req.prompt.len(),
+            tokens: req.prompt,
+            fed: 0,
+            generated: 0,
+            max_tokens: req.max_tokens,
+            sampler: Sampler::new(req.sampling),
+            deadline: req.deadline,
+            events,
+        });
+        self.shared.running.store(self.active(), Ordering::Relaxed);
+    }
+
+    fn admit(&mut self) {
+        while self.slots.iter().any(Option::is_none) {
+            match self.requests.try_recv() {
+                Ok(a) => self.start(a),
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// Fails every running request and forgets their slots.
+    fn fail_all(&mut self, error: &GenError) {
+        for slot in &mut self.slots {
+            if let Some(seq) = slot.take() {
+                seq.send(Err(error.clone()));
+            }
+        }
+        self.to_clear.clear();
+        self.shared.running.store(0, Ordering::Relaxed);
+    }
+
+    async fn serve(&mut self, mut loaded: LoadedModel) -> Ended {
+        let stages = loaded.stages.clone();
+        let stop = self.stop.clone();
+        let ended = loop {
+            self.reap();
+            if let Err(reason) = clear_slots(&stages, &mut self.to_clear).await {
+                break Ended::Lost(reason);
+            }
+            self.admit();
+            if self.active() == 0 {
+                tokio::select! {
+                    () = stop.cancelled() => break Ended::Stopped,
+                    reason = loaded.lost() => break Ended::Lost(reason),
+                    next = self.requests.recv() => match next {
+                        Some(a) => self.start(a),
+                        None => break Ended::Stopped,
+                    },
+                }
+                continue;
+            }
+            let batch = build_batch(&self.slots, self.setup.shape.ubatch, self.rotation);
+            self.rotation = self.rotation.wrapping_add(1);
+            let groups = split_batch(batch, stages.len());
+            let results = tokio::select! {
+                () = stop.cancelled() => break Ended::Stopped,
+                reason = loaded.lost() => break Ended::Lost(reason),
+                r = join_all(groups.iter().map(|b| run_forward(&stages, b))) => r,
+            };
+            let applied = groups
+                .iter()
+                .zip(results)
+                .try_for_each(|(b, r)| r.and_then(|logits| self.apply(b, &logits)));
+            if let Err(reason) = applied {
+                break Ended::Lost(reason);
+            }
+        };
+        let reason = match &ended {
+            Ended::Stopped => "the coordinator is shutting down".to_string(),
+            Ended::Lost(r) => format!("{r}; the model is not served until it is loaded again"),
+        };
+        self.shared.set_health(Health::Unavailable(reason.clone()));
+        self.fail_all(&GenError::Unavailable(reason));
+        loaded.close().await;
+        ended
+    }
+
+    /// Moves every sequence of `batch` forward and samples the rows that asked for logits.
+    fn apply(&mut self, batch: &Batch, logits: &[f32]) -> Result<(), String> {
+        let v = self.model.config().n_vocab;
+        if logits.len() != batch.logits_rows.len() * v {
+            return Err(format!(
+                "the last worker returned {} logits for {} rows of {v}",
+                logits.len(),
+                batch.logits_rows.len()
+            ));
+        }
+        for &(i, take) in &batch.fed {
+            if let Some(seq) = &mut self.slots[i] {
+                let prompt_part = seq.prompt_len.saturating_sub(seq.fed).min(take);
+                seq.fed += take;
+                self.shared
+                    .prompt_tokens
+                    .fetch_add(prompt_part as u64, Ordering::Relaxed);
+            }
+        }
+        let tokenizer = self.model.tokenizer();
+        let ctx = self.setup.shape.ctx_per_seq;
+        let mut finished = Vec::new();
+        for (row, &i) in batch.sample_for.iter().enumerate() {
+            let Some(seq) = &mut self.slots[i] else {
+                continue;
+            };
+            let token = seq
+                .sampler
+                .sample(&logits[row * v..(row + 1) * v], &seq.tokens);
+            let eog = tokenizer.is_eog(token);
+            if !eog {
+                self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Next::Finish(finish) = seq.accept(token, eog, ctx) {
+                seq.finish(finish);
+                finished.push(i);
+            }
+        }
+        for i in finished {
+            self.free(i);
+        }
+        Ok(())
+    }
+
+    /// Loads again every `retry_every` until it works or the coordinator stops; requests
+    /// meanwhile are refused.
+    async fn recover(&mut self, reason: String) -> Option<LoadedModel> {
+        let stop = self.stop.clone();
+        let every = self.retry_every;
+        loop {
+            let wait = tokio::time::sleep(every);
+            tokio::pin!(wait);
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return None,
+                    () = &mut wait => break,
+                    next = self.requests.recv() => match next {
+                        Some(a) => {
+                            let _ = a.events.try_send(Err(GenError::Unavailable(self.shared.health_text())));
+                        }
+                        None => return None,
+                    },
+                }
+            }
+            tracing::info!("loading the model again after: {reason}");
+            let attempt = tokio::select! {
+                () = stop.cancelled() => return None,
+                r = self.setup.connect_and_load(&self.model, false) => r,
+            };
+            match attempt {
+                Ok((loaded, plan)) => {
+                    tracing::info!("model loaded again:\n{plan}");
+                    *self.shared.plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan);
+                    self.shared.set_health(Health::Ready);
+                    return Some(loaded);
+                }
+                Err(e) => {
+                    tracing::warn!("loading again failed: {e}");
+                    self.shared.set_health(Health::Unavailable(format!(
+                        "{reason}; loading again failed: {e}; retrying every {} s",
+                        every.as_secs_f64()
+                    )));
+                }
+            }
+        }
+    }
+}
+
+impl Shared {
+    fn health_text(&self) -> String {
+        match self.health() {
+            Health::Ready => "the model is being loaded again".to_string(),
+            Health::Unavailable(why) => why,
+        }
+    }
+}
+
+/// Forgets the KV cells of freed slots on every worker.
+async fn clear_slots(stages: &[LoadedStage], slots: &mut Vec<u32>) -> Result<(), String> {
+    for seq in slots.drain(..) {
+        for st in stages {
+            st.client
+                .kv_clear(st.session, seq)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `batch` through every worker in layer order; returns the logits of its rows.
+async fn run_forward(stages: &[LoadedStage], batch: &Batch) -> Result<Vec<f32>, String> {
+    let mut input = ForwardInput::TokenIds(batch.ids.clone());
+    let last = stages.len().saturating_sub(1);
+    for (i, st) in stages.iter().enumerate() {
+        let rows: &[u32] = if i == last { &batch.logits_rows } else { &[] };
+        let out = st
+            .client
+            .forward(st.session, &batch.tokens, &input, rows)
+            .await
+            .map_err(|e| e.to_string())?;
+        match out {
+            ForwardOutput::Hidden(h) => input = ForwardInput::Hidden(h),
+            ForwardOutput::Logits(l) => return Ok(l),
+        }
+    }
+    Ok(Vec::new())
+}

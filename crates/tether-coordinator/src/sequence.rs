@@ -1,0 +1,272 @@
+//! One running request in its sequence slot, and how a step's batch is made from all of
+//! them: decode tokens first (one per generating sequence), then prompt chunks, never more
+//! than `ubatch` tokens in all.
+
+use crate::api::{FinishReason, GenError, GenEvent};
+use std::time::Instant;
+use tether_model::Sampler;
+use tether_worker::TokenPos;
+use tokio::sync::mpsc;
+
+/// Where a request's events go.
+pub(crate) type Events = mpsc::Sender<Result<GenEvent, GenError>>;
+
+/// A request holding a sequence slot.
+pub(crate) struct Sequence {
+    /// The slot (KV sequence index on every worker).
+    pub slot: u32,
+    /// Prompt, then generated tokens.
+    pub tokens: Vec<u32>,
+    /// Prompt tokens.
+    pub prompt_len: usize,
+    /// Tokens already in the KV cache (positions `0..fed`).
+    pub fed: usize,
+    /// Tokens generated.
+    pub generated: usize,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// The request's sampler.
+    pub sampler: Sampler,
+    /// When the request gives up.
+    pub deadline: Option<Instant>,
+    /// The request's event channel (sized so that every event fits).
+    pub events: Events,
+}
+
+/// What a sampled token did to its sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Feed it next step.
+    Continue,
+    /// The request is over.
+    Finish(FinishReason),
+}
+
+impl Sequence {
+    /// Tokens not yet in the KV cache.
+    fn to_feed(&self) -> usize {
+        self.tokens.len() - self.fed
+    }
+
+    fn decoding(&self) -> bool {
+        self.fed >= self.prompt_len
+    }
+
+    /// Takes a sampled token: an end-of-generation token ends the request unsent; otherwise
+    /// it is sent, and `max_tokens` or a full context (`ctx` cells) end the request, as the
+    /// single-process generator does.
+    pub fn accept(&mut self, token: u32, is_eog: bool, ctx: usize) -> Next {
+        if is_eog {
+            return Next::Finish(FinishReason::Stop);
+        }
+        self.tokens.push(token);
+        self.generated += 1;
+        self.send(Ok(GenEvent::Token(token)));
+        // The next token would go at position `tokens.len() - 1`, which must be a cell.
+        if self.generated >= self.max_tokens || self.tokens.len() > ctx {
+            return Next::Finish(FinishReason::Length);
+        }
+        Next::Continue
+    }
+
+    /// Sends the final event.
+    pub fn finish(&self, finish: FinishReason) {
+        self.send(Ok(GenEvent::Done {
+            finish,
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.generated,
+        }));
+    }
+
+    /// Sends an event; the channel holds every event a request can produce, so this only
+    /// fails when the receiver is gone (the request is then cancelled at the next step).
+    pub fn send(&self, event: Result<GenEvent, GenError>) {
+        let _ = self.events.try_send(event);
+    }
+}
+
+/// One forward pass over every worker.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Batch {
+    /// Sequence and position of each token.
+    pub tokens: Vec<TokenPos>,
+    /// Token ids, for the first worker.
+    pub ids: Vec<u32>,
+    /// Rows (indices into `tokens`) whose logits to return.
+    pub logits_rows: Vec<u32>,
+    /// The slot each logits row samples for, in row order.
+    pub sample_for: Vec<usize>,
+    /// `(slot index, tokens fed)` per sequence in the batch.
+    pub fed: Vec<(usize, usize)>,
+}
+
+/// Makes the next step's batch from the sequences in `slots`, starting the rotation at
+/// `start` so no sequence waits forever when `ubatch` is smaller than the demand.
+pub(crate) fn build_batch(slots: &[Option<Sequence>], ubatch: usize, start: usize) -> Batch {
+    let mut batch = Batch::default();
+    let mut budget = ubatch;
+    let n = slots.len();
+    for decode_pass in [true, false] {
+        for k in 0..n {
+            let i = (start + k) % n;
+            let Some(seq) = &slots[i] else { continue };
+            if seq.decoding() != decode_pass || seq.to_feed() == 0 || budget == 0 {
+                continue;
+            }
+            let take = seq.to_feed().min(budget);
+            budget -= take;
+            for p in seq.fed..seq.fed + take {
+                batch.tokens.push(TokenPos {
+                    seq: seq.slot,
+                    pos: p as u32,
+                });
+                batch.ids.push(seq.tokens[p]);
+            }
+            if seq.fed + take == seq.tokens.len() {
+                batch.logits_rows.push((batch.tokens.len() - 1) as u32);
+                batch.sample_for.push(i);
+            }
+            batch.fed.push((i, take));
+        }
+    }
+    batch
+}
+
+/// Cuts `batch` into at most `groups` batches of whole sequences. Sent through the workers
+/// at once, they form a pipeline: while one group runs on a later worker, the next runs on
+/// an earlier one. Sequences are disjoint, so the order the workers see them in is free.
+pub(crate) fn split_batch(batch: Batch, groups: usize) -> Vec<Batch> {
+    let groups = groups.min(batch.fed.len());
+    if groups <= 1 {
+        return vec![batch];
+    }
+    let mut out = vec![Batch::default(); groups];
+    let mut offset = 0;
+    let mut row = 0;
+    for (k, &(i, take)) in batch.fed.iter().enumerate() {
+        let g = &mut out[k % groups];
+        let base = g.tokens.len();
+        g.tokens
+            .extend_from_slice(&batch.tokens[offset..offset + take]);
+        g.ids.extend_from_slice(&batch.ids[offset..offset + take]);
+        if batch
+            .logits_rows
+            .get(row)
+            .is_some_and(|&r| r as usize == offset + take - 1)
+        {
+            g.logits_rows.push((base + take - 1) as u32);
+            g.sample_for.push(batch.sample_for[row]);
+            row += 1;
+        }
+        g.fed.push((i, take));
+        offset += take;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_model::SamplingParams;
+
+    fn seq(
+        slot: u32,
+        prompt: usize,
+        fed: usize,
+    ) -> (Sequence, mpsc::Receiver<Result<GenEvent, GenError>>) {
+        let (tx, rx) = mpsc::channel(16);
+        let s = Sequence {
+            slot,
+            tokens: (0..prompt as u32).map(|t| t + 100 * slot).collect(),
+            prompt_len: prompt,
+            fed,
+            generated: 0,
+            max_tokens: 3,
+            sampler: Sampler::new(SamplingParams::greedy()),
+            deadline: None,
+            events: tx,
+        };
+        (s, rx)
+    }
+
+    #[test]
+    fn decode_tokens_come_first_and_prompts_are_chunked() {
+        let (mut a, _ra) = seq(0, 5, 5);
+        a.tokens.push(7); // a sampled token waiting to be fed
+        let (b, _rb) = seq(1, 10, 0);
+        let slots = vec![Some(b), None, Some(a)];
+        let batch = build_batch(&slots, 4, 0);
+        assert_eq!(batch.tokens[0], TokenPos { seq: 0, pos: 5 });
+        assert_eq!(batch.ids[0], 7);
+        assert_eq!(batch.tokens.len(), 4, "ubatch caps the batch");
+        assert_eq!(batch.ids[1..], [100, 101, 102]);
+        assert_eq!(
+            batch.logits_rows,
+            vec![0],
+            "the unfinished prompt asks no logits"
+        );
+        assert_eq!(batch.sample_for, vec![2]);
+        assert_eq!(batch.fed, vec![(2, 1), (0, 3)]);
+    }
+
+    #[test]
+    fn the_last_prompt_chunk_asks_for_logits() {
+        let (b, _rb) = seq(1, 6, 4);
+        let batch = build_batch(&[Some(b)], 8, 0);
+        assert_eq!(batch.tokens.len(), 2);
+        assert_eq!(batch.tokens[1], TokenPos { seq: 1, pos: 5 });
+        assert_eq!(batch.logits_rows, vec![1]);
+    }
+
+    #[test]
+    fn rotation_serves_everyone() {
+        let (a, _ra) = seq(0, 3, 0);
+        let (b, _rb) = seq(1, 3, 0);
+        let slots = vec![Some(a), Some(b)];
+        assert_eq!(build_batch(&slots, 3, 0).fed, vec![(0, 3)]);
+        assert_eq!(build_batch(&slots, 3, 1).fed, vec![(1, 3)]);
+    }
+
+    #[test]
+    fn split_keeps_sequences_whole_and_rows_aligned() {
+        let (mut a, _ra) = seq(0, 2, 2);
+        a.tokens.push(7);
+        let (b, _rb) = seq(1, 3, 0);
+        let (c, _rc) = seq(2, 4, 2);
+        let whole = build_batch(&[Some(a), Some(b), Some(c)], 16, 0);
+        let parts = split_batch(whole.clone(), 2);
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0].fed, vec![(0, 1), (2, 2)]);
+        assert_eq!(parts[1].fed, vec![(1, 3)]);
+        assert_eq!(parts[0].ids, vec![7, 202, 203]);
+        assert_eq!(parts[0].logits_rows, vec![0, 2]);
+        assert_eq!(parts[0].sample_for, vec![0, 2]);
+        assert_eq!(parts[1].logits_rows, vec![2]);
+        assert_eq!(parts[1].tokens[0], TokenPos { seq: 1, pos: 0 });
+        let rows: usize = parts.iter().map(|p| p.logits_rows.len()).sum();
+        assert_eq!(rows, whole.logits_rows.len());
+        assert_eq!(split_batch(whole.clone(), 1), vec![whole]);
+    }
+
+    #[test]
+    fn accept_follows_the_generator_rules() {
+        let (mut s, mut rx) = seq(0, 2, 2);
+        assert_eq!(s.accept(9, true, 16), Next::Finish(FinishReason::Stop));
+        assert!(
+            rx.try_recv().is_err(),
+            "an end-of-generation token is not sent"
+        );
+        assert_eq!(s.accept(5, false, 16), Next::Continue);
+        assert_eq!(rx.try_recv().unwrap(), Ok(GenEvent::Token(5)));
+        assert_eq!(
+            s.accept(6, false, 3),
+            Next::Finish(FinishReason::Length),
+            "context full"
+        );
+        let (mut s, _rx) = seq(0, 2, 2);
+        s.accept(1, false, 16);
+        s.accept(1, false, 16);
+        assert_eq!(s.accept(1, false, 16), Next::Finish(FinishReason::Length));
+        assert_eq!(s.generated, 3);
+    }
+}

@@ -1,0 +1,149 @@
+//! Generation through embedded workers over loopback gRPC equals the single-process
+//! generator token for token, alone and with concurrent requests.
+
+mod support;
+
+use support::{TempDir, cluster, generate, prompt, reference, stories260k, tiny_model};
+use tether_coordinator::api::{FinishReason, GenError, Generation};
+use tether_gguf::GgmlType;
+use tether_model::SynthShape;
+
+async fn check_through_workers(path: &std::path::Path, text: &str, n_tokens: usize) {
+    let prompt = prompt(path, text);
+    let expected = reference(path, &prompt, n_tokens, 256);
+    assert!(!expected.is_empty(), "the reference generated nothing");
+    for n in 1..=3 {
+        let c = cluster(path, n, |_| {}).await;
+        let plan = c.coordinator.plan().expect("a plan");
+        assert_eq!(plan.assignments.len(), n, "{plan}");
+        let (tokens, end) = generate(&c.coordinator, &prompt, n_tokens).await;
+        assert_eq!(tokens, expected, "{n} workers, plan:\n{plan}");
+        let finish = end.expect("no error");
+        if tokens.len() == n_tokens {
+            assert_eq!(finish, FinishReason::Length);
+        } else {
+            assert_eq!(finish, FinishReason::Stop);
+        }
+        c.coordinator.shutdown().await;
+        c.workers.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_tokens_equal_the_single_process_generator() {
+    let dir = TempDir::new("equal");
+    let path = tiny_model(&dir, 11);
+    // A prompt longer than the micro-batch (8) makes the prefill run in chunks.
+    check_through_workers(&path, "Once upon a time there was a little robot who", 40).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen2_shape_with_k_quants_also_matches() {
+    // Biases, NEOX rope and a tied output head take other paths through the stages.
+    let dir = TempDir::new("qwen2");
+    let path = support::synth_model(&dir, SynthShape::TinyQwen2, GgmlType::Q4K, 14);
+    check_through_workers(&path, "Hello there, how are you today? I am", 24).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stories260k_through_workers_equals_the_generator() {
+    let Some(path) = stories260k() else { return };
+    check_through_workers(&path, "Once upon a time", 48).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_equal_each_alone() {
+    let dir = TempDir::new("concurrent");
+    let path = tiny_model(&dir, 12);
+    let texts = [
+        "Once upon a time",
+        "The quick brown fox jumps over the lazy dog and",
+        "Hello",
+        "In a village far away lived",
+    ];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| prompt(&path, t)).collect();
+    let expected: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| reference(&path, p, 20 + 3 * i, 256))
+        .collect();
+    let c = cluster(&path, 2, |cfg| cfg.parallel = 4).await;
+    let receivers: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            c.coordinator
+                .submit(support::greedy(p, 20 + 3 * i))
+                .expect("submit")
+        })
+        .collect();
+    let mut results = Vec::new();
+    for rx in receivers {
+        results.push(support::collect(rx).await);
+    }
+    for (i, ((tokens, end), want)) in results.into_iter().zip(&expected).enumerate() {
+        assert!(end.is_ok(), "request {i}: {end:?}");
+        assert_eq!(&tokens, want, "request {i} differs from its run alone");
+    }
+    let stats = c.coordinator.stats();
+    let generated: usize = expected.iter().map(Vec::len).sum();
+    assert_eq!(stats.generated_tokens, generated as u64);
+    assert_eq!(stats.running, 0);
+    c.coordinator.shutdown().await;
+    c.workers.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_and_a_full_queue_are_refused() {
+    let dir = TempDir::new("refuse");
+    let path = tiny_model(&dir, 13);
+    let c = cluster(&path, 1, |cfg| {
+        cfg.parallel = 1;
+        cfg.queue_depth = 1;
+        cfg.ctx_per_seq = 32;
+    })
+    .await;
+    let e = &c.coordinator;
+    assert!(matches!(
+        e.submit(support::greedy(&[], 4)),
+        Err(GenError::InvalidRequest(_))
+    ));
+    assert!(matches!(
+        e.submit(support::greedy(&[1; 33], 4)),
+        Err(GenError::InvalidRequest(_))
+    ));
+    assert!(matches!(
+        e.submit(support::greedy(&[100_000], 4)),
+        Err(GenError::InvalidRequest(_))
+    ));
+    // One running, one queued: the next is Busy. The scheduler may not yet have taken the
+    // first from the queue, so keep submitting until the queue answers Busy.
+    let mut held = Vec::new();
+    let mut busy = false;
+    for _ in 0..3 {
+        match e.submit(support::greedy(&[1, 2, 3], 30)) {
+            Ok(rx) => held.push(rx),
+            Err(GenError::Busy(_)) => {
+                busy = true;
+                break;
+            }
+            Err(other) => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(busy, "a queue of 1 behind 1 slot must fill");
+    // The context (32) ends a long request with Length.
+    for rx in held {
+        let (tokens, end) = support::collect(rx).await;
+        assert_eq!(end, Ok(FinishReason::Length));
+        assert!(tokens.len() <= 30);
+    }
+    let (tokens, end) = generate(e, &[1; 30], 10).await;
+    assert_eq!(end, Ok(FinishReason::Length));
+    assert_eq!(
+        tokens.len(),
+        3,
+        "positions 30 and 31 fill the context of 32"
+    );
+    c.coordinator.shutdown().await;
+    c.workers.shutdown().await;
+}

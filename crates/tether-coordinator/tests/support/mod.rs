@@ -1,0 +1,170 @@
+//! Shared helpers of the coordinator tests: models on disk, the single-process reference,
+//! embedded workers with a coordinator over them, and reading a request's events.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tether_compute::CpuBackend;
+use tether_coordinator::api::{FinishReason, GenError, GenEvent, GenRequest, Generation};
+use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
+use tether_gguf::{GgmlType, GgufFile};
+use tether_model::tokenizer::Tokenizer;
+use tether_model::{Generator, Sampler, SamplingParams, SynthShape, synthesize};
+use tokio::sync::mpsc;
+
+/// A temporary directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!(
+            "tether-coord-{tag}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&dir).expect("create temp dir");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Writes the tiny synthetic llama (Q8_0) into `dir`.
+pub fn tiny_model(dir: &TempDir, seed: u64) -> PathBuf {
+    synth_model(dir, SynthShape::Tiny, GgmlType::Q8_0, seed)
+}
+
+/// Writes a synthetic model of `shape` and weight type `ty` into `dir`.
+pub fn synth_model(dir: &TempDir, shape: SynthShape, ty: GgmlType, seed: u64) -> PathBuf {
+    let path = dir.0.join(format!("{}-{ty}.gguf", shape.name()));
+    synthesize(&path, shape, ty, seed).expect("synthesize");
+    path
+}
+
+/// `../shared/models/stories260K.gguf` from the workspace, when present.
+pub fn stories260k() -> Option<PathBuf> {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/stories260K.gguf");
+    if path.exists() {
+        let file = GgufFile::open(&path).expect("open stories260K");
+        if let Err(e) = Tokenizer::from_gguf(&file) {
+            // The tokenizer is tether-model's; this test is about the pipeline.
+            eprintln!(
+                "note: the tokenizer cannot read {}: {e}; skipping",
+                path.display()
+            );
+            return None;
+        }
+        Some(path)
+    } else {
+        eprintln!(
+            "note: {} is absent; skipping the real-model part",
+            path.display()
+        );
+        None
+    }
+}
+
+/// Prompt token ids of `text` as the model wants them.
+pub fn prompt(path: &Path, text: &str) -> Vec<u32> {
+    let file = GgufFile::open(path).expect("open model");
+    let tok = Tokenizer::from_gguf(&file).expect("tokenizer");
+    tok.encode(text, tok.add_bos_default(), false)
+}
+
+/// Greedy tokens of the single-process generator (the reference).
+pub fn reference(path: &Path, prompt: &[u32], n: usize, ctx: usize) -> Vec<u32> {
+    let file = GgufFile::open(path).expect("open model");
+    let tok = Tokenizer::from_gguf(&file).expect("tokenizer");
+    let eog: Vec<u32> = (0..tok.vocab_size() as u32)
+        .filter(|&t| tok.is_eog(t))
+        .collect();
+    let backend = Arc::new(CpuBackend::new(Some(1)).expect("cpu backend"));
+    let mut g = Generator::from_file(backend, &file, ctx, 512).expect("generator");
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    let (tokens, _) = g
+        .generate(prompt, n, &mut sampler, &eog, |_| true)
+        .expect("generate");
+    tokens
+}
+
+/// Embedded workers and a coordinator over them.
+pub struct Cluster {
+    pub workers: LocalWorkers,
+    pub coordinator: Coordinator,
+}
+
+/// Starts `n` embedded workers (one thread each) and a coordinator over them.
+pub async fn cluster(path: &Path, n: usize, tune: impl FnOnce(&mut CoordinatorConfig)) -> Cluster {
+    let workers = LocalWorkers::start(
+        n,
+        &LocalOptions {
+            threads: Some(n),
+            max_memory: Some(1 << 30),
+        },
+    )
+    .await
+    .expect("start workers");
+    let model = ModelFile::open(path).expect("open model");
+    let mut config = CoordinatorConfig::new(&model, workers.addrs());
+    config.ctx_per_seq = 256;
+    config.ubatch = 8;
+    tune(&mut config);
+    let coordinator = Coordinator::start(model, config)
+        .await
+        .expect("start coordinator");
+    Cluster {
+        workers,
+        coordinator,
+    }
+}
+
+/// A greedy request.
+pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenRequest {
+    GenRequest {
+        prompt: prompt.to_vec(),
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        deadline: None,
+    }
+}
+
+/// Reads every event: the tokens, and how it ended.
+pub async fn collect(
+    mut rx: mpsc::Receiver<Result<GenEvent, GenError>>,
+) -> (Vec<u32>, Result<FinishReason, GenError>) {
+    let mut tokens = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+            .await
+            .expect("an event within 60 s");
+        match event {
+            Some(Ok(GenEvent::Token(t))) => tokens.push(t),
+            Some(Ok(GenEvent::Done {
+                finish,
+                completion_tokens,
+                ..
+            })) => {
+                assert_eq!(completion_tokens, tokens.len());
+                return (tokens, Ok(finish));
+            }
+            Some(Err(e)) => return (tokens, Err(e)),
+            None => panic!("the event stream closed without Done or an error"),
+        }
+    }
+}
+
+/// Submits greedy `prompt` and reads it to the end.
+pub async fn generate(
+    engine: &impl Generation,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> (Vec<u32>, Result<FinishReason, GenError>) {
+    collect(engine.submit(greedy(prompt, max_tokens)).expect("submit")).await
+}

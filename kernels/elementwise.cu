@@ -1,0 +1,72 @@
+// Normalisation, activation, residual and rotary kernels on f32 rows.
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight. Launch: gridDim.x = n_tokens,
+// blockDim.x = 256. The sum of squares is kept in f64, as on the cpu (rows reach 8192+).
+extern "C" __global__ void __launch_bounds__(256)
+    rms_norm(const float* x, const float* weight, int dim, float eps, float* out) {
+    __shared__ double part[8];
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    float* o = out + (size_t)blockIdx.x * dim;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    ss = warp_sum_d(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += part[w];
+    float inv = (float)(1.0 / sqrt(total / (double)dim + (double)eps));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * weight[i];
+}
+
+// out[i] = silu(gate[i]) * up[i]. Launch: any 1-D grid (grid-stride loop).
+extern "C" __global__ void swiglu(const float* gate, const float* up, u64 n, float* out) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        float g = gate[i];
+        out[i] = g / (1.f + expf(-g)) * up[i];
+    }
+}
+
+// x[i] += y[i]. Launch: any 1-D grid.
+extern "C" __global__ void add(float* x, const float* y, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] += y[i];
+}
+
+// x[i] += bias[i % dim] for i < n. Launch: any 1-D grid.
+extern "C" __global__ void add_bias(float* x, const float* bias, u64 n, u64 dim) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] += bias[i % dim];
+}
+
+// Rotates pair i of each head of each token by positions[t] * freq_scale *
+// base^(-2i/n_rot) / factors[i] (factors may be null). Angles in f64 as on the cpu.
+// Launch: any 1-D grid over n_tokens * n_heads * (n_rot / 2) pairs.
+extern "C" __global__ void rope(float* x, int n_tokens, int n_heads, int head_dim,
+                                const u32* positions, int n_rot, float freq_base,
+                                float freq_scale, int neox, const float* factors) {
+    int half = n_rot / 2;
+    u64 total = (u64)n_tokens * n_heads * half;
+    for (u64 idx = blockIdx.x * (u64)blockDim.x + threadIdx.x; idx < total;
+         idx += (u64)gridDim.x * blockDim.x) {
+        int i = (int)(idx % half);
+        u64 th = idx / half;
+        int t = (int)(th / n_heads);
+        float* head = x + th * head_dim;
+        double freq = pow((double)freq_base, -2.0 * (double)i / (double)n_rot);
+        double factor = factors ? (double)factors[i] : 1.0;
+        double theta = (double)positions[t] * (double)freq_scale * freq / factor;
+        float c = (float)cos(theta), s = (float)sin(theta);
+        int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        float x0 = head[a], x1 = head[b];
+        head[a] = x0 * c - x1 * s;
+        head[b] = x0 * s + x1 * c;
+    }
+}
+
+// out[t] = dequant(table row ids[t]). Launch: gridDim.x = n_ids, blockDim.x = 256.
+extern "C" __global__ void get_rows(const u8* table, int ty, u64 row_bytes, int row_len,
+                                    const u32* ids, float* out) {
+    const u8* row = table + (u64)ids[blockIdx.x] * row_bytes;
+    float* o = out + (u64)blockIdx.x * row_len;
+    for (int e = threadIdx.x; e < row_len; e += blockDim.x) o[e] = dequant_at(ty, row, e);
+}
