@@ -2,6 +2,7 @@
 
 pub mod cmd;
 pub mod ctl;
+pub mod device;
 pub mod model_source;
 
 /// Prints an error with its causes on one line (no backtrace: users read these) and maps

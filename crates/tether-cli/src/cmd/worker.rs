@@ -1,11 +1,12 @@
 //! `tether worker`: serve one device's memory to coordinators, session by session.
 
 use crate::ctl::units::{parse_bytes, parse_duration};
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
-use tether_compute::{Backend, CpuBackend};
+use crate::device::DeviceChoice;
+use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_worker::metrics_http::serve_metrics;
 use tether_worker::model_stage::ModelStageFactory;
 use tether_worker::registry::{RegistryConfig, SessionRegistry};
@@ -22,7 +23,7 @@ pub struct WorkerArgs {
     /// Address to listen on (port 0 picks a free port; the address is printed).
     #[arg(long, default_value = "127.0.0.1:50061")]
     pub listen: String,
-    /// Device to serve: `cpu`, or `cuda:N`.
+    /// Device to serve: `cpu`, or `cuda:N` (GPU N through the cuda backend).
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Compute threads for the cpu device (default: one per core).
@@ -70,15 +71,16 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
 }
 
 async fn serve_device(args: WorkerArgs) -> anyhow::Result<()> {
-    match args.device.as_str() {
-        "cpu" => {
+    match DeviceChoice::parse(&args.device)? {
+        DeviceChoice::Cpu => {
             let backend = CpuBackend::new(args.threads).context("starting the cpu backend")?;
             serve_on(args, Arc::new(backend)).await
         }
-        d if d.starts_with("cuda") => bail!(
-            "device {d}: the cuda backend is not built into this tether yet; use --device cpu"
-        ),
-        d => bail!("unknown device {d:?}; use cpu or cuda:N"),
+        DeviceChoice::Cuda(n) => {
+            let backend = CudaBackend::new(n)
+                .with_context(|| format!("starting the cuda backend on GPU {n}"))?;
+            serve_on(args, Arc::new(backend)).await
+        }
     }
 }
 
