@@ -330,3 +330,197 @@ pub fn full_load(
     };
     (request, std::sync::Arc::new(GgufSource(file)), cfg.n_embd)
 }
+
+/// A `tether serve` process; killed when dropped.
+pub struct Serve {
+    pub child: Child,
+    /// `host:port` of its HTTP API.
+    pub addr: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Serve {
+    /// Starts `tether serve --listen 127.0.0.1:0 ARGS` and waits until it listens.
+    pub fn start(args: &[&str]) -> Serve {
+        let mut child = Command::new(TETHER)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("TETHER_LOG", "info")
+            .env("NO_COLOR", "1")
+            .env_remove("TETHER_ADMIN_TOKEN")
+            .env_remove("TETHER_API_KEY")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn tether serve");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stdout = child.stdout.take().expect("serve stdout");
+        let stderr = child.stderr.take().expect("serve stderr");
+        pump_lines(
+            stdout,
+            Arc::clone(&log),
+            Some(("tether serve listening on http://", tx)),
+        );
+        pump_lines(stderr, Arc::clone(&log), None);
+        let serve = Serve {
+            child,
+            addr: String::new(),
+            log,
+        };
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(addr) => Serve {
+                addr: addr.trim().to_string(),
+                ..serve
+            },
+            Err(_) => panic!("serve did not start; log:\n{}", serve.log()),
+        }
+    }
+
+    /// Starts `tether serve --listen 127.0.0.1:0 ARGS` without waiting for it to listen.
+    pub fn spawn(args: &[&str]) -> Serve {
+        let mut child = Command::new(TETHER)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("TETHER_LOG", "info")
+            .env("NO_COLOR", "1")
+            .env_remove("TETHER_ADMIN_TOKEN")
+            .env_remove("TETHER_API_KEY")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn tether serve");
+        let log = Arc::new(Mutex::new(String::new()));
+        pump_lines(child.stdout.take().expect("stdout"), Arc::clone(&log), None);
+        pump_lines(child.stderr.take().expect("stderr"), Arc::clone(&log), None);
+        Serve {
+            child,
+            addr: String::new(),
+            log,
+        }
+    }
+
+    /// Everything the process printed so far.
+    pub fn log(&self) -> String {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Waits up to `timeout` for the process to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        wait_exit(&mut self.child, timeout)
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `child` until it exits or `timeout` passes.
+pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if start.elapsed() >= timeout {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether process `pid` still exists (and is not a zombie).
+pub fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            // The state follows the parenthesised command name.
+            let after = s.rsplit_once(')')?.1;
+            after.split_whitespace().next().map(|st| st != "Z")
+        })
+        .unwrap_or(false)
+}
+
+/// Sends one HTTP/1.1 request with `Connection: close` and writes it; returns the stream.
+pub fn http_send(addr: &str, method: &str, path: &str, body: Option<&str>) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to serve");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("read timeout");
+    let body = body.unwrap_or("");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).expect("write request");
+    stream
+}
+
+/// Reads the status line and headers; returns the status code and whether the body is
+/// chunked.
+pub fn http_read_head(reader: &mut impl BufRead) -> (u16, bool) {
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("status line");
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {line:?}"));
+    let mut chunked = false;
+    loop {
+        line.clear();
+        reader.read_line(&mut line).expect("header line");
+        let header = line.trim_end();
+        if header.is_empty() {
+            return (status, chunked);
+        }
+        let lower = header.to_ascii_lowercase();
+        if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
+            chunked = true;
+        }
+    }
+}
+
+/// Reads the rest of a body, undoing chunked transfer encoding.
+pub fn http_read_body(reader: &mut impl BufRead, chunked: bool) -> String {
+    use std::io::Read;
+    let mut body = Vec::new();
+    if !chunked {
+        reader.read_to_end(&mut body).expect("read body");
+        return String::from_utf8_lossy(&body).into_owned();
+    }
+    loop {
+        let mut size = String::new();
+        reader.read_line(&mut size).expect("chunk size");
+        let size = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16)
+            .unwrap_or_else(|_| panic!("bad chunk size {size:?}"));
+        if size == 0 {
+            return String::from_utf8_lossy(&body).into_owned();
+        }
+        let start = body.len();
+        body.resize(start + size, 0);
+        reader.read_exact(&mut body[start..]).expect("chunk data");
+        let mut crlf = [0u8; 2];
+        reader.read_exact(&mut crlf).expect("chunk end");
+    }
+}
+
+/// One whole HTTP request: the status and the body.
+pub fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut reader = BufReader::new(http_send(addr, method, path, body));
+    let (status, chunked) = http_read_head(&mut reader);
+    (status, http_read_body(&mut reader, chunked))
+}
+
+/// `GET path`, expecting 200 and JSON.
+pub fn http_json(addr: &str, path: &str) -> serde_json::Value {
+    let (status, body) = http(addr, "GET", path, None);
+    assert_eq!(status, 200, "GET {path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path} is not JSON ({e}): {body}"))
+}

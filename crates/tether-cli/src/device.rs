@@ -33,7 +33,10 @@ mod tests {
     fn devices_parse_and_typos_are_refused() {
         assert_eq!(DeviceChoice::parse("cpu").unwrap(), DeviceChoice::Cpu);
         assert_eq!(DeviceChoice::parse("cuda").unwrap(), DeviceChoice::Cuda(0));
-        assert_eq!(DeviceChoice::parse("cuda:3").unwrap(), DeviceChoice::Cuda(3));
+        assert_eq!(
+            DeviceChoice::parse("cuda:3").unwrap(),
+            DeviceChoice::Cuda(3)
+        );
         for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
             assert!(DeviceChoice::parse(bad).is_err(), "{bad}");
         }

@@ -4,6 +4,7 @@ pub mod cmd;
 pub mod ctl;
 pub mod device;
 pub mod model_source;
+pub mod signals;
 
 /// Prints an error with its causes on one line (no backtrace: users read these) and maps
 /// the outcome to the process exit status.

@@ -2,15 +2,15 @@
 //! with continuous batching, and the OpenAI-compatible HTTP API.
 
 pub mod api;
+pub mod engine;
+pub mod http;
 pub mod load;
+pub mod local;
 pub mod model_file;
 pub mod placement;
-pub mod http;
-pub mod single;
-pub mod engine;
-pub mod local;
 mod scheduler;
 mod sequence;
+pub mod single;
 
 pub use engine::{Coordinator, CoordinatorConfig, CoordinatorError};
 pub use local::{LocalOptions, LocalWorker, LocalWorkers};

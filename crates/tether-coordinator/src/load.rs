@@ -23,6 +23,9 @@ pub struct LoadOptions {
     pub decision_timeout: Duration,
     /// Bytes per tensor chunk message.
     pub chunk_bytes: usize,
+    /// Test hook: wait this long after every worker voted yes and before Commit, so tests
+    /// can kill the coordinator between the two phases. `None` outside tests.
+    pub pause_before_commit: Option<Duration>,
 }
 
 impl Default for LoadOptions {
@@ -35,6 +38,7 @@ impl Default for LoadOptions {
             },
             decision_timeout: Duration::from_secs(60),
             chunk_bytes: tether_worker::client::DEFAULT_CHUNK_BYTES,
+            pause_before_commit: None,
         }
     }
 }
@@ -248,6 +252,13 @@ pub async fn load_plan(
         return Err(refusal);
     }
 
+    if let Some(pause) = options.pause_before_commit {
+        tracing::warn!(
+            ?pause,
+            "debug hook: every worker prepared; pausing before Commit"
+        );
+        tokio::time::sleep(pause).await;
+    }
     let committed = join_all(
         picked
             .iter()

@@ -129,11 +129,16 @@ impl Scheduler {
         self.slots.iter().filter(|s| s.is_some()).count()
     }
 
-    fn free(&mut self, i: usize) {
-        if let Some(seq) = self.slots[i].take() {
+    /// Takes the request out of slot `i` (its cells are cleared before the next step). The
+    /// caller sends its last event afterwards, so a client that sees it sees the counters
+    /// already updated.
+    fn free(&mut self, i: usize) -> Option<Sequence> {
+        let seq = self.slots[i].take();
+        if let Some(seq) = &seq {
             self.to_clear.push(seq.slot);
         }
         self.shared.running.store(self.active(), Ordering::Relaxed);
+        seq
     }
 
     /// Ends cancelled requests (receiver dropped) and those past their deadline.
@@ -141,19 +146,17 @@ impl Scheduler {
         let now = Instant::now();
         for i in 0..self.slots.len() {
             let Some(seq) = &self.slots[i] else { continue };
-            let ends = if seq.events.is_closed() {
-                true
-            } else if seq.deadline.is_some_and(|d| now >= d) {
+            let cancelled = seq.events.is_closed();
+            if !cancelled && seq.deadline.is_none_or(|d| now < d) {
+                continue;
+            }
+            if let Some(seq) = self.free(i)
+                && !cancelled
+            {
                 seq.send(Err(GenError::Timeout(format!(
                     "the deadline passed after {} generated tokens",
                     seq.generated
                 ))));
-                true
-            } else {
-                false
-            };
-            if ends {
-                self.free(i);
             }
         }
     }
@@ -295,12 +298,13 @@ impl Scheduler {
                 self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
             }
             if let Next::Finish(finish) = seq.accept(token, eog, ctx) {
-                seq.finish(finish);
-                finished.push(i);
+                finished.push((i, finish));
             }
         }
-        for i in finished {
-            self.free(i);
+        for (i, finish) in finished {
+            if let Some(seq) = self.free(i) {
+                seq.finish(finish);
+            }
         }
         Ok(())
     }

@@ -17,6 +17,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Serve the OpenAI-compatible HTTP API over workers (embedded ones when none are given).
+    Serve(cmd::serve::ServeArgs),
     /// Generate text from a prompt (the demo model when no --model is given).
     Run(cmd::run::RunArgs),
     /// Write the logits of every position of a token sequence.
@@ -40,7 +42,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     // Long-running services log their lifecycle by default; one-shot commands stay quiet.
     let default_filter = match cli.command {
-        Command::Worker(_) | Command::Attach(_) => "info",
+        Command::Worker(_) | Command::Attach(_) | Command::Serve(_) => "info",
         _ => "warn",
     };
     tracing_subscriber::fmt()
@@ -52,6 +54,7 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
+        Command::Serve(args) => cmd::serve::run(args),
         Command::Run(args) => cmd::run::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Bench(args) => cmd::bench::run(args),

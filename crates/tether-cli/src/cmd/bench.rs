@@ -1,11 +1,12 @@
 //! `tether bench`: prompt-processing and generation speed, as llama-bench measures them
 //! (`pp N`: N prompt tokens from an empty context; `tg N`: N tokens decoded one at a time).
 
-use crate::cmd::local::{DEMO_LABEL, DeviceArgs, load};
+use crate::cmd::local::{AnyBackend, DEMO_LABEL, DeviceArgs, Loaded, load, open_backend};
 use crate::model_source::ModelArgs;
 use anyhow::{Result, bail};
 use clap::Args;
 use std::time::Instant;
+use tether_compute::Backend;
 use tether_model::{Sampler, SamplingParams};
 
 /// Arguments of `tether bench`.
@@ -53,7 +54,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let need = args.n_prompt.max(args.n_gen + 1).max(1);
     let mut dev = args.device.clone();
     dev.ctx = Some(dev.ctx.unwrap_or(need).max(need));
-    let mut loaded = load(&args.model, &dev, need)?;
+    match open_backend(&dev)? {
+        AnyBackend::Cpu(b) => bench_on(&args, &dev, load(b, &args.model, &dev, need)?),
+        AnyBackend::Cuda(b) => bench_on(&args, &dev, load(b, &args.model, &dev, need)?),
+    }
+}
+
+fn bench_on<B: Backend>(args: &BenchArgs, dev: &DeviceArgs, mut loaded: Loaded<B>) -> Result<()> {
     if loaded.model.is_demo {
         eprintln!("{DEMO_LABEL}");
     }

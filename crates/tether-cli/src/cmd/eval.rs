@@ -1,12 +1,13 @@
 //! `tether eval`: the logits of every position of a token sequence, for comparisons with
 //! other implementations.
 
-use crate::cmd::local::{DEMO_LABEL, DeviceArgs, load};
+use crate::cmd::local::{AnyBackend, DEMO_LABEL, DeviceArgs, Loaded, load, open_backend};
 use crate::model_source::ModelArgs;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::io::Write;
 use std::path::PathBuf;
+use tether_compute::Backend;
 
 /// Arguments of `tether eval`.
 #[derive(Args, Debug)]
@@ -40,7 +41,14 @@ pub fn run(args: EvalArgs) -> Result<()> {
     if tokens.is_empty() {
         bail!("--tokens is empty");
     }
-    let mut loaded = load(&args.model, &args.device, tokens.len())?;
+    let dev = &args.device;
+    match open_backend(dev)? {
+        AnyBackend::Cpu(b) => eval_on(&args, &tokens, load(b, &args.model, dev, tokens.len())?),
+        AnyBackend::Cuda(b) => eval_on(&args, &tokens, load(b, &args.model, dev, tokens.len())?),
+    }
+}
+
+fn eval_on<B: Backend>(args: &EvalArgs, tokens: &[u32], mut loaded: Loaded<B>) -> Result<()> {
     if loaded.model.is_demo {
         eprintln!("{DEMO_LABEL}");
     }

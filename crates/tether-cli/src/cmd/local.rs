@@ -2,18 +2,19 @@
 //! a loaded single-process generator (`eval` and `bench`; `run` goes through the
 //! coordinator).
 
+use crate::device::DeviceChoice;
 use crate::model_source::{ModelArgs, ResolvedModel};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::sync::Arc;
-use tether_compute::CpuBackend;
+use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::GgufFile;
 use tether_model::{Generator, ModelConfig};
 
 /// Where and how a model runs in this process.
 #[derive(Args, Debug, Clone)]
 pub struct DeviceArgs {
-    /// Device to run on: `cpu` (the cuda backend is not built into this tether yet).
+    /// Device to run on: `cpu`, or `cuda:N` for `eval` and `bench`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Compute threads for the cpu device (default: one per core).
@@ -31,16 +32,38 @@ pub struct DeviceArgs {
 const DEFAULT_CTX_CAP: usize = 4096;
 
 /// A model file opened and loaded on a device.
-pub struct Loaded {
+pub struct Loaded<B: Backend> {
     pub model: ResolvedModel,
     pub file: GgufFile,
-    pub generator: Generator<CpuBackend>,
+    pub generator: Generator<B>,
     pub ctx: usize,
 }
 
-/// Opens the model and loads every layer of it into one stage on the chosen device.
-pub fn load(model: &ModelArgs, dev: &DeviceArgs, min_ctx: usize) -> Result<Loaded> {
-    let backend = backend(dev)?;
+/// The backend `--device` names, started.
+pub enum AnyBackend {
+    Cpu(Arc<CpuBackend>),
+    Cuda(Arc<CudaBackend>),
+}
+
+/// Starts the backend `--device` names.
+pub fn open_backend(dev: &DeviceArgs) -> Result<AnyBackend> {
+    Ok(match DeviceChoice::parse(&dev.device)? {
+        DeviceChoice::Cpu => AnyBackend::Cpu(Arc::new(
+            CpuBackend::new(dev.threads).context("starting the cpu backend")?,
+        )),
+        DeviceChoice::Cuda(n) => AnyBackend::Cuda(Arc::new(
+            CudaBackend::new(n).with_context(|| format!("starting the cuda backend on GPU {n}"))?,
+        )),
+    })
+}
+
+/// Opens the model and loads every layer of it into one stage on `backend`.
+pub fn load<B: Backend>(
+    backend: Arc<B>,
+    model: &ModelArgs,
+    dev: &DeviceArgs,
+    min_ctx: usize,
+) -> Result<Loaded<B>> {
     let model = model.resolve()?;
     let file =
         GgufFile::open(&model.path).with_context(|| format!("reading {}", model.path.display()))?;
@@ -72,23 +95,13 @@ pub fn context_size(dev: &DeviceArgs, cfg: &ModelConfig, min_ctx: usize) -> Resu
     Ok(ctx)
 }
 
-fn backend(dev: &DeviceArgs) -> Result<Arc<CpuBackend>> {
-    check_device(dev)?;
-    Ok(Arc::new(
-        CpuBackend::new(dev.threads).context("starting the cpu backend")?,
-    ))
-}
-
-/// Checks that `--device` names a device this build can run on in-process.
+/// Checks that `--device` names a device the embedded workers of `run` can use.
 pub fn check_device(dev: &DeviceArgs) -> Result<()> {
-    match dev.device.as_str() {
-        "cpu" => Ok(()),
-        d if d.starts_with("cuda") => {
-            bail!(
-                "device {d}: the cuda backend is not built into this tether yet; use --device cpu"
-            )
-        }
-        d => bail!("unknown device {d:?}; use cpu or cuda:N"),
+    match DeviceChoice::parse(&dev.device)? {
+        DeviceChoice::Cpu => Ok(()),
+        DeviceChoice::Cuda(n) => bail!(
+            "embedded workers run on the cpu; for GPU {n} start `tether worker --device cuda:{n}` and pass --worker ADDR"
+        ),
     }
 }
 

@@ -7,5 +7,6 @@ pub mod gguf;
 pub mod local;
 pub mod plan;
 pub mod run;
+pub mod serve;
 pub mod tokenize;
 pub mod worker;

@@ -1,11 +1,12 @@
 //! `tether worker`: serve one device's memory to coordinators, session by session.
 
 use crate::ctl::units::{parse_bytes, parse_duration};
+use crate::device::DeviceChoice;
+use crate::signals::first_signal;
 use anyhow::Context;
 use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
-use crate::device::DeviceChoice;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_worker::metrics_http::serve_metrics;
 use tether_worker::model_stage::ModelStageFactory;
@@ -155,38 +156,4 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         "worker stopped"
     );
     Ok(())
-}
-
-/// Resolves on the first SIGTERM or SIGINT, and arms the second one to exit at once.
-async fn first_signal() {
-    wait_for_signal().await;
-    tracing::info!("signal received: shutting down (send it again to exit at once)");
-    tokio::spawn(async {
-        wait_for_signal().await;
-        eprintln!("second signal: exiting now");
-        std::process::exit(130);
-    });
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(e) => {
-                tracing::warn!("cannot listen for SIGTERM ({e}); only Ctrl-C stops the worker");
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

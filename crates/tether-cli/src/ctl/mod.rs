@@ -1,6 +1,7 @@
 //! `tetherctl`: the operator's view of one worker. Parsing and printing only; the calls
 //! are `tether_worker::client::AdminClient`'s.
 
+mod coordinator;
 pub mod units;
 
 use anyhow::Context;
@@ -19,8 +20,15 @@ use units::human_bytes;
 )]
 pub struct Cli {
     /// The worker's gRPC address (host:port).
-    #[arg(long, env = "TETHER_WORKER")]
-    pub worker: String,
+    #[arg(long, env = "TETHER_WORKER", required_unless_present = "coordinator")]
+    pub worker: Option<String>,
+    /// A coordinator's HTTP address (`http://host:8080`): `workers`, `sessions` and `model`
+    /// show its view of every worker.
+    #[arg(long, env = "TETHER_COORDINATOR", conflicts_with = "worker")]
+    pub coordinator: Option<String>,
+    /// The coordinator's API key, when it requires one.
+    #[arg(long, env = "TETHER_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// Admin token, when the worker requires one.
     #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
@@ -45,23 +53,29 @@ pub enum Command {
     },
     /// Refuse new sessions; current ones carry on until they end.
     Drain,
+    /// (--coordinator) Every worker's status.
+    Workers,
+    /// (--coordinator) The model's placement over the workers and whether it serves.
+    Model,
 }
 
 /// Runs one tetherctl command.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
-    let mut admin = AdminClient::connect(
-        &cli.worker,
-        cli.admin_token.clone(),
-        &ClientOptions::default(),
-    )
-    .await?;
+    if let Some(url) = &cli.coordinator {
+        return coordinator::run(url, cli.api_key.as_deref(), &cli.command, cli.json);
+    }
+    let Some(worker) = cli.worker.clone() else {
+        anyhow::bail!("give --worker ADDR or --coordinator URL");
+    };
+    let mut admin =
+        AdminClient::connect(&worker, cli.admin_token.clone(), &ClientOptions::default()).await?;
     match cli.command {
         Command::Status => {
             let status = admin.status().await?;
             if cli.json {
                 println!("{}", serde_json::to_string_pretty(&status)?);
             } else {
-                print_status(&cli.worker, &status);
+                print_status(&worker, &status);
             }
         }
         Command::Sessions => {
@@ -86,6 +100,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     human_bytes(bytes_freed)
                 );
             }
+        }
+        Command::Workers | Command::Model => {
+            anyhow::bail!("`workers` and `model` read a coordinator: give --coordinator URL")
         }
         Command::Drain => {
             let sessions = admin.drain().await?;

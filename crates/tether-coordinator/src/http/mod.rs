@@ -4,6 +4,7 @@
 //! The engine deals in token ids; this module owns the text: tokenizing prompts, rendering
 //! chat templates, detokenizing as tokens stream, and cutting at stop strings.
 
+pub mod admin;
 mod endpoints;
 pub mod error;
 pub mod metrics;
@@ -168,7 +169,7 @@ async fn require_api_key(State(state): State<SharedState>, req: Request, next: N
 
 /// Compares without an early exit, so the time taken does not reveal how much of a guessed
 /// key was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     let mut diff = (a.len() ^ b.len()) as u64;
     for (i, y) in b.iter().enumerate() {
         let x = a.get(i).copied().unwrap_or(0);

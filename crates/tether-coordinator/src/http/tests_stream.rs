@@ -189,23 +189,38 @@ async fn client_hanging_up_mid_stream_frees_the_engine() {
 }
 
 #[tokio::test]
-async fn tmp_probe_nonstream_hangup() {
+async fn client_hanging_up_on_a_whole_reply_cancels_the_request() {
     let model = tiny_model();
-    let engine = engine(model, 2048, 0);
+    let ctx = 2048;
+    let engine = engine(model, ctx, 0);
     let server = TestServer::start(engine.clone(), HttpOptions::default()).await;
-    let long = json!({"prompt": [1, 300], "max_tokens": 2040, "temperature": 0}).to_string();
+    // The prompt the streaming test above checks to run to max_tokens when left alone.
+    let long = json!({"prompt": [1, 300], "max_tokens": ctx - 8, "temperature": 0}).to_string();
     let mut stream = TcpStream::connect(server.addr).await.expect("connects");
     stream
         .write_all(&request_bytes("POST", "/v1/completions", &[], Some(&long)))
         .await
         .expect("sends");
+    let started = Instant::now();
     while engine.stats().generated_tokens < 5 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "generation never started"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     drop(stream);
-    let started = Instant::now();
     while engine.stats().running != 0 {
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the engine still generates for a client that left"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    eprintln!("probe: stopped after {} tokens, {:?}", engine.stats().generated_tokens, started.elapsed());
+    let generated = engine.stats().generated_tokens;
+    assert!(
+        (generated as usize) < ctx - 8,
+        "ran to the end: {generated} tokens"
+    );
+    server.stop().await;
 }

@@ -86,4 +86,27 @@ mod tests {
         assert_eq!(set.len(), 10_000);
         assert!(pieces.iter().all(|p| p.starts_with(SPACE)));
     }
+
+    fn tokenizer_with(extra: &[(&str, MetaValue)]) -> Result<crate::tokenizer::Tokenizer, String> {
+        let mut w = GgufWriter::new();
+        add_tokenizer(&mut w, 300);
+        for (k, v) in extra {
+            w.add_metadata(*k, v.clone());
+        }
+        let mut bytes = Vec::new();
+        w.write_to(&mut bytes, "vocab").map_err(|e| e.to_string())?;
+        let file = tether_gguf::GgufFile::from_bytes("vocab", bytes).map_err(|e| e.to_string())?;
+        crate::tokenizer::Tokenizer::from_gguf(&file).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_special_id_of_minus_one_means_none_but_other_bad_ids_are_refused() {
+        // Converters write -1 (u32::MAX) for "no padding token"; stories260K does.
+        let tok = tokenizer_with(&[("tokenizer.ggml.padding_token_id", MetaValue::U32(u32::MAX))])
+            .expect("u32::MAX is 'none'");
+        assert_eq!(tok.padding(), None);
+        let err = tokenizer_with(&[("tokenizer.ggml.padding_token_id", MetaValue::U32(300))])
+            .expect_err("300 is outside a 300-token vocabulary");
+        assert!(err.contains("padding_token_id"), "{err}");
+    }
 }

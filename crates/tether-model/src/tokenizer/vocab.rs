@@ -105,7 +105,11 @@ impl Vocab {
             .into_iter()
             .map(str::to_string)
             .collect();
-        let id = |name: &str| file.get_u32(&format!("tokenizer.ggml.{name}_token_id"));
+        // Converters write -1 (stored as u32::MAX) for "this model has no such token".
+        let id = |name: &str| {
+            file.get_u32(&format!("tokenizer.ggml.{name}_token_id"))
+                .filter(|&v| v != u32::MAX)
+        };
         let flag = |name: &str| file.get_bool(&format!("tokenizer.ggml.{name}"));
         Ok(Vocab {
             model,

@@ -1,0 +1,173 @@
+//! `tether serve`: the OpenAI-compatible HTTP API over the coordinator, with the model's
+//! layers on remote `--worker`s or on embedded workers in this process.
+
+use crate::cmd::local::{DEMO_LABEL, check_device};
+use crate::ctl::units::parse_duration;
+use crate::model_source::ModelArgs;
+use crate::signals::first_signal;
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use std::sync::Arc;
+use std::time::Duration;
+use tether_coordinator::http::admin::admin_router;
+use tether_coordinator::http::{HttpOptions, router, serve};
+use tether_coordinator::load::LoadOptions;
+use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
+use tether_worker::Lease;
+
+/// Arguments of `tether serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// A worker (host:port) to place layers on, in layer order; repeat for more. Without
+    /// any, embedded workers run in this process.
+    #[arg(long = "worker")]
+    pub workers: Vec<String>,
+    /// Embedded workers to split the model over when no --worker is given.
+    #[arg(long, default_value_t = 1)]
+    pub local_workers: usize,
+    /// Device of the embedded workers (`cpu`; GPUs are served by `tether worker`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Compute threads of the embedded workers, in all (default: one per core).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// HTTP address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: String,
+    /// Sequences generated at once (each has its own KV cells).
+    #[arg(long, default_value_t = 4)]
+    pub parallel: usize,
+    /// KV cells per sequence (default: the model's training context, at most 4096).
+    #[arg(long, short = 'c')]
+    pub ctx: Option<usize>,
+    /// Most tokens in one forward pass (prompt micro-batch).
+    #[arg(long, short = 'u', default_value_t = 512)]
+    pub ubatch: usize,
+    /// Share of the model per worker, e.g. `3,1` (default: in proportion to free memory).
+    #[arg(long, value_delimiter = ',')]
+    pub split: Option<Vec<f64>>,
+    /// Requests that may wait for a free sequence before new ones get HTTP 429.
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// Require `Authorization: Bearer KEY` on /v1/* requests.
+    #[arg(long, env = "TETHER_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Admin token the workers require (their --admin-token), for /v1/admin/*.
+    #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// The model's id in the API (default: the file name without `.gguf`).
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// How long one request may take before it fails with 504.
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    pub request_timeout: Duration,
+    /// Largest `max_tokens` a request may ask for.
+    #[arg(long, default_value_t = 4096)]
+    pub max_tokens_limit: usize,
+    /// Lease of the worker sessions: a worker frees a session that has not heard a
+    /// heartbeat for this long (heartbeats go every third of it).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub lease_ttl: Duration,
+    /// Test hook: sleep this long between Prepare and Commit of the model load.
+    #[arg(long, hide = true, value_parser = parse_duration)]
+    pub debug_pause_before_commit: Option<Duration>,
+}
+
+/// Serves until SIGTERM/SIGINT, then closes every worker session and exits 0.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tether-serve")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve_model(args))
+}
+
+async fn serve_model(args: ServeArgs) -> Result<()> {
+    if args.parallel == 0 || args.ubatch == 0 {
+        bail!("--parallel and --ubatch must be at least 1");
+    }
+    // A heartbeat must fit in a lease; below 3 ms the interval would round to zero.
+    if args.lease_ttl < Duration::from_millis(3) {
+        bail!(
+            "--lease-ttl {:?} is too short: give at least 3ms (e.g. 1s)",
+            args.lease_ttl
+        );
+    }
+    let resolved = args.model.resolve()?;
+    if resolved.is_demo {
+        eprintln!("{DEMO_LABEL}");
+    }
+    let model = ModelFile::open(&resolved.path)?;
+    let local = if args.workers.is_empty() {
+        check_device(&crate::cmd::local::DeviceArgs {
+            device: args.device.clone(),
+            threads: args.threads,
+            ctx: args.ctx,
+            ubatch: args.ubatch,
+        })?;
+        if args.local_workers == 0 {
+            bail!("--local-workers must be at least 1");
+        }
+        let options = LocalOptions {
+            threads: args.threads,
+            max_memory: None,
+        };
+        Some(LocalWorkers::start(args.local_workers, &options).await?)
+    } else {
+        None
+    };
+    let addrs = match &local {
+        Some(l) => l.addrs(),
+        None => args.workers.clone(),
+    };
+    let defaults = CoordinatorConfig::new(&model, addrs.clone());
+    let config = CoordinatorConfig {
+        split: args.split.clone(),
+        ctx_per_seq: args.ctx.unwrap_or(defaults.ctx_per_seq),
+        parallel: args.parallel,
+        ubatch: args.ubatch,
+        queue_depth: args.queue,
+        model_id: args.model_id.clone().unwrap_or(defaults.model_id.clone()),
+        load: LoadOptions {
+            lease: Lease {
+                heartbeat_interval: args.lease_ttl / 3,
+                ttl: args.lease_ttl,
+            },
+            pause_before_commit: args.debug_pause_before_commit,
+            ..defaults.load.clone()
+        },
+        ..defaults
+    };
+    // The engine logs the placement it loaded.
+    let coordinator = Arc::new(Coordinator::start(model, config).await?);
+    let opts = HttpOptions {
+        api_key: args.api_key.clone(),
+        request_timeout: args.request_timeout,
+        max_tokens_limit: args.max_tokens_limit,
+        model_id: args.model_id.clone(),
+        ..HttpOptions::default()
+    };
+    let app = router(coordinator.clone(), opts).merge(admin_router(
+        coordinator.clone(),
+        addrs,
+        args.api_key.clone(),
+        args.admin_token.clone(),
+    ));
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let addr = listener.local_addr().context("reading the bound address")?;
+    // Scripts and tests read this line to learn the port.
+    println!("tether serve listening on http://{addr}");
+    let served = serve(listener, app, first_signal()).await;
+    coordinator.shutdown().await;
+    if let Some(local) = local {
+        local.shutdown().await;
+    }
+    served.context("serving HTTP")?;
+    tracing::info!("coordinator stopped; every worker session is closed");
+    Ok(())
+}

@@ -1,0 +1,154 @@
+//! `tetherctl --coordinator URL`: the coordinator's view of its workers, over its HTTP admin
+//! endpoints (`/v1/admin/*`).
+
+use super::Command;
+use super::units::human_bytes;
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+/// Runs one command against a coordinator.
+pub fn run(url: &str, api_key: Option<&str>, command: &Command, json: bool) -> Result<()> {
+    let path = match command {
+        Command::Workers | Command::Status => "workers",
+        Command::Sessions => "sessions",
+        Command::Model => "model",
+        Command::Kill { .. } | Command::Drain => {
+            bail!("kill and drain act on one worker: give --worker ADDR instead of --coordinator")
+        }
+    };
+    let base = if url.contains("://") {
+        url.trim_end_matches('/').to_string()
+    } else {
+        format!("http://{}", url.trim_end_matches('/'))
+    };
+    let value = fetch(&format!("{base}/v1/admin/{path}"), api_key)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(());
+    }
+    match path {
+        "workers" => print_workers(&value),
+        "sessions" => print_sessions(&value),
+        _ => print_model(&value),
+    }
+    Ok(())
+}
+
+fn fetch(url: &str, api_key: Option<&str>) -> Result<Value> {
+    let mut request = ureq::get(url);
+    if let Some(key) = api_key {
+        request = request.header("Authorization", &format!("Bearer {key}"));
+    }
+    let mut response = request
+        .call()
+        .with_context(|| format!("asking the coordinator at {url}"))?;
+    let text = response
+        .body_mut()
+        .read_to_string()
+        .with_context(|| format!("reading the reply of {url}"))?;
+    serde_json::from_str(&text).with_context(|| format!("{url} did not answer JSON"))
+}
+
+fn bytes(v: &Value, key: &str) -> String {
+    human_bytes(v.get(key).and_then(Value::as_u64).unwrap_or(0))
+}
+
+fn print_workers(value: &Value) {
+    println!(
+        "{:<28}  {:<10}  {:>8}  {:>12}  {:>12}  {:>12}  {:>12}",
+        "WORKER", "DEVICE", "SESSIONS", "SESSION MEM", "FREE", "UNACCOUNTED", "STATE"
+    );
+    for w in value.as_array().into_iter().flatten() {
+        let addr = w.get("worker").and_then(Value::as_str).unwrap_or("?");
+        match w.get("status") {
+            Some(s) => println!(
+                "{:<28}  {:<10}  {:>8}  {:>12}  {:>12}  {:>12}  {:>12}",
+                addr,
+                s.get("device").and_then(Value::as_str).unwrap_or("?"),
+                s.get("sessions").and_then(Value::as_u64).unwrap_or(0),
+                bytes(s, "session_bytes"),
+                bytes(s, "device_free_bytes"),
+                bytes(s, "unaccounted_bytes"),
+                if s.get("draining").and_then(Value::as_bool) == Some(true) {
+                    "draining"
+                } else {
+                    "up"
+                }
+            ),
+            None => println!(
+                "{addr:<28}  unreachable: {}",
+                w.get("error").and_then(Value::as_str).unwrap_or("?")
+            ),
+        }
+    }
+}
+
+fn print_sessions(value: &Value) {
+    for w in value.as_array().into_iter().flatten() {
+        let addr = w.get("worker").and_then(Value::as_str).unwrap_or("?");
+        match w.get("sessions").and_then(Value::as_array) {
+            Some(list) if list.is_empty() => println!("{addr}: no live sessions"),
+            Some(list) => {
+                println!("{addr}:");
+                for s in list {
+                    println!(
+                        "  {}  {:<24}  {:>12}  layers {}",
+                        s.get("session_id").and_then(Value::as_str).unwrap_or("?"),
+                        s.get("client_name").and_then(Value::as_str).unwrap_or("?"),
+                        bytes(s, "bytes"),
+                        s.get("layers").and_then(Value::as_str).unwrap_or("-"),
+                    );
+                }
+            }
+            None => println!(
+                "{addr}: unreachable: {}",
+                w.get("error").and_then(Value::as_str).unwrap_or("?")
+            ),
+        }
+    }
+}
+
+fn print_model(v: &Value) {
+    let serving = v.get("serving").and_then(Value::as_bool) == Some(true);
+    println!(
+        "model {}  ctx {}  {}  queued {}  running {}",
+        v.get("id").and_then(Value::as_str).unwrap_or("?"),
+        v.get("ctx_per_seq").and_then(Value::as_u64).unwrap_or(0),
+        if serving {
+            "serving".to_string()
+        } else {
+            format!(
+                "NOT serving: {}",
+                v.get("unavailable_reason")
+                    .and_then(Value::as_str)
+                    .unwrap_or("?")
+            )
+        },
+        v.get("queued").and_then(Value::as_u64).unwrap_or(0),
+        v.get("running").and_then(Value::as_u64).unwrap_or(0),
+    );
+    for a in v
+        .get("placement")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let layer = |k: &str| a.get(k).and_then(Value::as_u64).unwrap_or(0);
+        let mut parts = format!("layers {}..{}", layer("first_layer"), layer("last_layer"));
+        if a.get("has_embed").and_then(Value::as_bool) == Some(true) {
+            parts.push_str(" +embed");
+        }
+        if a.get("has_head").and_then(Value::as_bool) == Some(true) {
+            parts.push_str(" +head");
+        }
+        println!(
+            "  {:<28}  {:<24}  weights {}  kv {}  scratch {}  total {}",
+            a.get("worker").and_then(Value::as_str).unwrap_or("?"),
+            parts,
+            bytes(a, "weights_bytes"),
+            bytes(a, "kv_bytes"),
+            bytes(a, "scratch_bytes"),
+            bytes(a, "total_bytes"),
+        );
+    }
+}

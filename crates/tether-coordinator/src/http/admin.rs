@@ -1,0 +1,144 @@
+//! The coordinator's operator view for `tetherctl --coordinator`: the model's placement and
+//! health, and each worker's status and sessions, read live from the workers.
+
+use super::constant_time_eq;
+use super::error::ApiError;
+use crate::api::{Generation, Health};
+use crate::engine::Coordinator;
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::header;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::get;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use tether_worker::client::{AdminClient, ClientOptions};
+
+struct AdminState {
+    coordinator: Arc<Coordinator>,
+    workers: Vec<String>,
+    api_key: Option<String>,
+    worker_admin_token: Option<String>,
+}
+
+type Shared = Arc<AdminState>;
+
+/// `GET /v1/admin/{model,workers,sessions}`, behind `api_key` when one is set.
+/// `worker_admin_token` is sent to workers that require one.
+pub fn admin_router(
+    coordinator: Arc<Coordinator>,
+    workers: Vec<String>,
+    api_key: Option<String>,
+    worker_admin_token: Option<String>,
+) -> Router {
+    let state = Arc::new(AdminState {
+        coordinator,
+        workers,
+        api_key,
+        worker_admin_token,
+    });
+    Router::new()
+        .route("/v1/admin/model", get(model))
+        .route("/v1/admin/workers", get(workers_status))
+        .route("/v1/admin/sessions", get(sessions))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            require_key,
+        ))
+        .with_state(state)
+}
+
+async fn require_key(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn model(State(state): State<Shared>) -> Json<Value> {
+    let info = state.coordinator.model();
+    let (serving, reason) = match state.coordinator.health() {
+        Health::Ready => (true, None),
+        Health::Unavailable(why) => (false, Some(why)),
+    };
+    let plan: Vec<Value> = state
+        .coordinator
+        .plan()
+        .map(|p| p.assignments)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|a| {
+            json!({
+                "worker": a.addr,
+                "first_layer": a.spec.first_layer,
+                "last_layer": a.spec.last_layer,
+                "has_embed": a.spec.has_embed,
+                "has_head": a.spec.has_head,
+                "weights_bytes": a.bytes.weights_bytes,
+                "kv_bytes": a.bytes.kv_bytes,
+                "scratch_bytes": a.bytes.scratch_bytes,
+                "total_bytes": a.bytes.total_bytes,
+                "free_bytes_when_planned": a.free_bytes,
+            })
+        })
+        .collect();
+    let stats = state.coordinator.stats();
+    Json(json!({
+        "id": info.id,
+        "ctx_per_seq": info.ctx_per_seq,
+        "serving": serving,
+        "unavailable_reason": reason,
+        "queued": stats.queued,
+        "running": stats.running,
+        "placement": plan,
+    }))
+}
+
+async fn admin_client(state: &AdminState, addr: &str) -> Result<AdminClient, String> {
+    AdminClient::connect(
+        addr,
+        state.worker_admin_token.clone(),
+        &ClientOptions::default(),
+    )
+    .await
+    .map_err(|e| e.to_string())
+}
+
+async fn workers_status(State(state): State<Shared>) -> Json<Value> {
+    let mut out = Vec::new();
+    for addr in &state.workers {
+        let status = match admin_client(&state, addr).await {
+            Ok(mut c) => c.status().await.map_err(|e| e.to_string()),
+            Err(e) => Err(e),
+        };
+        out.push(match status {
+            Ok(s) => json!({ "worker": addr, "status": s }),
+            Err(e) => json!({ "worker": addr, "error": e }),
+        });
+    }
+    Json(Value::Array(out))
+}
+
+async fn sessions(State(state): State<Shared>) -> Json<Value> {
+    let mut out = Vec::new();
+    for addr in &state.workers {
+        let sessions = match admin_client(&state, addr).await {
+            Ok(mut c) => c.sessions().await.map_err(|e| e.to_string()),
+            Err(e) => Err(e),
+        };
+        out.push(match sessions {
+            Ok(s) => json!({ "worker": addr, "sessions": s }),
+            Err(e) => json!({ "worker": addr, "error": e }),
+        });
+    }
+    Json(Value::Array(out))
+}

@@ -1,0 +1,317 @@
+//! `tether serve` over two real `tether worker` processes: what it generates matches a
+//! single-process run, and however the coordinator goes away (SIGKILL between Prepare and
+//! Commit, SIGKILL mid-generation, SIGTERM) or fails to load, the workers free every
+//! session and stay up.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{
+    Serve, TinyModel, Worker, http, http_json, http_read_head, http_send, process_alive,
+    send_signal, sessions_and_bytes,
+};
+use tether_model::tokenizer::Tokenizer;
+use tether_model::{Generator, Sampler, SamplingParams};
+
+/// The lease the coordinator asks for in the crash tests.
+const LEASE_TTL: Duration = Duration::from_secs(1);
+
+fn two_workers() -> (Worker, Worker) {
+    (Worker::start(&[]), Worker::start(&[]))
+}
+
+/// `serve --model M --worker A --worker B --lease-ttl 1s EXTRA`.
+fn serve_args<'a>(model: &'a TinyModel, a: &'a Worker, b: &'a Worker) -> Vec<&'a str> {
+    vec![
+        "--model",
+        model.arg(),
+        "--worker",
+        &a.addr,
+        "--worker",
+        &b.addr,
+        "--lease-ttl",
+        "1s",
+        "--threads",
+        "1",
+    ]
+}
+
+/// Waits until both workers hold no session and no session bytes; returns how long it took.
+fn wait_all_freed(workers: [&Worker; 2], timeout: Duration) -> Duration {
+    let start = Instant::now();
+    for w in workers {
+        let left = timeout.saturating_sub(start.elapsed());
+        if w.wait_status(left, |s| sessions_and_bytes(s) == (0, 0))
+            .is_none()
+        {
+            panic!(
+                "worker {} still holds sessions {:?} {:?} after the coordinator went away; log:\n{}",
+                w.addr,
+                sessions_and_bytes(&w.status()),
+                start.elapsed(),
+                w.log()
+            );
+        }
+    }
+    start.elapsed()
+}
+
+fn assert_alive(workers: [&Worker; 2]) {
+    for w in workers {
+        assert!(
+            process_alive(w.pid()),
+            "worker {} died; log:\n{}",
+            w.addr,
+            w.log()
+        );
+    }
+}
+
+/// Greedy tokens of the whole model in this process, and their text as the API builds it
+/// (the pieces concatenated).
+fn reference(model: &TinyModel, prompt: &[u32], n: usize) -> (Vec<u32>, String) {
+    let file = tether_gguf::GgufFile::open(&model.path).expect("open model");
+    let tokenizer = Tokenizer::from_gguf(&file).expect("tokenizer");
+    let backend = Arc::new(tether_compute::CpuBackend::new(Some(1)).expect("cpu backend"));
+    let mut generator = Generator::from_file(backend, &file, 256, 8).expect("generator");
+    let eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
+        .filter(|&t| tokenizer.is_eog(t))
+        .collect();
+    let mut sampler = Sampler::new(SamplingParams {
+        repeat_penalty: 1.0,
+        ..SamplingParams::greedy()
+    });
+    let (tokens, _) = generator
+        .generate(prompt, n, &mut sampler, &eog, |_| true)
+        .expect("generate");
+    let bytes: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| tokenizer.token_to_piece(t))
+        .collect();
+    (tokens, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+fn completion_body(prompt: &[u32], max_tokens: usize, stream: bool) -> String {
+    serde_json::json!({
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "repeat_penalty": 1.0,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// The text of a streamed completion, and whether `[DONE]` ended it.
+fn read_stream(reader: &mut impl BufRead) -> (String, bool) {
+    let mut text = String::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return (text, false);
+        }
+        let Some(data) = line.trim_end().strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            return (text, true);
+        }
+        let event: serde_json::Value =
+            serde_json::from_str(data).unwrap_or_else(|e| panic!("bad event {data:?}: {e}"));
+        text.push_str(event["choices"][0]["text"].as_str().unwrap_or(""));
+    }
+}
+
+#[test]
+fn serve_over_two_workers_matches_a_single_process_run() {
+    let model = TinyModel::new();
+    let (a, b) = two_workers();
+    let serve = Serve::start(&serve_args(&model, &a, &b));
+    let prompt = [1u32, 17, 42, 99, 7];
+    let n = 12;
+    let (ref_tokens, ref_text) = reference(&model, &prompt, n);
+    println!("reference tokens {ref_tokens:?} text {ref_text:?}");
+
+    let (status, body) = http(
+        &serve.addr,
+        "POST",
+        "/v1/completions",
+        Some(&completion_body(&prompt, n, false)),
+    );
+    assert_eq!(status, 200, "{body}");
+    let reply: serde_json::Value = serde_json::from_str(&body).expect("JSON completion");
+    assert_eq!(
+        reply["choices"][0]["text"].as_str(),
+        Some(ref_text.as_str()),
+        "{reply}"
+    );
+    assert_eq!(
+        reply["usage"]["completion_tokens"].as_u64(),
+        Some(ref_tokens.len() as u64),
+        "{reply}"
+    );
+
+    let mut reader = BufReader::new(http_send(
+        &serve.addr,
+        "POST",
+        "/v1/completions",
+        Some(&completion_body(&prompt, n, true)),
+    ));
+    let (status, chunked) = http_read_head(&mut reader);
+    assert_eq!(status, 200);
+    let mut body = String::new();
+    let _ = std::io::Read::read_to_string(&mut reader, &mut body);
+    let body = if chunked {
+        support::http_read_body(&mut body.as_bytes(), true)
+    } else {
+        body
+    };
+    let (streamed, done) = read_stream(&mut body.as_bytes());
+    assert!(done, "the stream ends with [DONE]: {body}");
+    assert_eq!(streamed, ref_text);
+
+    let (status, health) = http(&serve.addr, "GET", "/health", None);
+    assert_eq!(status, 200, "{health}");
+    let placement = http_json(&serve.addr, "/v1/admin/model")["placement"].clone();
+    let placement = placement.as_array().expect("placement list");
+    assert_eq!(placement.len(), 2, "{placement:?}");
+    let layers: Vec<(u64, u64)> = placement
+        .iter()
+        .map(|p| {
+            (
+                p["first_layer"].as_u64().unwrap_or(99),
+                p["last_layer"].as_u64().unwrap_or(99),
+            )
+        })
+        .collect();
+    assert_eq!(layers[0].0, 0, "{placement:?}");
+    assert_eq!(layers[0].1, layers[1].0, "contiguous blocks: {placement:?}");
+    assert_eq!(placement[0]["worker"], a.addr.as_str());
+    assert_eq!(placement[1]["worker"], b.addr.as_str());
+    let workers = http_json(&serve.addr, "/v1/admin/workers");
+    let workers = workers.as_array().expect("worker list");
+    assert_eq!(workers.len(), 2);
+    for w in workers {
+        assert_eq!(w["status"]["sessions"], 1, "{w}");
+        assert!(
+            w["status"]["session_bytes"].as_u64().unwrap_or(0) > 0,
+            "{w}"
+        );
+    }
+}
+
+#[test]
+fn sigkill_between_prepare_and_commit_frees_both_workers_within_ttl() {
+    let model = TinyModel::new();
+    let (a, b) = two_workers();
+    let mut args = serve_args(&model, &a, &b);
+    args.extend(["--debug-pause-before-commit", "30s"]);
+    let mut serve = Serve::spawn(&args);
+    for w in [&a, &b] {
+        w.wait_status(Duration::from_secs(20), |s| {
+            s["sessions"] == 1 && s["session_bytes"].as_u64().unwrap_or(0) > 0
+        })
+        .unwrap_or_else(|| panic!("worker {} never got its prepared block", w.addr));
+    }
+    assert!(
+        serve.child.try_wait().ok().flatten().is_none(),
+        "serve exited early: {}",
+        serve.log()
+    );
+    let killed = Instant::now();
+    send_signal(serve.child.id(), libc::SIGKILL);
+    let _ = serve.wait_exit(Duration::from_secs(5));
+    wait_all_freed([&a, &b], LEASE_TTL + Duration::from_secs(2));
+    println!(
+        "SIGKILL between Prepare and Commit → both workers at 0 sessions/0 bytes after {:?} (TTL {LEASE_TTL:?})",
+        killed.elapsed()
+    );
+    assert_alive([&a, &b]);
+}
+
+#[test]
+fn sigkill_mid_generation_frees_both_workers_within_ttl() {
+    let model = TinyModel::new();
+    let (a, b) = two_workers();
+    let mut args = serve_args(&model, &a, &b);
+    args.extend(["--ctx", "2048"]);
+    let mut serve = Serve::start(&args);
+    let mut reader = BufReader::new(http_send(
+        &serve.addr,
+        "POST",
+        "/v1/completions",
+        Some(&completion_body(&[1, 5, 6], 2000, true)),
+    ));
+    let (status, _) = http_read_head(&mut reader);
+    assert_eq!(status, 200);
+    // Wait for the first generated text so the request is surely running on the workers.
+    let mut line = String::new();
+    let mut events = 0;
+    while events < 3 {
+        line.clear();
+        assert!(
+            reader.read_line(&mut line).unwrap_or(0) > 0,
+            "stream ended early"
+        );
+        assert!(!line.contains("[DONE]"), "generation ended before the kill");
+        if line.contains("\"text\"") {
+            events += 1;
+        }
+    }
+    let killed = Instant::now();
+    send_signal(serve.child.id(), libc::SIGKILL);
+    let _ = serve.wait_exit(Duration::from_secs(5));
+    let (_, done) = read_stream(&mut reader);
+    assert!(!done, "the stream was cut, not finished");
+    wait_all_freed([&a, &b], LEASE_TTL + Duration::from_secs(2));
+    println!(
+        "SIGKILL mid-generation → both workers at 0 sessions/0 bytes after {:?} (TTL {LEASE_TTL:?})",
+        killed.elapsed()
+    );
+    assert_alive([&a, &b]);
+}
+
+#[test]
+fn sigterm_while_idle_exits_zero_and_closes_every_session() {
+    let model = TinyModel::new();
+    let (a, b) = two_workers();
+    let mut serve = Serve::start(&serve_args(&model, &a, &b));
+    for w in [&a, &b] {
+        assert_eq!(w.status()["sessions"], 1, "{}", w.status());
+    }
+    let signalled = Instant::now();
+    send_signal(serve.child.id(), libc::SIGTERM);
+    let status = serve
+        .wait_exit(Duration::from_secs(5))
+        .unwrap_or_else(|| panic!("serve did not exit after SIGTERM; log:\n{}", serve.log()));
+    let exited = signalled.elapsed();
+    assert!(status.success(), "{status:?}; log:\n{}", serve.log());
+    // A graceful exit closes the sessions itself: no lease expiry is needed.
+    let freed = wait_all_freed([&a, &b], Duration::from_millis(500));
+    println!("SIGTERM → exit 0 after {exited:?}; workers freed {freed:?} later");
+    assert_alive([&a, &b]);
+}
+
+#[test]
+fn a_worker_too_small_fails_the_load_and_the_other_keeps_nothing() {
+    let model = TinyModel::new();
+    let roomy = Worker::start(&[]);
+    let small = Worker::start(&["--max-memory", "10000"]);
+    let mut serve = Serve::spawn(&serve_args(&model, &roomy, &small));
+    let status = serve
+        .wait_exit(Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("serve did not give up; log:\n{}", serve.log()));
+    let log = serve.log();
+    println!("serve failed as expected:\n{log}");
+    assert!(!status.success(), "{status:?}");
+    assert!(
+        log.contains(&small.addr),
+        "the error names the small worker {}: {log}",
+        small.addr
+    );
+    wait_all_freed([&roomy, &small], Duration::from_secs(1));
+    assert_alive([&roomy, &small]);
+}
