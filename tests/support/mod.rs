@@ -342,44 +342,23 @@ pub struct Serve {
 impl Serve {
     /// Starts `tether serve --listen 127.0.0.1:0 ARGS` and waits until it listens.
     pub fn start(args: &[&str]) -> Serve {
-        let mut child = Command::new(TETHER)
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(args)
-            .env("TETHER_LOG", "info")
-            .env("NO_COLOR", "1")
-            .env_remove("TETHER_ADMIN_TOKEN")
-            .env_remove("TETHER_API_KEY")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn tether serve");
-        let log = Arc::new(Mutex::new(String::new()));
         let (tx, rx) = std::sync::mpsc::channel();
-        let stdout = child.stdout.take().expect("serve stdout");
-        let stderr = child.stderr.take().expect("serve stderr");
-        pump_lines(
-            stdout,
-            Arc::clone(&log),
-            Some(("tether serve listening on http://", tx)),
-        );
-        pump_lines(stderr, Arc::clone(&log), None);
-        let serve = Serve {
-            child,
-            addr: String::new(),
-            log,
-        };
+        let mut serve = Serve::launch(args, Some(tx));
         match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(addr) => Serve {
-                addr: addr.trim().to_string(),
-                ..serve
-            },
+            Ok(addr) => {
+                serve.addr = addr.trim().to_string();
+                serve
+            }
             Err(_) => panic!("serve did not start; log:\n{}", serve.log()),
         }
     }
 
     /// Starts `tether serve --listen 127.0.0.1:0 ARGS` without waiting for it to listen.
     pub fn spawn(args: &[&str]) -> Serve {
+        Serve::launch(args, None)
+    }
+
+    fn launch(args: &[&str], listening: Option<std::sync::mpsc::Sender<String>>) -> Serve {
         let mut child = Command::new(TETHER)
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(args)
@@ -393,8 +372,14 @@ impl Serve {
             .spawn()
             .expect("spawn tether serve");
         let log = Arc::new(Mutex::new(String::new()));
-        pump_lines(child.stdout.take().expect("stdout"), Arc::clone(&log), None);
-        pump_lines(child.stderr.take().expect("stderr"), Arc::clone(&log), None);
+        let stdout = child.stdout.take().expect("serve stdout");
+        let stderr = child.stderr.take().expect("serve stderr");
+        pump_lines(
+            stdout,
+            Arc::clone(&log),
+            listening.map(|tx| ("tether serve listening on http://", tx)),
+        );
+        pump_lines(stderr, Arc::clone(&log), None);
         Serve {
             child,
             addr: String::new(),
@@ -489,7 +474,6 @@ pub fn http_read_head(reader: &mut impl BufRead) -> (u16, bool) {
 
 /// Reads the rest of a body, undoing chunked transfer encoding.
 pub fn http_read_body(reader: &mut impl BufRead, chunked: bool) -> String {
-    use std::io::Read;
     let mut body = Vec::new();
     if !chunked {
         reader.read_to_end(&mut body).expect("read body");
