@@ -315,3 +315,53 @@ fn a_worker_too_small_fails_the_load_and_the_other_keeps_nothing() {
     wait_all_freed([&roomy, &small], Duration::from_secs(1));
     assert_alive([&roomy, &small]);
 }
+
+#[test]
+fn a_frozen_coordinator_is_reaped_by_lease_and_reloads_when_it_wakes() {
+    let model = TinyModel::new();
+    let (a, b) = two_workers();
+    let serve = Serve::start(&serve_args(&model, &a, &b));
+    // SIGSTOP keeps the connections open, so only the lease (the --lease-ttl we gave, not
+    // the 10 s default) can free the sessions.
+    let stopped = Instant::now();
+    send_signal(serve.child.id(), libc::SIGSTOP);
+    let freed = wait_all_freed([&a, &b], LEASE_TTL + Duration::from_secs(1));
+    let reaped_after = stopped.elapsed();
+    println!(
+        "SIGSTOP → both workers reaped the sessions after {reaped_after:?} (TTL {LEASE_TTL:?})"
+    );
+    assert!(
+        freed >= LEASE_TTL / 2,
+        "freed by the lease, not a disconnect: {freed:?}"
+    );
+    for w in [&a, &b] {
+        assert_eq!(w.status()["counters"]["reaped"], 1, "{}", w.status());
+    }
+    send_signal(serve.child.id(), libc::SIGCONT);
+    // The coordinator notices its sessions are gone and loads the model again.
+    let woke = Instant::now();
+    let mut last = (0, String::new());
+    while woke.elapsed() < Duration::from_secs(10) {
+        last = http(
+            &serve.addr,
+            "POST",
+            "/v1/completions",
+            Some(&completion_body(&[1, 2, 3], 4, false)),
+        );
+        if last.0 == 200 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        last.0,
+        200,
+        "serving again after SIGCONT: {}\n{}",
+        last.1,
+        serve.log()
+    );
+    println!("SIGCONT → serving again after {:?}", woke.elapsed());
+    for w in [&a, &b] {
+        assert_eq!(w.status()["sessions"], 1, "{}", w.status());
+    }
+}
