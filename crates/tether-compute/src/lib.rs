@@ -6,6 +6,7 @@ pub mod backend;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
+mod shape_check;
 
 pub use backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
 pub use cpu::{CpuBackend, CpuBuffer};

@@ -1,34 +1,11 @@
 //! Size checks every cpu op runs before it touches memory: they turn bad sizes into
 //! [`ComputeError::Shape`] instead of a panic or an out-of-bounds access.
 
-use crate::backend::{AttnShape, AttnSpan, DeviceBuffer, Result};
+use crate::backend::{AttnShape, DeviceBuffer, Result};
 use crate::cpu::CpuBuffer;
 use crate::error::ComputeError;
+pub(crate) use crate::shape_check::{elems, need, shape_err, spans};
 use tether_gguf::GgmlType;
-
-/// A shape error of `op`.
-pub(crate) fn shape_err(op: &'static str, detail: String) -> ComputeError {
-    ComputeError::Shape { op, detail }
-}
-
-/// Fails unless `have` bytes cover `need` bytes (`None`: the size overflowed).
-pub(crate) fn need(op: &'static str, what: &str, have: usize, need: Option<usize>) -> Result<()> {
-    match need {
-        Some(n) if n <= have => Ok(()),
-        Some(n) => Err(shape_err(
-            op,
-            format!("{what} holds {have} bytes but {n} are needed"),
-        )),
-        None => Err(shape_err(op, format!("size of {what} overflows"))),
-    }
-}
-
-/// The product of `dims`, or a shape error when it overflows.
-pub(crate) fn elems(op: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter()
-        .try_fold(1usize, |acc, d| acc.checked_mul(*d))
-        .ok_or_else(|| shape_err(op, format!("element count of {dims:?} overflows")))
-}
 
 /// The first `n` f32 of `buf`, or a shape error when it holds fewer.
 pub(crate) fn f32s<'a>(
@@ -94,24 +71,6 @@ pub(crate) fn attention_shape(op: &'static str, s: AttnShape) -> Result<()> {
                 s.n_heads, s.n_kv_heads, s.head_dim
             ),
         ));
-    }
-    Ok(())
-}
-
-/// Every span is non-empty and inside a cache of `n_cells` cells.
-pub(crate) fn spans(op: &'static str, spans: &[AttnSpan], n_cells: usize) -> Result<()> {
-    for (t, s) in spans.iter().enumerate() {
-        let end = u64::from(s.first_cell) + u64::from(s.n_cells);
-        if s.n_cells == 0 || end > n_cells as u64 {
-            return Err(shape_err(
-                op,
-                format!(
-                    "token {t} attends to cells {}..{end}, but the cache holds {n_cells} cells \
-                     and a span needs at least one",
-                    s.first_cell
-                ),
-            ));
-        }
     }
     Ok(())
 }

@@ -3,13 +3,9 @@
 
 use tether_gguf::GgmlType;
 
-use crate::backend::{AttnShape, AttnSpan, DeviceBuffer, Result};
+use crate::backend::{AttnShape, DeviceBuffer, Result};
 use crate::error::ComputeError;
-
-/// A shape error of `op`.
-pub(crate) fn shape_err(op: &'static str, detail: String) -> ComputeError {
-    ComputeError::Shape { op, detail }
-}
+pub(crate) use crate::shape_check::{elems, need, shape_err, spans};
 
 /// An unsupported-type error of `op` on the CUDA backend.
 pub(crate) fn unsupported(op: &'static str, ty: GgmlType) -> ComputeError {
@@ -18,25 +14,6 @@ pub(crate) fn unsupported(op: &'static str, ty: GgmlType) -> ComputeError {
         ty,
         backend: "cuda".to_string(),
     }
-}
-
-/// Fails unless `have` bytes cover `need` bytes (`None`: the size overflowed).
-pub(crate) fn need(op: &'static str, what: &str, have: usize, need: Option<usize>) -> Result<()> {
-    match need {
-        Some(n) if n <= have => Ok(()),
-        Some(n) => Err(shape_err(
-            op,
-            format!("{what} holds {have} bytes but {n} are needed"),
-        )),
-        None => Err(shape_err(op, format!("size of {what} overflows"))),
-    }
-}
-
-/// The product of `dims`, or a shape error when it overflows.
-pub(crate) fn elems(op: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter()
-        .try_fold(1usize, |acc, d| acc.checked_mul(*d))
-        .ok_or_else(|| shape_err(op, format!("element count of {dims:?} overflows")))
 }
 
 /// Fails unless `buf` holds `n` f32 values.
@@ -100,27 +77,10 @@ pub(crate) fn attention_shape(op: &'static str, s: AttnShape) -> Result<()> {
     Ok(())
 }
 
-/// Every span is non-empty and inside a cache of `n_cells` cells.
-pub(crate) fn spans(op: &'static str, spans: &[AttnSpan], n_cells: usize) -> Result<()> {
-    for (t, s) in spans.iter().enumerate() {
-        let end = u64::from(s.first_cell) + u64::from(s.n_cells);
-        if s.n_cells == 0 || end > n_cells as u64 {
-            return Err(shape_err(
-                op,
-                format!(
-                    "token {t} attends to cells {}..{end}, but the cache holds {n_cells} cells \
-                     and a span needs at least one",
-                    s.first_cell
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::AttnSpan;
 
     #[test]
     fn partial_blocks_and_overflow_are_shape_errors() {
