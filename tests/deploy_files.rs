@@ -146,7 +146,10 @@ fn help(binary: &str, subcommand: Option<&str>) -> String {
 #[test]
 fn every_yaml_and_json_file_parses() {
     let yaml = files_with(&["yaml", "yml"]);
-    assert!(yaml.len() >= 3, "expected compose and k8s files, got {yaml:?}");
+    assert!(
+        yaml.len() >= 3,
+        "expected compose and k8s files, got {yaml:?}"
+    );
     for path in files_with(&["json"]) {
         let text = std::fs::read_to_string(&path).expect("read json");
         serde_json::from_str::<serde_json::Value>(&text)

@@ -85,6 +85,8 @@ fn planned_total(model: &std::path::Path, ctx: usize) -> u64 {
         ctx_per_seq: ctx,
         n_seq: 1,
         ubatch: 8,
+        cache_k: tether_gguf::GgmlType::F16,
+        cache_v: tether_gguf::GgmlType::F16,
     };
     let slots = tether_model::Stage::<tether_compute::CpuBackend>::required_tensors(
         &cfg,

@@ -300,6 +300,8 @@ pub fn full_load(
         ctx_per_seq: ctx,
         n_seq: 1,
         ubatch: 8,
+        cache_k: tether_gguf::GgmlType::F16,
+        cache_v: tether_gguf::GgmlType::F16,
     };
     let tensors = tether_model::Stage::<tether_compute::CpuBackend>::required_tensors(
         &cfg,
@@ -323,6 +325,8 @@ pub fn full_load(
             ctx_per_seq: ctx,
             n_seq: 1,
             ubatch: 8,
+            cache_k: tether_gguf::GgmlType::F16,
+            cache_v: tether_gguf::GgmlType::F16,
         },
         tensors,
         decision_timeout: None,

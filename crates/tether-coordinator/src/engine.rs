@@ -11,6 +11,7 @@ use futures::future::join_all;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tether_gguf::GgmlType;
 use tether_model::tokenizer::Tokenizer;
 use tether_worker::client::{ClientOptions, WorkerClient};
 use tokio::sync::mpsc;
@@ -35,6 +36,10 @@ pub struct CoordinatorConfig {
     pub parallel: usize,
     /// Most tokens in one forward pass.
     pub ubatch: usize,
+    /// Element type of the K cache on every worker (F16, Q8_0 or Q4_0; `--cache-type-k`).
+    pub cache_k: GgmlType,
+    /// Element type of the V cache on every worker (`--cache-type-v`).
+    pub cache_v: GgmlType,
     /// Requests that may wait for a slot before `submit` answers Busy.
     pub queue_depth: usize,
     /// Sessions and loading.
@@ -47,7 +52,7 @@ pub struct CoordinatorConfig {
 
 impl CoordinatorConfig {
     /// Defaults for `model` over `workers`: the model's training context (at most 4096),
-    /// 4 sequences, micro-batches of 512, a queue of 64, a retry every 3 s.
+    /// 4 sequences, micro-batches of 512, an f16 KV cache, a queue of 64, a retry every 3 s.
     pub fn new(model: &ModelFile, workers: Vec<String>) -> Self {
         let model_id = model
             .path()
@@ -60,6 +65,8 @@ impl CoordinatorConfig {
             ctx_per_seq: model.config().n_ctx_train.clamp(1, DEFAULT_CTX_CAP),
             parallel: 4,
             ubatch: 512,
+            cache_k: GgmlType::F16,
+            cache_v: GgmlType::F16,
             queue_depth: 64,
             load: LoadOptions::default(),
             client: ClientOptions::default(),
@@ -180,6 +187,8 @@ impl Coordinator {
                 ctx_per_seq: config.ctx_per_seq,
                 n_seq: config.parallel,
                 ubatch: config.ubatch,
+                cache_k: config.cache_k,
+                cache_v: config.cache_v,
             },
             load: config.load.clone(),
             client: config.client.clone(),

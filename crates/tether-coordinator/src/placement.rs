@@ -9,7 +9,7 @@
 
 use std::fmt;
 use tether_compute::CpuBackend;
-use tether_gguf::TensorInfo;
+use tether_gguf::{GgmlType, TensorInfo};
 use tether_model::{ModelConfig, Stage, StagePlan, StageSpec, plan_stage};
 use tether_worker::BlockSpec;
 
@@ -31,6 +31,10 @@ pub struct ServeShape {
     pub n_seq: usize,
     /// Most tokens in one forward pass.
     pub ubatch: usize,
+    /// Element type of the K cache (F16, Q8_0 or Q4_0).
+    pub cache_k: GgmlType,
+    /// Element type of the V cache (F16, Q8_0 or Q4_0).
+    pub cache_v: GgmlType,
 }
 
 /// One worker's part of the model.
@@ -144,6 +148,8 @@ pub fn model_spec(spec: &BlockSpec) -> StageSpec {
         ctx_per_seq: spec.ctx_per_seq,
         n_seq: spec.n_seq,
         ubatch: spec.ubatch,
+        cache_k: spec.cache_k,
+        cache_v: spec.cache_v,
     }
 }
 
@@ -158,6 +164,8 @@ fn block_of_units(a: usize, b: usize, n_layer: usize, shape: ServeShape) -> Bloc
         ctx_per_seq: shape.ctx_per_seq,
         n_seq: shape.n_seq,
         ubatch: shape.ubatch,
+        cache_k: shape.cache_k,
+        cache_v: shape.cache_v,
     }
 }
 
@@ -345,6 +353,8 @@ mod tests {
         ctx_per_seq: 64,
         n_seq: 2,
         ubatch: 16,
+        cache_k: GgmlType::F16,
+        cache_v: GgmlType::F16,
     };
 
     fn workers(free: &[u64]) -> Vec<WorkerCapacity> {

@@ -51,6 +51,8 @@ async fn a_refused_prepare_aborts_everywhere() {
         ctx_per_seq: 128,
         n_seq: 2,
         ubatch: 8,
+        cache_k: tether_gguf::GgmlType::F16,
+        cache_v: tether_gguf::GgmlType::F16,
     };
     let plan = place(
         model.config(),

@@ -46,6 +46,31 @@ async fn a_qwen2_shape_with_k_quants_also_matches() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quantized_kv_caches_through_two_workers_equal_the_generator() {
+    let dir = TempDir::new("kv-quant");
+    let path = tiny_model(&dir, 15);
+    let prompt = prompt(&path, "Once upon a time there was a little robot who");
+    for cache in [GgmlType::Q8_0, GgmlType::Q4_0] {
+        let expected = support::reference_with_cache(&path, &prompt, 24, 256, cache);
+        let c = cluster(&path, 2, |cfg| {
+            cfg.cache_k = cache;
+            cfg.cache_v = cache;
+        })
+        .await;
+        let plan = c.coordinator.plan().expect("a plan");
+        assert_eq!(plan.assignments.len(), 2, "{plan}");
+        for a in &plan.assignments {
+            assert_eq!((a.spec.cache_k, a.spec.cache_v), (cache, cache), "{plan}");
+        }
+        let (tokens, end) = generate(&c.coordinator, &prompt, 24).await;
+        end.expect("no error");
+        assert_eq!(tokens, expected, "{cache} cache, plan:\n{plan}");
+        c.coordinator.shutdown().await;
+        c.workers.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stories260k_through_workers_equals_the_generator() {
     let Some(path) = stories260k() else { return };
     check_through_workers(&path, "Once upon a time", 48).await;

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use tether_compute::Backend;
-use tether_gguf::GgufFile;
+use tether_gguf::{GgmlType, GgufFile};
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
@@ -66,12 +66,25 @@ pub struct Generator<B: Backend> {
 
 impl<B: Backend> Generator<B> {
     /// Loads every layer, the embedding and the head of `file` with one sequence of `ctx`
-    /// cells and micro-batches of `ubatch` tokens.
+    /// cells and micro-batches of `ubatch` tokens, with an f16 KV cache.
     pub fn from_file(
         backend: Arc<B>,
         file: &GgufFile,
         ctx: usize,
         ubatch: usize,
+    ) -> Result<Self, ModelError> {
+        Self::from_file_with_cache(backend, file, ctx, ubatch, GgmlType::F16, GgmlType::F16)
+    }
+
+    /// As [`Self::from_file`], with the K and V caches stored as `cache_k` and `cache_v`
+    /// (see [`StageSpec::cache_k`]).
+    pub fn from_file_with_cache(
+        backend: Arc<B>,
+        file: &GgufFile,
+        ctx: usize,
+        ubatch: usize,
+        cache_k: GgmlType,
+        cache_v: GgmlType,
     ) -> Result<Self, ModelError> {
         let n_layer = ModelConfig::from_gguf(file)?.n_layer;
         let spec = StageSpec {
@@ -82,6 +95,8 @@ impl<B: Backend> Generator<B> {
             ctx_per_seq: ctx,
             n_seq: 1,
             ubatch,
+            cache_k,
+            cache_v,
         };
         Self::new(load_stage_from_file(backend, file, spec)?)
     }

@@ -3,11 +3,10 @@
 //! [`Stage::new`](crate::Stage::new) sizes its scratch buffers with [`scratch_sizes`], so
 //! the plan and what a stage holds cannot drift apart.
 
+use tether_gguf::GgmlType;
+
 use crate::config::ModelConfig;
 use crate::stage::{StageSpec, TensorSlot};
-
-/// Bytes per element of the KV cache (F16).
-pub const KV_ELEMENT_BYTES: u64 = 2;
 
 /// What a stage will hold on its device, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,9 +62,13 @@ pub fn scratch_sizes(cfg: &ModelConfig, spec: &StageSpec) -> ScratchSizes {
     }
 }
 
-/// Bytes of one layer's K (or V) cache.
-pub fn kv_cache_bytes(cfg: &ModelConfig, spec: &StageSpec) -> u64 {
-    (spec.n_seq * spec.ctx_per_seq) as u64 * cfg.kv_dim() as u64 * KV_ELEMENT_BYTES
+/// Bytes of one layer's K (or V) cache stored as `ty`: every cell holds `n_kv_heads` rows
+/// of `head_dim` elements, in whole blocks of `ty` (Q8_0: 34 bytes per 32, Q4_0: 18 per 32).
+/// A `head_dim` that is not whole blocks (which [`crate::Stage::new`] refuses) is rounded up.
+pub fn kv_cache_bytes(cfg: &ModelConfig, spec: &StageSpec, ty: GgmlType) -> u64 {
+    let blocks_per_head = cfg.head_dim.div_ceil(ty.block_elems()) as u64;
+    let cells = (spec.n_seq * spec.ctx_per_seq) as u64;
+    cells * cfg.n_head_kv as u64 * blocks_per_head * ty.block_bytes() as u64
 }
 
 /// The memory plan of a stage holding `tensors` (from
@@ -73,7 +76,8 @@ pub fn kv_cache_bytes(cfg: &ModelConfig, spec: &StageSpec) -> u64 {
 pub fn plan_stage(cfg: &ModelConfig, spec: &StageSpec, tensors: &[TensorSlot]) -> StagePlan {
     let weights_bytes = tensors.iter().map(|t| t.bytes).sum();
     let layers = spec.last_layer.saturating_sub(spec.first_layer) as u64;
-    let kv_bytes = 2 * layers * kv_cache_bytes(cfg, spec);
+    let kv_bytes = layers
+        * (kv_cache_bytes(cfg, spec, spec.cache_k) + kv_cache_bytes(cfg, spec, spec.cache_v));
     let scratch_bytes = scratch_sizes(cfg, spec).total();
     StagePlan {
         weights_bytes,

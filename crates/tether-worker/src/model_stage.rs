@@ -109,6 +109,8 @@ fn to_model_spec(spec: &BlockSpec) -> StageSpec {
         ctx_per_seq: spec.ctx_per_seq,
         n_seq: spec.n_seq,
         ubatch: spec.ubatch,
+        cache_k: spec.cache_k,
+        cache_v: spec.cache_v,
     }
 }
 

@@ -52,6 +52,8 @@ fn a_block_loaded_from_header_and_chunks_matches_the_model_loader() {
         ctx_per_seq: 16,
         n_seq: 2,
         ubatch: 4,
+        cache_k: tether_gguf::GgmlType::F16,
+        cache_v: tether_gguf::GgmlType::F16,
     };
     let header = &bytes[..file.data_offset() as usize];
     let plan = factory.plan(header, bytes.len() as u64, &spec).unwrap();
@@ -87,6 +89,8 @@ fn a_block_loaded_from_header_and_chunks_matches_the_model_loader() {
         ctx_per_seq: 16,
         n_seq: 2,
         ubatch: 4,
+        cache_k: GgmlType::F16,
+        cache_v: GgmlType::F16,
     };
     let mut reference = load_stage_from_file(backend, &file, reference_spec).unwrap();
     let mut hidden = vec![0.0; ids.len() * cfg.n_embd];
@@ -118,6 +122,8 @@ fn a_header_that_does_not_parse_is_an_invalid_argument() {
         ctx_per_seq: 8,
         n_seq: 1,
         ubatch: 2,
+        cache_k: tether_gguf::GgmlType::F16,
+        cache_v: tether_gguf::GgmlType::F16,
     };
     let header = &bytes[..file.data_offset() as usize];
     let short = factory.plan(header, 100, &spec).err().unwrap();

@@ -56,6 +56,8 @@ fn begin(session: crate::SessionId, txn: TxnId) -> PrepareBegin {
             ctx_per_seq: 16,
             n_seq: 1,
             ubatch: 4,
+            cache_k: tether_gguf::GgmlType::F16,
+            cache_v: tether_gguf::GgmlType::F16,
         },
         tensors: (0..2)
             .map(|i| TensorDigest {

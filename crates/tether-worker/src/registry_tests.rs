@@ -38,6 +38,8 @@ fn spec() -> BlockSpec {
         ctx_per_seq: 16,
         n_seq: 2,
         ubatch: 8,
+        cache_k: tether_gguf::GgmlType::F16,
+        cache_v: tether_gguf::GgmlType::F16,
     }
 }
 

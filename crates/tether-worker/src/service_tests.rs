@@ -66,6 +66,8 @@ fn load_request() -> (LoadRequest, Arc<dyn TensorSource>) {
         ctx_per_seq: 8,
         n_seq: 1,
         ubatch: 4,
+        cache_k: tether_gguf::GgmlType::F16,
+        cache_v: tether_gguf::GgmlType::F16,
     };
     let names: Vec<String> = (0..3).map(|i| format!("blk.{i}.w")).collect();
     let source = Tensors(

@@ -4,6 +4,7 @@
 //! with `tether_model::Stage`.
 
 use crate::error::Result;
+use tether_gguf::GgmlType;
 
 /// The layer block a session asks to load, and the batch shape it will serve.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,6 +24,10 @@ pub struct BlockSpec {
     pub n_seq: usize,
     /// Most tokens in one forward pass.
     pub ubatch: usize,
+    /// Element type of the K cache (F16, Q8_0 or Q4_0; as `tether_model::StageSpec`).
+    pub cache_k: GgmlType,
+    /// Element type of the V cache (F16, Q8_0 or Q4_0).
+    pub cache_v: GgmlType,
 }
 
 /// One token of a batch: its sequence and position.

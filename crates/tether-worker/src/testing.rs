@@ -100,6 +100,8 @@ impl FakeStage {
                 ctx_per_seq: 16,
                 n_seq: 2,
                 ubatch: 8,
+                cache_k: tether_gguf::GgmlType::F16,
+                cache_v: tether_gguf::GgmlType::F16,
             },
             n_embd,
             n_layers,

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tether_compute::CpuBackend;
-use tether_gguf::GgufFile;
+use tether_gguf::{GgmlType, GgufFile};
 use tether_model::{ModelConfig, Stage, StageSpec};
 use tether_worker::client::{
     AttachOptions, ClientOptions, DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource, WorkerClient,
@@ -140,6 +140,8 @@ async fn attach(args: AttachArgs) -> anyhow::Result<()> {
             ctx_per_seq: args.ctx,
             n_seq: args.n_seq,
             ubatch: args.ubatch,
+            cache_k: GgmlType::F16,
+            cache_v: GgmlType::F16,
         };
         let model_spec = StageSpec {
             first_layer: spec.first_layer,
@@ -149,6 +151,8 @@ async fn attach(args: AttachArgs) -> anyhow::Result<()> {
             ctx_per_seq: spec.ctx_per_seq,
             n_seq: spec.n_seq,
             ubatch: spec.ubatch,
+            cache_k: spec.cache_k,
+            cache_v: spec.cache_v,
         };
         // Which tensors a block needs is the model's decision; the worker checks the same list.
         let tensors = Stage::<CpuBackend>::required_tensors(&cfg, &model_spec, file.tensors())?

@@ -1,6 +1,7 @@
 //! `tether bench`: prompt-processing and generation speed, as llama-bench measures them
 //! (`pp N`: N prompt tokens from an empty context; `tg N`: N tokens decoded one at a time).
 
+use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::local::{AnyBackend, DEMO_LABEL, DeviceArgs, Loaded, load, open_backend};
 use crate::model_source::ModelArgs;
 use anyhow::{Result, bail};
@@ -16,6 +17,8 @@ pub struct BenchArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
     /// Prompt tokens per `pp` test (0 skips it).
     #[arg(long = "n-prompt", short = 'p', default_value_t = 512)]
     pub n_prompt: usize,
@@ -55,8 +58,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut dev = args.device.clone();
     dev.ctx = Some(dev.ctx.unwrap_or(need).max(need));
     match open_backend(&dev)? {
-        AnyBackend::Cpu(b) => bench_on(&args, &dev, load(b, &args.model, &dev, need)?),
-        AnyBackend::Cuda(b) => bench_on(&args, &dev, load(b, &args.model, &dev, need)?),
+        AnyBackend::Cpu(b) => bench_on(&args, &dev, load(b, &args.model, &dev, args.cache, need)?),
+        AnyBackend::Cuda(b) => bench_on(&args, &dev, load(b, &args.model, &dev, args.cache, need)?),
     }
 }
 

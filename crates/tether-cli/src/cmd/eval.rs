@@ -1,6 +1,7 @@
 //! `tether eval`: the logits of every position of a token sequence, for comparisons with
 //! other implementations.
 
+use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::local::{AnyBackend, DEMO_LABEL, DeviceArgs, Loaded, load, open_backend};
 use crate::model_source::ModelArgs;
 use anyhow::{Context, Result, bail};
@@ -16,6 +17,8 @@ pub struct EvalArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
     /// Token ids separated by commas or spaces (e.g. `1,450,4996`).
     #[arg(long)]
     pub tokens: String,
@@ -43,8 +46,16 @@ pub fn run(args: EvalArgs) -> Result<()> {
     }
     let dev = &args.device;
     match open_backend(dev)? {
-        AnyBackend::Cpu(b) => eval_on(&args, &tokens, load(b, &args.model, dev, tokens.len())?),
-        AnyBackend::Cuda(b) => eval_on(&args, &tokens, load(b, &args.model, dev, tokens.len())?),
+        AnyBackend::Cpu(b) => eval_on(
+            &args,
+            &tokens,
+            load(b, &args.model, dev, args.cache, tokens.len())?,
+        ),
+        AnyBackend::Cuda(b) => eval_on(
+            &args,
+            &tokens,
+            load(b, &args.model, dev, args.cache, tokens.len())?,
+        ),
     }
 }
 
@@ -56,7 +67,7 @@ fn eval_on<B: Backend>(args: &EvalArgs, tokens: &[u32], mut loaded: Loaded<B>) -
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
         bail!("token id {bad} is outside the vocabulary of {n_vocab} tokens");
     }
-    let logits = loaded.generator.eval_logits(&tokens)?;
+    let logits = loaded.generator.eval_logits(tokens)?;
     let mut stdout = std::io::stdout().lock();
     for (i, row) in logits.chunks(n_vocab).enumerate() {
         let (best, value) =

@@ -2,6 +2,7 @@
 //! a loaded single-process generator (`eval` and `bench`; `run` goes through the
 //! coordinator).
 
+use crate::cmd::cache_args::CacheArgs;
 use crate::device::DeviceChoice;
 use crate::model_source::{ModelArgs, ResolvedModel};
 use anyhow::{Context, Result, bail};
@@ -57,11 +58,13 @@ pub fn open_backend(dev: &DeviceArgs) -> Result<AnyBackend> {
     })
 }
 
-/// Opens the model and loads every layer of it into one stage on `backend`.
+/// Opens the model and loads every layer of it into one stage on `backend`, with the KV
+/// cache types of `cache`.
 pub fn load<B: Backend>(
     backend: Arc<B>,
     model: &ModelArgs,
     dev: &DeviceArgs,
+    cache: CacheArgs,
     min_ctx: usize,
 ) -> Result<Loaded<B>> {
     let model = model.resolve()?;
@@ -70,8 +73,9 @@ pub fn load<B: Backend>(
     let cfg = tether_model::ModelConfig::from_gguf(&file)
         .with_context(|| format!("reading the hyper-parameters of {}", model.path.display()))?;
     let ctx = context_size(dev, &cfg, min_ctx)?;
-    let generator = Generator::from_file(backend, &file, ctx, dev.ubatch)
-        .with_context(|| format!("loading {}", model.path.display()))?;
+    let generator =
+        Generator::from_file_with_cache(backend, &file, ctx, dev.ubatch, cache.k(), cache.v())
+            .with_context(|| format!("loading {}", model.path.display()))?;
     Ok(Loaded {
         model,
         file,

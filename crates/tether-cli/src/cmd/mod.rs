@@ -2,6 +2,7 @@
 
 pub mod attach;
 pub mod bench;
+pub mod cache_args;
 pub mod eval;
 pub mod gguf;
 pub mod local;

@@ -4,9 +4,10 @@
 //! and the bytes come from the planner the workers reserve with
 //! (`tether_model::plan_stage`), so the plan is what `tether run`/`serve` would load.
 
+use crate::cmd::cache_args::CacheArgs;
 use crate::ctl::units::human_bytes;
 use anyhow::{Context, Result, bail};
-use clap::{Args, ValueEnum};
+use clap::Args;
 use std::path::PathBuf;
 use tether_compute::{Backend, CpuBackend};
 use tether_coordinator::placement::{ServeShape, WorkerCapacity, place};
@@ -18,19 +19,6 @@ use tether_worker::client::{ClientOptions, WorkerClient};
 /// Context per sequence when `--ctx` is not given: the model's training context, at most
 /// this (as `tether run` and the coordinator do).
 const DEFAULT_CTX_CAP: usize = 4096;
-
-/// Element type of the KV cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CacheType {
-    /// 16-bit floats (the only type tether's KV cache stores today).
-    F16,
-    /// 8-bit blocks (llama.cpp's q8_0); not supported yet.
-    #[value(name = "q8_0")]
-    Q8_0,
-    /// 4-bit blocks (llama.cpp's q4_0); not supported yet.
-    #[value(name = "q4_0")]
-    Q4_0,
-}
 
 /// Arguments of `tether plan`.
 #[derive(Args, Debug)]
@@ -58,12 +46,8 @@ pub struct PlanArgs {
     /// Most tokens in one forward pass (sizes the scratch buffers).
     #[arg(long, default_value_t = 512)]
     pub ubatch: usize,
-    /// Element type of the K cache.
-    #[arg(long, value_enum, default_value = "f16")]
-    pub cache_type_k: CacheType,
-    /// Element type of the V cache.
-    #[arg(long, value_enum, default_value = "f16")]
-    pub cache_type_v: CacheType,
+    #[command(flatten)]
+    pub cache: CacheArgs,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -91,11 +75,6 @@ impl WorkerPlan {
 
 /// Prints the plan of `args.model` over the workers asked for.
 pub fn run(args: PlanArgs) -> Result<()> {
-    if args.cache_type_k != CacheType::F16 || args.cache_type_v != CacheType::F16 {
-        bail!(
-            "--cache-type-k/--cache-type-v: tether's KV cache stores f16 only for now; plan with f16"
-        );
-    }
     if args.parallel == 0 || args.ubatch == 0 || args.ctx == Some(0) {
         bail!("--ctx, --parallel and --ubatch must all be at least 1");
     }
@@ -110,6 +89,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
         ctx_per_seq: ctx,
         n_seq: args.parallel,
         ubatch: args.ubatch,
+        cache_k: args.cache.k(),
+        cache_v: args.cache.v(),
     };
     let (names, free, shared) = if args.workers.is_empty() {
         let n = args.local_workers.unwrap_or(1);
@@ -242,8 +223,8 @@ pub fn plan_json(workers: &[WorkerPlan], file_weights: u64, shared: bool) -> ser
         "ctx_per_seq": first.map_or(0, |s| s.ctx_per_seq),
         "parallel": first.map_or(0, |s| s.n_seq),
         "ubatch": first.map_or(0, |s| s.ubatch),
-        "cache_type_k": "f16",
-        "cache_type_v": "f16",
+        "cache_type_k": first.map_or("f16", |s| s.cache_k.name()),
+        "cache_type_v": first.map_or("f16", |s| s.cache_v.name()),
         "weights_bytes": file_weights,
         "kv_bytes": kv,
         "scratch_bytes": scratch,
@@ -264,12 +245,14 @@ fn print_table(
     shared: bool,
 ) {
     println!(
-        "{}: {} layers; {} cells x {} sequences, ubatch {}, KV cache f16",
+        "{}: {} layers; {} cells x {} sequences, ubatch {}, KV cache K {} V {}",
         args.model.display(),
         cfg.n_layer,
         shape.ctx_per_seq,
         shape.n_seq,
-        shape.ubatch
+        shape.ubatch,
+        shape.cache_k,
+        shape.cache_v
     );
     println!(
         "{:<22} {:<16} {:>11} {:>11} {:>11} {:>11} {:>11}  fits",
@@ -315,6 +298,7 @@ fn print_table(
 mod tests {
     use super::*;
     use tether_coordinator::placement::model_spec;
+    use tether_gguf::GgmlType;
     use tether_model::Stage;
 
     #[test]
@@ -327,6 +311,8 @@ mod tests {
             ctx_per_seq: 8,
             n_seq: 2,
             ubatch: 4,
+            cache_k: tether_gguf::GgmlType::Q8_0,
+            cache_v: tether_gguf::GgmlType::Q8_0,
         };
         let plan = |w: u64, kv: u64, s: u64| StagePlan {
             weights_bytes: w,
@@ -357,6 +343,7 @@ mod tests {
         let v = plan_json(&workers, 290, false);
         assert_eq!(v["weights_bytes"], 290);
         assert_eq!(v["kv_bytes"], 30);
+        assert_eq!(v["cache_type_k"], "q8_0");
         assert_eq!(v["scratch_bytes"], 3);
         assert_eq!(v["total_bytes"], 323);
         assert_eq!(v["workers"][1]["fits"], false);
@@ -385,30 +372,56 @@ mod tests {
         .unwrap();
         let file = GgufFile::open(&path).unwrap();
         let cfg = ModelConfig::from_gguf(&file).unwrap();
-        let shape = ServeShape {
+        let names = vec!["a".to_string(), "b".to_string()];
+        let mut f16_kv = 0;
+        for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
+            let shape = ServeShape {
+                ctx_per_seq: 32,
+                n_seq: 2,
+                ubatch: 8,
+                cache_k: ty,
+                cache_v: ty,
+            };
+            let workers = plan_workers(&file, &cfg, shape, &names, &[0, 0], None).unwrap();
+            check_against_stages(&file, &cfg, &workers);
+            let kv: u64 = workers.iter().map(|w| w.bytes.kv_bytes).sum();
+            if ty == GgmlType::F16 {
+                f16_kv = kv;
+            }
+            // Blocks of 32 values: f16 takes 64 bytes, q8_0 34 and q4_0 18.
+            let per_32 = ty.block_bytes() as u64 * 32 / ty.block_elems() as u64;
+            assert_eq!(kv * 64, f16_kv * per_32, "{ty}");
+        }
+        let mixed = ServeShape {
             ctx_per_seq: 32,
             n_seq: 2,
             ubatch: 8,
+            cache_k: GgmlType::Q8_0,
+            cache_v: GgmlType::F16,
         };
-        let names = vec!["a".to_string(), "b".to_string()];
-        let workers = plan_workers(&file, &cfg, shape, &names, &[0, 0], None).unwrap();
+        let err = plan_workers(&file, &cfg, mixed, &names, &[0, 0], None).unwrap_err();
+        assert!(format!("{err:#}").contains("same type"), "{err:#}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn check_against_stages(file: &GgufFile, cfg: &ModelConfig, workers: &[WorkerPlan]) {
         assert_eq!(workers[0].spec.first_layer, 0);
         assert_eq!(workers[1].spec.last_layer, cfg.n_layer);
         assert_eq!(workers[0].spec.last_layer, workers[1].spec.first_layer);
         assert!(workers[0].spec.has_embed && workers[1].spec.has_head);
         let backend = std::sync::Arc::new(CpuBackend::new(Some(1)).unwrap());
-        for w in &workers {
+        for w in workers {
             let spec = model_spec(&w.spec);
-            let slots = Stage::<CpuBackend>::required_tensors(&cfg, &spec, file.tensors()).unwrap();
+            let slots = Stage::<CpuBackend>::required_tensors(cfg, &spec, file.tensors()).unwrap();
             let stage =
                 Stage::new(std::sync::Arc::clone(&backend), cfg.clone(), spec, &slots).unwrap();
             assert_eq!(stage.bytes(), w.bytes.total_bytes, "worker {}", w.name);
             assert!(w.bytes.kv_bytes > 0 && w.bytes.scratch_bytes > 0);
         }
         let file_weights: u64 = file.tensors().iter().map(|t| t.bytes).sum();
-        let v = plan_json(&workers, file_weights, true);
+        let v = plan_json(workers, file_weights, true);
         assert_eq!(v["weights_bytes"], file_weights);
         assert_eq!(v["workers"].as_array().map(Vec::len), Some(2));
-        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(v["cache_type_k"], workers[0].spec.cache_k.name());
     }
 }

@@ -1,6 +1,7 @@
 //! `tether run`: generate text from a prompt through the coordinator engine, over embedded
 //! workers in this process (real gRPC on loopback) or over remote `--worker`s.
 
+use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::local::{DEMO_LABEL, DeviceArgs, check_device, context_size};
 use crate::model_source::ModelArgs;
 use anyhow::{Context, Result, bail};
@@ -18,6 +19,8 @@ pub struct RunArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
     /// The prompt.
     #[arg(long, short = 'p', default_value = "Once upon a time")]
     pub prompt: String,
@@ -134,6 +137,8 @@ async fn run_async(args: RunArgs) -> Result<()> {
         ctx_per_seq: ctx,
         parallel: 1,
         ubatch: args.device.ubatch,
+        cache_k: args.cache.k(),
+        cache_v: args.cache.v(),
         queue_depth: 1,
         ..CoordinatorConfig::new(&model, addrs)
     };

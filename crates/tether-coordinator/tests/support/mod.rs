@@ -80,13 +80,25 @@ pub fn prompt(path: &Path, text: &str) -> Vec<u32> {
 
 /// Greedy tokens of the single-process generator (the reference).
 pub fn reference(path: &Path, prompt: &[u32], n: usize, ctx: usize) -> Vec<u32> {
+    reference_with_cache(path, prompt, n, ctx, GgmlType::F16)
+}
+
+/// As [`reference`], with the KV cache (K and V) stored as `cache`.
+pub fn reference_with_cache(
+    path: &Path,
+    prompt: &[u32],
+    n: usize,
+    ctx: usize,
+    cache: GgmlType,
+) -> Vec<u32> {
     let file = GgufFile::open(path).expect("open model");
     let tok = Tokenizer::from_gguf(&file).expect("tokenizer");
     let eog: Vec<u32> = (0..tok.vocab_size() as u32)
         .filter(|&t| tok.is_eog(t))
         .collect();
     let backend = Arc::new(CpuBackend::new(Some(1)).expect("cpu backend"));
-    let mut g = Generator::from_file(backend, &file, ctx, 512).expect("generator");
+    let mut g =
+        Generator::from_file_with_cache(backend, &file, ctx, 512, cache, cache).expect("generator");
     let mut sampler = Sampler::new(SamplingParams::greedy());
     let (tokens, _) = g
         .generate(prompt, n, &mut sampler, &eog, |_| true)

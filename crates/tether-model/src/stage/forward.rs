@@ -1,14 +1,10 @@
 //! The forward pass of a stage: embedding, layers, output head — in micro-batches.
 
 use tether_compute::{AttnShape, AttnSpan, Backend};
-use tether_gguf::GgmlType;
 
 use super::Stage;
 use crate::error::{ModelError, compute, compute_in};
 use crate::kv::BatchToken;
-
-/// The element type of the KV cache.
-const CACHE_TY: GgmlType = GgmlType::F16;
 
 fn as_bytes(x: &[f32]) -> &[u8] {
     // SAFETY: u8 has alignment 1 and the byte length covers exactly the f32s.
@@ -116,6 +112,7 @@ impl<B: Backend> Stage<B> {
         let layer_no = self.spec.first_layer + i;
         let ce = |op| compute_in(op, layer_no);
         let cfg = &self.cfg;
+        let spec = &self.spec;
         let be = &*self.backend;
         let lw = &self.layers[i];
         let w = &self.weights;
@@ -167,9 +164,9 @@ impl<B: Backend> Stage<B> {
             freqs,
         )
         .map_err(ce("rope on keys"))?;
-        be.kv_store(&ls.k, kvd, cells, kc, CACHE_TY)
+        be.kv_store(&ls.k, kvd, cells, kc, spec.cache_k)
             .map_err(ce("storing keys"))?;
-        be.kv_store(&ls.v, kvd, cells, vc, CACHE_TY)
+        be.kv_store(&ls.v, kvd, cells, vc, spec.cache_v)
             .map_err(ce("storing values"))?;
         let shape = AttnShape {
             n_heads: cfg.n_head,
@@ -177,8 +174,17 @@ impl<B: Backend> Stage<B> {
             head_dim: cfg.head_dim,
         };
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
-        be.attention(&ls.q, kc, vc, CACHE_TY, spans, shape, scale, &mut ls.attn)
-            .map_err(ce("attention"))?;
+        be.attention(
+            &ls.q,
+            kc,
+            vc,
+            spec.cache_k,
+            spans,
+            shape,
+            scale,
+            &mut ls.attn,
+        )
+        .map_err(ce("attention"))?;
         be.matmul(&w[lw.wo].buf, w[lw.wo].ty, e, qd, &ls.attn, n, normed)
             .map_err(ce("attention output projection"))?;
         be.add(&mut s.hidden, normed, n * e)

@@ -38,7 +38,15 @@ pub struct StageSpec {
     pub n_seq: usize,
     /// Most tokens processed in one step; scratch is sized for it.
     pub ubatch: usize,
+    /// Element type of the K cache: F16, Q8_0 or Q4_0 (llama.cpp's `-ctk`).
+    pub cache_k: GgmlType,
+    /// Element type of the V cache: F16, Q8_0 or Q4_0 (llama.cpp's `-ctv`); for now it
+    /// must equal `cache_k`, since the backends' attention reads one cache type.
+    pub cache_v: GgmlType,
 }
+
+/// The element types a KV cache can be stored as.
+pub const KV_CACHE_TYPES: [GgmlType; 3] = [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
 
 /// A tensor a stage will hold: its name, type and shape as in the file.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -127,6 +135,36 @@ fn check_spec(cfg: &ModelConfig, spec: &StageSpec) -> Result<(), ModelError> {
         return bad(format!(
             "ubatch ({}), n_seq ({}) and ctx_per_seq ({}) must all be at least 1",
             spec.ubatch, spec.n_seq, spec.ctx_per_seq
+        ));
+    }
+    check_cache_types(cfg, spec.cache_k, spec.cache_v)
+}
+
+/// Checks that a model of `cfg` can keep its KV cache as `cache_k`/`cache_v`: each one of
+/// [`KV_CACHE_TYPES`], both the same, and for block types a `head_dim` of whole blocks.
+pub fn check_cache_types(
+    cfg: &ModelConfig,
+    cache_k: GgmlType,
+    cache_v: GgmlType,
+) -> Result<(), ModelError> {
+    let bad = |why: String| Err(ModelError::InvalidArgument(why));
+    for (which, ty) in [("K", cache_k), ("V", cache_v)] {
+        if !KV_CACHE_TYPES.contains(&ty) {
+            return bad(format!(
+                "{which} cache type {ty} is not supported: use f16, q8_0 or q4_0"
+            ));
+        }
+        if !cfg.head_dim.is_multiple_of(ty.block_elems()) {
+            return bad(format!(
+                "{which} cache type {ty} needs a head_dim that is a multiple of {}, this model's is {}: use f16",
+                ty.block_elems(),
+                cfg.head_dim
+            ));
+        }
+    }
+    if cache_k != cache_v {
+        return bad(format!(
+            "K cache type {cache_k} with V cache type {cache_v} is not supported yet: give both the same type"
         ));
     }
     Ok(())
@@ -230,11 +268,18 @@ impl<B: Backend> Stage<B> {
             });
         }
         let n_layers = spec.last_layer - spec.first_layer;
-        let cache_bytes = kv_cache_bytes(&cfg, &spec);
+        let k_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_k);
+        let v_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_v);
         let mut kv_cache = Vec::with_capacity(n_layers);
         for layer in spec.first_layer..spec.last_layer {
-            let k = alloc(cache_bytes, &format!("the K cache of layer {layer}"))?;
-            let v = alloc(cache_bytes, &format!("the V cache of layer {layer}"))?;
+            let k = alloc(
+                k_bytes,
+                &format!("the {} K cache of layer {layer}", spec.cache_k),
+            )?;
+            let v = alloc(
+                v_bytes,
+                &format!("the {} V cache of layer {layer}", spec.cache_v),
+            )?;
             kv_cache.push((k, v));
         }
         let sizes = scratch_sizes(&cfg, &spec);

@@ -1,5 +1,6 @@
 //! The forward pass against an independent reference, and the stage's behaviour.
 
+mod cache_types;
 mod reference_model;
 mod stage_behaviour;
 mod support;

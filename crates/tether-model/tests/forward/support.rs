@@ -55,6 +55,8 @@ pub fn spec(
         ctx_per_seq: 64,
         n_seq,
         ubatch,
+        cache_k: GgmlType::F16,
+        cache_v: GgmlType::F16,
     }
 }
 

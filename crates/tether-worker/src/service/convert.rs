@@ -4,6 +4,7 @@ use crate::error::WorkerError;
 use crate::session::EndReason;
 use crate::stage::BlockSpec;
 use crate::status::{CounterValues, SessionSummary, WorkerStatus};
+use tether_gguf::GgmlType;
 use tether_proto::PROTOCOL_VERSION;
 use tether_proto::v1 as pb;
 use tonic::{Code, Status};
@@ -71,6 +72,8 @@ pub fn spec_from_proto(spec: Option<pb::StageSpec>) -> Result<BlockSpec, WorkerE
             s.ctx_per_seq, s.n_seq, s.ubatch
         )));
     }
+    let cache_k = cache_type_from_proto(s.cache_type_k, "K")?;
+    let cache_v = cache_type_from_proto(s.cache_type_v, "V")?;
     Ok(BlockSpec {
         first_layer: s.first_layer as usize,
         last_layer: s.last_layer as usize,
@@ -79,7 +82,32 @@ pub fn spec_from_proto(spec: Option<pb::StageSpec>) -> Result<BlockSpec, WorkerE
         ctx_per_seq: s.ctx_per_seq as usize,
         n_seq: s.n_seq as usize,
         ubatch: s.ubatch as usize,
+        cache_k,
+        cache_v,
     })
+}
+
+/// The cache type a wire value names; unset means f16, as peers before the field sent.
+fn cache_type_from_proto(raw: i32, which: &str) -> Result<GgmlType, WorkerError> {
+    match pb::KvCacheType::try_from(raw) {
+        Ok(pb::KvCacheType::Unspecified | pb::KvCacheType::F16) => Ok(GgmlType::F16),
+        Ok(pb::KvCacheType::Q80) => Ok(GgmlType::Q8_0),
+        Ok(pb::KvCacheType::Q40) => Ok(GgmlType::Q4_0),
+        Err(_) => Err(WorkerError::InvalidArgument(format!(
+            "prepare: unknown {which} cache type {raw}: this worker knows f16, q8_0 and q4_0; upgrade it"
+        ))),
+    }
+}
+
+/// The wire value of a cache type; types no cache uses go as unset (f16), which
+/// `tether_model` would refuse anyway.
+fn cache_type_to_proto(ty: GgmlType) -> pb::KvCacheType {
+    match ty {
+        GgmlType::Q8_0 => pb::KvCacheType::Q80,
+        GgmlType::Q4_0 => pb::KvCacheType::Q40,
+        GgmlType::F16 => pb::KvCacheType::F16,
+        _ => pb::KvCacheType::Unspecified,
+    }
 }
 
 /// The wire form of a block spec.
@@ -92,6 +120,8 @@ pub fn spec_to_proto(s: &BlockSpec) -> pb::StageSpec {
         ctx_per_seq: s.ctx_per_seq as u32,
         n_seq: s.n_seq as u32,
         ubatch: s.ubatch as u32,
+        cache_type_k: cache_type_to_proto(s.cache_k) as i32,
+        cache_type_v: cache_type_to_proto(s.cache_v) as i32,
     }
 }
 
@@ -249,6 +279,8 @@ mod tests {
             ctx_per_seq: 8,
             n_seq: 1,
             ubatch: 4,
+            cache_type_k: 0,
+            cache_type_v: 0,
         };
         assert!(spec_from_proto(Some(good)).is_ok());
         assert!(spec_from_proto(None).is_err());
@@ -260,5 +292,45 @@ mod tests {
             .is_err()
         );
         assert!(spec_from_proto(Some(pb::StageSpec { ubatch: 0, ..good })).is_err());
+        let unknown = pb::StageSpec {
+            cache_type_v: 99,
+            ..good
+        };
+        let err = spec_from_proto(Some(unknown)).unwrap_err().to_string();
+        assert!(err.contains("V cache type 99"), "{err}");
+    }
+
+    #[test]
+    fn cache_types_round_trip_and_default_to_f16() {
+        let old_peer = pb::StageSpec {
+            first_layer: 0,
+            last_layer: 2,
+            has_embed: true,
+            has_head: true,
+            ctx_per_seq: 8,
+            n_seq: 1,
+            ubatch: 4,
+            cache_type_k: 0,
+            cache_type_v: 0,
+        };
+        let spec = spec_from_proto(Some(old_peer)).unwrap();
+        assert_eq!((spec.cache_k, spec.cache_v), (GgmlType::F16, GgmlType::F16));
+        for (k, v) in [
+            (GgmlType::Q8_0, GgmlType::Q8_0),
+            (GgmlType::Q4_0, GgmlType::Q4_0),
+            (GgmlType::Q8_0, GgmlType::F16),
+            (GgmlType::F16, GgmlType::Q4_0),
+        ] {
+            let sent = BlockSpec {
+                cache_k: k,
+                cache_v: v,
+                ..spec
+            };
+            let wire = spec_to_proto(&sent);
+            // Through the bytes an old or new peer would read.
+            let bytes = prost::Message::encode_to_vec(&wire);
+            let read: pb::StageSpec = prost::Message::decode(bytes.as_slice()).unwrap();
+            assert_eq!(spec_from_proto(Some(read)).unwrap(), sent);
+        }
     }
 }
