@@ -292,7 +292,7 @@ fn sigstop_between_prepare_and_commit_is_reaped_by_lease() {
 fn sigkill_mid_generation_frees_both_workers_within_ttl() {
     let model = TinyModel::new();
     let (a, b) = two_workers();
-    let (mut serve, mut reader) = serve_with_stream_in_flight(&model, &a, &b, 4000);
+    let (mut serve, mut reader) = serve_with_stream_in_flight(&model, &a, &b, 4000, &[]);
     let killed = Instant::now();
     send_signal(serve.child.id(), libc::SIGKILL);
     let _ = serve.wait_exit(Duration::from_secs(5));
@@ -436,9 +436,11 @@ fn serve_with_stream_in_flight(
     a: &Worker,
     b: &Worker,
     max_tokens: usize,
+    extra: &[&'static str],
 ) -> (Serve, BufReader<std::net::TcpStream>) {
     let mut args = serve_args(model, a, b);
     args.extend(["--ctx", "4096"]);
+    args.extend_from_slice(extra);
     let serve = Serve::start(&args);
     let mut reader = BufReader::new(http_send(
         &serve.addr,
@@ -463,7 +465,7 @@ fn serve_with_stream_in_flight(
 fn sigterm_mid_generation_finishes_the_request_then_exits_zero() {
     let model = TinyModel::new();
     let (a, b) = two_workers();
-    let (mut serve, mut reader) = serve_with_stream_in_flight(&model, &a, &b, 200);
+    let (mut serve, mut reader) = serve_with_stream_in_flight(&model, &a, &b, 200, &[]);
     let signalled = Instant::now();
     send_signal(serve.child.id(), libc::SIGTERM);
     let status = serve
@@ -486,7 +488,7 @@ fn sigterm_mid_generation_finishes_the_request_then_exits_zero() {
 fn a_second_sigterm_exits_at_once_and_the_workers_free_everything() {
     let model = TinyModel::new();
     let (a, b) = two_workers();
-    let (mut serve, mut reader) = serve_with_stream_in_flight(&model, &a, &b, 4000);
+    let (mut serve, mut reader) = serve_with_stream_in_flight(&model, &a, &b, 4000, &[]);
     send_signal(serve.child.id(), libc::SIGTERM);
     // The second signal is armed once the first is handled.
     let first = Instant::now();
@@ -507,5 +509,34 @@ fn a_second_sigterm_exits_at_once_and_the_workers_free_everything() {
     println!(
         "second SIGTERM → exit 130 after {exited:?}; workers at 0 sessions/0 bytes {freed:?} later"
     );
+    assert_alive([&a, &b]);
+}
+
+#[test]
+fn sigterm_cuts_requests_still_running_after_the_shutdown_grace() {
+    let model = TinyModel::new();
+    let (a, b) = two_workers();
+    let (mut serve, mut reader) =
+        serve_with_stream_in_flight(&model, &a, &b, 4000, &["--shutdown-grace", "300ms"]);
+    let signalled = Instant::now();
+    send_signal(serve.child.id(), libc::SIGTERM);
+    let status = serve
+        .wait_exit(Duration::from_secs(5))
+        .unwrap_or_else(|| panic!("serve outlived its shutdown grace; log:\n{}", serve.log()));
+    let exited = signalled.elapsed();
+    let rest = read_stream(&mut reader);
+    println!(
+        "SIGTERM with a 4000-token stream and --shutdown-grace 300ms → exit {status:?} after {exited:?}"
+    );
+    assert!(status.success(), "{status:?}; log:\n{}", serve.log());
+    assert!(
+        exited >= Duration::from_millis(300),
+        "exited before the grace: {exited:?}"
+    );
+    assert!(
+        !rest.done,
+        "the long request must be cut, not finished: {rest:?}"
+    );
+    wait_all_freed([&a, &b], Duration::from_millis(500));
     assert_alive([&a, &b]);
 }

@@ -1,6 +1,7 @@
 //! `tether serve`: the OpenAI-compatible HTTP API over the coordinator, with the model's
 //! layers on remote `--worker`s or on embedded workers in this process.
 
+use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::local::{DEMO_LABEL, check_device};
 use crate::ctl::units::parse_duration;
 use crate::model_source::ModelArgs;
@@ -70,6 +71,12 @@ pub struct ServeArgs {
     /// heartbeat for this long (heartbeats go every third of it).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub lease_ttl: Duration,
+    /// After SIGTERM/SIGINT, how long running requests may go on before they are cut and
+    /// every worker session is closed.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+    #[command(flatten)]
+    pub cache: CacheArgs,
     /// Test hook: sleep this long between Prepare and Commit of the model load.
     #[arg(long, hide = true, value_parser = parse_duration)]
     pub debug_pause_before_commit: Option<Duration>,
@@ -125,6 +132,8 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     };
     let defaults = CoordinatorConfig::new(&model, addrs.clone());
     let config = CoordinatorConfig {
+        cache_k: args.cache.k(),
+        cache_v: args.cache.v(),
         split: args.split.clone(),
         ctx_per_seq: args.ctx.unwrap_or(defaults.ctx_per_seq),
         parallel: args.parallel,
@@ -162,7 +171,27 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     let addr = listener.local_addr().context("reading the bound address")?;
     // Scripts and tests read this line to learn the port.
     println!("tether serve listening on http://{addr}");
-    let served = serve(listener, app, first_signal()).await;
+    let (signalled_tx, signalled) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(serve(listener, app, async move {
+        first_signal().await;
+        let _ = signalled_tx.send(());
+    }));
+    let served = tokio::select! {
+        done = &mut server => done,
+        _ = signalled => match tokio::time::timeout(args.shutdown_grace, &mut server).await {
+            Ok(done) => done,
+            Err(_) => {
+                tracing::warn!(
+                    grace = ?args.shutdown_grace,
+                    "requests still running after the shutdown grace: cutting them"
+                );
+                // Ends every running request (their streams close), so the server finishes.
+                coordinator.shutdown().await;
+                server.await
+            }
+        },
+    };
+    let served = served.context("the HTTP server task failed")?;
     coordinator.shutdown().await;
     if let Some(local) = local {
         local.shutdown().await;
