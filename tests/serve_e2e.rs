@@ -219,6 +219,33 @@ fn serve_over_two_workers_matches_a_single_process_run() {
             "{w}"
         );
     }
+
+    // The coordinator's Prometheus series count what was served above: two completions
+    // of `n` tokens each, both 200.
+    let (status, metrics) = http(&serve.addr, "GET", "/metrics", None);
+    assert_eq!(status, 200);
+    let series = |name: &str| -> Option<f64> {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+    assert_eq!(
+        series("tether_http_requests_total{endpoint=\"/v1/completions\",code=\"200\"}"),
+        Some(2.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        series("tether_engine_generated_tokens_total"),
+        Some((2 * ref_tokens.len()) as f64),
+        "{metrics}"
+    );
+    assert_eq!(
+        series("tether_engine_running_requests"),
+        Some(0.0),
+        "{metrics}"
+    );
 }
 
 /// Starts serve with the pause before Commit; returns once both workers voted yes.
