@@ -567,3 +567,63 @@ fn sigterm_cuts_requests_still_running_after_the_shutdown_grace() {
     wait_all_freed([&a, &b], Duration::from_millis(500));
     assert_alive([&a, &b]);
 }
+
+/// A streaming chat completion read the way OpenAI client libraries read it: an HTTP client
+/// library (ureq) posting JSON and parsing `data:` lines of the SSE body until `[DONE]`.
+#[test]
+fn a_streaming_chat_completion_works_through_an_http_client_library() {
+    let model = TinyModel::new();
+    let (a, b) = two_workers();
+    let serve = Serve::start(&serve_args(&model, &a, &b));
+    let body = serde_json::json!({
+        "model": "anything",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Say something."}]},
+        ],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": true,
+    });
+    let mut reply = ureq::post(&format!("http://{}/v1/chat/completions", serve.addr))
+        .header("Content-Type", "application/json")
+        .send(body.to_string())
+        .expect("chat completion request");
+    assert_eq!(reply.status().as_u16(), 200);
+    let content_type = reply
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    assert!(
+        content_type.starts_with("text/event-stream"),
+        "{content_type}"
+    );
+    let reader = BufReader::new(reply.body_mut().as_reader());
+    let (mut role, mut content, mut finish, mut done) = (None, String::new(), None, false);
+    for line in reader.lines() {
+        let line = line.expect("SSE line");
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(data).expect("JSON chunk");
+        assert_eq!(chunk["object"], "chat.completion.chunk", "{chunk}");
+        let choice = &chunk["choices"][0];
+        if let Some(r) = choice["delta"]["role"].as_str() {
+            role = Some(r.to_string());
+        }
+        content.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    assert!(done, "the stream ends with data: [DONE]");
+    assert_eq!(role.as_deref(), Some("assistant"));
+    assert_eq!(finish.as_deref(), Some("length"));
+    assert!(!content.is_empty(), "8 tokens of text were streamed");
+}
