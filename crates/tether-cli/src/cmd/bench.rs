@@ -31,6 +31,10 @@ pub struct BenchArgs {
     /// Print one JSON object per test instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Instead, measure decode through the coordinator with these numbers of embedded
+    /// workers (e.g. `1,2`) and print each one's ratio to the first.
+    #[arg(long, value_delimiter = ',')]
+    pub pipeline: Option<Vec<usize>>,
 }
 
 /// Mean and standard deviation of tokens per second over the repetitions.
@@ -53,6 +57,9 @@ fn rate(samples: &[f64], tokens: usize) -> Rate {
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.repetitions == 0 {
         bail!("--repetitions must be at least 1");
+    }
+    if let Some(counts) = &args.pipeline {
+        return crate::cmd::bench_pipeline::run(&args, counts);
     }
     let need = args.n_prompt.max(args.n_gen + 1).max(1);
     let mut dev = args.device.clone();

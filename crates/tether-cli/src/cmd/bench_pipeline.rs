@@ -1,0 +1,109 @@
+//! `tether bench --pipeline 1,2`: the cost of splitting a model over workers — decode
+//! tokens/s through the coordinator with 1, 2, ... embedded workers (real gRPC on loopback),
+//! measured in one run so the rows compare as a ratio.
+
+use crate::cmd::bench::BenchArgs;
+use crate::cmd::local::DEMO_LABEL;
+use anyhow::{Context, Result, bail};
+use std::time::Instant;
+use tether_coordinator::api::{GenEvent, GenRequest, Generation};
+use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
+use tether_model::SamplingParams;
+
+/// Prints one `tgN` row per worker count and each count's ratio to the first.
+pub fn run(args: &BenchArgs, counts: &[usize]) -> Result<()> {
+    if counts.is_empty() || counts.contains(&0) {
+        bail!("--pipeline takes worker counts of at least 1, e.g. 1,2");
+    }
+    if args.n_gen == 0 {
+        bail!("--pipeline measures generation: give -n above 0");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let resolved = args.model.resolve()?;
+    if resolved.is_demo {
+        eprintln!("{DEMO_LABEL}");
+    }
+    let model = ModelFile::open(&resolved.path)?;
+    println!(
+        "model: {} | decode through the coordinator | ctx {}",
+        resolved.path.display(),
+        args.n_gen + 2
+    );
+    println!("| test | workers | t/s | ± | vs {} worker(s) |", counts[0]);
+    println!("|---|---:|---:|---:|---:|");
+    let mut first = None;
+    for &n in counts {
+        let samples = runtime.block_on(measure(args, &model, n))?;
+        let mean = samples.iter().sum::<f64>() / samples.len() as f64;
+        let var =
+            samples.iter().map(|s| (s - mean) * (s - mean)).sum::<f64>() / samples.len() as f64;
+        let base = *first.get_or_insert(mean);
+        println!(
+            "| tg{} | {n} | {mean:.2} | {:.2} | {:.3} |",
+            args.n_gen,
+            var.sqrt(),
+            mean / base
+        );
+    }
+    Ok(())
+}
+
+/// Decode rates (tokens/s after the first token) of `repetitions` greedy generations
+/// through `n` embedded workers, after one warm-up.
+async fn measure(
+    args: &BenchArgs,
+    model: &std::sync::Arc<ModelFile>,
+    n: usize,
+) -> Result<Vec<f64>> {
+    let options = LocalOptions {
+        threads: args.device.threads,
+        max_memory: None,
+    };
+    let workers = LocalWorkers::start(n, &options).await?;
+    let config = CoordinatorConfig {
+        ctx_per_seq: args.n_gen + 2,
+        parallel: 1,
+        cache_k: args.cache.k(),
+        cache_v: args.cache.v(),
+        ..CoordinatorConfig::new(model, workers.addrs())
+    };
+    let coordinator = Coordinator::start(model.clone(), config).await?;
+    let mut rates = Vec::new();
+    for i in 0..=args.repetitions {
+        let mut events = coordinator.submit(GenRequest {
+            prompt: vec![1],
+            max_tokens: args.n_gen,
+            sampling: SamplingParams::greedy(),
+            deadline: None,
+        })?;
+        let (mut first, mut tokens) = (None, 0usize);
+        loop {
+            match events.recv().await {
+                Some(Ok(GenEvent::Token(_))) => {
+                    first.get_or_insert_with(Instant::now);
+                    tokens += 1;
+                }
+                Some(Ok(GenEvent::Done { .. })) => break,
+                Some(Err(e)) => bail!("generation through {n} worker(s) failed: {e}"),
+                None => bail!("the engine stopped without finishing"),
+            }
+        }
+        let Some(first) = first else {
+            bail!("no token was generated through {n} worker(s)");
+        };
+        if tokens < 2 {
+            bail!(
+                "generation ended after {tokens} token(s); use a model that does not stop at once"
+            );
+        }
+        if i > 0 {
+            rates.push((tokens - 1) as f64 / first.elapsed().as_secs_f64());
+        }
+    }
+    coordinator.shutdown().await;
+    workers.shutdown().await;
+    Ok(rates)
+}
