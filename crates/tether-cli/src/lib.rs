@@ -3,6 +3,7 @@
 pub mod cmd;
 pub mod ctl;
 pub mod device;
+pub mod load_bars;
 pub mod model_source;
 pub mod signals;
 

@@ -4,6 +4,7 @@
 
 use crate::model_file::{MappedSource, ModelFile};
 use crate::placement::Plan;
+use crate::progress::LoadProgress;
 use futures::future::join_all;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +27,8 @@ pub struct LoadOptions {
     /// Test hook: wait this long after every worker voted yes and before Commit, so tests
     /// can kill the coordinator between the two phases. `None` outside tests.
     pub pause_before_commit: Option<Duration>,
+    /// Where to report the bytes streamed to each worker (progress bars).
+    pub progress: Option<Arc<LoadProgress>>,
 }
 
 impl Default for LoadOptions {
@@ -39,6 +42,7 @@ impl Default for LoadOptions {
             decision_timeout: Duration::from_secs(60),
             chunk_bytes: tether_worker::client::DEFAULT_CHUNK_BYTES,
             pause_before_commit: None,
+            progress: None,
         }
     }
 }
@@ -217,18 +221,34 @@ pub async fn load_plan(
 
     let txn = TxnId::new_random();
     let source: Arc<dyn TensorSource> = Arc::new(MappedSource(Arc::clone(model)));
-    let prepared = join_all(picked.iter().zip(&sessions).map(|((client, a), (_, s))| {
-        let request = LoadRequest {
-            txn,
-            gguf_header: model.header().to_vec(),
-            gguf_file_bytes: model.file_bytes(),
-            spec: a.spec,
-            tensors: a.tensors.clone(),
-            decision_timeout: Some(options.decision_timeout),
-            chunk_bytes: options.chunk_bytes,
-        };
-        client.prepare(s.id(), request, Arc::clone(&source))
-    }))
+    let counters = options.progress.as_ref().map_or_else(
+        || picked.iter().map(|_| Arc::default()).collect(),
+        |p| {
+            p.begin(picked.iter().map(|(client, a)| {
+                let bytes = a
+                    .tensors
+                    .iter()
+                    .filter_map(|t| model.gguf().tensor(t))
+                    .map(|t| t.bytes)
+                    .sum();
+                (client.addr().to_string(), bytes)
+            }))
+        },
+    );
+    let prepared = join_all(picked.iter().zip(&sessions).zip(counters).map(
+        |(((client, a), (_, s)), sent)| {
+            let request = LoadRequest {
+                txn,
+                gguf_header: model.header().to_vec(),
+                gguf_file_bytes: model.file_bytes(),
+                spec: a.spec,
+                tensors: a.tensors.clone(),
+                decision_timeout: Some(options.decision_timeout),
+                chunk_bytes: options.chunk_bytes,
+            };
+            client.prepare_with_progress(s.id(), request, Arc::clone(&source), sent)
+        },
+    ))
     .await;
 
     let refusal = picked.iter().zip(&prepared).find_map(|((client, a), r)| {

@@ -172,3 +172,27 @@ async fn bad_requests_and_a_full_queue_are_refused() {
     c.coordinator.shutdown().await;
     c.workers.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_progress_reaches_each_workers_tensor_bytes() {
+    let dir = TempDir::new("progress");
+    let path = tiny_model(&dir, 5);
+    let progress = std::sync::Arc::new(tether_coordinator::LoadProgress::default());
+    let sink = std::sync::Arc::clone(&progress);
+    let c = cluster(&path, 2, move |cfg| cfg.load.progress = Some(sink)).await;
+    let plan = c.coordinator.plan().expect("a plan");
+    let file = tether_gguf::GgufFile::open(&path).expect("open model");
+    let seen = progress.snapshot();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    for (w, a) in seen.iter().zip(&plan.assignments) {
+        let expected: u64 = a
+            .tensors
+            .iter()
+            .map(|t| file.tensor(t).expect("planned tensor").bytes)
+            .sum();
+        assert_eq!(w.addr, a.addr);
+        assert_eq!((w.sent, w.total), (expected, expected), "{w:?}");
+    }
+    c.coordinator.shutdown().await;
+    c.workers.shutdown().await;
+}

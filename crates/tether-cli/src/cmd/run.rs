@@ -7,6 +7,7 @@ use crate::model_source::ModelArgs;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::io::Write;
+use std::sync::Arc;
 use std::time::Instant;
 use tether_coordinator::api::{FinishReason, GenEvent, GenRequest, Generation};
 use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
@@ -132,7 +133,7 @@ async fn run_async(args: RunArgs) -> Result<()> {
         Some(l) => l.addrs(),
         None => args.workers.clone(),
     };
-    let config = CoordinatorConfig {
+    let mut config = CoordinatorConfig {
         split: args.split.clone(),
         ctx_per_seq: ctx,
         parallel: 1,
@@ -142,7 +143,12 @@ async fn run_async(args: RunArgs) -> Result<()> {
         queue_depth: 1,
         ..CoordinatorConfig::new(&model, addrs)
     };
-    let coordinator = Coordinator::start(model, config).await?;
+    let progress = Arc::new(tether_coordinator::LoadProgress::default());
+    config.load.progress = Some(Arc::clone(&progress));
+    let bars = crate::load_bars::LoadBars::start(progress);
+    let loaded = Coordinator::start(model, config).await;
+    bars.finish().await;
+    let coordinator = loaded?;
     if let Some(plan) = coordinator.plan().filter(|p| p.assignments.len() > 1) {
         eprint!("{plan}");
     }

@@ -131,7 +131,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         None => args.workers.clone(),
     };
     let defaults = CoordinatorConfig::new(&model, addrs.clone());
-    let config = CoordinatorConfig {
+    let mut config = CoordinatorConfig {
         cache_k: args.cache.k(),
         cache_v: args.cache.v(),
         split: args.split.clone(),
@@ -151,7 +151,12 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         ..defaults
     };
     // The engine logs the placement it loaded.
-    let coordinator = Arc::new(Coordinator::start(model, config).await?);
+    let progress = Arc::new(tether_coordinator::LoadProgress::default());
+    config.load.progress = Some(Arc::clone(&progress));
+    let bars = crate::load_bars::LoadBars::start(progress);
+    let loaded = Coordinator::start(model, config).await;
+    bars.finish().await;
+    let coordinator = Arc::new(loaded?);
     let opts = HttpOptions {
         api_key: args.api_key.clone(),
         request_timeout: args.request_timeout,

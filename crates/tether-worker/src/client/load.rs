@@ -7,6 +7,7 @@ use crate::participant::{AbortCause, Outcome};
 use crate::service::convert::{f32s_from_le, f32s_to_le, spec_to_proto};
 use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, TokenPos};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tether_proto::v1 as pb;
 
@@ -40,6 +41,7 @@ pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
 
 struct Chunks {
     source: Arc<dyn TensorSource>,
+    sent: Arc<AtomicU64>,
     names: Vec<String>,
     tensor: usize,
     offset: usize,
@@ -64,6 +66,8 @@ impl Iterator for Chunks {
                 offset: self.offset as u64,
                 data: data[self.offset..end].to_vec(),
             };
+            self.sent
+                .fetch_add((end - self.offset) as u64, Ordering::Relaxed);
             self.offset = end;
             return Some(pb::PrepareRequest {
                 kind: Some(pb::prepare_request::Kind::Chunk(chunk)),
@@ -81,6 +85,19 @@ impl WorkerClient {
         session: SessionId,
         load: LoadRequest,
         source: Arc<dyn TensorSource>,
+    ) -> Result<u64, ClientError> {
+        self.prepare_with_progress(session, load, source, Arc::default())
+            .await
+    }
+
+    /// [`Self::prepare`], adding the tensor bytes handed to the stream to `sent` as they
+    /// go, for progress bars.
+    pub async fn prepare_with_progress(
+        &self,
+        session: SessionId,
+        load: LoadRequest,
+        source: Arc<dyn TensorSource>,
+        sent: Arc<AtomicU64>,
     ) -> Result<u64, ClientError> {
         let mut digests = Vec::with_capacity(load.tensors.len());
         for name in &load.tensors {
@@ -110,6 +127,7 @@ impl WorkerClient {
         };
         let chunks = Chunks {
             source,
+            sent,
             names: load.tensors,
             tensor: 0,
             offset: 0,

@@ -1,0 +1,63 @@
+//! How far each worker's Prepare stream has got, for progress bars: the load writes, a
+//! front end reads snapshots.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// One worker's part of a load.
+#[derive(Clone, Debug)]
+struct Entry {
+    addr: String,
+    total: u64,
+    sent: Arc<AtomicU64>,
+}
+
+/// The bytes sent and to send per worker during the current (or last) load.
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    entries: Mutex<Vec<Entry>>,
+}
+
+/// A worker's progress at one moment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerProgress {
+    /// The worker's address.
+    pub addr: String,
+    /// Tensor bytes handed to its Prepare stream so far.
+    pub sent: u64,
+    /// Tensor bytes of its block.
+    pub total: u64,
+}
+
+impl LoadProgress {
+    /// Starts a load over `workers` (address, tensor bytes); returns each one's counter.
+    pub(crate) fn begin(
+        &self,
+        workers: impl Iterator<Item = (String, u64)>,
+    ) -> Vec<Arc<AtomicU64>> {
+        let entries: Vec<Entry> = workers
+            .map(|(addr, total)| Entry {
+                addr,
+                total,
+                sent: Arc::default(),
+            })
+            .collect();
+        let counters = entries.iter().map(|e| Arc::clone(&e.sent)).collect();
+        *self.entries.lock().unwrap_or_else(|e| e.into_inner()) = entries;
+        counters
+    }
+
+    /// Every worker's progress now.
+    pub fn snapshot(&self) -> Vec<WorkerProgress> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|e| WorkerProgress {
+                addr: e.addr.clone(),
+                sent: e.sent.load(Ordering::Relaxed).min(e.total),
+                total: e.total,
+            })
+            .collect()
+    }
+}
