@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -47,11 +49,17 @@ impl Worker {
     /// Starts `tether worker --listen 127.0.0.1:0 --device cpu ARGS` and waits until it
     /// listens.
     pub fn start(args: &[&str]) -> Worker {
+        Worker::try_start_at("127.0.0.1:0", args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts `tether worker --listen LISTEN --device cpu ARGS` and waits until it listens;
+    /// the error carries its log when it exits or stays silent for 20 s.
+    pub fn try_start_at(listen: &str, args: &[&str]) -> Result<Worker, String> {
         let mut child = Command::new(TETHER)
             .args([
                 "worker",
                 "--listen",
-                "127.0.0.1:0",
+                listen,
                 "--device",
                 "cpu",
                 "--threads",
@@ -76,18 +84,25 @@ impl Worker {
             Some(("tether worker listening on ", tx)),
         );
         pump_lines(stderr, Arc::clone(&log), None);
-        let line = match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(line) => line,
-            Err(_) => {
+        let started = Instant::now();
+        let line = loop {
+            if let Ok(line) = rx.recv_timeout(Duration::from_millis(50)) {
+                break line;
+            }
+            let exited = child.try_wait().ok().flatten().is_some();
+            if exited || started.elapsed() > Duration::from_secs(20) {
                 let _ = child.kill();
-                panic!(
-                    "worker did not start; log:\n{}",
+                let _ = child.wait();
+                // Lets the pumps take the last lines.
+                std::thread::sleep(Duration::from_millis(50));
+                return Err(format!(
+                    "worker on {listen} did not start; log:\n{}",
                     log.lock().map(|l| l.clone()).unwrap_or_default()
-                );
+                ));
             }
         };
         let addr = line.split_whitespace().next().expect("address").to_string();
-        Worker { child, addr, log }
+        Ok(Worker { child, addr, log })
     }
 
     /// Everything the worker printed so far.
@@ -396,6 +411,13 @@ impl Serve {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
+    /// The HTTP address from its "listening" line, once it printed one.
+    pub fn listening_addr(&self) -> Option<String> {
+        let log = self.log();
+        let rest = log.split("tether serve listening on http://").nth(1)?;
+        rest.split_whitespace().next().map(str::to_string)
+    }
+
     /// Waits up to `timeout` for the process to exit.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         wait_exit(&mut self.child, timeout)
@@ -511,4 +533,78 @@ pub fn http_json(addr: &str, path: &str) -> serde_json::Value {
     let (status, body) = http(addr, "GET", path, None);
     assert_eq!(status, 200, "GET {path}: {body}");
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path} is not JSON ({e}): {body}"))
+}
+
+/// One HTTP request that never panics and never waits past `deadline` in all: the status
+/// and body, or what went wrong (connect, write, a read that timed out).
+pub fn http_deadline(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    deadline: Duration,
+) -> Result<(u16, String), String> {
+    use std::io::{Read, Write};
+    let start = Instant::now();
+    let sock: std::net::SocketAddr = addr.parse().map_err(|e| format!("address {addr}: {e}"))?;
+    let mut stream = std::net::TcpStream::connect_timeout(&sock, deadline)
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    let body = body.unwrap_or("");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream
+        .set_write_timeout(Some(deadline))
+        .and_then(|()| stream.write_all(request.as_bytes()))
+        .map_err(|e| format!("write {method} {path}: {e}"))?;
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        let left = deadline.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return Err(format!("{method} {path} hung past {deadline:?}"));
+        }
+        stream
+            .set_read_timeout(Some(left))
+            .map_err(|e| format!("read timeout: {e}"))?;
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(format!("{method} {path} hung past {deadline:?}"));
+            }
+            Err(e) if raw.is_empty() => return Err(format!("{method} {path}: {e}")),
+            Err(_) => break,
+        }
+    }
+    let mut reader = BufReader::new(raw.as_slice());
+    let mut line = String::new();
+    let _ = reader.read_line(&mut line);
+    let Some(status) = line.split_whitespace().nth(1).and_then(|s| s.parse().ok()) else {
+        return Err(format!("{method} {path}: bad status line {line:?}"));
+    };
+    let mut chunked = false;
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim_end().is_empty() {
+            break;
+        }
+        let lower = line.to_ascii_lowercase();
+        chunked |= lower.starts_with("transfer-encoding:") && lower.contains("chunked");
+    }
+    let mut rest = Vec::new();
+    let _ = reader.read_to_end(&mut rest);
+    let text = if chunked {
+        std::panic::catch_unwind(|| http_read_body(&mut rest.as_slice(), true))
+            .map_err(|_| format!("{method} {path}: truncated chunked body"))?
+    } else {
+        String::from_utf8_lossy(&rest).into_owned()
+    };
+    Ok((status, text))
 }
