@@ -1,0 +1,681 @@
+//! Seeded chaos test: `tether serve` over two real `tether worker` processes, each behind
+//! an in-test TCP fault proxy, while the test injects faults at random moments: link
+//! delay, blackhole or reset; SIGKILL of serve (then a restart); SIGSTOP+SIGCONT of serve;
+//! SIGKILL of a worker (then a restart on the same port). After every step it checks that
+//! no worker died unless killed, that the workers free every session within the lease
+//! when no coordinator holds them, that a running serve answers again within
+//! [`RECOVERY`], that it then holds exactly one session per worker (no leak), and that no
+//! HTTP request hangs past its deadline.
+//!
+//! Replay a failure with `TETHER_CHAOS_SEED=<printed seed>`. `TETHER_CHAOS_ITERATIONS`
+//! sets the number of steps (default [`DEFAULT_ITERATIONS`], well under a minute); soak
+//! mode is the same test with a large count, e.g.
+//! `TETHER_CHAOS_ITERATIONS=500 cargo test -p tether-cli --test chaos -- --nocapture`.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use support::proxy::{Mode, Proxy};
+use support::{Serve, TinyModel, Worker, http_deadline, process_alive, send_signal};
+
+/// Steps run when `TETHER_CHAOS_ITERATIONS` is unset.
+const DEFAULT_ITERATIONS: u64 = 8;
+/// The `--lease-ttl` given to serve.
+const LEASE_TTL: Duration = Duration::from_secs(1);
+/// Slack over the lease for a worker to notice and for the test to poll (tetherctl is a
+/// process per poll, on busy cores).
+const RELEASE_SLACK: Duration = Duration::from_secs(3);
+/// How long a running serve may take to answer /health and a completion after a fault.
+const RECOVERY: Duration = Duration::from_secs(15);
+/// A streamed response that delivers nothing for this long counts as a hang.
+const STREAM_STALL: Duration = Duration::from_secs(12);
+
+/// xorshift64*: small, seedable, good enough to pick faults.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn millis(&mut self, lo: u64, hi: u64) -> Duration {
+        Duration::from_millis(lo + self.below(hi - lo + 1))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    Delay(usize),
+    Blackhole(usize),
+    Reset(usize),
+    KillServe,
+    StopServe,
+    KillWorker(usize),
+}
+
+impl Fault {
+    fn kind(self) -> &'static str {
+        match self {
+            Fault::Delay(_) => "link delay",
+            Fault::Blackhole(_) => "link blackhole",
+            Fault::Reset(_) => "link reset",
+            Fault::KillServe => "SIGKILL serve",
+            Fault::StopServe => "SIGSTOP/SIGCONT serve",
+            Fault::KillWorker(_) => "SIGKILL worker",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Moment {
+    Idle,
+    Streaming,
+    Loading,
+}
+
+#[derive(Default)]
+struct Stats {
+    faults: BTreeMap<&'static str, u64>,
+    worst_release: Duration,
+    worst_recovery: Duration,
+    worker_crashes: u64,
+    leaks: u64,
+    hangs: u64,
+    startup_failures: u64,
+    port_reused: u64,
+    port_moved: u64,
+    failures: Vec<String>,
+}
+
+struct Cluster {
+    model: TinyModel,
+    workers: [Worker; 2],
+    proxies: [Proxy; 2],
+    serve: Option<Serve>,
+}
+
+impl Cluster {
+    fn serve_args(&self) -> Vec<String> {
+        [
+            "--model",
+            self.model.arg(),
+            "--worker",
+            &self.proxies[0].addr,
+            "--worker",
+            &self.proxies[1].addr,
+            "--lease-ttl",
+            "1s",
+            "--threads",
+            "1",
+            "--ctx",
+            "4096",
+        ]
+        .map(str::to_string)
+        .to_vec()
+    }
+
+    fn spawn_serve(&mut self) {
+        let args = self.serve_args();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.serve = Some(Serve::spawn(&args));
+    }
+
+    /// Waits for the spawned serve to listen; Err when it exited or took too long.
+    fn await_listening(&mut self, timeout: Duration) -> Result<(), String> {
+        let start = Instant::now();
+        let serve = self.serve.as_mut().ok_or("no serve")?;
+        loop {
+            if let Some(addr) = serve.listening_addr() {
+                serve.addr = addr;
+                return Ok(());
+            }
+            if let Ok(Some(status)) = serve.child.try_wait() {
+                return Err(format!("serve exited {status:?}; log:\n{}", serve.log()));
+            }
+            if start.elapsed() > timeout {
+                return Err(format!(
+                    "serve not listening after {timeout:?}; log:\n{}",
+                    serve.log()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stop_serve(&mut self, signal: i32) {
+        if let Some(mut serve) = self.serve.take() {
+            // Already gone (and reaped): there is nothing to signal.
+            if serve.child.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            send_signal(serve.child.id(), signal);
+            if signal == libc::SIGTERM && serve.wait_exit(Duration::from_secs(15)).is_none() {
+                send_signal(serve.child.id(), libc::SIGKILL);
+            }
+            let _ = serve.wait_exit(Duration::from_secs(5));
+        }
+    }
+
+    /// Polls both workers until `want(sessions, bytes)` holds; the time it took, or None.
+    fn wait_workers(&self, timeout: Duration, want: impl Fn(u64, u64) -> bool) -> Option<Duration> {
+        let start = Instant::now();
+        for w in &self.workers {
+            w.wait_status(timeout.saturating_sub(start.elapsed()), |s| {
+                let (n, b) = support::sessions_and_bytes(s);
+                want(n, b)
+            })?;
+        }
+        Some(start.elapsed())
+    }
+
+    fn worker_states(&self) -> String {
+        self.workers
+            .iter()
+            .map(|w| format!("{} {:?}", w.addr, support::sessions_and_bytes(&w.status())))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// A streamed completion read on its own thread until it ends, stalls, or is told to stop.
+struct Stream {
+    stop: Arc<AtomicBool>,
+    /// Events received so far.
+    events: Arc<AtomicU64>,
+    reader: std::thread::JoinHandle<Result<&'static str, String>>,
+}
+
+impl Stream {
+    /// Starts a long streamed completion and waits for its first text.
+    fn start(addr: &str) -> Result<Stream, String> {
+        let body = serde_json::json!({
+            "prompt": [1, 5, 6], "max_tokens": 3000, "temperature": 0.0, "stream": true,
+        })
+        .to_string();
+        let sock = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+        let mut tcp = std::net::TcpStream::connect_timeout(&sock, Duration::from_secs(5))
+            .map_err(|e| format!("connect: {e}"))?;
+        tcp.set_read_timeout(Some(STREAM_STALL))
+            .map_err(|e| e.to_string())?;
+        write!(
+            tcp,
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .map_err(|e| format!("write: {e}"))?;
+        let mut reader = BufReader::new(tcp);
+        let mut line = String::new();
+        while !line.contains("\"text\"") {
+            line.clear();
+            match reader.read_line(&mut line) {
+                Ok(0) => return Err("stream ended before its first token".into()),
+                Ok(_) => {}
+                Err(e) => return Err(format!("no first token within {STREAM_STALL:?}: {e}")),
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let events = Arc::new(AtomicU64::new(1));
+        let count = Arc::clone(&events);
+        let reader = std::thread::spawn(move || {
+            let mut line = String::new();
+            loop {
+                if flag.load(Ordering::SeqCst) {
+                    return Ok("still running");
+                }
+                line.clear();
+                match reader.read_line(&mut line) {
+                    Ok(0) => return Ok("cut"),
+                    Ok(_) if line.contains("[DONE]") => return Ok("done"),
+                    Ok(_) => {
+                        if line.starts_with("data: ") {
+                            count.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    Err(e) => return Err(format!("stream stalled past {STREAM_STALL:?}: {e}")),
+                }
+            }
+        });
+        Ok(Stream {
+            stop,
+            events,
+            reader,
+        })
+    }
+
+    /// Lets the stream run for `settle` more (it must end or keep delivering), then stops
+    /// reading, so the client goes away if it still runs; says how it ended.
+    fn finish(self, settle: Duration) -> Result<String, String> {
+        let before = self.events.load(Ordering::SeqCst);
+        let start = Instant::now();
+        while !self.reader.is_finished() && start.elapsed() < settle {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.stop.store(true, Ordering::SeqCst);
+        let ended = self
+            .reader
+            .join()
+            .unwrap_or_else(|_| Err("reader panicked".into()))?;
+        let after = self.events.load(Ordering::SeqCst);
+        Ok(format!(
+            "{ended}, {after} events ({} while settling)",
+            after - before
+        ))
+    }
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+fn pick(rng: &mut Rng) -> (Fault, Moment) {
+    let link = rng.below(2) as usize;
+    let fault = match rng.below(6) {
+        0 => Fault::Delay(link),
+        1 => Fault::Blackhole(link),
+        2 => Fault::Reset(link),
+        3 => Fault::KillServe,
+        4 => Fault::StopServe,
+        _ => Fault::KillWorker(link),
+    };
+    let moment = match rng.below(3) {
+        0 => Moment::Idle,
+        1 => Moment::Streaming,
+        _ => Moment::Loading,
+    };
+    (fault, moment)
+}
+
+/// Holds a fault for `held` while watching workers `cut` (cut off from any coordinator
+/// that loaded before the fault): if they held sessions, the lease must free them, and
+/// does so within [`LEASE_TTL`] + [`RELEASE_SLACK`].
+fn hold_and_watch(
+    c: &Cluster,
+    cut: &[usize],
+    held: Duration,
+    stats: &mut Stats,
+) -> Result<(), String> {
+    let start = Instant::now();
+    // Only a loaded coordinator holds sessions to reap; one still loading may not.
+    let loaded = c.serve.as_ref().is_some_and(|s| !s.addr.is_empty())
+        && cut
+            .iter()
+            .all(|&i| support::sessions_and_bytes(&c.workers[i].status()).0 > 0);
+    let mut freed = None;
+    if loaded {
+        let mut all = Duration::ZERO;
+        freed = cut
+            .iter()
+            .map(|&i| {
+                c.workers[i].wait_status(held.saturating_sub(start.elapsed()), |s| {
+                    support::sessions_and_bytes(s) == (0, 0)
+                })
+            })
+            .try_fold((), |(), d| {
+                all = start.elapsed();
+                d.map(|_| ())
+            })
+            .map(|()| all);
+    }
+    std::thread::sleep(held.saturating_sub(start.elapsed()));
+    match freed {
+        Some(d) => {
+            println!("  lease freed the cut-off sessions after {d:?} (held {held:?})");
+            stats.worst_release = stats.worst_release.max(d);
+        }
+        None if loaded && held >= LEASE_TTL + RELEASE_SLACK => {
+            stats.leaks += 1;
+            return Err(format!(
+                "cut off for {held:?}, the lease did not free: {}",
+                c.worker_states()
+            ));
+        }
+        None => {}
+    }
+    Ok(())
+}
+
+/// /health 200 and a short completion 200 within [`RECOVERY`]; hangs are failures.
+fn recover(addr: &str, stats: &mut Stats) -> Result<Duration, String> {
+    let start = Instant::now();
+    let body = r#"{"prompt":[1,2,3],"max_tokens":4,"temperature":0.0}"#;
+    let mut last = String::new();
+    while start.elapsed() < RECOVERY {
+        let health = http_deadline(addr, "GET", "/health", None, Duration::from_secs(5));
+        let done = match health {
+            Ok((200, _)) => http_deadline(
+                addr,
+                "POST",
+                "/v1/completions",
+                Some(body),
+                Duration::from_secs(10),
+            ),
+            other => other,
+        };
+        match done {
+            Ok((200, _)) => return Ok(start.elapsed()),
+            Ok((code, text)) => last = format!("{code} {text}"),
+            Err(e) if e.contains("hung") => {
+                stats.hangs += 1;
+                return Err(e);
+            }
+            Err(e) => last = e,
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(format!(
+        "serve did not recover within {RECOVERY:?}; last: {last}"
+    ))
+}
+
+/// Runs one fault with the given moment; Err describes a broken invariant.
+fn step(
+    c: &mut Cluster,
+    rng: &mut Rng,
+    fault: Fault,
+    moment: Moment,
+    stats: &mut Stats,
+) -> Result<(), String> {
+    let mut killed_worker = None;
+    let mut stream = None;
+    match moment {
+        Moment::Idle => {}
+        Moment::Streaming => {
+            let addr = c.serve.as_ref().map(|s| s.addr.clone()).unwrap_or_default();
+            stream = Some(Stream::start(&addr)?);
+        }
+        Moment::Loading => {
+            c.stop_serve(libc::SIGTERM);
+            let freed = c
+                .wait_workers(Duration::from_millis(500) + RELEASE_SLACK, |n, b| {
+                    (n, b) == (0, 0)
+                })
+                .ok_or_else(|| format!("SIGTERM left sessions: {}", c.worker_states()))?;
+            stats.worst_release = stats.worst_release.max(freed);
+            c.spawn_serve();
+            std::thread::sleep(rng.millis(0, 300));
+        }
+    }
+    *stats.faults.entry(fault.kind()).or_default() += 1;
+    let mut serve_gone = false;
+    match fault {
+        Fault::Delay(i) => {
+            c.proxies[i].set_mode(Mode::Delay(rng.below(150) + 10));
+            std::thread::sleep(rng.millis(300, 2000));
+            c.proxies[i].set_mode(Mode::Pass);
+        }
+        Fault::Blackhole(i) => {
+            c.proxies[i].set_mode(Mode::Blackhole);
+            let held = rng.millis(300, 4500);
+            hold_and_watch(c, &[i], held, stats)?;
+            c.proxies[i].set_mode(Mode::Pass);
+        }
+        Fault::Reset(i) => {
+            c.proxies[i].reset_all();
+        }
+        Fault::KillServe => {
+            c.stop_serve(libc::SIGKILL);
+            serve_gone = true;
+        }
+        Fault::StopServe => {
+            if let Some(s) = &c.serve {
+                let pid = s.child.id();
+                send_signal(pid, libc::SIGSTOP);
+                let held = rng.millis(200, 4500);
+                let watched = hold_and_watch(c, &[0, 1], held, stats);
+                send_signal(pid, libc::SIGCONT);
+                watched?;
+            }
+        }
+        Fault::KillWorker(i) => {
+            let old = c.workers[i].addr.clone();
+            send_signal(c.workers[i].pid(), libc::SIGKILL);
+            let _ = support::wait_exit(&mut c.workers[i].child, Duration::from_secs(5));
+            killed_worker = Some(i);
+            let fresh = match Worker::try_start_at(&old, &[]) {
+                Ok(w) => {
+                    stats.port_reused += 1;
+                    w
+                }
+                Err(e) => {
+                    println!("  worker port {old} not reusable, moving the proxy target: {e}");
+                    stats.port_moved += 1;
+                    let w = Worker::start(&[]);
+                    c.proxies[i].set_target(&w.addr);
+                    w
+                }
+            };
+            c.workers[i] = fresh;
+        }
+    }
+    if let Some(s) = stream.take() {
+        let ended = s.finish(Duration::from_secs(3));
+        println!("  stream: {ended:?}");
+        if let Err(e) = ended {
+            stats.hangs += 1;
+            return Err(e);
+        }
+    }
+    for (i, w) in c.workers.iter().enumerate() {
+        if Some(i) != killed_worker && !process_alive(w.pid()) {
+            stats.worker_crashes += 1;
+            return Err(format!("worker {} died; log:\n{}", w.addr, w.log()));
+        }
+    }
+    if serve_gone {
+        let freed = c
+            .wait_workers(LEASE_TTL + RELEASE_SLACK, |n, b| (n, b) == (0, 0))
+            .ok_or_else(|| {
+                stats.leaks += 1;
+                format!("no coordinator, but sessions stay: {}", c.worker_states())
+            })?;
+        println!("  released {freed:?} after serve died");
+        stats.worst_release = stats.worst_release.max(freed);
+        c.spawn_serve();
+    }
+    if c.serve.as_ref().is_some_and(|s| s.addr.is_empty())
+        && let Err(e) = c.await_listening(RECOVERY)
+    {
+        // A load that fails under a fault ends serve, which is allowed; its sessions
+        // must still go.
+        let tail: Vec<&str> = e.lines().rev().take(4).collect();
+        println!("  serve did not come up: {}", tail.join(" | "));
+        stats.startup_failures += 1;
+        c.stop_serve(libc::SIGKILL);
+        let freed = c
+            .wait_workers(LEASE_TTL + RELEASE_SLACK, |n, b| (n, b) == (0, 0))
+            .ok_or_else(|| {
+                stats.leaks += 1;
+                format!("failed load left sessions: {}; {e}", c.worker_states())
+            })?;
+        stats.worst_release = stats.worst_release.max(freed);
+        c.spawn_serve();
+        c.await_listening(RECOVERY)?;
+    }
+    let addr = c.serve.as_ref().map(|s| s.addr.clone()).unwrap_or_default();
+    if let Some(serve) = c.serve.as_mut()
+        && let Ok(Some(status)) = serve.child.try_wait()
+    {
+        return Err(format!(
+            "serve exited by itself: {status:?}; log:\n{}",
+            serve.log()
+        ));
+    }
+    let recovered = recover(&addr, stats).map_err(|e| {
+        format!(
+            "{e}; serve log:\n{}",
+            c.serve.as_ref().map(Serve::log).unwrap_or_default()
+        )
+    })?;
+    stats.worst_recovery = stats.worst_recovery.max(recovered);
+    // Old sessions (dropped links, dead coordinators) must be reaped: one each remains.
+    c.wait_workers(LEASE_TTL + RELEASE_SLACK, |n, b| n == 1 && b > 0)
+        .ok_or_else(|| {
+            stats.leaks += 1;
+            format!("serving, but workers hold {}", c.worker_states())
+        })?;
+    println!("  recovered in {recovered:?}");
+    Ok(())
+}
+
+#[test]
+fn seeded_chaos_keeps_workers_up_and_frees_every_session() {
+    let seed = env_u64("TETHER_CHAOS_SEED").unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    });
+    let iterations = env_u64("TETHER_CHAOS_ITERATIONS").unwrap_or(DEFAULT_ITERATIONS);
+    println!("TETHER_CHAOS_SEED={seed} TETHER_CHAOS_ITERATIONS={iterations}");
+    // splitmix64 first, so that nearby seeds give unrelated runs.
+    let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    let mut rng = Rng((z ^ (z >> 31)) | 1);
+    let workers = [Worker::start(&[]), Worker::start(&[])];
+    let proxies = [
+        Proxy::start(&workers[0].addr),
+        Proxy::start(&workers[1].addr),
+    ];
+    let mut c = Cluster {
+        model: TinyModel::new(),
+        workers,
+        proxies,
+        serve: None,
+    };
+    c.spawn_serve();
+    let mut stats = Stats::default();
+    let started = Instant::now();
+    if let Err(e) = c.await_listening(Duration::from_secs(30)) {
+        panic!("{e}");
+    }
+    for i in 0..iterations {
+        let (fault, moment) = pick(&mut rng);
+        println!(
+            "step {i}: {fault:?} while {moment:?} (t={:?})",
+            started.elapsed()
+        );
+        if let Err(e) = step(&mut c, &mut rng, fault, moment, &mut stats) {
+            stats
+                .failures
+                .push(format!("step {i} {fault:?}/{moment:?}: {e}"));
+            break;
+        }
+    }
+    if stats.failures.is_empty() {
+        c.stop_serve(libc::SIGTERM);
+        match c.wait_workers(Duration::from_millis(500) + RELEASE_SLACK, |n, b| {
+            (n, b) == (0, 0)
+        }) {
+            Some(d) => stats.worst_release = stats.worst_release.max(d),
+            None => {
+                stats.leaks += 1;
+                stats
+                    .failures
+                    .push(format!("SIGTERM at the end left {}", c.worker_states()));
+            }
+        }
+    }
+    println!(
+        "chaos summary: seed {seed}, iterations {iterations}, {:?} total\n  faults {:?}\n  worst release {:?}, worst recovery {:?}\n  worker crashes {}, leaks {}, hangs {}, serve startup failures {}, worker port reused {} / moved {}",
+        started.elapsed(),
+        stats.faults,
+        stats.worst_release,
+        stats.worst_recovery,
+        stats.worker_crashes,
+        stats.leaks,
+        stats.hangs,
+        stats.startup_failures,
+        stats.port_reused,
+        stats.port_moved,
+    );
+    assert!(
+        stats.failures.is_empty(),
+        "seed {seed}: {}",
+        stats.failures.join("\n")
+    );
+    assert_eq!((stats.worker_crashes, stats.leaks, stats.hangs), (0, 0, 0));
+}
+
+/// The proxy itself, against an echo server: passes bytes, delays them, holds them while
+/// blackholed (and delivers them after), and resets connections with RST.
+#[test]
+fn the_fault_proxy_passes_delays_holds_and_resets() {
+    use std::io::Read;
+    let echo = std::net::TcpListener::bind("127.0.0.1:0").expect("bind echo");
+    let target = echo.local_addr().expect("echo address").to_string();
+    std::thread::spawn(move || {
+        for mut s in echo.incoming().map_while(Result::ok) {
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 1024];
+                while let Ok(n @ 1..) = s.read(&mut buf) {
+                    if s.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let proxy = Proxy::start(&target);
+    let mut conn = std::net::TcpStream::connect(&proxy.addr).expect("connect to the proxy");
+    conn.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut roundtrip = |msg: &[u8]| -> (Vec<u8>, Duration) {
+        let start = Instant::now();
+        conn.write_all(msg).expect("write");
+        let mut got = vec![0u8; msg.len()];
+        let ok = conn.read_exact(&mut got).is_ok();
+        (if ok { got } else { Vec::new() }, start.elapsed())
+    };
+    assert_eq!(roundtrip(b"pass").0, b"pass");
+    proxy.set_mode(Mode::Delay(100));
+    let (got, took) = roundtrip(b"slow");
+    assert_eq!(got, b"slow");
+    assert!(
+        took >= Duration::from_millis(200),
+        "two hops of 100 ms: {took:?}"
+    );
+    proxy.set_mode(Mode::Blackhole);
+    let release = Instant::now();
+    let held = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(400));
+            proxy.set_mode(Mode::Pass);
+        });
+        roundtrip(b"held")
+    });
+    assert_eq!(
+        held.0, b"held",
+        "held bytes are delivered once the partition heals"
+    );
+    assert!(
+        release.elapsed() >= Duration::from_millis(350),
+        "{:?}",
+        held.1
+    );
+    assert_eq!(proxy.open_connections(), 1);
+    assert_eq!(proxy.reset_all(), 1);
+    let mut buf = [0u8; 4];
+    let after = conn.read(&mut buf);
+    assert!(
+        matches!(&after, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+        "reset, not a clean close: {after:?}"
+    );
+    let mut again = std::net::TcpStream::connect(&proxy.addr).expect("new connections work");
+    again
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    again.write_all(b"next").expect("write");
+    let mut got = [0u8; 4];
+    again.read_exact(&mut got).expect("echo after reset");
+    assert_eq!(&got, b"next");
+}
