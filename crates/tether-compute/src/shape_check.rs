@@ -1,7 +1,7 @@
 //! Size checks both backends run before an op touches memory: bad sizes become
 //! [`ComputeError::Shape`] instead of a panic or an out-of-bounds access.
 
-use crate::backend::{AttnSpan, Result};
+use crate::backend::{AttnSpan, Result, RopeParams};
 use crate::error::ComputeError;
 
 /// A shape error of `op`.
@@ -42,6 +42,32 @@ pub(crate) fn spans(op: &'static str, spans: &[AttnSpan], n_cells: usize) -> Res
                 ),
             ));
         }
+    }
+    Ok(())
+}
+
+/// RoPE's arguments: an even `n_rot` within the head, and a position for every token.
+pub(crate) fn rope_args(
+    op: &'static str,
+    n_tokens: usize,
+    head_dim: usize,
+    positions: &[u32],
+    params: &RopeParams,
+) -> Result<()> {
+    if !params.n_rot.is_multiple_of(2) || params.n_rot > head_dim {
+        return Err(shape_err(
+            op,
+            format!(
+                "n_rot {} must be even and at most head_dim {head_dim}",
+                params.n_rot
+            ),
+        ));
+    }
+    if positions.len() < n_tokens {
+        return Err(shape_err(
+            op,
+            format!("{} positions for {n_tokens} tokens", positions.len()),
+        ));
     }
     Ok(())
 }

@@ -25,6 +25,7 @@ use tether_gguf::{GgmlType, dequantize};
 
 use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
 use crate::error::ComputeError;
+use crate::shape_check::rope_args;
 use check::{elems, f32s, f32s_mut, need, shape_err};
 
 /// The always-available backend: buffers in host memory, ops on the CPU.
@@ -235,21 +236,7 @@ impl Backend for CpuBackend {
         freq_factors: Option<&CpuBuffer>,
     ) -> Result<()> {
         const OP: &str = "rope";
-        if !params.n_rot.is_multiple_of(2) || params.n_rot > head_dim {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "n_rot {} must be even and at most head_dim {head_dim}",
-                    params.n_rot
-                ),
-            ));
-        }
-        if positions.len() < n_tokens {
-            return Err(shape_err(
-                OP,
-                format!("{} positions for {n_tokens} tokens", positions.len()),
-            ));
-        }
+        rope_args(OP, n_tokens, head_dim, positions, params)?;
         let x = f32s_mut(OP, "input", x, elems(OP, &[n_tokens, n_heads, head_dim])?)?;
         let factors = match freq_factors {
             Some(f) => Some(f32s(OP, "freq_factors", f, params.n_rot / 2)?),

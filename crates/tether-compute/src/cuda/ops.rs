@@ -12,6 +12,7 @@ use super::launch::{Arg, grid_for, int, launch};
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
 use crate::cuda::device::driver_err;
+use crate::shape_check::rope_args;
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
@@ -284,21 +285,7 @@ impl Backend for CudaBackend {
         freq_factors: Option<&CudaBuffer>,
     ) -> Result<()> {
         const OP: &str = "rope";
-        if !params.n_rot.is_multiple_of(2) || params.n_rot > head_dim {
-            return Err(shape_err(
-                OP,
-                format!(
-                    "n_rot {} must be even and at most head_dim {head_dim}",
-                    params.n_rot
-                ),
-            ));
-        }
-        if positions.len() < n_tokens {
-            return Err(shape_err(
-                OP,
-                format!("{} positions for {n_tokens} tokens", positions.len()),
-            ));
-        }
+        rope_args(OP, n_tokens, head_dim, positions, params)?;
         f32s(OP, "input", x, elems(OP, &[n_tokens, n_heads, head_dim])?)?;
         let factors = match freq_factors {
             Some(f) => {

@@ -1,13 +1,12 @@
 //! The coordinator's operator view for `tetherctl --coordinator`: the model's placement and
 //! health, and each worker's status and sessions, read live from the workers.
 
-use super::constant_time_eq;
+use super::bearer_allowed;
 use super::error::ApiError;
 use crate::api::{Generation, Health};
 use crate::engine::Coordinator;
 use axum::Router;
 use axum::extract::{Request, State};
-use axum::http::header;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get;
@@ -50,16 +49,8 @@ pub fn admin_router(
 }
 
 async fn require_key(State(state): State<Shared>, req: Request, next: Next) -> Response {
-    if let Some(key) = &state.api_key {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-            return ApiError::unauthorized().into_response();
-        }
+    if !bearer_allowed(&req, state.api_key.as_deref()) {
+        return ApiError::unauthorized().into_response();
     }
     next.run(req).await
 }

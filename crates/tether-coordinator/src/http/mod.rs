@@ -153,23 +153,28 @@ async fn count_requests(State(state): State<SharedState>, req: Request, next: Ne
 
 /// Refuses requests without the configured API key.
 async fn require_api_key(State(state): State<SharedState>, req: Request, next: Next) -> Response {
-    if let Some(key) = &state.opts.api_key {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-            return ApiError::unauthorized().into_response();
-        }
+    if !bearer_allowed(&req, state.opts.api_key.as_deref()) {
+        return ApiError::unauthorized().into_response();
     }
     next.run(req).await
 }
 
+/// True when no key is required, or `req` carries `Authorization: Bearer <key>`.
+pub(crate) fn bearer_allowed(req: &Request, key: Option<&str>) -> bool {
+    let Some(key) = key else {
+        return true;
+    };
+    req.headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .is_some_and(|given| constant_time_eq(given.as_bytes(), key.as_bytes()))
+}
+
 /// Compares without an early exit, so the time taken does not reveal how much of a guessed
 /// key was right.
-pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     let mut diff = (a.len() ^ b.len()) as u64;
     for (i, y) in b.iter().enumerate() {
         let x = a.get(i).copied().unwrap_or(0);
