@@ -160,6 +160,17 @@ impl<B: Backend> Generator<B> {
         Ok(out)
     }
 
+    /// Logits `[n_vocab]` of the last of `tokens`, run from an empty context: a prompt's
+    /// prefill, as llama-bench's `pp` test measures it (the head runs for one token only).
+    pub fn prefill_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.check_fits(tokens.len())?;
+        self.stage.kv_clear(0)?;
+        let hidden = self.run(tokens, 0, tokens.len() - 1)?;
+        let mut out = vec![0.0f32; self.stage.config().n_vocab];
+        self.stage.logits(&hidden, 1, &mut out)?;
+        Ok(out)
+    }
+
     fn check_fits(&self, n: usize) -> Result<(), ModelError> {
         let ctx = self.stage.spec().ctx_per_seq;
         if n == 0 || n > ctx {

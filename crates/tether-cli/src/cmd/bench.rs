@@ -108,7 +108,7 @@ fn bench_on<B: Backend>(args: &BenchArgs, dev: &DeviceArgs, mut loaded: Loaded<B
         let mut samples = Vec::new();
         for i in 0..=args.repetitions {
             let t = Instant::now();
-            loaded.generator.eval_logits(&prompt)?;
+            loaded.generator.prefill_logits(&prompt)?;
             if i > 0 {
                 samples.push(t.elapsed().as_secs_f64());
             }

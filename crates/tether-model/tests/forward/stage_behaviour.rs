@@ -281,3 +281,17 @@ fn generation_fills_the_context_and_stops() {
     // 3 prompt positions + 5 generated fill 8 cells; the 6th comes from the last cell's logits.
     assert_eq!((out.len(), why), (6, StopReason::ContextFull));
 }
+
+#[test]
+fn prefill_logits_are_the_last_row_of_eval_logits() {
+    let m = model();
+    let mut g = Generator::new(whole(&m.file, 1, 4)).unwrap();
+    let tokens = [1, 300, 7, 99, 41, 250, 3, 17, 5, 64];
+    let all = g.eval_logits(&tokens).unwrap();
+    let last = g.prefill_logits(&tokens).unwrap();
+    let v = last.len();
+    assert_eq!(all.len(), tokens.len() * v);
+    let diff = max_rel_diff(&last, &all[(tokens.len() - 1) * v..]);
+    assert!(diff < 1e-5, "relative difference {diff}");
+    assert!(g.prefill_logits(&[]).is_err());
+}

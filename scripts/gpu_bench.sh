@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Speed of the cuda backend on llama3-8b-shaped synthetic models, as llama-bench measures
+# it (pp512, tg128), from a prebuilt `tether` binary. Run from the repository root on a GPU
+# machine:
+#
+#   scripts/gpu_bench.sh [TYPE ...]          # default: q4_0 q8_0
+#
+# TETHER=path/to/tether (default .gpu/tether), MODELS=folder for the synthesized files
+# (default /tmp/tether-models; kept between runs on the same machine), BENCH_ARGS= extra
+# arguments for `tether bench` (default: -p 512 -n 128 -r 3).
+set -u
+
+tether=${TETHER:-.gpu/tether}
+models=${MODELS:-/tmp/tether-models}
+args=${BENCH_ARGS:--p 512 -n 128 -r 3}
+types=("$@")
+[ "${#types[@]}" -eq 0 ] && types=(q4_0 q8_0)
+mkdir -p "$models"
+export TETHER_CACHE=${TETHER_CACHE:-/tmp/tether-cache}
+
+failed=0
+for ty in "${types[@]}"; do
+    file="$models/llama3-8b-$ty.gguf"
+    if [ ! -f "$file" ]; then
+        start=$(date +%s%N)
+        "$tether" gguf synth "$file" --shape llama3-8b --type "$ty" >/dev/null || { failed=1; continue; }
+        echo "synthesized $file in $(( ($(date +%s%N) - start) / 1000000 )) ms"
+    fi
+    # shellcheck disable=SC2086
+    "$tether" bench --model "$file" --device cuda:0 $args || failed=1
+done
+exit "$failed"
