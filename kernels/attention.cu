@@ -78,7 +78,8 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
     return r;
 }
 
-// Attention of query row t, head h over cells [z * chunk, (z + 1) * chunk) of spans[t]
+// Attention of query row t, head h over split z of the cells of spans[t] (equal shares of
+// at most chunk cells)
 // (pairs first_cell, n_cells); kh = h / (n_heads / n_kv_heads). Cache rows are
 // [n_kv_heads][head_dim] of ty (F16, Q8_0, Q4_0), head_bytes per head.
 // Launch: gridDim = (n_heads, n_tokens, n_splits), blockDim.x = 128, dynamic shared memory
@@ -97,8 +98,12 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     int kh = h / (n_heads / n_kv_heads);
     const float* qh = q + ((u64)t * n_heads + h) * head_dim;
     u32 first = spans[2 * t], n_cells = spans[2 * t + 1];
-    u32 c0 = blockIdx.z * chunk;
-    int nc = c0 < n_cells ? (int)min(chunk, n_cells - c0) : 0;
+    // Each split takes an equal share of this token's cells; `chunk` (the shared memory
+    // per block) bounds the share, so one launch shape serves every length up to
+    // gridDim.z * chunk and a recorded decode step stays valid as the context grows.
+    u32 share = min((n_cells + gridDim.z - 1) / gridDim.z, chunk);
+    u32 c0 = blockIdx.z * share;
+    int nc = c0 < n_cells ? (int)min(share, n_cells - c0) : 0;
     u64 cell_bytes = (u64)n_kv_heads * head_bytes;
     const u8* kbase = k + (u64)(first + c0) * cell_bytes + (u64)kh * head_bytes;
     const u8* vbase = v + (u64)(first + c0) * cell_bytes + (u64)kh * head_bytes;
@@ -175,8 +180,12 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     int kh = h / (n_heads / n_kv_heads);
     const float* qh = q + ((u64)t * n_heads + h) * head_dim + 8 * gl;
     u32 first = spans[2 * t], n_cells = spans[2 * t + 1];
-    u32 c0 = blockIdx.z * chunk;
-    int nc = c0 < n_cells ? (int)min(chunk, n_cells - c0) : 0;
+    // Each split takes an equal share of this token's cells; `chunk` (the shared memory
+    // per block) bounds the share, so one launch shape serves every length up to
+    // gridDim.z * chunk and a recorded decode step stays valid as the context grows.
+    u32 share = min((n_cells + gridDim.z - 1) / gridDim.z, chunk);
+    u32 c0 = blockIdx.z * share;
+    int nc = c0 < n_cells ? (int)min(share, n_cells - c0) : 0;
     u64 cell_bytes = (u64)n_kv_heads * head_bytes;
     u64 off = (u64)(first + c0) * cell_bytes + (u64)kh * head_bytes + 16 * gl;
     const u8* kbase = k + off;

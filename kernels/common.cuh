@@ -103,3 +103,11 @@ __device__ float dequant_at(int ty, const u8* row, int e) {
     default: return __int_as_float(0x7fc00000);
     }
 }
+
+// 4-way byte dot product: unsigned bytes of a (Q4_0 nibbles) times signed bytes of b, plus c.
+__device__ __forceinline__ int dp4a_us(u32 a, int b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+

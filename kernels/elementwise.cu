@@ -1,10 +1,12 @@
 // Normalisation, activation, residual and rotary kernels on f32 rows.
 
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight. Launch: gridDim.x = n_tokens,
-// blockDim.x = 256. The sum of squares is kept in f64, as on the cpu (rows reach 8192+).
-extern "C" __global__ void __launch_bounds__(256)
+// blockDim.x = a multiple of 32 up to 1024 (decode rows are one block each, so the block is
+// wide: its loads are what the whole op waits for). The sum of squares is kept in f64, as
+// on the cpu (rows reach 8192+).
+extern "C" __global__ void __launch_bounds__(1024)
     rms_norm(const float* x, const float* weight, int dim, float eps, float* out) {
-    __shared__ double part[8];
+    __shared__ double part[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
     double ss = 0.0;

@@ -1,4 +1,5 @@
 // Matrix-vector products straight from quantized weights: out[t][r] = sum_c w[r][c] * x[t][c]
+// (or out[t][r] += that when accum is non-zero: the residual add fused into the product)
 // for t < nt <= NT tokens (NT is 1, 2, 4 or 8; the host splits larger batches).
 //
 // Launch shape (every entry point): blockDim.x = 128 (4 warps), one warp per weight row,
@@ -11,11 +12,14 @@
 #define MV_WARPS 4
 
 template <int NT>
-__device__ __forceinline__ void mv_store(float (&acc)[NT], float* out, int rows, int r, int nt) {
+__device__ __forceinline__ void mv_store(float (&acc)[NT], float* out, int rows, int r, int nt, int accum) {
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         float v = warp_sum(acc[t]);
-        if ((threadIdx.x & 31) == 0 && t < nt) out[(size_t)t * rows + r] = v;
+        if ((threadIdx.x & 31) == 0 && t < nt) {
+            float* o = out + (size_t)t * rows + r;
+            *o = accum ? *o + v : v;
+        }
     }
 }
 
@@ -29,7 +33,7 @@ __device__ __forceinline__ void mv_store(float (&acc)[NT], float* out, int rows,
 // Q4_0: four lanes per 32-block, each taking 4 bytes (4 low and 4 high nibbles), so a warp
 // reads 8 consecutive blocks and 1 KiB of consecutive x per step (coalesced).
 template <int NT>
-__device__ void mv_q4_0(const u8* w, int rows, int cols, const float* x, int nt, float* out) {
+__device__ void mv_q4_0(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) {
     MV_PROLOGUE
     int nb = cols / 32, sub = lane & 3;
     const u8* row = w + (size_t)r * nb * 18;
@@ -55,12 +59,12 @@ __device__ void mv_q4_0(const u8* w, int rows, int cols, const float* x, int nt,
             }
         }
     }
-    mv_store<NT>(acc, out, rows, r, nt);
+    mv_store<NT>(acc, out, rows, r, nt, accum);
 }
 
 // Q8_0: four lanes per 32-block, 8 quants each.
 template <int NT>
-__device__ void mv_q8_0(const u8* w, int rows, int cols, const float* x, int nt, float* out) {
+__device__ void mv_q8_0(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) {
     MV_PROLOGUE
     int nb = cols / 32, sub = lane & 3;
     const u8* row = w + (size_t)r * nb * 34;
@@ -85,13 +89,13 @@ __device__ void mv_q8_0(const u8* w, int rows, int cols, const float* x, int nt,
             }
         }
     }
-    mv_store<NT>(acc, out, rows, r, nt);
+    mv_store<NT>(acc, out, rows, r, nt, accum);
 }
 
 // Q4_K and Q5_K: the warp takes one 256-block per step; lane (g, c) = (lane / 8, lane % 8)
 // takes bytes 4c..4c+3 of group g: 4 values of sub-block 2g (low nibbles) and 4 of 2g+1.
 template <int NT, bool FIVE>
-__device__ void mv_q45_k(const u8* w, int rows, int cols, const float* x, int nt, float* out) {
+__device__ void mv_q45_k(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) {
     MV_PROLOGUE
     const int bb = FIVE ? 176 : 144;
     int nb = cols / 256, g = lane >> 3, l0 = 4 * (lane & 7);
@@ -126,13 +130,13 @@ __device__ void mv_q45_k(const u8* w, int rows, int cols, const float* x, int nt
             }
         }
     }
-    mv_store<NT>(acc, out, rows, r, nt);
+    mv_store<NT>(acc, out, rows, r, nt, accum);
 }
 
 // Q6_K: 16 lanes per 256-block (two blocks per warp step); lane (h, c) takes bytes
 // 4c..4c+3 of half h: 16 values, 4 from each of its quarters k.
 template <int NT>
-__device__ void mv_q6_k(const u8* w, int rows, int cols, const float* x, int nt, float* out) {
+__device__ void mv_q6_k(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) {
     MV_PROLOGUE
     int nb = cols / 256, h = (lane >> 3) & 1, c = lane & 7, l0 = 4 * c;
     const u8* row = w + (size_t)r * nb * 210;
@@ -171,12 +175,12 @@ __device__ void mv_q6_k(const u8* w, int rows, int cols, const float* x, int nt,
             }
         }
     }
-    mv_store<NT>(acc, out, rows, r, nt);
+    mv_store<NT>(acc, out, rows, r, nt, accum);
 }
 
 // F16 / BF16: 8 elements per lane step when cols % 8 == 0 (16-byte loads), else one.
 template <int NT, bool BF>
-__device__ void mv_half(const u8* w, int rows, int cols, const float* x, int nt, float* out) {
+__device__ void mv_half(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) {
     MV_PROLOGUE
     const u16* row = (const u16*)w + (size_t)r * cols;
     if ((cols & 7) == 0) {
@@ -208,11 +212,11 @@ __device__ void mv_half(const u8* w, int rows, int cols, const float* x, int nt,
                 if (t < nt) acc[t] += wv * x[(size_t)t * cols + c];
         }
     }
-    mv_store<NT>(acc, out, rows, r, nt);
+    mv_store<NT>(acc, out, rows, r, nt, accum);
 }
 
 template <int NT>
-__device__ void mv_f32(const u8* w, int rows, int cols, const float* x, int nt, float* out) {
+__device__ void mv_f32(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) {
     MV_PROLOGUE
     const float* row = (const float*)w + (size_t)r * cols;
     bool vec = (cols & 3) == 0;
@@ -230,18 +234,19 @@ __device__ void mv_f32(const u8* w, int rows, int cols, const float* x, int nt, 
             }
         }
     }
-    mv_store<NT>(acc, out, rows, r, nt);
+    mv_store<NT>(acc, out, rows, r, nt, accum);
 }
 
-template <int NT> __device__ void mv_q4_k(const u8* w, int rows, int cols, const float* x, int nt, float* out) { mv_q45_k<NT, false>(w, rows, cols, x, nt, out); }
-template <int NT> __device__ void mv_q5_k(const u8* w, int rows, int cols, const float* x, int nt, float* out) { mv_q45_k<NT, true>(w, rows, cols, x, nt, out); }
-template <int NT> __device__ void mv_f16(const u8* w, int rows, int cols, const float* x, int nt, float* out) { mv_half<NT, false>(w, rows, cols, x, nt, out); }
-template <int NT> __device__ void mv_bf16(const u8* w, int rows, int cols, const float* x, int nt, float* out) { mv_half<NT, true>(w, rows, cols, x, nt, out); }
+template <int NT> __device__ void mv_q4_k(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) { mv_q45_k<NT, false>(w, rows, cols, x, nt, out, accum); }
+template <int NT> __device__ void mv_q5_k(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) { mv_q45_k<NT, true>(w, rows, cols, x, nt, out, accum); }
+template <int NT> __device__ void mv_f16(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) { mv_half<NT, false>(w, rows, cols, x, nt, out, accum); }
+template <int NT> __device__ void mv_bf16(const u8* w, int rows, int cols, const float* x, int nt, float* out, int accum) { mv_half<NT, true>(w, rows, cols, x, nt, out, accum); }
 
 #define MV_ENTRY(name, nt)                                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                         \
-        matvec_##name##_##nt(const u8* w, int rows, int cols, const float* x, int n, float* out) { \
-        mv_##name<nt>(w, rows, cols, x, n, out);                                              \
+        matvec_##name##_##nt(const u8* w, int rows, int cols, const float* x, int n, float* out, \
+                             int accum) {                                                 \
+        mv_##name<nt>(w, rows, cols, x, n, out, accum);                                            \
     }
 
 #define MV_ALL(name) MV_ENTRY(name, 1) MV_ENTRY(name, 2) MV_ENTRY(name, 4) MV_ENTRY(name, 8)
@@ -254,3 +259,107 @@ MV_ALL(q8_0)
 MV_ALL(q4_k)
 MV_ALL(q5_k)
 MV_ALL(q6_k)
+
+// ---- 8-bit activations (Q4_0 weights) ----
+// quantize_q8: one warp per 32 values of x; the same arithmetic as the cpu backend's
+// quantize_row_q8 (d = amax / 127, q = round(x / d)), so both backends see equal integers.
+// Launch: blockDim.x = 256, one warp per block of 32, n * cols / 32 warps in all.
+extern "C" __global__ void __launch_bounds__(256)
+    quantize_q8(const float* x, int cols, int nt, i8* xq, float2* xds) {
+    int warp = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+    int nb = cols / 32;
+    if (warp >= nt * nb) return;
+    int t = warp / nb, b = warp - t * nb;
+    size_t at = (size_t)t * cols + (size_t)b * 32 + lane;
+    float v = x[at];
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float d = amax / 127.0f;
+    float id = d > 0.f ? 1.0f / d : 0.f;
+    float qf = roundf(v * id);
+    // NaN input gives 0, like the cpu's saturating cast.
+    int q = qf != qf ? 0 : (int)fminf(fmaxf(qf, -127.f), 127.f);
+    xq[at] = (i8)q;
+    int sum = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) xds[(size_t)t * nb + b] = make_float2(d, d * (float)sum);
+}
+
+// Q4_0 with 8-bit x: four lanes per 32-block as in mv_q4_0; each lane's 8 nibbles meet
+// its 8 int8 values in two dp4a, minus 8 times their sum (the nibbles' offset). Adds this
+// lane's share of row `row` times each token into acc.
+template <int NT>
+__device__ __forceinline__ void q4_0_row_x8(const u8* row, int cols, const i8* xq,
+                                            const float2* xds, int nt, int lane,
+                                            float (&acc)[NT]) {
+    int nb = cols / 32, sub = lane & 3;
+#pragma unroll 4
+    for (int b = lane >> 2; b < nb; b += 8) {
+        const u8* blk = row + b * 18;
+        float d = h2f(ld16(blk));
+        u32 qs = (u32)ld16(blk + 2 + 4 * sub) | ((u32)ld16(blk + 4 + 4 * sub) << 16);
+        u32 lo = qs & 0x0F0F0F0Fu, hi = (qs >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                const i8* xs = xq + (size_t)t * cols + b * 32 + 4 * sub;
+                int xa = *(const int*)xs, xb = *(const int*)(xs + 16);
+                int dot = dp4a_us(lo, xa, dp4a_us(hi, xb, 0));
+                int sx = dp4a_us(0x01010101u, xa, dp4a_us(0x01010101u, xb, 0));
+                acc[t] += d * xds[(size_t)t * nb + b].x * (float)(dot - 8 * sx);
+            }
+        }
+    }
+}
+
+template <int NT>
+__device__ void mvq_q4_0(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
+                         int nt, float* out, int accum) {
+    MV_PROLOGUE
+    q4_0_row_x8<NT>(w + (size_t)r * (cols / 32) * 18, cols, xq, xds, nt, lane, acc);
+    mv_store<NT>(acc, out, rows, r, nt, accum);
+}
+
+// The feed-forward gate: out[t][r] = silu(gate[r] . x[t]) * (up[r] . x[t]), both rows in
+// one warp, so the gate and up products never leave registers.
+template <int NT>
+__device__ void mvq_swiglu_q4_0(const u8* wg, const u8* wu, int rows, int cols, const i8* xq,
+                                const float2* xds, int nt, float* out) {
+    MV_PROLOGUE
+    float up[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) up[t] = 0.f;
+    size_t at = (size_t)r * (cols / 32) * 18;
+    q4_0_row_x8<NT>(wg + at, cols, xq, xds, nt, lane, acc);
+    q4_0_row_x8<NT>(wu + at, cols, xq, xds, nt, lane, up);
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float g = warp_sum(acc[t]), u = warp_sum(up[t]);
+        if (lane == 0 && t < nt) out[(size_t)t * rows + r] = g / (1.f + expf(-g)) * u;
+    }
+}
+
+#define MVQ_SWIGLU_ENTRY(nt)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) matvecq_swiglu_q4_0_##nt(               \
+        const u8* wg, const u8* wu, int rows, int cols, const i8* xq, const float2* xds,     \
+        int n, float* out) {                                                                  \
+        mvq_swiglu_q4_0<nt>(wg, wu, rows, cols, xq, xds, n, out);                             \
+    }
+
+MVQ_SWIGLU_ENTRY(1)
+MVQ_SWIGLU_ENTRY(2)
+MVQ_SWIGLU_ENTRY(4)
+MVQ_SWIGLU_ENTRY(8)
+
+#define MVQ_ENTRY(name, nt)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) matvecq_##name##_##nt(                  \
+        const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n, float* out,     \
+        int accum) {                                                                          \
+        mvq_##name<nt>(w, rows, cols, xq, xds, n, out, accum);                                     \
+    }
+
+#define MVQ_ALL(name) MVQ_ENTRY(name, 1) MVQ_ENTRY(name, 2) MVQ_ENTRY(name, 4) MVQ_ENTRY(name, 8)
+
+MVQ_ALL(q4_0)

@@ -16,25 +16,10 @@ fi
 logs=${OUT:-$dir/logs}
 mkdir -p "$logs"
 
-# The CUDA backend loads libcuda, libnvrtc (and its builtins) at run time. Add the first
-# toolkit or pip-wheel folder that holds NVRTC when the loader does not find it already.
-if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so '; then
-    nvrtc=$(find /usr/local /usr/lib /opt /usr/local/lib/python3* /usr/lib/python3* \
-        -name 'libnvrtc.so*' -not -name '*builtins*' 2>/dev/null | sort | head -n 1)
-    if [ -n "$nvrtc" ]; then
-        libdir=$(dirname "$nvrtc")
-        shim=/tmp/tether-nvrtc
-        mkdir -p "$shim"
-        # cudarc looks for the unversioned name (or .so.12); point it at what exists.
-        [ -e "$libdir/libnvrtc.so" ] || ln -sf "$nvrtc" "$shim/libnvrtc.so"
-        export LD_LIBRARY_PATH="$shim:$libdir:${LD_LIBRARY_PATH:-}"
-        echo "gpu.sh: using NVRTC from $nvrtc"
-    else
-        echo "gpu.sh: warning: no libnvrtc found; the CUDA tests will fail to compile kernels" >&2
-    fi
-fi
-# Keep the kernel cache out of the home folder of a shared machine.
-export TETHER_CACHE=${TETHER_CACHE:-/tmp/tether-cache}
+# The CUDA backend loads libcuda and libnvrtc at run time (see lib/nvrtc.sh).
+# shellcheck source=scripts/lib/nvrtc.sh
+. "$(dirname "$0")/lib/nvrtc.sh"
+setup_nvrtc gpu.sh
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 

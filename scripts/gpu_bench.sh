@@ -16,7 +16,9 @@ args=${BENCH_ARGS:--p 512 -n 128 -r 3}
 types=("$@")
 [ "${#types[@]}" -eq 0 ] && types=(q4_0 q8_0)
 mkdir -p "$models"
-export TETHER_CACHE=${TETHER_CACHE:-/tmp/tether-cache}
+# shellcheck source=scripts/lib/nvrtc.sh
+. "$(dirname "$0")/lib/nvrtc.sh"
+setup_nvrtc gpu_bench.sh
 
 failed=0
 for ty in "${types[@]}"; do

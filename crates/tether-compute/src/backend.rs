@@ -73,6 +73,10 @@ pub trait Backend: Send + Sync + 'static {
     /// The device buffer type of this backend.
     type Buffer: DeviceBuffer;
 
+    /// What [`Backend::replay`] keeps between calls (captured launch sequences); owned by
+    /// the caller, so it lives and dies with the stage (session) that uses it.
+    type Replays: Default + Send + 'static;
+
     /// A human-readable device name (`cpu`, `cuda:0 NVIDIA H100 80GB HBM3`).
     fn name(&self) -> String;
 
@@ -85,6 +89,16 @@ pub trait Backend: Send + Sync + 'static {
     /// op.
     fn scope<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         f()
+    }
+
+    /// Runs `f`, a step of ops (no downloads) that the caller repeats with the same sizes,
+    /// such as one decode step of a model's layers. A backend may record the ops and replay
+    /// the recording next time instead of issuing them one by one, when they are the same
+    /// ops on the same buffers; the results are those of running `f`. Steps under
+    /// different `key`s are recorded apart.
+    fn replay<R>(&self, replays: &mut Self::Replays, key: u64, f: impl FnOnce() -> R) -> Result<R> {
+        let _ = (replays, key);
+        Ok(f())
     }
 
     /// Allocates `bytes` of device memory. Fails with [`ComputeError::OutOfMemory`], never aborts.
@@ -121,6 +135,48 @@ pub trait Backend: Send + Sync + 'static {
         n_tokens: usize,
         out: &mut Self::Buffer,
     ) -> Result<()>;
+
+    /// `acc[t][r] += Σ_c w[r][c] · x[t][c]`: a matmul added into `acc` (the residual
+    /// stream). `tmp` (`[n_tokens][rows]` f32) is scratch for backends that multiply first
+    /// and add after; a backend that adds as it stores leaves it untouched.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_add(
+        &self,
+        w: &Self::Buffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &Self::Buffer,
+        n_tokens: usize,
+        acc: &mut Self::Buffer,
+        tmp: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.matmul(w, ty, rows, cols, x, n_tokens, tmp)?;
+        self.add(acc, tmp, n_tokens * rows)
+    }
+
+    /// The feed-forward gate: `out[t][r] = silu(gate[r] · x[t]) · (up[r] · x[t])`, with
+    /// `gate` and `up` both `[rows][cols]` of `ty`. `gate_tmp` and `up_tmp`
+    /// (`[n_tokens][rows]` f32) are scratch for backends that multiply first; one that
+    /// fuses the three steps leaves them untouched.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_swiglu(
+        &self,
+        gate: &Self::Buffer,
+        up: &Self::Buffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &Self::Buffer,
+        n_tokens: usize,
+        out: &mut Self::Buffer,
+        gate_tmp: &mut Self::Buffer,
+        up_tmp: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
+        self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
+        self.swiglu(gate_tmp, up_tmp, n_tokens * rows, out)
+    }
 
     /// `x[t][i] += bias[i]` (f32 bias) for `t < n_tokens`, `i < dim`.
     fn add_bias(

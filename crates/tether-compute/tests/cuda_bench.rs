@@ -101,3 +101,100 @@ fn bench_decode_attention() {
         );
     }
 }
+
+/// One llama3-8b decode layer's ops, as the model issues them, 32 times (one token's
+/// layers): wall time per layer, the host's time to enqueue it, and weight bandwidth. When
+/// enqueueing takes as long as running, launches bound decode, not memory.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bench_decode_layer() {
+    use tether_compute::RopeParams;
+    let g = gpu();
+    let (e, qd, kvd, ff, cells) = (4096usize, 4096usize, 1024usize, 14336usize, 512usize);
+    let shape = AttnShape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    };
+    let rope = RopeParams {
+        n_rot: 128,
+        freq_base: 500000.0,
+        freq_scale: 1.0,
+        neox: false,
+    };
+    for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+        let upload = |rows: usize, cols: usize| {
+            let wb = weights(ty, rows * cols);
+            let mut w = g.alloc(wb.len()).unwrap();
+            g.upload(&mut w, 0, &wb).unwrap();
+            (w, wb.len())
+        };
+        let mats = [
+            upload(qd, e),
+            upload(kvd, e),
+            upload(kvd, e),
+            upload(e, qd),
+            upload(ff, e),
+            upload(ff, e),
+            upload(e, ff),
+        ];
+        let bytes: usize = mats.iter().map(|m| m.1).sum();
+        let f32buf = |n: usize| {
+            let mut b = g.alloc(n * 4).unwrap();
+            g.upload(&mut b, 0, &vec![0u8; n * 4]).unwrap();
+            b
+        };
+        let (mut hidden, mut normed, norm_w) = (f32buf(e), f32buf(e), f32buf(e));
+        let (mut q, mut k, mut v, mut attn) = (f32buf(qd), f32buf(kvd), f32buf(kvd), f32buf(qd));
+        let (mut gate, mut up, mut act) = (f32buf(ff), f32buf(ff), f32buf(ff));
+        let mut kc = g.alloc(cells * kvd * 2).unwrap();
+        let mut vc = g.alloc(cells * kvd * 2).unwrap();
+        let spans = [AttnSpan {
+            first_cell: 0,
+            n_cells: 100,
+        }];
+        let mut layer = || {
+            let m = &mats;
+            g.rms_norm(&hidden, &norm_w, 1, e, 1e-5, &mut normed)
+                .unwrap();
+            g.matmul(&m[0].0, ty, qd, e, &normed, 1, &mut q).unwrap();
+            g.matmul(&m[1].0, ty, kvd, e, &normed, 1, &mut k).unwrap();
+            g.matmul(&m[2].0, ty, kvd, e, &normed, 1, &mut v).unwrap();
+            g.rope(&mut q, 1, 32, 128, &[99], &rope, None).unwrap();
+            g.rope(&mut k, 1, 8, 128, &[99], &rope, None).unwrap();
+            g.kv_store(&k, kvd, &[99], &mut kc, GgmlType::F16).unwrap();
+            g.kv_store(&v, kvd, &[99], &mut vc, GgmlType::F16).unwrap();
+            g.attention(&q, &kc, &vc, GgmlType::F16, &spans, shape, 0.088, &mut attn)
+                .unwrap();
+            g.matmul_add(&m[3].0, ty, e, qd, &attn, 1, &mut hidden, &mut normed)
+                .unwrap();
+            g.rms_norm(&hidden, &norm_w, 1, e, 1e-5, &mut normed)
+                .unwrap();
+            g.matmul_swiglu(
+                &m[4].0, &m[5].0, ty, ff, e, &normed, 1, &mut act, &mut gate, &mut up,
+            )
+            .unwrap();
+            g.matmul_add(&m[6].0, ty, e, ff, &act, 1, &mut hidden, &mut normed)
+                .unwrap();
+        };
+        let token = time(&g, 10, || {
+            for _ in 0..32 {
+                layer();
+            }
+        });
+        g.synchronize().unwrap();
+        let start = std::time::Instant::now();
+        for _ in 0..32 {
+            layer();
+        }
+        let enqueue = start.elapsed().as_secs_f64();
+        g.synchronize().unwrap();
+        eprintln!(
+            "decode layer {ty:>5}: {:7.1} us per layer ({:5.1} us to enqueue), {:6.1} GB/s of weights; 32 layers: {:6.0} tokens/s before the head",
+            token / 32.0 * 1e6,
+            enqueue / 32.0 * 1e6,
+            bytes as f64 / (token / 32.0) / 1e9,
+            1.0 / token
+        );
+    }
+}

@@ -486,3 +486,77 @@ fn alloc_free_cycles_return_the_memory() {
         Err(ComputeError::OutOfMemory { .. })
     ));
 }
+
+/// The residual add fused into the product (matvec batches) and done after it (GEMM
+/// batches) both equal the cpu's matmul-then-add.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matmul_add_matches_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(7);
+    for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::F16] {
+        let (rows, cols) = (67, 512);
+        let w = pair(&g, &c, &random_weights(&mut rng, ty, rows * cols));
+        for n in [1usize, 3, 8, 20] {
+            let x = pair(&g, &c, &f32_bytes(&rng.f32s(n * cols, 1.0)));
+            let start = f32_bytes(&rng.f32s(n * rows, 1.0));
+            let mut acc = pair(&g, &c, &start);
+            let mut tg = g.alloc(n * rows * 4).unwrap();
+            let mut tc = c.alloc(n * rows * 4).unwrap();
+            g.matmul_add(&w.g, ty, rows, cols, &x.g, n, &mut acc.g, &mut tg)
+                .unwrap();
+            c.matmul_add(&w.c, ty, rows, cols, &x.c, n, &mut acc.c, &mut tc)
+                .unwrap();
+            let what = format!("matmul_add {ty} {rows}x{cols} n={n}");
+            let got = get(&g, &acc.g, n * rows);
+            assert_close(&what, &got, &get(&c, &acc.c, n * rows), 1e-2);
+            let before: Vec<f32> = start
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            assert!(got != before, "{what}: nothing was added");
+        }
+    }
+}
+
+/// The fused feed-forward gate (Q4_0 decode batches) and the three-step one (other types,
+/// larger batches) both equal the cpu's.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matmul_swiglu_matches_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(9);
+    for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+        let (rows, cols) = (131, 1024);
+        let wg = pair(&g, &c, &random_weights(&mut rng, ty, rows * cols));
+        let wu = pair(&g, &c, &random_weights(&mut rng, ty, rows * cols));
+        for n in [1usize, 3, 8, 20] {
+            let x = pair(&g, &c, &f32_bytes(&rng.f32s(n * cols, 1.0)));
+            let (mut og, mut g1, mut g2) = (
+                g.alloc(n * rows * 4).unwrap(),
+                g.alloc(n * rows * 4).unwrap(),
+                g.alloc(n * rows * 4).unwrap(),
+            );
+            let (mut oc, mut c1, mut c2) = (
+                c.alloc(n * rows * 4).unwrap(),
+                c.alloc(n * rows * 4).unwrap(),
+                c.alloc(n * rows * 4).unwrap(),
+            );
+            g.matmul_swiglu(
+                &wg.g, &wu.g, ty, rows, cols, &x.g, n, &mut og, &mut g1, &mut g2,
+            )
+            .unwrap();
+            c.matmul_swiglu(
+                &wg.c, &wu.c, ty, rows, cols, &x.c, n, &mut oc, &mut c1, &mut c2,
+            )
+            .unwrap();
+            let what = format!("matmul_swiglu {ty} {rows}x{cols} n={n}");
+            assert_close(
+                &what,
+                &get(&g, &og, n * rows),
+                &get(&c, &oc, n * rows),
+                1e-2,
+            );
+        }
+    }
+}

@@ -1,6 +1,7 @@
-//! Whole models on the cuda backend against the cpu backend: logits within 1e-2 relative
-//! error and equal greedy tokens for 64 steps, on synthesized tiny models of every weight
-//! type the cuda backend reads and on stories260K.
+//! Whole models on the cuda backend against an independent float64 reference (and the cpu
+//! backend beside it): logits of every position within 1e-2 relative error and 64 greedy
+//! tokens, on synthesized tiny models of every weight type the cuda backend reads and on
+//! stories260K; quantized KV caches against the cpu's.
 //!
 //! Ignored by default (CI has no GPU); on a GPU machine run with `--ignored`. Without a GPU
 //! these tests fail: asked to check the GPU, they must not pass by skipping it.
@@ -11,6 +12,10 @@ use std::sync::Arc;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::{GgmlType, GgufFile};
 use tether_model::{Generator, ModelConfig, Sampler, SamplingParams, SynthShape, synthesize};
+
+#[path = "forward/reference_model.rs"]
+mod reference_model;
+use reference_model::{Reference, relative_error};
 
 /// 40 tokens: more than one 16-token micro-batch, and more than the matvec kernels' 8
 /// tokens per launch, so the prefill paths run too.
@@ -32,17 +37,18 @@ fn cpu() -> Arc<CpuBackend> {
     Arc::new(CpuBackend::new(None).unwrap())
 }
 
-/// Largest `|a - b|` of a row over the largest `|b|` of that row, over every row.
+/// Worst over rows of `‖a − b‖ / ‖b‖` (the relative error of each position's logits).
 fn worst_row_error(a: &[f32], b: &[f32], n_vocab: usize) -> f32 {
     a.chunks(n_vocab)
         .zip(b.chunks(n_vocab))
         .map(|(ra, rb)| {
-            let scale = rb.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-            let diff = ra
+            let d: f64 = ra
                 .iter()
                 .zip(rb)
-                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-            diff / scale
+                .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+                .sum();
+            let n: f64 = rb.iter().map(|y| f64::from(*y).powi(2)).sum();
+            (d / n.max(1e-30)).sqrt() as f32
         })
         .fold(0f32, f32::max)
 }
@@ -55,30 +61,100 @@ fn greedy<B: Backend>(g: &mut Generator<B>, prompt: &[u32]) -> Vec<u32> {
         .0
 }
 
-/// Compares the two backends on `file` with KV caches of `cache`; returns the worst error.
-fn compare(file: &GgufFile, cache: GgmlType, what: &str) -> f32 {
+/// The cuda backend against the float64 reference on `file` (f16 KV cache): every
+/// position's logits within 1e-2, the last-token prefill too, and 64 greedy tokens that are
+/// each the reference's choice or a near-tie (within three times the largest logit error);
+/// exactly the reference's tokens when the weights are exact floats. The cpu backend's
+/// distance to the reference is printed beside it: it quantizes activations to 8 bits for
+/// quantized weights (as llama.cpp does), which costs it up to 2e-2 on these models.
+fn check_against_reference(file: &GgufFile, what: &str) {
+    let reference = Reference::load(file);
+    let v = reference.vocab();
+    let tokens = prompt(v);
+    let want = reference.logits(&tokens);
+    let load = Generator::from_file(gpu(), file, CTX, UBATCH);
+    let mut on_gpu = load.unwrap_or_else(|e| panic!("{what}: loading on the GPU: {e}"));
+    let got = on_gpu.eval_logits(&tokens).unwrap();
+    assert!(
+        got.iter().all(|x| x.is_finite()),
+        "{what}: non-finite logits"
+    );
+    let mut on_cpu = Generator::from_file(cpu(), file, CTX, UBATCH).unwrap();
+    let cpu_logits = on_cpu.eval_logits(&tokens).unwrap();
+    let (mut worst, mut worst_abs, mut cpu_worst) = (0f64, 0f64, 0f64);
+    for (pos, row) in want.iter().enumerate() {
+        let g = &got[pos * v..(pos + 1) * v];
+        worst = worst.max(relative_error(g, row));
+        cpu_worst = cpu_worst.max(relative_error(&cpu_logits[pos * v..(pos + 1) * v], row));
+        let abs = g
+            .iter()
+            .zip(row)
+            .fold(0f64, |m, (a, b)| m.max((f64::from(*a) - b).abs()));
+        worst_abs = worst_abs.max(abs);
+    }
+    let vs_cpu = worst_row_error(&got, &cpu_logits, v);
+    println!(
+        "{what}: cuda vs reference {worst:.2e}, cpu vs reference {cpu_worst:.2e}, cuda vs cpu {vs_cpu:.2e}"
+    );
+    assert!(worst < 1e-2, "{what}: cuda vs reference {worst:e} >= 1e-2");
+    let last = on_gpu.prefill_logits(&tokens).unwrap();
+    let last_err = relative_error(&last, &want[tokens.len() - 1]);
+    assert!(last_err < 1e-2, "{what}: prefill logits error {last_err:e}");
+
+    let prompt = &tokens[..8];
+    let ours = greedy(&mut on_gpu, prompt);
+    let cpu_tokens = greedy(&mut on_cpu, prompt);
+    let same_as_cpu = ours
+        .iter()
+        .zip(&cpu_tokens)
+        .take_while(|(a, b)| a == b)
+        .count();
+    if worst < 1e-4 {
+        let theirs = reference.greedy(prompt, GREEDY_STEPS);
+        assert_eq!(ours, theirs, "{what}: greedy tokens");
+        println!("{what}: greedy tokens equal the reference's (the cpu's for {same_as_cpu})");
+        return;
+    }
+    let mut forced = prompt.to_vec();
+    forced.extend(&ours);
+    let logits = reference.logits(&forced);
+    let mut ties = 0;
+    for (i, &tok) in ours.iter().enumerate() {
+        let row = &logits[prompt.len() - 1 + i];
+        let best = (0..v).fold(0, |b, j| if row[j] > row[b] { j } else { b });
+        if best as u32 != tok {
+            let gap = row[best] - row[tok as usize];
+            assert!(
+                gap < 3.0 * worst_abs,
+                "{what}: step {i}: {tok} chosen, the reference prefers {best} by {gap:.3e}"
+            );
+            ties += 1;
+        }
+    }
+    assert!(
+        ties <= 3,
+        "{what}: {ties} near-ties in {GREEDY_STEPS} steps"
+    );
+    println!(
+        "{what}: greedy tokens are the reference's choices ({ties} near-ties), the cpu's for the first {same_as_cpu}"
+    );
+}
+
+/// The cuda and cpu backends with KV caches of `cache` (K and V quantized alike on both),
+/// within `tol`; returns the cuda logits.
+fn compare_caches(file: &GgufFile, cache: GgmlType, tol: f32, what: &str) -> Vec<f32> {
     let n_vocab = ModelConfig::from_gguf(file).unwrap().n_vocab;
     let tokens = prompt(n_vocab);
-    let load_cpu = Generator::from_file_with_cache(cpu(), file, CTX, UBATCH, cache, cache);
-    let mut on_cpu = load_cpu.unwrap();
-    let load_gpu = Generator::from_file_with_cache(gpu(), file, CTX, UBATCH, cache, cache);
-    let mut on_gpu = load_gpu.unwrap_or_else(|e| panic!("{what}: loading on the GPU: {e}"));
+    let mut on_cpu =
+        Generator::from_file_with_cache(cpu(), file, CTX, UBATCH, cache, cache).unwrap();
+    let mut on_gpu =
+        Generator::from_file_with_cache(gpu(), file, CTX, UBATCH, cache, cache).unwrap();
     let want = on_cpu.eval_logits(&tokens).unwrap();
     let got = on_gpu.eval_logits(&tokens).unwrap();
-    assert!(got.iter().all(|x| x.is_finite()), "{what}: non-finite logits");
     let err = worst_row_error(&got, &want, n_vocab);
-    println!("{what}: worst relative logit error {err:.2e}");
-    assert!(err < 1e-2, "{what}: relative error {err:e} >= 1e-2");
-    let last_err = worst_row_error(
-        &on_gpu.prefill_logits(&tokens).unwrap(),
-        &want[(tokens.len() - 1) * n_vocab..],
-        n_vocab,
-    );
-    assert!(last_err < 1e-2, "{what}: prefill logits error {last_err:e}");
-    let cpu_tokens = greedy(&mut on_cpu, &tokens[..8]);
-    let gpu_tokens = greedy(&mut on_gpu, &tokens[..8]);
-    assert_eq!(gpu_tokens, cpu_tokens, "{what}: greedy tokens differ");
-    err
+    println!("{what}: cuda vs cpu {err:.2e}");
+    assert!(err < tol, "{what}: relative error {err:e} >= {tol:e}");
+    got
 }
 
 struct TempModel(PathBuf);
@@ -102,7 +178,7 @@ fn synth(shape: SynthShape, ty: GgmlType) -> (TempModel, GgufFile) {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn every_weight_type_matches_the_cpu() {
+fn every_weight_type_matches_the_reference() {
     let types = [
         GgmlType::F32,
         GgmlType::F16,
@@ -116,17 +192,24 @@ fn every_weight_type_matches_the_cpu() {
     for shape in [SynthShape::Tiny, SynthShape::TinyQwen2] {
         for ty in types {
             let (_tmp, file) = synth(shape, ty);
-            compare(&file, GgmlType::F16, &format!("{} {ty}", shape.name()));
+            check_against_reference(&file, &format!("{} {ty}", shape.name()));
         }
     }
 }
 
+/// Quantized caches on the GPU: within 3e-2 of the cpu with the same cache type, and
+/// within the quantization's own error of the f16 cache (the cpu test's bounds).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn quantized_kv_caches_match_the_cpu() {
     let (_tmp, file) = synth(SynthShape::Tiny, GgmlType::Q8_0);
-    for cache in [GgmlType::Q8_0, GgmlType::Q4_0] {
-        compare(&file, cache, &format!("tiny q8_0, {cache} cache"));
+    let n_vocab = ModelConfig::from_gguf(&file).unwrap().n_vocab;
+    let f16 = compare_caches(&file, GgmlType::F16, 3e-2, "tiny q8_0, f16 cache");
+    for (cache, bound) in [(GgmlType::Q8_0, 5e-2), (GgmlType::Q4_0, 3e-1)] {
+        let got = compare_caches(&file, cache, 3e-2, &format!("tiny q8_0, {cache} cache"));
+        let err = worst_row_error(&got, &f16, n_vocab);
+        println!("{cache} cache vs f16 cache on the GPU: {err:.2e}");
+        assert!(err > 0.0 && err < bound, "{cache} cache: {err:e} vs f16");
     }
 }
 
@@ -141,7 +224,7 @@ fn stories_path() -> PathBuf {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn stories260k_matches_the_cpu() {
+fn stories260k_matches_the_reference() {
     let path = stories_path();
     let file = GgufFile::open(&path).unwrap_or_else(|e| {
         panic!(
@@ -149,5 +232,5 @@ fn stories260k_matches_the_cpu() {
             path.display()
         )
     });
-    compare(&file, GgmlType::F16, "stories260K");
+    check_against_reference(&file, "stories260K");
 }

@@ -42,12 +42,20 @@ impl SessionRegistry {
     ) -> Result<T> {
         let slot = self.serving_slot(session, what)?;
         self.run_blocking(what, move || {
-            let mut staged = slot.lock().map_err(|_| {
-                WorkerError::Internal(format!(
+            let result = match slot.lock() {
+                Ok(mut staged) => work(&mut staged),
+                Err(_) => Err(WorkerError::Internal(format!(
                     "{what}: an earlier operation on this session's block panicked; end the session and load again"
-                ))
-            })?;
-            work(&mut staged)
+                ))),
+            };
+            // A session that ended while this ran was freed by the registry before its
+            // block was: this reference kept it. Free it now and give the heap back, as
+            // the registry did for the rest of the session.
+            if std::sync::Arc::strong_count(&slot) == 1 {
+                drop(slot);
+                crate::heap::return_freed_heap();
+            }
+            result
         })
         .await
     }

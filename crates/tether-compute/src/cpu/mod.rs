@@ -72,6 +72,7 @@ impl CpuBackend {
 
 impl Backend for CpuBackend {
     type Buffer = CpuBuffer;
+    type Replays = ();
 
     fn name(&self) -> String {
         "cpu".to_string()

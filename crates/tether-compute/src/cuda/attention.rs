@@ -11,6 +11,8 @@ use super::launch::{Arg, int};
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{AttnShape, AttnSpan, DeviceBuffer, Result};
 
+/// Batches of at most this many query tokens are sized as decode steps.
+const DECODE_TOKENS: usize = 8;
 /// Cells one attention block should at least get when the cells of a head are split.
 const MIN_CELLS_PER_SPLIT: usize = 64;
 /// Most splits made only to fill the GPU.
@@ -84,7 +86,15 @@ impl CudaBackend {
             .iter()
             .flat_map(|s| [s.first_cell, s.n_cells])
             .collect();
-        let max_cells = spans.iter().map(|s| s.n_cells as usize).max().unwrap_or(1);
+        let longest = spans.iter().map(|s| s.n_cells as usize).max().unwrap_or(1);
+        // Decode-sized batches split as if their spans filled the cache, so the launch
+        // shape does not change as the context grows and a recorded step can be replayed
+        // (see graph.rs); each split then takes its share of the actual span.
+        let max_cells = if spans.len() <= DECODE_TOKENS {
+            n_cells.max(longest)
+        } else {
+            longest
+        };
         let splits = attention_splits(shape.n_heads * spans.len(), max_cells, self.sm_count);
         let chunk = max_cells.div_ceil(splits);
         if splits > 65_535 {

@@ -59,6 +59,15 @@ const MATVEC_ENTRIES: &[&str] = &[
     "matvec_q6_k_2",
     "matvec_q6_k_4",
     "matvec_q6_k_8",
+    "quantize_q8",
+    "matvecq_q4_0_1",
+    "matvecq_q4_0_2",
+    "matvecq_q4_0_4",
+    "matvecq_q4_0_8",
+    "matvecq_swiglu_q4_0_1",
+    "matvecq_swiglu_q4_0_2",
+    "matvecq_swiglu_q4_0_4",
+    "matvecq_swiglu_q4_0_8",
 ];
 
 const FILES: &[KernelFile] = &[
@@ -81,6 +90,17 @@ const FILES: &[KernelFile] = &[
             "attention",
             "attention_f16v",
             "attention_merge",
+        ],
+    },
+    KernelFile {
+        name: "gemm",
+        source: include_str!("../../../../kernels/gemm.cu"),
+        entries: &[
+            "gemm_dequant_f16",
+            "gemm_x_f16",
+            "gemm_f16",
+            "gemm_f16_wide",
+            "gemm_reduce",
         ],
     },
 ];
@@ -285,11 +305,19 @@ mod tests {
         for f in FILES {
             for e in f.entries {
                 // Matvec entries come from a macro: check the type part is instantiated.
-                let stem = e.trim_start_matches("matvec_");
+                if let Some(n) = e.strip_prefix("matvecq_swiglu_q4_0_") {
+                    let entry = format!("MVQ_SWIGLU_ENTRY({n})");
+                    assert!(f.source.contains(&entry), "{e} not found in {}", f.name);
+                    continue;
+                }
+                let (all, stem) = match e.strip_prefix("matvecq_") {
+                    Some(stem) => ("MVQ_ALL", stem),
+                    None => ("MV_ALL", e.trim_start_matches("matvec_")),
+                };
                 let ty = stem.rsplit_once('_').map_or(stem, |(t, _)| t);
                 assert!(
                     f.source.contains(&format!("{e}("))
-                        || f.source.contains(&format!("MV_ALL({ty})")),
+                        || f.source.contains(&format!("{all}({ty})")),
                     "{e} not found in {}",
                     f.name
                 );

@@ -42,6 +42,7 @@ impl Device {
 
     /// Waits for every op issued on the stream.
     pub(crate) fn synchronize(&self) -> Result<()> {
+        self.flush_recorded()?;
         self.bind()?;
         self.stream
             .synchronize()
@@ -71,6 +72,7 @@ impl Device {
                 device: self.clone(),
             });
         }
+        self.flush_recorded()?;
         self.bind()?;
         // SAFETY: the context is current; the memory is zeroed below before any use.
         let ptr = match unsafe { result::malloc_sync(bytes) } {

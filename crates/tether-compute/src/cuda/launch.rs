@@ -7,7 +7,7 @@ use crate::cuda::device::driver_err;
 use crate::error::ComputeError;
 
 /// One kernel argument, as the kernel declares it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Arg {
     /// A device pointer (or 0 for a null pointer).
     Ptr(u64),

@@ -10,12 +10,17 @@ mod attention;
 mod check;
 mod compile;
 mod device;
+mod gemm;
+mod graph;
 mod launch;
+mod matvec;
 mod ops;
 mod staging;
 
 pub use device::CudaBuffer;
+pub use graph::CudaReplays;
 
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::CudaContext;
@@ -25,6 +30,7 @@ use crate::backend::{DeviceBuffer, Result};
 use crate::error::ComputeError;
 use compile::Kernels;
 use device::{Device, driver_err};
+use gemm::GemmWorkspace;
 use staging::Staging;
 
 /// A backend on one CUDA device.
@@ -36,8 +42,18 @@ pub struct CudaBackend {
     staging: Mutex<Staging>,
     /// Partial results of split attention, grown on first need; locked after `staging`.
     scratch: Mutex<Option<CudaBuffer>>,
+    /// Decode activations quantized to 8-bit blocks (see `matvec.rs`); fixed size.
+    xq: Mutex<matvec::Xq>,
+    /// Bumped by every op that may write device memory (see `matvec.rs`).
+    write_epoch: AtomicU64,
+    /// Held while a thread records a decode step (graph.rs).
+    step: Mutex<()>,
+    /// The side stream decode steps are captured on (capturing issues nothing).
+    capture: Arc<cudarc::driver::CudaStream>,
     /// Multiprocessors of the device: decode attention splits its cells to fill them.
     sm_count: usize,
+    /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
+    gemm_ws: Mutex<GemmWorkspace>,
 }
 
 /// Whether the CUDA driver library can be loaded on this machine.
@@ -84,14 +100,27 @@ impl CudaBackend {
                 driver_err(&format!("reading the SM count of CUDA device {ordinal}"), e)
             })?;
         let kernels = Kernels::load(&ctx, cc)?;
+        let capture = ctx.new_stream().map_err(|e| {
+            driver_err(
+                &format!("creating a capture stream on CUDA device {ordinal}"),
+                e,
+            )
+        })?;
         let device = Arc::new(Device::new(ctx, stream, format!("cuda:{ordinal} {gpu}")));
         let staging = Mutex::new(Staging::new(&device)?);
+        let xq = Mutex::new(matvec::Xq::new(device.alloc(matvec::XQ_BYTES)?));
+        let gemm_ws = Mutex::new(GemmWorkspace::new(&device)?);
         Ok(Self {
             device,
             kernels,
             staging,
             scratch: Mutex::new(None),
+            xq,
+            capture,
+            step: Mutex::new(()),
+            write_epoch: AtomicU64::new(0),
             sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
+            gemm_ws,
         })
     }
 
@@ -100,11 +129,31 @@ impl CudaBackend {
         self.device.allocated_bytes()
     }
 
-    /// Bytes of device memory the backend holds for itself (index staging, attention
-    /// scratch).
+    /// Bytes of device memory the backend holds for itself (index staging, quantized
+    /// decode activations, GEMM workspace, attention scratch).
     pub fn internal_bytes(&self) -> usize {
         let staging = self.lock_staging().device_bytes();
-        staging + self.lock_scratch().as_ref().map_or(0, |b| b.bytes())
+        staging
+            + self.lock_xq().bytes()
+            + self.lock_gemm().bytes()
+            + self.lock_scratch().as_ref().map_or(0, |b| b.bytes())
+    }
+
+    /// [`crate::Backend::replay`]: the staging ring restarts (so the step's index arrays
+    /// land where they did last time), then the step is recorded and issued (graph.rs).
+    pub(crate) fn replay_step<R>(
+        &self,
+        replays: &mut CudaReplays,
+        key: u64,
+        f: impl FnOnce() -> R,
+    ) -> Result<R> {
+        if graph::in_step() {
+            return Ok(f());
+        }
+        // One step at a time records (the step staging area is shared); others wait.
+        let _step = self.step.lock().unwrap_or_else(|p| p.into_inner());
+        self.lock_staging().rewind_step()?;
+        graph::replay(&self.device, &self.capture, replays, key, f)
     }
 
     fn lock_scratch(&self) -> MutexGuard<'_, Option<CudaBuffer>> {

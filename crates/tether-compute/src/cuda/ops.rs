@@ -8,7 +8,10 @@ use super::check::{
     cache_type_supported, elems, f32s, need, row_bytes, shape_err, unsupported,
     weight_type_supported,
 };
-use super::launch::{Arg, grid_for, int, launch};
+use super::gemm::{GEMM_MIN_TOKENS, GemmArgs};
+use super::graph::Cmd;
+use super::launch::{Arg, grid_for, int};
+use super::matvec::MatvecArgs;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
 use crate::cuda::device::driver_err;
@@ -16,50 +19,65 @@ use crate::shape_check::rope_args;
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
-/// Weight rows per matvec block (one warp each); must match `MV_WARPS` in matvec.cu.
-const MV_ROWS_PER_BLOCK: usize = 4;
-/// Most tokens one matvec launch multiplies; larger batches are split.
-const MV_MAX_TOKENS: usize = 8;
-
-/// The name stem of the matvec kernels for `ty`.
-fn matvec_stem(ty: GgmlType) -> Option<&'static str> {
-    Some(match ty {
-        GgmlType::F32 => "f32",
-        GgmlType::F16 => "f16",
-        GgmlType::BF16 => "bf16",
-        GgmlType::Q4_0 => "q4_0",
-        GgmlType::Q8_0 => "q8_0",
-        GgmlType::Q4K => "q4_k",
-        GgmlType::Q5K => "q5_k",
-        GgmlType::Q6K => "q6_k",
-        _ => return None,
-    })
-}
-
 impl CudaBackend {
+    /// Launches kernel `name`. Every op that may write device memory goes through here (or
+    /// calls [`CudaBackend::wrote`]), which retires the quantized copy of a matmul input.
     pub(super) fn run(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-        launch(
-            &self.device.stream,
-            self.kernels.get(name)?,
-            name,
+        self.wrote();
+        self.launch_kernel(name, cfg, args)
+    }
+
+    /// Launches (or records, see graph.rs) kernel `name` without retiring quantized inputs.
+    pub(super) fn launch_kernel(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.device.submit(Cmd::Launch {
+            name: name.to_string(),
+            func: self.kernels.get(name)?.clone(),
             cfg,
-            args,
-        )
+            args: args.to_vec(),
+        })
+    }
+
+    /// Checks a matmul's type and buffer sizes; returns the weight, input and output
+    /// addresses.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_operands(
+        &self,
+        w: &CudaBuffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &CudaBuffer,
+        n_tokens: usize,
+        out: &CudaBuffer,
+    ) -> Result<(u64, u64, u64)> {
+        const OP: &str = "matmul";
+        if !weight_type_supported(ty) {
+            return Err(unsupported(OP, ty));
+        }
+        let rb = row_bytes(OP, ty, cols)?;
+        need(OP, "weight buffer", w.bytes(), rb.checked_mul(rows))?;
+        f32s(OP, "input", x, elems(OP, &[n_tokens, cols])?)?;
+        f32s(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
+        let (wp, xp) = (self.addr(OP, "weight", w)?, self.addr(OP, "input", x)?);
+        Ok((wp, xp, self.addr(OP, "output", out)?))
     }
 
     fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
-        self.device.bind()?;
-        // SAFETY: the caller checked that `ptr` holds `bytes` bytes of a live buffer.
-        unsafe { result::memset_d8_async(ptr, 0, bytes, self.device.stream.cu_stream()) }
-            .map_err(|e| driver_err("zeroing an output", e))
+        self.wrote();
+        self.device.submit(Cmd::Zero { dst: ptr, bytes })
     }
 }
 
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
+    type Replays = super::CudaReplays;
+
+    fn replay<R>(&self, replays: &mut Self::Replays, key: u64, f: impl FnOnce() -> R) -> Result<R> {
+        self.replay_step(replays, key, f)
+    }
 
     fn name(&self) -> String {
         self.device.name.clone()
@@ -75,6 +93,8 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, dst: &mut CudaBuffer, offset: usize, src: &[u8]) -> Result<()> {
+        self.wrote();
+        self.device.flush_recorded()?;
         need(
             "upload",
             "destination buffer",
@@ -93,6 +113,7 @@ impl Backend for CudaBackend {
     }
 
     fn download(&self, src: &CudaBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.device.flush_recorded()?;
         need(
             "download",
             "source buffer",
@@ -173,45 +194,92 @@ impl Backend for CudaBackend {
         n_tokens: usize,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        const OP: &str = "matmul";
-        let stem = matvec_stem(ty).ok_or_else(|| unsupported(OP, ty))?;
-        let rb = row_bytes(OP, ty, cols)?;
-        need(OP, "weight buffer", w.bytes(), rb.checked_mul(rows))?;
-        f32s(OP, "input", x, elems(OP, &[n_tokens, cols])?)?;
-        f32s(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
-        let (wp, xp) = (self.addr(OP, "weight", w)?, self.addr(OP, "input", x)?);
-        let op = self.addr(OP, "output", out)?;
+        let (wp, xp, op) = self.matmul_operands(w, ty, rows, cols, x, n_tokens, out)?;
         if rows == 0 || n_tokens == 0 {
             return Ok(());
         }
         if cols == 0 {
             return self.zero(op, rows * n_tokens * 4);
         }
-        let (rows_arg, cols_arg) = (int(OP, "rows", rows)?, int(OP, "cols", cols)?);
-        let blocks = u32::try_from(rows.div_ceil(MV_ROWS_PER_BLOCK))
-            .map_err(|_| shape_err(OP, format!("{rows} rows are too many for one launch")))?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut t0 = 0;
-        while t0 < n_tokens {
-            let n = (n_tokens - t0).min(MV_MAX_TOKENS);
-            let width = n.next_power_of_two();
-            let name = format!("matvec_{stem}_{width}");
-            let args = [
-                Arg::Ptr(wp),
-                rows_arg,
-                cols_arg,
-                Arg::Ptr(xp + (t0 * cols * 4) as u64),
-                Arg::I32(n as i32),
-                Arg::Ptr(op + (t0 * rows * 4) as u64),
-            ];
-            self.run(&name, cfg, &args)?;
-            t0 += n;
+        if n_tokens >= GEMM_MIN_TOKENS {
+            return self.gemm(&GemmArgs {
+                w: wp,
+                ty,
+                rows,
+                cols,
+                x: xp,
+                n_tokens,
+                out: op,
+            });
         }
-        Ok(())
+        self.matvec(MatvecArgs {
+            w: wp,
+            ty,
+            rows,
+            cols,
+            x: xp,
+            n_tokens,
+            out: op,
+            accumulate: false,
+        })
+    }
+
+    fn matmul_swiglu(
+        &self,
+        gate: &CudaBuffer,
+        up: &CudaBuffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &CudaBuffer,
+        n_tokens: usize,
+        out: &mut CudaBuffer,
+        gate_tmp: &mut CudaBuffer,
+        up_tmp: &mut CudaBuffer,
+    ) -> Result<()> {
+        if !self.fuses_swiglu(ty, cols, n_tokens) {
+            self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
+            self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
+            return self.swiglu(gate_tmp, up_tmp, n_tokens * rows, out);
+        }
+        let (gp, xp, op) = self.matmul_operands(gate, ty, rows, cols, x, n_tokens, out)?;
+        let (up_p, _, _) = self.matmul_operands(up, ty, rows, cols, x, n_tokens, out)?;
+        if rows == 0 || n_tokens == 0 {
+            return Ok(());
+        }
+        self.matvec_swiglu(gp, up_p, rows, cols, xp, n_tokens, op)
+    }
+
+    fn matmul_add(
+        &self,
+        w: &CudaBuffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &CudaBuffer,
+        n_tokens: usize,
+        acc: &mut CudaBuffer,
+        tmp: &mut CudaBuffer,
+    ) -> Result<()> {
+        if n_tokens >= GEMM_MIN_TOKENS || cols == 0 {
+            self.matmul(w, ty, rows, cols, x, n_tokens, tmp)?;
+            return self.add(acc, tmp, n_tokens * rows);
+        }
+        let (wp, xp, ap) = self.matmul_operands(w, ty, rows, cols, x, n_tokens, acc)?;
+        if rows == 0 || n_tokens == 0 {
+            return Ok(());
+        }
+        // The matvec kernels add into `acc` as they store: no pass over `tmp`.
+        self.matvec(MatvecArgs {
+            w: wp,
+            ty,
+            rows,
+            cols,
+            x: xp,
+            n_tokens,
+            out: ap,
+            accumulate: true,
+        })
     }
 
     fn add_bias(
@@ -259,9 +327,11 @@ impl Backend for CudaBackend {
         }
         let blocks = u32::try_from(n_tokens)
             .map_err(|_| shape_err(OP, format!("{n_tokens} tokens are too many")))?;
+        // One thread per 4 elements of a row (at most 1024), whole warps.
+        let threads = dim.div_ceil(4).next_multiple_of(32).clamp(32, 1024) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let args = [
@@ -413,6 +483,8 @@ impl Backend for CudaBackend {
     }
 
     fn copy(&self, src: &CudaBuffer, dst: &mut CudaBuffer, bytes: usize) -> Result<()> {
+        self.wrote();
+        self.device.flush_recorded()?;
         const OP: &str = "copy";
         need(OP, "source buffer", src.bytes(), Some(bytes))?;
         need(OP, "destination buffer", dst.bytes(), Some(bytes))?;

@@ -14,11 +14,15 @@ use cudarc::driver::sys::CUdeviceptr;
 
 use crate::backend::Result;
 use crate::cuda::device::{CudaBuffer, Device, driver_err};
+use crate::cuda::graph::Cmd;
 
 /// Initial ring size; grows (after a synchronize) when one array is larger.
 const INITIAL_BYTES: usize = 1 << 20;
 /// Offsets are rounded to this, which suits any element type.
 const ALIGN: usize = 256;
+/// Arrays remembered for reuse: a layer stages the same positions, cells and spans as
+/// every other layer of the forward pass, so each is copied once instead of per layer.
+const MEMO: usize = 8;
 
 /// A page-locked host allocation, freed on drop.
 struct PinnedHost {
@@ -51,59 +55,126 @@ impl Drop for PinnedHost {
     }
 }
 
-/// The rings and the next free offset.
-pub(crate) struct Staging {
-    device: Arc<Device>,
+/// A pinned host area, the device area it is copied to, the next free offset, and the
+/// arrays staged since the last restart.
+struct Area {
     host: PinnedHost,
     dev: CudaBuffer,
     next: usize,
+    /// Recently staged arrays and where they are; all still unoverwritten (cleared on
+    /// restart). A layer stages the same positions, cells and spans as every other layer.
+    memo: Vec<(Vec<u32>, CUdeviceptr)>,
 }
 
-impl Staging {
-    pub(crate) fn new(device: &Arc<Device>) -> Result<Self> {
+impl Area {
+    fn new(device: &Arc<Device>, len: usize) -> Result<Self> {
         Ok(Self {
-            host: PinnedHost::new(device, INITIAL_BYTES)?,
-            dev: device.alloc(INITIAL_BYTES)?,
-            device: device.clone(),
+            host: PinnedHost::new(device, len)?,
+            dev: device.alloc(len)?,
             next: 0,
+            memo: Vec::with_capacity(MEMO),
         })
     }
 
-    /// Bytes of device memory the staging ring holds.
-    pub(crate) fn device_bytes(&self) -> usize {
-        self.host.len
+    fn restart(&mut self) {
+        self.next = 0;
+        self.memo.clear();
     }
 
-    /// Copies `values` to device memory and returns its address, valid for ops issued on
-    /// the stream before the next call that wraps the ring.
-    pub(crate) fn stage_u32(&mut self, values: &[u32]) -> Result<CUdeviceptr> {
+    fn find(&self, values: &[u32]) -> Option<CUdeviceptr> {
+        self.memo
+            .iter()
+            .find(|(v, _)| v.as_slice() == values)
+            .map(|(_, at)| *at)
+    }
+
+    /// Writes `values` at the next free offset and records or issues their copy; the
+    /// caller checked that `size` bytes are free.
+    fn put(&mut self, device: &Device, values: &[u32], size: usize) -> Result<CUdeviceptr> {
         let bytes = std::mem::size_of_val(values);
-        let size = bytes.max(4).next_multiple_of(ALIGN);
-        if self.next + size > self.host.len {
-            // Every earlier copy and the ops that read it must finish before reuse.
-            self.device.synchronize()?;
-            self.next = 0;
-            if size > self.host.len {
-                let len = size.next_power_of_two();
-                self.host = PinnedHost::new(&self.device, len)?;
-                self.dev = self.device.alloc(len)?;
-            }
-        }
         let at = self.next;
         self.next += size;
-        // SAFETY: `at + bytes <= host.len`, the host ring is ours, and the slot is unused by
-        // any pending copy (see the wrap above).
+        // SAFETY: `at + bytes <= host.len` (checked by the caller), the host area is ours,
+        // and the slot is unused by any pending copy (the area restarts only when the
+        // stream is idle).
         let slot = unsafe { std::slice::from_raw_parts_mut(self.host.ptr.add(at), bytes) };
         for (d, v) in slot.chunks_exact_mut(4).zip(values) {
             d.copy_from_slice(&v.to_le_bytes());
         }
         let dst = self.dev.ptr() + at as u64;
-        self.device.bind()?;
-        // SAFETY: `dst` is inside the device ring; the source is pinned and stays valid
-        // until the stream has passed this copy.
-        unsafe { result::memcpy_htod_async(dst, &*slot, self.device.stream.cu_stream()) }
-            .map_err(|e| driver_err(&format!("staging {bytes} bytes of indices"), e))?;
+        // The source is pinned and stays valid until the stream has passed this copy.
+        device.submit(Cmd::HostToDevice {
+            dst,
+            src: slot.as_ptr() as usize,
+            bytes,
+        })?;
+        if self.memo.len() == MEMO {
+            self.memo.remove(0);
+        }
+        self.memo.push((values.to_vec(), dst));
         Ok(dst)
+    }
+}
+
+/// The ring for ordinary ops, and a fixed area for recorded decode steps: a step's arrays
+/// must sit at the same addresses every time for its graph to be replayed (graph.rs).
+pub(crate) struct Staging {
+    device: Arc<Device>,
+    ring: Area,
+    step: Area,
+}
+
+/// Bytes of the step area; a decode step's arrays take a few hundred.
+const STEP_BYTES: usize = 64 << 10;
+
+impl Staging {
+    pub(crate) fn new(device: &Arc<Device>) -> Result<Self> {
+        Ok(Self {
+            ring: Area::new(device, INITIAL_BYTES)?,
+            step: Area::new(device, STEP_BYTES)?,
+            device: device.clone(),
+        })
+    }
+
+    /// Restarts the step area once the stream is idle (the last step's copies are done),
+    /// so that a step staging the same arrays puts them at the same addresses.
+    pub(crate) fn rewind_step(&mut self) -> Result<()> {
+        self.device.synchronize()?;
+        self.step.restart();
+        Ok(())
+    }
+
+    /// Bytes of device memory the staging areas hold.
+    pub(crate) fn device_bytes(&self) -> usize {
+        self.ring.host.len + self.step.host.len
+    }
+
+    /// Copies `values` to device memory and returns its address, valid for ops issued on
+    /// the stream before the next call that wraps the ring.
+    pub(crate) fn stage_u32(&mut self, values: &[u32]) -> Result<CUdeviceptr> {
+        let size = std::mem::size_of_val(values).max(4).next_multiple_of(ALIGN);
+        if self.device.recording_here() {
+            if let Some(at) = self.step.find(values) {
+                return Ok(at);
+            }
+            if self.step.next + size <= self.step.host.len {
+                return self.step.put(&self.device, values, size);
+            }
+            // Too large for the step area: the step runs eagerly from the ring instead.
+            self.device.flush_recorded()?;
+        }
+        if let Some(at) = self.ring.find(values) {
+            return Ok(at);
+        }
+        if self.ring.next + size > self.ring.host.len {
+            // Every earlier copy and the ops that read it must finish before reuse.
+            self.device.synchronize()?;
+            self.ring.restart();
+            if size > self.ring.host.len {
+                self.ring = Area::new(&self.device, size.next_power_of_two())?;
+            }
+        }
+        self.ring.put(&self.device, values, size)
     }
 }
 

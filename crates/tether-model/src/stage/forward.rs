@@ -26,6 +26,8 @@ fn need_len(what: &str, got: usize, want: usize) -> Result<(), ModelError> {
     }
 }
 
+/// Batches of at most this many tokens run as replayable steps (see `Backend::replay`).
+const REPLAY_MAX_TOKENS: usize = 8;
 impl<B: Backend> Stage<B> {
     /// Looks up `ids` in the embedding table into `hidden_out` (`[ids.len()][n_embd]`).
     pub fn embed(&mut self, ids: &[u32], hidden_out: &mut [f32]) -> Result<(), ModelError> {
@@ -90,8 +92,21 @@ impl<B: Backend> Stage<B> {
             self.backend
                 .upload(&mut self.scratch.hidden, 0, as_bytes(h))
                 .map_err(compute("uploading hidden states"))?;
-            for i in 0..self.layers.len() {
-                self.layer(i, &positions, &cells, &spans)?;
+            if toks.len() <= REPLAY_MAX_TOKENS {
+                // Decode steps repeat the same ops on the same buffers: let the backend
+                // replay them (CUDA graphs) instead of issuing each op.
+                let mut replays = std::mem::take(&mut self.replays);
+                let backend = self.backend.clone();
+                let step = backend.replay(&mut replays, toks.len() as u64, || {
+                    (0..self.layers.len())
+                        .try_for_each(|i| self.layer(i, &positions, &cells, &spans))
+                });
+                self.replays = replays;
+                step.map_err(compute("running a recorded decode step"))??;
+            } else {
+                for i in 0..self.layers.len() {
+                    self.layer(i, &positions, &cells, &spans)?;
+                }
             }
             self.backend
                 .download(&self.scratch.hidden, 0, as_bytes_mut(h))
@@ -185,30 +200,62 @@ impl<B: Backend> Stage<B> {
             &mut ls.attn,
         )
         .map_err(ce("attention"))?;
-        be.matmul(&w[lw.wo].buf, w[lw.wo].ty, e, qd, &ls.attn, n, normed)
-            .map_err(ce("attention output projection"))?;
-        be.add(&mut s.hidden, normed, n * e)
-            .map_err(ce("attention residual"))?;
+        // Output projection added straight into the residual stream (`normed` is scratch).
+        be.matmul_add(
+            &w[lw.wo].buf,
+            w[lw.wo].ty,
+            e,
+            qd,
+            &ls.attn,
+            n,
+            &mut s.hidden,
+            normed,
+        )
+        .map_err(ce("attention output projection"))?;
         be.rms_norm(&s.hidden, &w[lw.ffn_norm].buf, n, e, cfg.rms_eps, normed)
             .map_err(ce("ffn norm"))?;
-        be.matmul(
-            &w[lw.gate].buf,
-            w[lw.gate].ty,
-            ff,
+        if w[lw.gate].ty != w[lw.up].ty {
+            // Mixed-type files (some quantization mixes) take the three steps apart.
+            be.matmul(
+                &w[lw.gate].buf,
+                w[lw.gate].ty,
+                ff,
+                e,
+                normed,
+                n,
+                &mut ls.gate,
+            )
+            .map_err(ce("ffn gate"))?;
+            be.matmul(&w[lw.up].buf, w[lw.up].ty, ff, e, normed, n, &mut ls.up)
+                .map_err(ce("ffn up"))?;
+            be.swiglu(&ls.gate, &ls.up, n * ff, &mut ls.act)
+                .map_err(ce("swiglu"))?;
+        } else {
+            be.matmul_swiglu(
+                &w[lw.gate].buf,
+                &w[lw.up].buf,
+                w[lw.gate].ty,
+                ff,
+                e,
+                normed,
+                n,
+                &mut ls.act,
+                &mut ls.gate,
+                &mut ls.up,
+            )
+            .map_err(ce("ffn gate and up"))?;
+        }
+        be.matmul_add(
+            &w[lw.down].buf,
+            w[lw.down].ty,
             e,
-            normed,
+            ff,
+            &ls.act,
             n,
-            &mut ls.gate,
+            &mut s.hidden,
+            normed,
         )
-        .map_err(ce("ffn gate"))?;
-        be.matmul(&w[lw.up].buf, w[lw.up].ty, ff, e, normed, n, &mut ls.up)
-            .map_err(ce("ffn up"))?;
-        be.swiglu(&ls.gate, &ls.up, n * ff, &mut ls.act)
-            .map_err(ce("swiglu"))?;
-        be.matmul(&w[lw.down].buf, w[lw.down].ty, e, ff, &ls.act, n, normed)
-            .map_err(ce("ffn down"))?;
-        be.add(&mut s.hidden, normed, n * e)
-            .map_err(ce("ffn residual"))?;
+        .map_err(ce("ffn down"))?;
         Ok(())
     }
 

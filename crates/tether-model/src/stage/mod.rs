@@ -121,6 +121,8 @@ pub struct Stage<B: Backend> {
     kv: KvState,
     allocs: u64,
     loaded: bool,
+    /// Decode steps the backend recorded for replay; dropped with the stage.
+    replays: B::Replays,
 }
 
 fn check_spec(cfg: &ModelConfig, spec: &StageSpec) -> Result<(), ModelError> {
@@ -371,6 +373,7 @@ impl<B: Backend> Stage<B> {
             kv,
             allocs,
             loaded: false,
+            replays: B::Replays::default(),
         })
     }
 

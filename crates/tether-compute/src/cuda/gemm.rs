@@ -1,0 +1,443 @@
+//! Prefill matmul on tensor cores (kernels/gemm.cu): weight rows are decoded to f16 in a
+//! workspace chunk, the tokens converted to f16, and one GEMM multiplies the two.
+//!
+//! The workspace is allocated once with the backend, so serving never allocates device
+//! memory here; a matmul larger than it runs in chunks of rows and of tokens. Chunks too
+//! small to fill the GPU split K across blocks, summed in a fixed order (deterministic).
+
+use std::sync::{Arc, MutexGuard};
+
+use cudarc::driver::LaunchConfig;
+use tether_gguf::GgmlType;
+
+use super::check::{row_bytes, shape_err};
+use super::device::Device;
+use super::launch::{Arg, grid_for, int};
+use super::{CudaBackend, CudaBuffer};
+use crate::backend::{DeviceBuffer, Result};
+
+/// Batches of at least this many tokens take the GEMM path; smaller ones the matvec
+/// kernels, which need no decoding pass. Measured on an H100 (4096 x 4096, Q4_0 / Q8_0 /
+/// Q4_K): one matvec launch of 8 tokens takes 43-59 us and the GEMM of 16 tokens 45-49 us,
+/// so the GEMM wins as soon as the matvec needs a second launch (it takes 8 tokens each).
+pub(super) const GEMM_MIN_TOKENS: usize = 9;
+
+/// f16 values of the decoded-weight chunk (64 MiB).
+const W16_ELEMS: usize = 32 << 20;
+/// f16 values of the converted-token chunk (16 MiB).
+const X16_ELEMS: usize = 8 << 20;
+/// f32 split-K partial sums (32 MiB): 4 splits of 512 tokens x 4096 rows.
+const PARTIAL_ELEMS: usize = 8 << 20;
+/// Most K splits of one chunk, and the fewest K tiles a split keeps (fewer and the
+/// pipeline fill and the partial write dominate).
+const MAX_SPLITS: usize = 16;
+const MIN_SPLIT_K_TILES: usize = 8;
+/// Blocks of the tile kernel resident per multiprocessor (its launch bounds); split K
+/// until this many are busy. Measured best: 1 leaves small grids idle, 4 pays more for
+/// partial sums than it gains.
+const BLOCKS_PER_SM: usize = 2;
+/// Tile sizes of the tile kernels; must match GEMM_M, GEMM_N, GEMM_K in gemm.cu.
+const TILE_M: usize = 128;
+const TILE_N: usize = 128;
+const TILE_K: usize = 32;
+/// Threads per block of the element-wise gemm.cu kernels.
+const THREADS: u32 = 256;
+
+/// One instantiation of gemm.cu's `gemm_block`: its entry point and threads per block.
+#[derive(Clone, Copy, Debug)]
+struct TileKernel {
+    name: &'static str,
+    threads: u32,
+}
+
+/// 8 warps of 64 x 32 outputs: the same sums as `WARPS_64X64`, bit for bit, so the tests
+/// check one against the other.
+#[cfg(test)]
+const WARPS_64X32: TileKernel = TileKernel {
+    name: "gemm_f16",
+    threads: 256,
+};
+/// 4 warps of 64 x 64 outputs: half the shared-memory reads per mma, more registers.
+const WARPS_64X64: TileKernel = TileKernel {
+    name: "gemm_f16_wide",
+    threads: 128,
+};
+/// The tile kernel `matmul` uses: on an H100 (`gpu_bench_tile_kernels`, Q8_0, 512 tokens)
+/// 8B-shape matmuls took 1.12 ms a layer with it against 1.21 ms with `WARPS_64X32`.
+const TILE_KERNEL: TileKernel = WARPS_64X64;
+
+const OP: &str = "matmul";
+
+/// The workspaces of the GEMM path (f16 operands, f32 split-K partials), owned by the
+/// backend.
+pub(super) struct GemmWorkspace {
+    w16: CudaBuffer,
+    x16: CudaBuffer,
+    partials: CudaBuffer,
+}
+
+impl GemmWorkspace {
+    pub(super) fn new(device: &Arc<Device>) -> Result<Self> {
+        Ok(Self {
+            w16: device.alloc(W16_ELEMS * 2)?,
+            x16: device.alloc(X16_ELEMS * 2)?,
+            partials: device.alloc(PARTIAL_ELEMS * 4)?,
+        })
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.w16.bytes() + self.x16.bytes() + self.partials.bytes()
+    }
+}
+
+/// One matmul as `Backend::matmul` receives it, with checked device addresses:
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]`.
+pub(super) struct GemmArgs {
+    pub(super) w: u64,
+    pub(super) ty: GgmlType,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) x: u64,
+    pub(super) n_tokens: usize,
+    pub(super) out: u64,
+}
+
+/// Workspace row length: `cols` rounded up to the GEMM's K step, so the kernel has no K
+/// tail and every workspace row is 64-byte aligned.
+fn padded_cols(cols: usize) -> Result<usize> {
+    cols.checked_next_multiple_of(TILE_K)
+        .ok_or_else(|| shape_err(OP, format!("{cols} columns overflow")))
+}
+
+/// Weight rows decoded per chunk: as many whole 128-row tiles as the workspace holds (or
+/// fewer rows when a single tile does not fit), so only the last chunk has an edge tile.
+fn rows_per_chunk(kp: usize) -> usize {
+    let fit = W16_ELEMS / kp;
+    if fit >= TILE_M {
+        fit / TILE_M * TILE_M
+    } else {
+        fit
+    }
+}
+
+/// K splits for a chunk of `tiles` output tiles over `k_tiles` K tiles, each split's
+/// partial `partial_elems` f32: enough splits to fill the GPU's `slots` resident blocks
+/// when the tiles alone do not, within the partials workspace. Returns (splits, K tiles
+/// per split), every split non-empty.
+fn split_k(tiles: usize, k_tiles: usize, partial_elems: usize, slots: usize) -> (usize, usize) {
+    let wanted = slots / tiles.max(1);
+    let splits = wanted
+        .min(MAX_SPLITS)
+        .min(k_tiles / MIN_SPLIT_K_TILES)
+        .min(PARTIAL_ELEMS / partial_elems.max(1))
+        .max(1);
+    let per_split = k_tiles.div_ceil(splits);
+    (k_tiles.div_ceil(per_split), per_split)
+}
+
+impl CudaBackend {
+    pub(super) fn lock_gemm(&self) -> MutexGuard<'_, GemmWorkspace> {
+        // The workspace holds no state between calls, so a poisoned lock is still usable.
+        self.gemm_ws.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The matmul of `a` on tensor cores; the caller has checked the buffers' sizes and
+    /// that no dimension is zero.
+    pub(super) fn gemm(&self, a: &GemmArgs) -> Result<()> {
+        self.gemm_with(a, TILE_KERNEL, BLOCKS_PER_SM)
+    }
+
+    /// The GEMM with tile kernel `tile`, splitting K until `blocks_per_sm` blocks per
+    /// multiprocessor are busy.
+    fn gemm_with(&self, a: &GemmArgs, tile: TileKernel, blocks_per_sm: usize) -> Result<()> {
+        let rb = row_bytes(OP, a.ty, a.cols)?;
+        let kp = padded_cols(a.cols)?;
+        let row_chunk = rows_per_chunk(kp);
+        let token_chunk = X16_ELEMS / kp;
+        if row_chunk == 0 || token_chunk == 0 {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{} columns do not fit the GEMM workspace of {W16_ELEMS} f16 weights \
+                     and {X16_ELEMS} f16 inputs",
+                    a.cols
+                ),
+            ));
+        }
+        // Every index the kernels compute in 32 bits: columns, rows (the output stride)
+        // and tokens; bigger products are 64-bit there.
+        let (cols_arg, kp_arg) = (int(OP, "cols", a.cols)?, int(OP, "padded cols", kp)?);
+        let ldo = int(OP, "rows", a.rows)?;
+        let _ = int(OP, "token count", a.n_tokens)?;
+        let ty = Arg::I32(a.ty.id() as i32);
+
+        // Held while enqueuing: the one stream orders the kernels of successive calls, so
+        // the next call may reuse the workspace as soon as this one has enqueued.
+        let ws = self.lock_gemm();
+        let (w16, x16, partials) = (ws.w16.ptr(), ws.x16.ptr(), ws.partials.ptr());
+        for t0 in (0..a.n_tokens).step_by(token_chunk) {
+            let nt = (a.n_tokens - t0).min(token_chunk);
+            let args = [
+                Arg::Ptr(a.x + (t0 * a.cols * 4) as u64),
+                cols_arg,
+                kp_arg,
+                Arg::I32(nt as i32),
+                Arg::Ptr(x16),
+            ];
+            self.run("gemm_x_f16", grid_for(nt * kp, THREADS), &args)?;
+            for r0 in (0..a.rows).step_by(row_chunk) {
+                let nr = (a.rows - r0).min(row_chunk);
+                let args = [
+                    Arg::Ptr(a.w + (r0 * rb) as u64),
+                    ty,
+                    Arg::U64(rb as u64),
+                    cols_arg,
+                    kp_arg,
+                    Arg::I32(nr as i32),
+                    Arg::Ptr(w16),
+                ];
+                self.run("gemm_dequant_f16", grid_for(nr * kp / 8, THREADS), &args)?;
+                let (m_tiles, n_tiles) = (nr.div_ceil(TILE_M), nt.div_ceil(TILE_N));
+                let (splits, k_tiles) = split_k(
+                    m_tiles * n_tiles,
+                    kp / TILE_K,
+                    nt * nr,
+                    blocks_per_sm * self.sm_count,
+                );
+                let out = a.out + ((t0 * a.rows + r0) * 4) as u64;
+                // One split writes the result itself; more write partials [split][nt][nr].
+                let (dst, dst_ld, stride) = if splits == 1 {
+                    (out, ldo, 0)
+                } else {
+                    (partials, Arg::I32(nr as i32), (nt * nr) as u64)
+                };
+                // Token tiles on x: consecutive blocks share a weight tile (see gemm.cu).
+                let cfg = LaunchConfig {
+                    grid_dim: (n_tiles as u32, m_tiles as u32, splits as u32),
+                    block_dim: (tile.threads, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let args = [
+                    Arg::Ptr(w16),
+                    Arg::Ptr(x16),
+                    Arg::I32(nr as i32),
+                    Arg::I32(nt as i32),
+                    kp_arg,
+                    Arg::I32(k_tiles as i32),
+                    Arg::Ptr(dst),
+                    dst_ld,
+                    Arg::U64(stride),
+                ];
+                self.run(tile.name, cfg, &args)?;
+                if splits > 1 {
+                    let args = [
+                        Arg::Ptr(partials),
+                        Arg::I32(splits as i32),
+                        Arg::U64(stride),
+                        Arg::I32(nr as i32),
+                        Arg::I32(nt as i32),
+                        Arg::Ptr(out),
+                        ldo,
+                    ];
+                    self.run("gemm_reduce", grid_for(nt * nr, THREADS), &args)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_are_whole_tiles_and_fit_the_workspace() {
+        let kp = padded_cols(4096).unwrap();
+        assert_eq!(kp, 4096);
+        let rows = rows_per_chunk(kp);
+        assert_eq!(rows % TILE_M, 0);
+        assert!(rows * kp <= W16_ELEMS);
+        assert_eq!(padded_cols(100).unwrap(), 128);
+        // A row too long for 128 rows still gets a chunk of fewer rows.
+        let huge = W16_ELEMS / 4;
+        assert_eq!(rows_per_chunk(huge), 4);
+        assert_eq!(rows_per_chunk(W16_ELEMS + TILE_K), 0);
+    }
+
+    #[test]
+    fn splits_fill_the_gpu_and_cover_k_exactly() {
+        // 4096 rows x 512 tokens = 128 tiles on 132 SMs: two splits of 64 K tiles.
+        assert_eq!(split_k(128, 128, 512 * 4096, 264), (2, 64));
+        // A full wave already: no split.
+        assert_eq!(split_k(256, 128, 512 * 8192, 264), (1, 128));
+        // Few tiles: capped by MAX_SPLITS, then by K (8 tiles each at least).
+        assert_eq!(split_k(1, 1024, 128, 264), (16, 64));
+        assert_eq!(split_k(8, 24, 128, 264), (3, 8));
+        assert_eq!(split_k(8, 4, 128, 264), (1, 4));
+        // Partials that would overflow their workspace limit the splits.
+        assert_eq!(split_k(8, 1024, PARTIAL_ELEMS / 3, 264), (3, 342));
+        for tiles in 1..300 {
+            for k in [1, 7, 8, 9, 100, 129, 448] {
+                let (s, per) = split_k(tiles, k, 4096, 264);
+                assert!((1..=MAX_SPLITS).contains(&s) && per * s >= k && per * (s - 1) < k);
+            }
+        }
+    }
+
+    #[test]
+    fn grid_dimensions_fit_the_launch_limits() {
+        // The smallest padded row gives the most tiles per chunk; both stay under the
+        // 65 535 blocks of grid y and far under grid x's limit.
+        let rows = rows_per_chunk(TILE_K);
+        assert!(rows.div_ceil(TILE_M) <= 65_535);
+        assert!((X16_ELEMS / TILE_K).div_ceil(TILE_N) < u32::MAX as usize);
+    }
+}
+
+/// The two tile kernels on a GPU: same bits (each output is the same chain of mma ops, in
+/// the same order), and their speed on llama3-8b shapes. Ignored without a GPU.
+#[cfg(test)]
+mod gpu_tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::backend::Backend;
+
+    fn gpu() -> CudaBackend {
+        CudaBackend::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"))
+    }
+
+    /// Deterministic bytes: Q8_0 blocks get a 0.01 f16 scale, F32 values lie in [-1, 1).
+    fn weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        if ty == GgmlType::F32 {
+            return (0..rows * cols)
+                .flat_map(|_| ((next() >> 40) as f32 / (1 << 23) as f32 - 1.0).to_le_bytes())
+                .collect();
+        }
+        let mut w: Vec<u8> = (0..rows * cols / 32 * 34).map(|_| next() as u8).collect();
+        for b in w.chunks_exact_mut(34) {
+            b[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+        }
+        w
+    }
+
+    struct Case {
+        w: CudaBuffer,
+        x: CudaBuffer,
+        out: CudaBuffer,
+        args: GemmArgs,
+    }
+
+    fn case(g: &CudaBackend, ty: GgmlType, rows: usize, cols: usize, n: usize) -> Case {
+        let wb = weights(ty, rows, cols, (rows * 31 + cols * 7 + n) as u64);
+        let xb = weights(GgmlType::F32, n, cols, 5);
+        let mut w = g.alloc(wb.len()).unwrap();
+        g.upload(&mut w, 0, &wb).unwrap();
+        let mut x = g.alloc(xb.len()).unwrap();
+        g.upload(&mut x, 0, &xb).unwrap();
+        let out = g.alloc(n * rows * 4).unwrap();
+        let args = GemmArgs {
+            w: w.ptr(),
+            ty,
+            rows,
+            cols,
+            x: x.ptr(),
+            n_tokens: n,
+            out: out.ptr(),
+        };
+        Case { w, x, out, args }
+    }
+
+    fn output(g: &CudaBackend, c: &Case) -> Vec<u32> {
+        let mut bytes = vec![0u8; c.out.bytes()];
+        g.download(&c.out, 0, &mut bytes).unwrap();
+        bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_tile_kernels_agree_bit_for_bit() {
+        let g = gpu();
+        let shapes = [
+            (GgmlType::Q8_0, 1, 256, 16),
+            (GgmlType::Q8_0, 100, 256, 33),
+            (GgmlType::Q8_0, 4096 + 17, 4096, 33),
+            (GgmlType::Q8_0, 4096 + 17, 256, 512),
+            (GgmlType::Q8_0, 4096, 4096, 512),
+            (GgmlType::Q8_0, 1024, 4096, 200),
+            (GgmlType::Q8_0, 600, 65_536, 140),
+            (GgmlType::F32, 100, 100, 33),
+            (GgmlType::F32, 4096 + 17, 100, 16),
+        ];
+        for (ty, rows, cols, n) in shapes {
+            let c = case(&g, ty, rows, cols, n);
+            g.gemm_with(&c.args, WARPS_64X32, BLOCKS_PER_SM).unwrap();
+            let narrow = output(&g, &c);
+            g.gemm_with(&c.args, WARPS_64X64, BLOCKS_PER_SM).unwrap();
+            let wide = output(&g, &c);
+            let differ = narrow.iter().zip(&wide).filter(|(a, b)| a != b).count();
+            eprintln!("{ty} {rows}x{cols} n={n}: {differ} outputs differ");
+            assert_eq!(differ, 0, "{ty} {rows}x{cols} n={n}");
+            assert!(
+                narrow.iter().any(|&v| v != 0),
+                "{ty} {rows}x{cols}: all zero"
+            );
+            drop((c.w, c.x));
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_bench_tile_kernels() {
+        let g = gpu();
+        let n = 512;
+        // llama3-8b: q, o; k, v; gate, up; down.
+        let shapes = [
+            (4096, 4096, 2.0),
+            (1024, 4096, 2.0),
+            (14336, 4096, 2.0),
+            (4096, 14336, 1.0),
+        ];
+        for (tile, wave) in [
+            (WARPS_64X32, 1),
+            (WARPS_64X32, 2),
+            (WARPS_64X32, 4),
+            (WARPS_64X64, 1),
+            (WARPS_64X64, 2),
+            (WARPS_64X64, 4),
+        ] {
+            let mut layer = 0.0;
+            let mut line = String::new();
+            for (rows, cols, per_layer) in shapes {
+                let c = case(&g, GgmlType::Q8_0, rows, cols, n);
+                g.gemm_with(&c.args, tile, wave).unwrap();
+                g.synchronize().unwrap();
+                let iters = 20;
+                let start = Instant::now();
+                for _ in 0..iters {
+                    g.gemm_with(&c.args, tile, wave).unwrap();
+                }
+                g.synchronize().unwrap();
+                let secs = start.elapsed().as_secs_f64() / iters as f64;
+                layer += per_layer * secs;
+                line += &format!(" {rows}x{cols} {:.1}us", secs * 1e6);
+            }
+            eprintln!(
+                "{} wave {wave}: q8_0 n={n}{line}; 8B pp{n} (matmuls only) {:.0} tokens/s",
+                tile.name,
+                n as f64 / (32.0 * layer)
+            );
+        }
+    }
+}

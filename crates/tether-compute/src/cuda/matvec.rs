@@ -1,0 +1,221 @@
+//! Matrix-vector products for small batches (decode): one launch per group of at most
+//! [`MV_MAX_TOKENS`] tokens, each reading every weight once.
+//!
+//! Q4_0 weights meet activations quantized to 8-bit blocks (as the cpu backend does),
+//! multiplied with 4-way integer dot products: the activation row then costs a quarter of
+//! its f32 bytes per weight row read, which is what bounded the f32 kernel (2.2 TB/s of
+//! weights instead of 1.4 on an H100). Q8_0 gains little from it (its weights are twice as
+//! large beside the activations) and keeps f32 activations, which are exact: the 8-bit
+//! activations cost up to 1.6e-2 of relative logit error on small random models.
+
+use std::sync::MutexGuard;
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::LaunchConfig;
+use tether_gguf::GgmlType;
+
+use super::check::shape_err;
+use super::launch::{Arg, int};
+use super::{CudaBackend, CudaBuffer};
+use crate::backend::Result;
+
+/// Weight rows per matvec block (one warp each); must match `MV_WARPS` in matvec.cu.
+const MV_ROWS_PER_BLOCK: usize = 4;
+/// Most tokens one matvec launch multiplies; larger batches are split.
+pub(crate) const MV_MAX_TOKENS: usize = 8;
+/// Widest activation row the 8-bit path takes; wider rows use the f32 kernels.
+const XQ_MAX_COLS: usize = 1 << 16;
+/// Bytes of the quantized-activation buffer: `MV_MAX_TOKENS` rows of int8 values, then
+/// one (scale, scaled sum) f32 pair per 32 values.
+pub(crate) const XQ_BYTES: usize = XQ_SCALES_AT + MV_MAX_TOKENS * (XQ_MAX_COLS / 32) * 8;
+/// Where the (scale, scaled sum) pairs start in that buffer.
+const XQ_SCALES_AT: usize = MV_MAX_TOKENS * XQ_MAX_COLS;
+
+/// The quantized-activation buffer and what it holds.
+pub(crate) struct Xq {
+    buf: CudaBuffer,
+    /// (input address, cols, tokens, write epoch) of the rows it holds: matmuls of one
+    /// input (q, k, v; gate, up) quantize it once, until any op writes device memory.
+    holds: Option<(u64, usize, usize, u64)>,
+}
+
+impl Xq {
+    pub(crate) fn new(buf: CudaBuffer) -> Self {
+        Self { buf, holds: None }
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        crate::backend::DeviceBuffer::bytes(&self.buf)
+    }
+}
+
+/// Device addresses and sizes of one checked matmul.
+pub(crate) struct MatvecArgs {
+    pub w: u64,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub x: u64,
+    pub n_tokens: usize,
+    pub out: u64,
+    /// Add into `out` instead of overwriting it.
+    pub accumulate: bool,
+}
+
+/// The name stem of the matvec kernels for `ty`.
+fn stem(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4K => "q4_k",
+        GgmlType::Q5K => "q5_k",
+        GgmlType::Q6K => "q6_k",
+        _ => return None,
+    })
+}
+
+impl CudaBackend {
+    /// Marks that device memory may have changed: quantized inputs must be made again.
+    pub(super) fn wrote(&self) {
+        self.write_epoch.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn lock_xq(&self) -> MutexGuard<'_, Xq> {
+        // The buffer holds no state between ops, so a poisoned lock is still usable.
+        self.xq.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `out[t] = w · x[t]` for every token, in launches of at most [`MV_MAX_TOKENS`].
+    pub(super) fn matvec(&self, a: MatvecArgs) -> Result<()> {
+        const OP: &str = "matmul";
+        let stem = stem(a.ty).ok_or_else(|| super::check::unsupported(OP, a.ty))?;
+        let (rows_arg, cols_arg) = (int(OP, "rows", a.rows)?, int(OP, "cols", a.cols)?);
+        let blocks = u32::try_from(a.rows.div_ceil(MV_ROWS_PER_BLOCK))
+            .map_err(|_| shape_err(OP, format!("{} rows are too many for one launch", a.rows)))?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let int8 = a.ty == GgmlType::Q4_0 && a.cols.is_multiple_of(32) && a.cols <= XQ_MAX_COLS;
+        // Held across the loop: the quantized rows are read by the launch after it.
+        let mut xq = if int8 { Some(self.lock_xq()) } else { None };
+        let mut t0 = 0;
+        while t0 < a.n_tokens {
+            let n = (a.n_tokens - t0).min(MV_MAX_TOKENS);
+            let width = n.next_power_of_two();
+            let x = a.x + (t0 * a.cols * 4) as u64;
+            let out = a.out + (t0 * a.rows * 4) as u64;
+            match &mut xq {
+                Some(xq) => {
+                    let (q, ds) = (xq.buf.ptr(), xq.buf.ptr() + XQ_SCALES_AT as u64);
+                    let key = (x, a.cols, n, self.write_epoch.load(Ordering::Relaxed));
+                    if xq.holds != Some(key) {
+                        self.quantize_q8(x, a.cols, n, q, ds)?;
+                        xq.holds = Some(key);
+                    }
+                    let args = [
+                        Arg::Ptr(a.w),
+                        rows_arg,
+                        cols_arg,
+                        Arg::Ptr(q),
+                        Arg::Ptr(ds),
+                        Arg::I32(n as i32),
+                        Arg::Ptr(out),
+                        Arg::I32(i32::from(a.accumulate)),
+                    ];
+                    // Not `run`: the output is never the quantized input, which stays valid.
+                    self.launch_kernel(&format!("matvecq_{stem}_{width}"), cfg, &args)?;
+                }
+                None => {
+                    let args = [
+                        Arg::Ptr(a.w),
+                        rows_arg,
+                        cols_arg,
+                        Arg::Ptr(x),
+                        Arg::I32(n as i32),
+                        Arg::Ptr(out),
+                        Arg::I32(i32::from(a.accumulate)),
+                    ];
+                    self.run(&format!("matvec_{stem}_{width}"), cfg, &args)?;
+                }
+            }
+            t0 += n;
+        }
+        Ok(())
+    }
+
+    /// Whether [`Self::matvec_swiglu`] takes this product (else: two matmuls and swiglu).
+    pub(super) fn fuses_swiglu(&self, ty: GgmlType, cols: usize, n_tokens: usize) -> bool {
+        ty == GgmlType::Q4_0
+            && cols > 0
+            && cols.is_multiple_of(32)
+            && cols <= XQ_MAX_COLS
+            && n_tokens <= MV_MAX_TOKENS
+    }
+
+    /// `out[t] = silu(gate · x[t]) · (up · x[t])` in one launch (Q4_0, at most
+    /// [`MV_MAX_TOKENS`] tokens; see `fuses_swiglu`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matvec_swiglu(
+        &self,
+        gate: u64,
+        up: u64,
+        rows: usize,
+        cols: usize,
+        x: u64,
+        n: usize,
+        out: u64,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let blocks = u32::try_from(rows.div_ceil(MV_ROWS_PER_BLOCK))
+            .map_err(|_| shape_err(OP, format!("{rows} rows are too many for one launch")))?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut xq = self.lock_xq();
+        let (q, ds) = (xq.buf.ptr(), xq.buf.ptr() + XQ_SCALES_AT as u64);
+        let key = (x, cols, n, self.write_epoch.load(Ordering::Relaxed));
+        if xq.holds != Some(key) {
+            self.quantize_q8(x, cols, n, q, ds)?;
+            xq.holds = Some(key);
+        }
+        let args = [
+            Arg::Ptr(gate),
+            Arg::Ptr(up),
+            int(OP, "rows", rows)?,
+            int(OP, "cols", cols)?,
+            Arg::Ptr(q),
+            Arg::Ptr(ds),
+            Arg::I32(n as i32),
+            Arg::Ptr(out),
+        ];
+        let width = n.next_power_of_two();
+        self.launch_kernel(&format!("matvecq_swiglu_q4_0_{width}"), cfg, &args)
+    }
+
+    /// Quantizes `n` rows of `cols` f32 at `x` into 8-bit blocks at `q` with their scales
+    /// and scaled sums at `ds`.
+    fn quantize_q8(&self, x: u64, cols: usize, n: usize, q: u64, ds: u64) -> Result<()> {
+        const WARPS_PER_BLOCK: usize = 8;
+        let warps = n * cols / 32;
+        let cfg = LaunchConfig {
+            grid_dim: (warps.div_ceil(WARPS_PER_BLOCK) as u32, 1, 1),
+            block_dim: (32 * WARPS_PER_BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::Ptr(x),
+            int("matmul", "cols", cols)?,
+            Arg::I32(n as i32),
+            Arg::Ptr(q),
+            Arg::Ptr(ds),
+        ];
+        self.launch_kernel("quantize_q8", cfg, &args)
+    }
+}

@@ -1,0 +1,308 @@
+// Prefill matmul on tensor cores: weights are decoded to an f16 workspace, activations are
+// converted to f16, and an f16 x f16 -> f32 GEMM (mma.sync m16n8k16) multiplies them.
+// Decoding once per call and reusing each weight tile for up to 128 tokens is what makes
+// prefill fast; the matvec kernels re-read the weights every few tokens.
+//
+// Workspace layout (both written here, read by the tile kernels): `kp` f16 per row,
+// kp = cols rounded up to a multiple of 32 (GEMM_K), the tail zeroed, so the GEMM never
+// needs a K edge case and every row starts 64-byte aligned for 16-byte cp.async copies.
+
+#define GEMM_M 128
+#define GEMM_N 128
+#define GEMM_K 32
+#define GEMM_STAGES 3
+
+// The 8 consecutive values e0..e0+8 of a row of type ty, e0 a multiple of 8, every one of
+// them < cols. Quantized rows hold whole blocks of 32 (or 256) values, so the 8 values
+// share one block and one scale.
+__device__ __forceinline__ void decode8(int ty, const u8* row, int e0, float* v) {
+    switch (ty) {
+    case TY_Q4_0: {
+        const u8* b = row + (e0 / 32) * 18;
+        float d = h2f(ld16(b));
+        int j0 = e0 % 32;
+        const u8* q = b + 2 + (j0 % 16);
+        int shift = j0 < 16 ? 0 : 4;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = (float)(((q[i] >> shift) & 15) - 8) * d;
+        return;
+    }
+    case TY_Q8_0: {
+        const u8* b = row + (e0 / 32) * 34;
+        float d = h2f(ld16(b));
+        const u8* q = b + 2 + e0 % 32;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = (float)(i8)q[i] * d;
+        return;
+    }
+    case TY_Q4_K:
+    case TY_Q5_K: {
+        bool five = ty == TY_Q5_K;
+        const u8* b = row + (e0 / 256) * (five ? 176 : 144);
+        int i = e0 % 256, g = i / 64, k = i % 64, s = 2 * g + (k >= 32), l0 = k % 32;
+        int sc, m;
+        scale_min_k4(s, b + 4, &sc, &m);
+        float d = h2f(ld16(b)) * (float)sc, dm = h2f(ld16(b + 2)) * (float)m;
+        const u8* q = b + (five ? 48 : 16) + 32 * g + l0;
+        int shift = k < 32 ? 0 : 4;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int qv = (q[j] >> shift) & 15;
+            if (five) qv += ((b[16 + l0 + j] >> s) & 1) << 4;
+            v[j] = d * (float)qv - dm;
+        }
+        return;
+    }
+    case TY_Q6_K: {
+        const u8* b = row + (e0 / 256) * 210;
+        int i = e0 % 256, h = i / 128, r = i % 128, k = r / 32, l0 = r % 32;
+        // l0..l0+8 stays inside one half of 16, so one scale serves all 8.
+        float d = h2f(ld16(b + 208)) * (float)(i8)b[192 + 8 * h + l0 / 16 + 2 * k];
+        const u8* ql = b + 64 * h + 32 * (k & 1) + l0;
+        const u8* qh = b + 128 + 32 * h + l0;
+        int shift = k < 2 ? 0 : 4;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int q = (((ql[j] >> shift) & 15) | (((qh[j] >> (2 * k)) & 3) << 4)) - 32;
+            v[j] = d * (float)q;
+        }
+        return;
+    }
+    default:
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = dequant_at(ty, row, e0 + j);
+    }
+}
+
+// Decodes rows [0, nr) of w (row_bytes apart, type ty, cols values each) into out
+// [nr][kp] f16, zeroing columns cols..kp. Grid-stride over groups of 8 values; kp is a
+// multiple of 8, so each group is one 16-byte store.
+extern "C" __global__ void gemm_dequant_f16(const u8* __restrict__ w, int ty, u64 row_bytes,
+                                            int cols, int kp, int nr, u16* __restrict__ out) {
+    u64 groups_per_row = (u64)(kp / 8);
+    u64 total = (u64)nr * groups_per_row;
+    for (u64 gi = blockIdx.x * (u64)blockDim.x + threadIdx.x; gi < total;
+         gi += (u64)gridDim.x * blockDim.x) {
+        u64 r = gi / groups_per_row;
+        int e0 = (int)(gi % groups_per_row) * 8;
+        const u8* row = w + r * row_bytes;
+        float v[8];
+        if (e0 + 8 <= cols) {
+            decode8(ty, row, e0, v);
+        } else {
+            // Only plain float rows have a partial group (quantized cols are whole blocks).
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = e0 + j < cols ? dequant_at(ty, row, e0 + j) : 0.0f;
+        }
+        uint4 packed;
+        packed.x = (u32)f2h(v[0]) | ((u32)f2h(v[1]) << 16);
+        packed.y = (u32)f2h(v[2]) | ((u32)f2h(v[3]) << 16);
+        packed.z = (u32)f2h(v[4]) | ((u32)f2h(v[5]) << 16);
+        packed.w = (u32)f2h(v[6]) | ((u32)f2h(v[7]) << 16);
+        *(uint4*)(out + r * (u64)kp + e0) = packed;
+    }
+}
+
+// x [nt][cols] f32 -> out [nt][kp] f16, columns cols..kp zeroed. Grid-stride, one value
+// per thread (activations are small next to the weights).
+extern "C" __global__ void gemm_x_f16(const float* __restrict__ x, int cols, int kp, int nt,
+                                      u16* __restrict__ out) {
+    u64 total = (u64)nt * kp;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        u64 t = i / kp;
+        int c = (int)(i % kp);
+        out[i] = c < cols ? f2h(x[t * cols + c]) : (u16)0;
+    }
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 fills zeros (rows past the edge).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte offset of 16-byte chunk `ch` (0..4) of tile row `row` (64 bytes a row). The XOR
+// swizzle puts the 8 rows one ldmatrix reads in 8 different bank groups, without padding
+// (padding would push 3 stages past the 48 KiB of static shared memory).
+__device__ __forceinline__ u32 tile_off(int row, int ch) {
+    return (u32)(row * 64 + ((ch ^ ((row >> 1) & 3)) << 4));
+}
+
+// Copies the K-tile kt (GEMM_K values) of GEMM_M rows starting at row0 of src ([nrows][kp]
+// f16) into the shared tile at `tile`, THREADS threads sharing the 16-byte pieces; rows >=
+// nrows read as zeros.
+template <int THREADS>
+__device__ __forceinline__ void load_tile(u32 tile, const u16* src, int row0, int nrows,
+                                          int kp, int kt) {
+#pragma unroll
+    for (int i = 0; i < (GEMM_M * GEMM_K / 8) / THREADS; i++) {
+        int idx = threadIdx.x + i * THREADS;
+        int row = idx >> 2, ch = idx & 3;
+        int gr = row0 + row;
+        bool ok = gr < nrows;
+        const u16* p = src + (u64)(ok ? gr : 0) * kp + kt * GEMM_K + ch * 8;
+        cp_async16(tile + tile_off(row, ch), p, ok ? 16 : 0);
+    }
+}
+
+// out[n][m] (row stride ldo) = sum_k a[m][k] * b[n][k] for m < m_rows, n < n_cols: a is the
+// decoded weight chunk [m_rows][kp], b the f16 tokens [n_cols][kp], both from the kernels
+// above (kp a multiple of GEMM_K, rows 64-byte aligned).
+// Launch: grid (ceil(n_cols / 128), ceil(m_rows / 128), splits), 64 * WARPS_N threads, no
+// dynamic shared memory. Token tiles vary fastest so the blocks resident together share
+// one weight tile, which is then read from memory once. The warps form 2 (m) x WARPS_N
+// (n); each computes 64 (m) x 128 / WARPS_N (n). Wider warp tiles read shared memory less
+// per mma but hold more registers.
+// Split-K: block z sums K tiles [z * k_tiles, (z + 1) * k_tiles) and writes its partial
+// at out + z * split_stride (gemm_reduce adds them); with one split that is the result.
+template <int WARPS_N>
+__device__ __forceinline__ void gemm_block(const u16* __restrict__ a, const u16* __restrict__ b,
+                                           int m_rows, int n_cols, int kp, int k_tiles,
+                                           float* __restrict__ out, int ldo, u64 split_stride) {
+    constexpr int THREADS = 64 * WARPS_N;
+    constexpr int WARP_N = GEMM_N / WARPS_N;
+    constexpr int NI = WARP_N / 8;
+    __shared__ __align__(128) u16 sa[GEMM_STAGES][GEMM_M * GEMM_K];
+    __shared__ __align__(128) u16 sb[GEMM_STAGES][GEMM_N * GEMM_K];
+
+    int bn = blockIdx.x * GEMM_N, bm = blockIdx.y * GEMM_M;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int wm = (warp & 1) * 64, wn = (warp >> 1) * WARP_N;
+    // This split's K tiles: [k0, k0 + nk); nk <= 0 leaves a zero partial, still written.
+    int k0 = blockIdx.z * k_tiles;
+    int nk = min(kp / GEMM_K - k0, k_tiles);
+    out += blockIdx.z * split_stride;
+
+    float acc[4][NI][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
+
+    u32 sa0 = smem_addr(&sa[0][0]), sb0 = smem_addr(&sb[0][0]);
+    const u32 stage_bytes = GEMM_M * GEMM_K * 2;
+
+#pragma unroll
+    for (int s = 0; s < GEMM_STAGES - 1; s++) {
+        if (s < nk) {
+            load_tile<THREADS>(sa0 + s * stage_bytes, a, bm, m_rows, kp, k0 + s);
+            load_tile<THREADS>(sb0 + s * stage_bytes, b, bn, n_cols, kp, k0 + s);
+        }
+        // Empty groups keep the wait count below uniform.
+        cp_async_commit();
+    }
+
+    for (int kt = 0; kt < nk; kt++) {
+        cp_async_wait<GEMM_STAGES - 2>();
+        // Tile kt is visible to every warp, and every warp is done with tile kt - 1, whose
+        // stage the prefetch below overwrites.
+        __syncthreads();
+        int next = kt + GEMM_STAGES - 1;
+        if (next < nk) {
+            int s = next % GEMM_STAGES;
+            load_tile<THREADS>(sa0 + s * stage_bytes, a, bm, m_rows, kp, k0 + next);
+            load_tile<THREADS>(sb0 + s * stage_bytes, b, bn, n_cols, kp, k0 + next);
+        }
+        cp_async_commit();
+
+        u32 ta = sa0 + (kt % GEMM_STAGES) * stage_bytes;
+        u32 tb = sb0 + (kt % GEMM_STAGES) * stage_bytes;
+#pragma unroll
+        for (int kk = 0; kk < GEMM_K / 16; kk++) {
+            u32 af[4][4], bf[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++) {
+                // Lanes 0-15 address rows 0-15 at k 0-7, lanes 16-31 the same rows at k 8-15:
+                // the four 8x8 matrices land in mma's A fragment order.
+                int row = wm + mi * 16 + (lane & 15);
+                ldmatrix_x4(ta + tile_off(row, kk * 2 + (lane >> 4)), af[mi]);
+            }
+#pragma unroll
+            for (int nj = 0; nj < NI / 2; nj++) {
+                // Matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+                // = b0, b1 of two 8-wide n tiles.
+                int row = wn + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+                u32 r[4];
+                ldmatrix_x4(tb + tile_off(row, kk * 2 + ((lane >> 3) & 1)), r);
+                bf[nj * 2][0] = r[0];
+                bf[nj * 2][1] = r[1];
+                bf[nj * 2 + 1][0] = r[2];
+                bf[nj * 2 + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) mma_16816(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+        }
+    }
+    cp_async_wait<0>();
+
+    // Accumulator c of tile (mi, ni): m = gid (+8 for c 2, 3), n = 2 * (lane % 4) (+1 for
+    // odd c). Lanes of one store write 8 consecutive m, so every 32-byte sector is whole.
+    int gid = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int m = bm + wm + mi * 16 + gid + (c >= 2 ? 8 : 0);
+                int n = bn + wn + ni * 8 + tq * 2 + (c & 1);
+                if (m < m_rows && n < n_cols) out[(u64)n * ldo + m] = acc[mi][ni][c];
+            }
+}
+
+// gemm_block with 8 warps of 64 x 32: 256 threads, two blocks per multiprocessor.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    gemm_f16(const u16* __restrict__ a, const u16* __restrict__ b, int m_rows, int n_cols,
+             int kp, int k_tiles, float* __restrict__ out, int ldo, u64 split_stride) {
+    gemm_block<4>(a, b, m_rows, n_cols, kp, k_tiles, out, ldo, split_stride);
+}
+
+// gemm_block with 4 warps of 64 x 64: 128 threads, two blocks per multiprocessor.
+extern "C" __global__ void __launch_bounds__(128, 2)
+    gemm_f16_wide(const u16* __restrict__ a, const u16* __restrict__ b, int m_rows, int n_cols,
+                  int kp, int k_tiles, float* __restrict__ out, int ldo, u64 split_stride) {
+    gemm_block<2>(a, b, m_rows, n_cols, kp, k_tiles, out, ldo, split_stride);
+}
+
+// out[t][r] (row stride ldo) = sum over z < splits of p[z][t][r], p holding splits partials
+// [nt][nr] of gemm_f16, split_stride = nt * nr apart. Summed in split order, so the result
+// does not depend on scheduling. Grid-stride over nt * nr values.
+extern "C" __global__ void gemm_reduce(const float* __restrict__ p, int splits,
+                                       u64 split_stride, int nr, int nt,
+                                       float* __restrict__ out, int ldo) {
+    u64 total = (u64)nt * nr;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        float sum = 0.0f;
+        for (int z = 0; z < splits; z++) sum += p[z * split_stride + i];
+        out[(i / nr) * ldo + i % nr] = sum;
+    }
+}
