@@ -20,6 +20,31 @@ extern "C" __global__ void __launch_bounds__(1024)
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * weight[i];
 }
 
+// rms_norm that also writes its rows quantized to 8-bit blocks for the Q4_0 decode
+// kernels (values xq [n_tokens][dim], scales xds [n_tokens][dim / 32]), saving them a pass.
+// Launch as rms_norm, with dim and blockDim.x multiples of 32 (a warp takes whole blocks).
+extern "C" __global__ void __launch_bounds__(1024)
+    rms_norm_q8(const float* x, const float* weight, int dim, float eps, float* out, i8* xq,
+                float2* xds) {
+    __shared__ double part[32];
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    float* o = out + (size_t)blockIdx.x * dim;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    ss = warp_sum_d(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += part[w];
+    float inv = (float)(1.0 / sqrt(total / (double)dim + (double)eps));
+    size_t row = (size_t)blockIdx.x * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = xr[i] * inv * weight[i];
+        o[i] = v;
+        q8_block(v, threadIdx.x & 31, xq + row + i, xds + (row + i) / 32);
+    }
+}
+
 // out[i] = silu(gate[i]) * up[i]. Launch: any 1-D grid (grid-stride loop).
 extern "C" __global__ void swiglu(const float* gate, const float* up, u64 n, float* out) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {

@@ -271,20 +271,7 @@ extern "C" __global__ void __launch_bounds__(256)
     if (warp >= nt * nb) return;
     int t = warp / nb, b = warp - t * nb;
     size_t at = (size_t)t * cols + (size_t)b * 32 + lane;
-    float v = x[at];
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    float d = amax / 127.0f;
-    float id = d > 0.f ? 1.0f / d : 0.f;
-    float qf = roundf(v * id);
-    // NaN input gives 0, like the cpu's saturating cast.
-    int q = qf != qf ? 0 : (int)fminf(fmaxf(qf, -127.f), 127.f);
-    xq[at] = (i8)q;
-    int sum = q;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) xds[(size_t)t * nb + b] = make_float2(d, d * (float)sum);
+    q8_block(x[at], lane, xq + at, xds + (size_t)t * nb + b);
 }
 
 // Q4_0 with 8-bit x: four lanes per 32-block as in mv_q4_0; each lane's 8 nibbles meet
@@ -340,6 +327,44 @@ __device__ void mvq_swiglu_q4_0(const u8* wg, const u8* wu, int rows, int cols, 
         if (lane == 0 && t < nt) out[(size_t)t * rows + r] = g / (1.f + expf(-g)) * u;
     }
 }
+
+// Three products of one input (q, k, v) in one launch: global row R picks the matrix.
+template <int NT>
+__device__ void mvq3_q4_0(const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2,
+                          int cols, const i8* xq, const float2* xds, int nt, float* o0,
+                          float* o1, float* o2) {
+    int lane = threadIdx.x & 31;
+    int R = blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
+    const u8* w;
+    float* out;
+    int rows, r;
+    if (R < r0) {
+        w = w0, out = o0, rows = r0, r = R;
+    } else if (R < r0 + r1) {
+        w = w1, out = o1, rows = r1, r = R - r0;
+    } else if (R < r0 + r1 + r2) {
+        w = w2, out = o2, rows = r2, r = R - r0 - r1;
+    } else {
+        return;
+    }
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    q4_0_row_x8<NT>(w + (size_t)r * (cols / 32) * 18, cols, xq, xds, nt, lane, acc);
+    mv_store<NT>(acc, out, rows, r, nt, 0);
+}
+
+#define MVQ3_ENTRY(nt)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) matvecq3_q4_0_##nt(                     \
+        const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,          \
+        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {           \
+        mvq3_q4_0<nt>(w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);                  \
+    }
+
+MVQ3_ENTRY(1)
+MVQ3_ENTRY(2)
+MVQ3_ENTRY(4)
+MVQ3_ENTRY(8)
 
 #define MVQ_SWIGLU_ENTRY(nt)                                                                  \
     extern "C" __global__ void __launch_bounds__(128) matvecq_swiglu_q4_0_##nt(               \

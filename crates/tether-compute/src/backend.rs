@@ -136,6 +136,25 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// Three products of one input (attention's q, k and v): `outs[i][t] = ws[i] · x[t]`,
+    /// `ws[i]` being `[rows[i]][cols]` of `types[i]`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul3(
+        &self,
+        ws: [&Self::Buffer; 3],
+        types: [GgmlType; 3],
+        rows: [usize; 3],
+        cols: usize,
+        x: &Self::Buffer,
+        n_tokens: usize,
+        outs: [&mut Self::Buffer; 3],
+    ) -> Result<()> {
+        for (i, out) in outs.into_iter().enumerate() {
+            self.matmul(ws[i], types[i], rows[i], cols, x, n_tokens, out)?;
+        }
+        Ok(())
+    }
+
     /// `acc[t][r] += Σ_c w[r][c] · x[t][c]`: a matmul added into `acc` (the residual
     /// stream). `tmp` (`[n_tokens][rows]` f32) is scratch for backends that multiply first
     /// and add after; a backend that adds as it stores leaves it untouched.

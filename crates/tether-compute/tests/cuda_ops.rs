@@ -560,3 +560,75 @@ fn matmul_swiglu_matches_cpu() {
         }
     }
 }
+
+/// A norm's 8-bit copy of its rows (written as it normalizes) feeds the Q4_0 products that
+/// follow it; the three fused q/k/v products and a later plain one read the right rows.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn norm_then_fused_products_match_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(11);
+    let (dim, rows) = (512usize, [96usize, 32, 32]);
+    let ty = GgmlType::Q4_0;
+    let ws: Vec<Pair> = rows
+        .iter()
+        .map(|&r| pair(&g, &c, &random_weights(&mut rng, ty, r * dim)))
+        .collect();
+    let norm_w = pair(&g, &c, &f32_bytes(&rng.f32s(dim, 1.0)));
+    for n in [1usize, 5, 8, 12] {
+        let x = pair(&g, &c, &f32_bytes(&rng.f32s(n * dim, 3.0)));
+        let mut ng = g.alloc(n * dim * 4).unwrap();
+        let mut nc = c.alloc(n * dim * 4).unwrap();
+        g.rms_norm(&x.g, &norm_w.g, n, dim, 1e-5, &mut ng).unwrap();
+        c.rms_norm(&x.c, &norm_w.c, n, dim, 1e-5, &mut nc).unwrap();
+        let mut og: Vec<_> = rows.iter().map(|r| g.alloc(n * r * 4).unwrap()).collect();
+        let mut oc: Vec<_> = rows.iter().map(|r| c.alloc(n * r * 4).unwrap()).collect();
+        let [g0, g1, g2] = &mut og[..] else {
+            unreachable!()
+        };
+        g.matmul3(
+            [&ws[0].g, &ws[1].g, &ws[2].g],
+            [ty; 3],
+            rows,
+            dim,
+            &ng,
+            n,
+            [g0, g1, g2],
+        )
+        .unwrap();
+        let [c0, c1, c2] = &mut oc[..] else {
+            unreachable!()
+        };
+        c.matmul3(
+            [&ws[0].c, &ws[1].c, &ws[2].c],
+            [ty; 3],
+            rows,
+            dim,
+            &nc,
+            n,
+            [c0, c1, c2],
+        )
+        .unwrap();
+        for i in 0..3 {
+            let what = format!("norm then matmul3 output {i}, n={n}");
+            let got = get(&g, &og[i], n * rows[i]);
+            assert_close(&what, &got, &get(&c, &oc[i], n * rows[i]), 1e-2);
+        }
+        // A product after another op re-quantizes its input instead of reusing stale rows.
+        g.add(&mut ng, &x.g, n * dim).unwrap();
+        c.add(&mut nc, &x.c, n * dim).unwrap();
+        let mut pg = g.alloc(n * rows[0] * 4).unwrap();
+        let mut pc = c.alloc(n * rows[0] * 4).unwrap();
+        g.matmul(&ws[0].g, ty, rows[0], dim, &ng, n, &mut pg)
+            .unwrap();
+        c.matmul(&ws[0].c, ty, rows[0], dim, &nc, n, &mut pc)
+            .unwrap();
+        let what = format!("matmul after add, n={n}");
+        assert_close(
+            &what,
+            &get(&g, &pg, n * rows[0]),
+            &get(&c, &pc, n * rows[0]),
+            1e-2,
+        );
+    }
+}

@@ -197,16 +197,19 @@ fn every_weight_type_matches_the_reference() {
     }
 }
 
-/// Quantized caches on the GPU: within 3e-2 of the cpu with the same cache type, and
-/// within the quantization's own error of the f16 cache (the cpu test's bounds).
+/// Quantized caches on the GPU: within 3e-2 (q8_0) or 1.5e-1 (q4_0) of the cpu with the
+/// same cache type, and within the quantization's own error of the f16 cache (the cpu
+/// test's bounds: 5e-2 for q8_0, 3e-1 for q4_0).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn quantized_kv_caches_match_the_cpu() {
     let (_tmp, file) = synth(SynthShape::Tiny, GgmlType::Q8_0);
     let n_vocab = ModelConfig::from_gguf(&file).unwrap().n_vocab;
     let f16 = compare_caches(&file, GgmlType::F16, 3e-2, "tiny q8_0, f16 cache");
-    for (cache, bound) in [(GgmlType::Q8_0, 5e-2), (GgmlType::Q4_0, 3e-1)] {
-        let got = compare_caches(&file, cache, 3e-2, &format!("tiny q8_0, {cache} cache"));
+    // Against the cpu: both quantize K and V alike, but the cpu's attention also rounds its
+    // inputs to 8 bits, which a 4-bit cache's coarse values amplify (7.7e-2 measured).
+    for (cache, bound, tol) in [(GgmlType::Q8_0, 5e-2, 3e-2), (GgmlType::Q4_0, 3e-1, 1.5e-1)] {
+        let got = compare_caches(&file, cache, tol, &format!("tiny q8_0, {cache} cache"));
         let err = worst_row_error(&got, &f16, n_vocab);
         println!("{cache} cache vs f16 cache on the GPU: {err:.2e}");
         assert!(err > 0.0 && err < bound, "{cache} cache: {err:e} vs f16");

@@ -64,6 +64,10 @@ const MATVEC_ENTRIES: &[&str] = &[
     "matvecq_q4_0_2",
     "matvecq_q4_0_4",
     "matvecq_q4_0_8",
+    "matvecq3_q4_0_1",
+    "matvecq3_q4_0_2",
+    "matvecq3_q4_0_4",
+    "matvecq3_q4_0_8",
     "matvecq_swiglu_q4_0_1",
     "matvecq_swiglu_q4_0_2",
     "matvecq_swiglu_q4_0_4",
@@ -79,7 +83,15 @@ const FILES: &[KernelFile] = &[
     KernelFile {
         name: "elementwise",
         source: include_str!("../../../../kernels/elementwise.cu"),
-        entries: &["rms_norm", "swiglu", "add", "add_bias", "rope", "get_rows"],
+        entries: &[
+            "rms_norm",
+            "rms_norm_q8",
+            "swiglu",
+            "add",
+            "add_bias",
+            "rope",
+            "get_rows",
+        ],
     },
     KernelFile {
         name: "attention",
@@ -305,8 +317,15 @@ mod tests {
         for f in FILES {
             for e in f.entries {
                 // Matvec entries come from a macro: check the type part is instantiated.
-                if let Some(n) = e.strip_prefix("matvecq_swiglu_q4_0_") {
-                    let entry = format!("MVQ_SWIGLU_ENTRY({n})");
+                let fused = [
+                    ("matvecq_swiglu_q4_0_", "MVQ_SWIGLU_ENTRY"),
+                    ("matvecq3_q4_0_", "MVQ3_ENTRY"),
+                ];
+                if let Some((n, mac)) = fused
+                    .iter()
+                    .find_map(|(p, m)| e.strip_prefix(p).map(|n| (n, m)))
+                {
+                    let entry = format!("{mac}({n})");
                     assert!(f.source.contains(&entry), "{e} not found in {}", f.name);
                     continue;
                 }

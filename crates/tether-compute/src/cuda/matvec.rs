@@ -148,8 +148,89 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Whether [`Self::matvec_swiglu`] takes this product (else: two matmuls and swiglu).
-    pub(super) fn fuses_swiglu(&self, ty: GgmlType, cols: usize, n_tokens: usize) -> bool {
+    /// Three Q4_0 products of one input in one launch (attention's q, k and v): the small k
+    /// and v matrices alone leave most of the GPU idle. `m[i]` is (weights, output).
+    pub(super) fn matvec3(
+        &self,
+        m: [(u64, u64); 3],
+        rows: [usize; 3],
+        cols: usize,
+        x: u64,
+        n: usize,
+    ) -> Result<()> {
+        const OP: &str = "matmul";
+        let total: usize = rows.iter().sum();
+        let blocks = u32::try_from(total.div_ceil(MV_ROWS_PER_BLOCK))
+            .map_err(|_| shape_err(OP, format!("{total} rows are too many for one launch")))?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (q, ds) = self.quantized_input(x, cols, n)?;
+        let args = [
+            Arg::Ptr(m[0].0),
+            Arg::Ptr(m[1].0),
+            Arg::Ptr(m[2].0),
+            int(OP, "rows", rows[0])?,
+            int(OP, "rows", rows[1])?,
+            int(OP, "rows", rows[2])?,
+            int(OP, "cols", cols)?,
+            Arg::Ptr(q),
+            Arg::Ptr(ds),
+            Arg::I32(n as i32),
+            Arg::Ptr(m[0].1),
+            Arg::Ptr(m[1].1),
+            Arg::Ptr(m[2].1),
+        ];
+        let width = n.next_power_of_two();
+        self.launch_kernel(&format!("matvecq3_q4_0_{width}"), cfg, &args)
+    }
+
+    /// Runs `launch`, an op that writes `n` rows of `cols` f32 at `x` and also their 8-bit
+    /// copy at the (values, scales) addresses it is given, and notes that the buffer holds
+    /// that copy, so the matmuls that follow skip their quantize pass. Returns false (and
+    /// runs nothing) when the rows do not fit the buffer.
+    pub(super) fn writing_xq(
+        &self,
+        x: u64,
+        cols: usize,
+        n: usize,
+        launch: impl FnOnce(u64, u64) -> Result<()>,
+    ) -> Result<bool> {
+        if n == 0
+            || n > MV_MAX_TOKENS
+            || cols == 0
+            || !cols.is_multiple_of(32)
+            || cols > XQ_MAX_COLS
+        {
+            return Ok(false);
+        }
+        let mut xq = self.lock_xq();
+        let (q, ds) = (xq.buf.ptr(), xq.buf.ptr() + XQ_SCALES_AT as u64);
+        xq.holds = None;
+        launch(q, ds)?;
+        // Read after the launch: the op's own write retired older copies.
+        xq.holds = Some((x, cols, n, self.write_epoch.load(Ordering::Relaxed)));
+        Ok(true)
+    }
+
+    /// The 8-bit copy of `n` rows of `cols` at `x` (quantized now unless the buffer already
+    /// holds them): the addresses of its values and of its scales.
+    fn quantized_input(&self, x: u64, cols: usize, n: usize) -> Result<(u64, u64)> {
+        let mut xq = self.lock_xq();
+        let (q, ds) = (xq.buf.ptr(), xq.buf.ptr() + XQ_SCALES_AT as u64);
+        let key = (x, cols, n, self.write_epoch.load(Ordering::Relaxed));
+        if xq.holds != Some(key) {
+            self.quantize_q8(x, cols, n, q, ds)?;
+            xq.holds = Some(key);
+        }
+        Ok((q, ds))
+    }
+
+    /// Whether the fused Q4_0 decode kernels ([`Self::matvec3`], [`Self::matvec_swiglu`])
+    /// take a product of this type and size (else: one matmul after another).
+    pub(super) fn fuses_q4_0(&self, ty: GgmlType, cols: usize, n_tokens: usize) -> bool {
         ty == GgmlType::Q4_0
             && cols > 0
             && cols.is_multiple_of(32)
@@ -158,7 +239,7 @@ impl CudaBackend {
     }
 
     /// `out[t] = silu(gate · x[t]) · (up · x[t])` in one launch (Q4_0, at most
-    /// [`MV_MAX_TOKENS`] tokens; see `fuses_swiglu`).
+    /// [`MV_MAX_TOKENS`] tokens; see `fuses_q4_0`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matvec_swiglu(
         &self,
@@ -178,13 +259,7 @@ impl CudaBackend {
             block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut xq = self.lock_xq();
-        let (q, ds) = (xq.buf.ptr(), xq.buf.ptr() + XQ_SCALES_AT as u64);
-        let key = (x, cols, n, self.write_epoch.load(Ordering::Relaxed));
-        if xq.holds != Some(key) {
-            self.quantize_q8(x, cols, n, q, ds)?;
-            xq.holds = Some(key);
-        }
+        let (q, ds) = self.quantized_input(x, cols, n)?;
         let args = [
             Arg::Ptr(gate),
             Arg::Ptr(up),

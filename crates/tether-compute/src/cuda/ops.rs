@@ -224,6 +224,37 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn matmul3(
+        &self,
+        ws: [&CudaBuffer; 3],
+        types: [GgmlType; 3],
+        rows: [usize; 3],
+        cols: usize,
+        x: &CudaBuffer,
+        n_tokens: usize,
+        outs: [&mut CudaBuffer; 3],
+    ) -> Result<()> {
+        let fused = types.iter().all(|&t| self.fuses_q4_0(t, cols, n_tokens));
+        if !fused {
+            for (i, out) in outs.into_iter().enumerate() {
+                self.matmul(ws[i], types[i], rows[i], cols, x, n_tokens, out)?;
+            }
+            return Ok(());
+        }
+        let mut addrs = [(0u64, 0u64); 3];
+        let mut xp = 0;
+        for i in 0..3 {
+            let (w, xa, o) =
+                self.matmul_operands(ws[i], types[i], rows[i], cols, x, n_tokens, outs[i])?;
+            addrs[i] = (w, o);
+            xp = xa;
+        }
+        if n_tokens == 0 || rows.iter().sum::<usize>() == 0 {
+            return Ok(());
+        }
+        self.matvec3(addrs, rows, cols, xp, n_tokens)
+    }
+
     fn matmul_swiglu(
         &self,
         gate: &CudaBuffer,
@@ -237,7 +268,7 @@ impl Backend for CudaBackend {
         gate_tmp: &mut CudaBuffer,
         up_tmp: &mut CudaBuffer,
     ) -> Result<()> {
-        if !self.fuses_swiglu(ty, cols, n_tokens) {
+        if !self.fuses_q4_0(ty, cols, n_tokens) {
             self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
             self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
             return self.swiglu(gate_tmp, up_tmp, n_tokens * rows, out);
@@ -341,6 +372,15 @@ impl Backend for CudaBackend {
             Arg::F32(eps),
             Arg::Ptr(op),
         ];
+        // Decode rows are also quantized for the Q4_0 kernels as they are normalized.
+        let fused = self.writing_xq(op, dim, n_tokens, |q, ds| {
+            let mut with_q = args.to_vec();
+            with_q.extend([Arg::Ptr(q), Arg::Ptr(ds)]);
+            self.run("rms_norm_q8", cfg, &with_q)
+        })?;
+        if fused {
+            return Ok(());
+        }
         self.run("rms_norm", cfg, &args)
     }
 

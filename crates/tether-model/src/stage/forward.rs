@@ -143,14 +143,16 @@ impl<B: Backend> Stage<B> {
         let freqs = self.rope_freqs.map(|f| &w[f].buf);
         be.rms_norm(&s.hidden, &w[lw.attn_norm].buf, n, e, cfg.rms_eps, normed)
             .map_err(ce("attention norm"))?;
-        for (wi, rows, out) in [
-            (lw.wq, qd, &mut ls.q),
-            (lw.wk, kvd, &mut ls.k),
-            (lw.wv, kvd, &mut ls.v),
-        ] {
-            be.matmul(&w[wi].buf, w[wi].ty, rows, e, normed, n, out)
-                .map_err(ce("q/k/v projection"))?;
-        }
+        be.matmul3(
+            [&w[lw.wq].buf, &w[lw.wk].buf, &w[lw.wv].buf],
+            [w[lw.wq].ty, w[lw.wk].ty, w[lw.wv].ty],
+            [qd, kvd, kvd],
+            e,
+            normed,
+            n,
+            [&mut ls.q, &mut ls.k, &mut ls.v],
+        )
+        .map_err(ce("q/k/v projection"))?;
         if let Some([bq, bk, bv]) = lw.bias {
             be.add_bias(&mut ls.q, &w[bq].buf, n, qd)
                 .map_err(ce("q bias"))?;
