@@ -90,6 +90,42 @@ extern "C" __global__ void rope(float* x, int n_tokens, int n_heads, int head_di
     }
 }
 
+// One decode step's rotary embedding and KV write for an f16 cache: rotates the query
+// heads and key heads of each token in place (as `rope`), then writes the rotated keys and
+// the values into cache row cells[t] (as kv_store_f16), in one launch instead of four.
+// Launch: gridDim = (n_heads + n_kv_heads, n_tokens), any blockDim.x.
+extern "C" __global__ void rope_store_f16(float* q, float* k, const float* v, int n_heads,
+                                          int n_kv_heads, int head_dim, const u32* positions,
+                                          int n_rot, float freq_base, float freq_scale,
+                                          int neox, const float* factors, const u32* cells,
+                                          u16* kc, u16* vc) {
+    int h = blockIdx.x, t = blockIdx.y;
+    bool is_q = h < n_heads;
+    int kh = h - n_heads;
+    float* head = is_q ? q + ((u64)t * n_heads + h) * head_dim
+                       : k + ((u64)t * n_kv_heads + kh) * head_dim;
+    int half = n_rot / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double freq = pow((double)freq_base, -2.0 * (double)i / (double)n_rot);
+        double factor = factors ? (double)factors[i] : 1.0;
+        double theta = (double)positions[t] * (double)freq_scale * freq / factor;
+        float c = (float)cos(theta), s = (float)sin(theta);
+        int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        float x0 = head[a], x1 = head[b];
+        head[a] = x0 * c - x1 * s;
+        head[b] = x0 * s + x1 * c;
+    }
+    if (is_q) return;
+    __syncthreads();
+    u64 kv_dim = (u64)n_kv_heads * head_dim;
+    u64 row = (u64)cells[t] * kv_dim + (u64)kh * head_dim;
+    const float* vh = v + (u64)t * kv_dim + (u64)kh * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        kc[row + d] = f2h(head[d]);
+        vc[row + d] = f2h(vh[d]);
+    }
+}
+
 // out[t] = dequant(table row ids[t]). Launch: gridDim.x = n_ids, blockDim.x = 256.
 extern "C" __global__ void get_rows(const u8* table, int ty, u64 row_bytes, int row_len,
                                     const u32* ids, float* out) {

@@ -258,6 +258,32 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// One step's rotary embedding and cache write: [`Backend::rope`] on `q` (`shape.n_heads`
+    /// heads) and on `k` (`shape.n_kv_heads`), then [`Backend::kv_store`] of `k` into
+    /// `k_cache` and of `v` into `v_cache`, both of `cache_ty`. A backend may do it in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_and_store(
+        &self,
+        q: &mut Self::Buffer,
+        k: &mut Self::Buffer,
+        v: &Self::Buffer,
+        shape: AttnShape,
+        positions: &[u32],
+        params: &RopeParams,
+        freq_factors: Option<&Self::Buffer>,
+        cells: &[u32],
+        k_cache: &mut Self::Buffer,
+        v_cache: &mut Self::Buffer,
+        cache_ty: GgmlType,
+    ) -> Result<()> {
+        let (n, hd) = (positions.len(), shape.head_dim);
+        self.rope(q, n, shape.n_heads, hd, positions, params, freq_factors)?;
+        self.rope(k, n, shape.n_kv_heads, hd, positions, params, freq_factors)?;
+        let kv_dim = shape.n_kv_heads * hd;
+        self.kv_store(k, kv_dim, cells, k_cache, cache_ty)?;
+        self.kv_store(v, kv_dim, cells, v_cache, cache_ty)
+    }
+
     /// `out[i] = silu(gate[i]) · up[i]` for `i < n`.
     fn swiglu(
         &self,

@@ -632,3 +632,67 @@ fn norm_then_fused_products_match_cpu() {
         );
     }
 }
+
+/// The one-pass rotary embedding and f16 cache write equals the cpu's four ops: rotated
+/// queries and keys, and the cache rows of both caches.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rope_and_store_matches_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(13);
+    let shape = AttnShape {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 64,
+    };
+    let (qd, kvd, cells_in_cache) = (8 * 64, 2 * 64, 16usize);
+    for neox in [false, true] {
+        let params = RopeParams {
+            n_rot: 64,
+            freq_base: 500000.0,
+            freq_scale: 1.0,
+            neox,
+        };
+        for (positions, cells) in [(vec![5u32], vec![7u32]), (vec![9, 10, 11], vec![2, 3, 15])] {
+            let n = positions.len();
+            let mut q = pair(&g, &c, &f32_bytes(&rng.f32s(n * qd, 1.0)));
+            let mut k = pair(&g, &c, &f32_bytes(&rng.f32s(n * kvd, 1.0)));
+            let v = pair(&g, &c, &f32_bytes(&rng.f32s(n * kvd, 1.0)));
+            let zeros = vec![0u8; cells_in_cache * kvd * 2];
+            let (mut kc, mut vc) = (pair(&g, &c, &zeros), pair(&g, &c, &zeros));
+            let f16 = GgmlType::F16;
+            g.rope_and_store(
+                &mut q.g, &mut k.g, &v.g, shape, &positions, &params, None, &cells, &mut kc.g,
+                &mut vc.g, f16,
+            )
+            .unwrap();
+            c.rope_and_store(
+                &mut q.c, &mut k.c, &v.c, shape, &positions, &params, None, &cells, &mut kc.c,
+                &mut vc.c, f16,
+            )
+            .unwrap();
+            let what = format!("rope_and_store neox={neox} n={n}");
+            assert_close(&what, &get(&g, &q.g, n * qd), &get(&c, &q.c, n * qd), 1e-5);
+            assert_close(
+                &what,
+                &get(&g, &k.g, n * kvd),
+                &get(&c, &k.c, n * kvd),
+                1e-5,
+            );
+            for (cg, cc) in [(&kc.g, &kc.c), (&vc.g, &vc.c)] {
+                let mut bg = vec![0u8; zeros.len()];
+                let mut bc = vec![0u8; zeros.len()];
+                g.download(cg, 0, &mut bg).unwrap();
+                c.download(cc, 0, &mut bc).unwrap();
+                let halves = |b: &[u8]| -> Vec<f32> {
+                    b.chunks_exact(2)
+                        .map(|h| half::f16::from_le_bytes([h[0], h[1]]).to_f32())
+                        .collect()
+                };
+                let (hg, hc) = (halves(&bg), halves(&bc));
+                assert!(hc.iter().any(|&x| x != 0.0), "{what}: nothing stored");
+                assert_close(&format!("{what}: cache rows"), &hg, &hc, 1e-3);
+            }
+        }
+    }
+}

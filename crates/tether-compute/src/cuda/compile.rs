@@ -90,6 +90,7 @@ const FILES: &[KernelFile] = &[
             "add",
             "add_bias",
             "rope",
+            "rope_store_f16",
             "get_rows",
         ],
     },

@@ -161,35 +161,27 @@ impl<B: Backend> Stage<B> {
             be.add_bias(&mut ls.v, &w[bv].buf, n, kvd)
                 .map_err(ce("v bias"))?;
         }
-        be.rope(
-            &mut ls.q,
-            n,
-            cfg.n_head,
-            cfg.head_dim,
-            positions,
-            &cfg.rope,
-            freqs,
-        )
-        .map_err(ce("rope on queries"))?;
-        be.rope(
-            &mut ls.k,
-            n,
-            cfg.n_head_kv,
-            cfg.head_dim,
-            positions,
-            &cfg.rope,
-            freqs,
-        )
-        .map_err(ce("rope on keys"))?;
-        be.kv_store(&ls.k, kvd, cells, kc, spec.cache_k)
-            .map_err(ce("storing keys"))?;
-        be.kv_store(&ls.v, kvd, cells, vc, spec.cache_v)
-            .map_err(ce("storing values"))?;
         let shape = AttnShape {
             n_heads: cfg.n_head,
             n_kv_heads: cfg.n_head_kv,
             head_dim: cfg.head_dim,
         };
+        // Mixed cache types are refused when the stage is planned; the stores are one op.
+        debug_assert_eq!(spec.cache_k, spec.cache_v);
+        be.rope_and_store(
+            &mut ls.q,
+            &mut ls.k,
+            &ls.v,
+            shape,
+            positions,
+            &cfg.rope,
+            freqs,
+            cells,
+            kc,
+            vc,
+            spec.cache_k,
+        )
+        .map_err(ce("rope and cache write"))?;
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
         be.attention(
             &ls.q,
