@@ -1,10 +1,14 @@
-//! The `--device` flag: `cpu` or `cuda:N`.
+//! The `--device` flag: `auto`, `cpu`, `cuda` or `cuda:N`.
 
 use anyhow::{Result, bail};
 
 /// A device named on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceChoice {
+    /// Every GPU when the machine has any (the cuda backend), else the cpu.
+    Auto,
+    /// Every GPU; an error when there is none.
+    AllGpus,
     /// The cpu backend.
     Cpu,
     /// The cuda backend on GPU `N`.
@@ -12,15 +16,32 @@ pub enum DeviceChoice {
 }
 
 impl DeviceChoice {
-    /// Parses `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    /// Parses `auto`, `cpu`, `cuda` (every GPU) or `cuda:N`.
     pub fn parse(text: &str) -> Result<DeviceChoice> {
         match text {
+            "auto" => Ok(DeviceChoice::Auto),
             "cpu" => Ok(DeviceChoice::Cpu),
-            "cuda" => Ok(DeviceChoice::Cuda(0)),
+            "cuda" => Ok(DeviceChoice::AllGpus),
             _ => match text.strip_prefix("cuda:").map(str::parse::<usize>) {
                 Some(Ok(n)) => Ok(DeviceChoice::Cuda(n)),
-                _ => bail!("unknown device {text:?}; use cpu, cuda or cuda:N"),
+                _ => bail!("unknown device {text:?}; use auto, cpu, cuda or cuda:N"),
             },
+        }
+    }
+
+    /// The GPUs this choice runs on, given that the machine has `gpus` of them (empty: the
+    /// cpu).
+    pub fn gpus(self, gpus: usize) -> Result<Vec<usize>> {
+        match self {
+            DeviceChoice::Cpu => Ok(Vec::new()),
+            DeviceChoice::Auto => Ok((0..gpus).collect()),
+            DeviceChoice::AllGpus if gpus == 0 => {
+                bail!(
+                    "--device cuda: no CUDA GPU found (is the NVIDIA driver installed?); use --device cpu"
+                )
+            }
+            DeviceChoice::AllGpus => Ok((0..gpus).collect()),
+            DeviceChoice::Cuda(n) => Ok(vec![n]),
         }
     }
 }
@@ -32,7 +53,8 @@ mod tests {
     #[test]
     fn devices_parse_and_typos_are_refused() {
         assert_eq!(DeviceChoice::parse("cpu").unwrap(), DeviceChoice::Cpu);
-        assert_eq!(DeviceChoice::parse("cuda").unwrap(), DeviceChoice::Cuda(0));
+        assert_eq!(DeviceChoice::parse("auto").unwrap(), DeviceChoice::Auto);
+        assert_eq!(DeviceChoice::parse("cuda").unwrap(), DeviceChoice::AllGpus);
         assert_eq!(
             DeviceChoice::parse("cuda:3").unwrap(),
             DeviceChoice::Cuda(3)
@@ -40,5 +62,15 @@ mod tests {
         for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
             assert!(DeviceChoice::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn auto_takes_every_gpu_or_the_cpu() {
+        assert_eq!(DeviceChoice::Auto.gpus(0).unwrap(), Vec::<usize>::new());
+        assert_eq!(DeviceChoice::Auto.gpus(2).unwrap(), vec![0, 1]);
+        assert_eq!(DeviceChoice::AllGpus.gpus(3).unwrap(), vec![0, 1, 2]);
+        assert!(DeviceChoice::AllGpus.gpus(0).is_err());
+        assert_eq!(DeviceChoice::Cuda(1).gpus(0).unwrap(), vec![1]);
+        assert_eq!(DeviceChoice::Cpu.gpus(4).unwrap(), Vec::<usize>::new());
     }
 }

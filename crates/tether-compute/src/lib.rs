@@ -10,5 +10,5 @@ mod shape_check;
 
 pub use backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
 pub use cpu::{CpuBackend, CpuBuffer};
-pub use cuda::{CudaBackend, CudaBuffer};
+pub use cuda::{CudaBackend, CudaBuffer, CudaReplays};
 pub use error::ComputeError;

@@ -157,13 +157,30 @@ fn bench_decode_layer() {
             let m = &mats;
             g.rms_norm(&hidden, &norm_w, 1, e, 1e-5, &mut normed)
                 .unwrap();
-            g.matmul(&m[0].0, ty, qd, e, &normed, 1, &mut q).unwrap();
-            g.matmul(&m[1].0, ty, kvd, e, &normed, 1, &mut k).unwrap();
-            g.matmul(&m[2].0, ty, kvd, e, &normed, 1, &mut v).unwrap();
-            g.rope(&mut q, 1, 32, 128, &[99], &rope, None).unwrap();
-            g.rope(&mut k, 1, 8, 128, &[99], &rope, None).unwrap();
-            g.kv_store(&k, kvd, &[99], &mut kc, GgmlType::F16).unwrap();
-            g.kv_store(&v, kvd, &[99], &mut vc, GgmlType::F16).unwrap();
+            g.matmul3(
+                [&m[0].0, &m[1].0, &m[2].0],
+                [ty; 3],
+                [qd, kvd, kvd],
+                e,
+                &normed,
+                1,
+                [&mut q, &mut k, &mut v],
+            )
+            .unwrap();
+            g.rope_and_store(
+                &mut q,
+                &mut k,
+                &v,
+                shape,
+                &[99],
+                &rope,
+                None,
+                &[99],
+                &mut kc,
+                &mut vc,
+                GgmlType::F16,
+            )
+            .unwrap();
             g.attention(&q, &kc, &vc, GgmlType::F16, &spans, shape, 0.088, &mut attn)
                 .unwrap();
             g.matmul_add(&m[3].0, ty, e, qd, &attn, 1, &mut hidden, &mut normed)

@@ -3,6 +3,7 @@
 //! [`Generation`] requests with continuous batching.
 
 use crate::api::{EngineStats, GenError, GenEvent, GenRequest, Generation, Health, ModelInfo};
+use crate::discovery::{WorkerDns, resolve, watch_dns, worker_list};
 use crate::load::{LoadError, LoadOptions, LoadedModel, load_plan};
 use crate::model_file::ModelFile;
 use crate::placement::{PlacementError, Plan, ServeShape, WorkerCapacity, place};
@@ -14,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tether_gguf::GgmlType;
 use tether_model::tokenizer::Tokenizer;
 use tether_worker::client::{ClientOptions, WorkerClient};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +29,9 @@ pub struct CoordinatorConfig {
     pub model_id: String,
     /// Worker addresses, in layer order.
     pub workers: Vec<String>,
+    /// A DNS name whose addresses are more workers (after `workers`), resolved again
+    /// periodically; a change of its addresses unloads the model and loads it again.
+    pub worker_dns: Option<WorkerDns>,
     /// Relative share of the model per worker (`--split 3,1`); `None` = by free memory.
     pub split: Option<Vec<f64>>,
     /// KV cells per sequence.
@@ -61,6 +65,7 @@ impl CoordinatorConfig {
         Self {
             model_id,
             workers,
+            worker_dns: None,
             split: None,
             ctx_per_seq: model.config().n_ctx_train.clamp(1, DEFAULT_CTX_CAP),
             parallel: 4,
@@ -94,7 +99,8 @@ pub enum CoordinatorError {
 
 /// What connecting and loading need, kept by the scheduler for loading again.
 pub(crate) struct Setup {
-    pub workers: Vec<String>,
+    /// The latest worker list; a load marks the list it used as seen.
+    pub workers: watch::Receiver<Vec<String>>,
     pub split: Option<Vec<f64>>,
     pub shape: ServeShape,
     pub load: LoadOptions,
@@ -105,12 +111,19 @@ impl Setup {
     /// Connects to the workers, places the model and loads it. With `require_all`, every
     /// worker must answer; otherwise the ones that answer are used.
     pub async fn connect_and_load(
-        &self,
+        &mut self,
         model: &Arc<ModelFile>,
         require_all: bool,
     ) -> Result<(LoadedModel, Plan), CoordinatorError> {
+        let workers = self.workers.borrow_and_update().clone();
+        if workers.is_empty() {
+            return Err(CoordinatorError::Connect(
+                "no worker to load on: the --worker-dns name has resolved to no address yet"
+                    .to_string(),
+            ));
+        }
         let answers = join_all(
-            self.workers
+            workers
                 .iter()
                 .map(|addr| WorkerClient::connect(addr, &self.client)),
         )
@@ -150,6 +163,18 @@ impl Setup {
         let loaded = load_plan(model, &plan, &clients, &self.load).await?;
         Ok((loaded, plan))
     }
+
+    /// Resolves, with the reason, once the worker list differs from the one last loaded
+    /// over; never when the list is fixed.
+    pub async fn workers_changed(&mut self) -> String {
+        if self.workers.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        format!(
+            "the worker list changed to [{}]",
+            self.workers.borrow().join(", ")
+        )
+    }
 }
 
 /// The generation engine over workers.
@@ -160,18 +185,22 @@ pub struct Coordinator {
     shared: Arc<Shared>,
     submit: mpsc::Sender<Admitted>,
     stop: CancellationToken,
-    task: Mutex<Option<JoinHandle<()>>>,
+    workers: watch::Receiver<Vec<String>>,
+    /// The scheduler and, with `worker_dns`, the resolver.
+    tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Coordinator {
     /// Connects to every worker, places and loads the model, and starts serving. Fails when
-    /// any worker cannot be reached or refuses its part; nothing then stays loaded.
+    /// any worker cannot be reached or refuses its part; nothing then stays loaded. With
+    /// `worker_dns`, the workers that answer are used, and a failed load does not fail the
+    /// start: the coordinator reports unavailable and loads again every `retry_every`.
     pub async fn start(
         model: Arc<ModelFile>,
         config: CoordinatorConfig,
     ) -> Result<Coordinator, CoordinatorError> {
         let bad = |why: &str| Err(CoordinatorError::Config(why.to_string()));
-        if config.workers.is_empty() {
+        if config.workers.is_empty() && config.worker_dns.is_none() {
             return bad("no workers given");
         }
         if config.parallel == 0 || config.ubatch == 0 || config.ctx_per_seq == 0 {
@@ -180,8 +209,37 @@ impl Coordinator {
         if config.queue_depth == 0 {
             return bad("the queue depth must be at least 1");
         }
-        let setup = Setup {
-            workers: config.workers.clone(),
+        let initial = match &config.worker_dns {
+            Some(dns) => worker_list(&config.workers, &resolve(dns).await.unwrap_or_default()),
+            None => config.workers.clone(),
+        };
+        let (workers_tx, workers) = watch::channel(initial);
+        let stop = CancellationToken::new();
+        let mut tasks = Vec::new();
+        if let Some(dns) = config.worker_dns.clone() {
+            let fixed = config.workers.clone();
+            tasks.push(tokio::spawn(watch_dns(
+                dns,
+                fixed,
+                workers_tx,
+                stop.clone(),
+            )));
+        }
+        Self::start_over(model, config, workers, stop, tasks).await
+    }
+
+    /// Loads over the worker list `workers` publishes and starts serving; the model is
+    /// loaded again whenever that list changes. `tasks` (stopped by `stop`) are awaited on
+    /// shutdown.
+    pub(crate) async fn start_over(
+        model: Arc<ModelFile>,
+        config: CoordinatorConfig,
+        workers: watch::Receiver<Vec<String>>,
+        stop: CancellationToken,
+        mut tasks: Vec<JoinHandle<()>>,
+    ) -> Result<Coordinator, CoordinatorError> {
+        let mut setup = Setup {
+            workers: workers.clone(),
             split: config.split.clone(),
             shape: ServeShape {
                 ctx_per_seq: config.ctx_per_seq,
@@ -193,11 +251,35 @@ impl Coordinator {
             load: config.load.clone(),
             client: config.client.clone(),
         };
-        let (loaded, plan) = setup.connect_and_load(&model, true).await?;
-        tracing::info!("model {} loaded:\n{plan}", config.model_id);
-        let shared = Arc::new(Shared::new(plan));
+        let first = match setup
+            .connect_and_load(&model, config.worker_dns.is_none())
+            .await
+        {
+            Ok((loaded, plan)) => {
+                tracing::info!("model {} loaded:\n{plan}", config.model_id);
+                Ok((loaded, plan))
+            }
+            Err(e) if config.worker_dns.is_some() => {
+                tracing::warn!("loading over the resolved workers failed: {e}; retrying");
+                Err(format!("loading over the resolved workers failed: {e}"))
+            }
+            Err(e) => {
+                stop.cancel();
+                return Err(e);
+            }
+        };
+        let (first, shared) = match first {
+            Ok((loaded, plan)) => (Ok(loaded), Shared::new(Some(plan), Health::Ready)),
+            Err(why) => {
+                let health = Health::Unavailable(format!(
+                    "{why}; retrying every {} s",
+                    config.retry_every.as_secs_f64()
+                ));
+                (Err(why), Shared::new(None, health))
+            }
+        };
+        let shared = Arc::new(shared);
         let (submit, requests) = mpsc::channel(config.queue_depth);
-        let stop = CancellationToken::new();
         let scheduler = Scheduler::new(
             Arc::clone(&shared),
             requests,
@@ -206,7 +288,7 @@ impl Coordinator {
             setup,
             config.retry_every,
         );
-        let task = tokio::spawn(scheduler.run(loaded));
+        tasks.push(tokio::spawn(scheduler.run(first)));
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -222,7 +304,8 @@ impl Coordinator {
             shared,
             submit,
             stop,
-            task: Mutex::new(Some(task)),
+            workers,
+            tasks: Mutex::new(tasks),
         })
     }
 
@@ -231,11 +314,16 @@ impl Coordinator {
         self.shared.plan()
     }
 
+    /// The worker list in force now, in layer order (with `worker_dns`, as last resolved).
+    pub fn workers(&self) -> Vec<String> {
+        self.workers.borrow().clone()
+    }
+
     /// Stops serving: running requests end with Unavailable, every session is closed.
     pub async fn shutdown(&self) {
         self.stop.cancel();
-        let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(task) = task {
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
+        for task in tasks {
             let _ = task.await;
         }
     }

@@ -2,6 +2,9 @@
 //! with continuous batching, and the OpenAI-compatible HTTP API.
 
 pub mod api;
+pub mod discovery;
+#[cfg(test)]
+mod discovery_tests;
 pub mod engine;
 pub mod http;
 pub mod load;
@@ -13,6 +16,7 @@ mod scheduler;
 mod sequence;
 pub mod single;
 
+pub use discovery::WorkerDns;
 pub use engine::{Coordinator, CoordinatorConfig, CoordinatorError};
 pub use local::{LocalOptions, LocalWorker, LocalWorkers};
 pub use model_file::ModelFile;

@@ -2,7 +2,7 @@
 //! `tether run` without `--worker` and the tests exercise the same protocol as a cluster.
 
 use std::sync::Arc;
-use tether_compute::CpuBackend;
+use tether_compute::{CpuBackend, CudaBackend};
 use tether_worker::model_stage::ModelStageFactory;
 use tether_worker::registry::{RegistryConfig, SessionRegistry};
 use tether_worker::server::{ServerOptions, serve};
@@ -21,6 +21,8 @@ pub struct LocalOptions {
     pub threads: Option<usize>,
     /// Admission limit of each worker, in bytes (default: free memory less a reserve).
     pub max_memory: Option<u64>,
+    /// GPUs to serve from, one worker each (cuda backend); empty: cpu workers.
+    pub gpus: Vec<usize>,
 }
 
 /// Why embedded workers could not start.
@@ -43,15 +45,25 @@ pub struct LocalWorker {
 }
 
 impl LocalWorker {
-    /// Starts one worker on 127.0.0.1 with `threads` cpu threads and the given memory limit.
+    /// Starts one worker on 127.0.0.1 with the given memory limit, on GPU `gpu` (cuda
+    /// backend) or else the cpu with `threads` threads.
     pub async fn start(
         index: usize,
         threads: Option<usize>,
         max_memory: Option<u64>,
+        gpu: Option<usize>,
     ) -> Result<LocalWorker, LocalError> {
         let err = |detail: String| LocalError { index, detail };
-        let backend = CpuBackend::new(threads).map_err(|e| err(e.to_string()))?;
-        let factory: Arc<dyn StageFactory> = Arc::new(ModelStageFactory::new(Arc::new(backend)));
+        let factory: Arc<dyn StageFactory> = match gpu {
+            Some(n) => {
+                let backend = CudaBackend::new(n).map_err(|e| err(format!("GPU {n}: {e}")))?;
+                Arc::new(ModelStageFactory::new(Arc::new(backend)))
+            }
+            None => {
+                let backend = CpuBackend::new(threads).map_err(|e| err(e.to_string()))?;
+                Arc::new(ModelStageFactory::new(Arc::new(backend)))
+            }
+        };
         let max_memory = match max_memory {
             Some(bytes) => bytes,
             None => {
@@ -129,7 +141,8 @@ pub struct LocalWorkers {
 }
 
 impl LocalWorkers {
-    /// Starts `n` workers (at least one), splitting the threads evenly between them.
+    /// Starts `n` workers (at least one), splitting the threads evenly between them; with
+    /// `options.gpus`, worker `i` serves GPU `gpus[i % gpus.len()]`.
     pub async fn start(n: usize, options: &LocalOptions) -> Result<LocalWorkers, LocalError> {
         let n = n.max(1);
         let total = options.threads.unwrap_or_else(|| {
@@ -140,7 +153,9 @@ impl LocalWorkers {
         let per_worker = (total / n).max(1);
         let mut workers = Vec::with_capacity(n);
         for i in 0..n {
-            workers.push(LocalWorker::start(i, Some(per_worker), options.max_memory).await?);
+            let gpu = (!options.gpus.is_empty()).then(|| options.gpus[i % options.gpus.len()]);
+            let worker = LocalWorker::start(i, Some(per_worker), options.max_memory, gpu).await?;
+            workers.push(worker);
         }
         Ok(LocalWorkers { workers })
     }

@@ -35,10 +35,10 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub fn new(plan: Plan) -> Self {
+    pub fn new(plan: Option<Plan>, health: Health) -> Self {
         Self {
-            health: Mutex::new(Health::Ready),
-            plan: Mutex::new(Some(plan)),
+            health: Mutex::new(health),
+            plan: Mutex::new(plan),
             running: AtomicUsize::new(0),
             generated_tokens: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
@@ -103,15 +103,21 @@ impl Scheduler {
         }
     }
 
-    /// Serves until stopped, loading again whenever a worker is lost.
-    pub async fn run(mut self, mut loaded: LoadedModel) {
+    /// Serves until stopped, loading again whenever a worker is lost or the worker list
+    /// changes. `first` is the first load, or why it failed (then loading is retried).
+    pub async fn run(mut self, first: Result<LoadedModel, String>) {
+        let mut loaded = first;
         loop {
-            match self.serve(loaded).await {
-                Ended::Stopped => break,
-                Ended::Lost(reason) => match self.recover(reason).await {
-                    Some(m) => loaded = m,
-                    None => break,
+            let reason = match loaded {
+                Ok(model) => match self.serve(model).await {
+                    Ended::Stopped => break,
+                    Ended::Lost(reason) => reason,
                 },
+                Err(reason) => reason,
+            };
+            match self.recover(reason).await {
+                Some(m) => loaded = Ok(m),
+                None => break,
             }
         }
         let reason = "the coordinator has shut down";
@@ -231,6 +237,7 @@ impl Scheduler {
                 tokio::select! {
                     () = stop.cancelled() => break Ended::Stopped,
                     reason = loaded.lost() => break Ended::Lost(reason),
+                    reason = self.setup.workers_changed() => break Ended::Lost(reason),
                     next = self.requests.recv() => match next {
                         Some(a) => self.start(a),
                         None => break Ended::Stopped,
@@ -244,6 +251,7 @@ impl Scheduler {
             let results = tokio::select! {
                 () = stop.cancelled() => break Ended::Stopped,
                 reason = loaded.lost() => break Ended::Lost(reason),
+                reason = self.setup.workers_changed() => break Ended::Lost(reason),
                 r = join_all(groups.iter().map(|b| run_forward(&stages, b))) => r,
             };
             let applied = groups

@@ -28,11 +28,15 @@ async fn a_refused_prepare_aborts_everywhere() {
     let path = tiny_model(&dir, 21);
     let big = Some(1 << 30);
     let workers = vec![
-        LocalWorker::start(0, Some(1), big).await.expect("worker 0"),
-        LocalWorker::start(1, Some(1), Some(10_000))
+        LocalWorker::start(0, Some(1), big, None)
+            .await
+            .expect("worker 0"),
+        LocalWorker::start(1, Some(1), Some(10_000), None)
             .await
             .expect("worker 1"),
-        LocalWorker::start(2, Some(1), big).await.expect("worker 2"),
+        LocalWorker::start(2, Some(1), big, None)
+            .await
+            .expect("worker 2"),
     ];
     let addrs: Vec<String> = workers.iter().map(|w| w.addr().to_string()).collect();
     let small = addrs[1].clone();

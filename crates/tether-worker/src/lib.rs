@@ -7,6 +7,7 @@ pub mod client;
 pub mod error;
 pub mod heap;
 pub mod ids;
+pub mod leak_watch;
 pub mod ledger;
 pub mod load;
 pub mod metrics;
@@ -22,7 +23,10 @@ pub mod session;
 pub mod stage;
 pub mod staging;
 pub mod status;
+pub mod token;
 
+#[cfg(test)]
+mod auth_tests;
 #[cfg(test)]
 mod model_stage_tests;
 #[cfg(test)]
@@ -43,3 +47,4 @@ pub use session::{EndReason, Lease, SessionEnd};
 pub use stage::{BlockSpec, ForwardInput, ForwardOutput, StageFactory, TokenPos};
 pub use staging::TensorDigest;
 pub use status::{CounterValues, SessionSummary, WorkerStatus};
+pub use token::BearerToken;

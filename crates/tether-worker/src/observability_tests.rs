@@ -221,18 +221,28 @@ fn memory_held_outside_sessions_shows_as_unaccounted_on_a_host_device() {
     );
     let before = reg.status();
     assert!(before.baseline_rss_bytes > 0);
-    // A leak: 64 MiB written outside any session.
-    let leak = vec![1u8; 64 << 20];
-    let during = reg.status();
-    std::hint::black_box(&leak);
-    let grew = during
-        .unaccounted_bytes
-        .saturating_sub(before.unaccounted_bytes);
-    // Other tests of this process allocate too; the leak must still show nearly whole.
-    assert!(grew >= 48 << 20, "unaccounted grew by {grew} bytes only");
+    // A leak: 128 MiB written outside any session. Other tests of this process allocate
+    // and free (and trim the heap) at the same time, moving the process's resident memory
+    // by tens of MiB, so the leak must show nearly whole in one of a few tries.
+    let mut grew = Vec::new();
+    let mut leak = Vec::new();
+    for _ in 0..3 {
+        let start = reg.status().unaccounted_bytes;
+        leak = vec![1u8; 128 << 20];
+        std::hint::black_box(&leak);
+        grew.push(reg.status().unaccounted_bytes.saturating_sub(start));
+        if grew.last().is_some_and(|&g| g >= 96 << 20) {
+            break;
+        }
+        drop(std::mem::take(&mut leak));
+    }
+    assert!(
+        grew.iter().any(|&g| g >= 96 << 20),
+        "unaccounted grew by only {grew:?} bytes"
+    );
     let text = reg.prometheus_text();
     assert!(
-        sample(&text, "tether_unaccounted_bytes").is_some_and(|v| v >= (48u64 << 20) as f64),
+        sample(&text, "tether_unaccounted_bytes").is_some_and(|v| v >= (96u64 << 20) as f64),
         "{text}"
     );
     assert_eq!(

@@ -1,11 +1,12 @@
 //! Running a worker: the gRPC server (worker, admin and grpc.health.v1 services) with
-//! keepalive and message limits, the reaper, and the shutdown sequence (stop accepting,
+//! keepalive, message limits and token guards, the reaper, and the shutdown sequence (stop accepting,
 //! end every session with reason `shutdown`, let in-flight work finish within the grace
 //! period).
 
 use crate::reaper::run_reaper;
 use crate::registry::SessionRegistry;
-use crate::service::{AdminAuth, AdminService, HealthService, WorkerService};
+use crate::service::{AdminAuth, AdminService, HealthService, WorkerAuth, WorkerService};
+use crate::token::BearerToken;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +16,7 @@ use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 
 /// Largest gRPC message by default: room for a 16 MiB batch of hidden states and 4 MiB
 /// tensor chunks, far below anything that could exhaust memory.
@@ -33,8 +35,11 @@ pub struct ServerOptions {
     pub reap_period: Duration,
     /// How long shutdown waits for in-flight work.
     pub shutdown_grace: Duration,
-    /// Token guarding the admin service; `None` leaves it open.
+    /// Token guarding the admin service; `None` (or empty) leaves it to `token`.
     pub admin_token: Option<String>,
+    /// Token every data-plane call (Hello, Attach, Prepare, Commit, Forward, ...) must carry;
+    /// also guards the admin service when `admin_token` is unset. `None` leaves both open.
+    pub token: Option<BearerToken>,
 }
 
 impl Default for ServerOptions {
@@ -46,6 +51,7 @@ impl Default for ServerOptions {
             reap_period: Duration::from_millis(100),
             shutdown_grace: Duration::from_secs(10),
             admin_token: None,
+            token: None,
         }
     }
 }
@@ -56,6 +62,9 @@ pub enum ServeError {
     /// The transport failed.
     #[error("the gRPC server failed: {0}")]
     Transport(String),
+    /// An option cannot be used.
+    #[error("invalid worker option: {0}")]
+    Config(String),
 }
 
 /// What shutdown did.
@@ -74,6 +83,9 @@ pub async fn serve(
     options: ServerOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<ShutdownReport, ServeError> {
+    let admin_token = BearerToken::parse(options.admin_token.as_deref())
+        .map_err(|e| ServeError::Config(format!("--admin-token: {e}")))?
+        .or_else(|| options.token.clone());
     let stop = CancellationToken::new();
     let reaper = tokio::spawn(run_reaper(
         Arc::clone(&registry),
@@ -82,12 +94,15 @@ pub async fn serve(
     ));
 
     let limit = options.max_message_bytes;
-    let worker = WorkerServer::new(WorkerService::new(Arc::clone(&registry), limit))
-        .max_decoding_message_size(limit)
-        .max_encoding_message_size(limit);
+    let worker = InterceptedService::new(
+        WorkerServer::new(WorkerService::new(Arc::clone(&registry), limit))
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(limit),
+        WorkerAuth::new(options.token.clone()),
+    );
     let admin = AdminServer::with_interceptor(
         AdminService::new(Arc::clone(&registry)),
-        AdminAuth::new(options.admin_token.clone()),
+        AdminAuth::new(admin_token),
     );
     let health = tonic_health::pb::health_server::HealthServer::new(HealthService::new(
         Arc::clone(&registry),

@@ -12,7 +12,7 @@ use tether_compute::CpuBackend;
 use tether_gguf::{GgmlType, GgufFile};
 use tether_model::{ModelConfig, Stage, StageSpec};
 use tether_worker::client::{
-    AttachOptions, ClientOptions, DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource, WorkerClient,
+    AttachOptions, DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource, WorkerClient,
 };
 use tether_worker::{BlockSpec, Lease, TxnId};
 
@@ -22,6 +22,8 @@ pub struct AttachArgs {
     /// The worker's address (host:port).
     #[arg(long)]
     pub worker: String,
+    #[command(flatten)]
+    pub worker_token: crate::cmd::worker_token::WorkerTokenArgs,
     /// The GGUF model whose layers to load.
     #[arg(long)]
     pub model: PathBuf,
@@ -109,7 +111,7 @@ fn read_header(path: &Path, bytes: u64) -> anyhow::Result<Vec<u8>> {
 }
 
 async fn attach(args: AttachArgs) -> anyhow::Result<()> {
-    let client = WorkerClient::connect(&args.worker, &ClientOptions::default()).await?;
+    let client = WorkerClient::connect(&args.worker, &args.worker_token.client_options()?).await?;
     let name = format!("tether-attach@{}:{}", hostname(), std::process::id());
     let options = AttachOptions {
         client_name: name,

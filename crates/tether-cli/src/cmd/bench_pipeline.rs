@@ -61,6 +61,7 @@ async fn measure(
     let options = LocalOptions {
         threads: args.device.threads,
         max_memory: None,
+        gpus: Vec::new(),
     };
     let workers = LocalWorkers::start(n, &options).await?;
     let config = CoordinatorConfig {

@@ -15,8 +15,9 @@ use tether_model::{Generator, ModelConfig};
 /// Where and how a model runs in this process.
 #[derive(Args, Debug, Clone)]
 pub struct DeviceArgs {
-    /// Device to run on: `cpu`, or `cuda:N` for `eval` and `bench`.
-    #[arg(long, default_value = "cpu")]
+    /// Device to run on: `auto` (GPU 0, or every GPU for embedded workers, when the
+    /// machine has a CUDA GPU; else the cpu), `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// Compute threads for the cpu device (default: one per core).
     #[arg(long, short = 't')]
@@ -48,10 +49,15 @@ pub enum AnyBackend {
 
 /// Starts the backend `--device` names.
 pub fn open_backend(dev: &DeviceArgs) -> Result<AnyBackend> {
-    Ok(match DeviceChoice::parse(&dev.device)? {
-        DeviceChoice::Cpu => AnyBackend::Cpu(Arc::new(
-            CpuBackend::new(dev.threads).context("starting the cpu backend")?,
-        )),
+    let gpus = DeviceChoice::parse(&dev.device)?.gpus(tether_compute::cuda::device_count())?;
+    let choice = match gpus.first() {
+        Some(&n) => DeviceChoice::Cuda(n),
+        None => DeviceChoice::Cpu,
+    };
+    Ok(match choice {
+        DeviceChoice::Auto | DeviceChoice::AllGpus | DeviceChoice::Cpu => AnyBackend::Cpu(
+            Arc::new(CpuBackend::new(dev.threads).context("starting the cpu backend")?),
+        ),
         DeviceChoice::Cuda(n) => AnyBackend::Cuda(Arc::new(
             CudaBackend::new(n).with_context(|| format!("starting the cuda backend on GPU {n}"))?,
         )),
@@ -99,14 +105,10 @@ pub fn context_size(dev: &DeviceArgs, cfg: &ModelConfig, min_ctx: usize) -> Resu
     Ok(ctx)
 }
 
-/// Checks that `--device` names a device the embedded workers of `run` can use.
-pub fn check_device(dev: &DeviceArgs) -> Result<()> {
-    match DeviceChoice::parse(&dev.device)? {
-        DeviceChoice::Cpu => Ok(()),
-        DeviceChoice::Cuda(n) => bail!(
-            "embedded workers run on the cpu; for GPU {n} start `tether worker --device cuda:{n}` and pass --worker ADDR"
-        ),
-    }
+/// The GPUs `--device` gives the embedded workers of `run` and `serve`, one worker each
+/// (empty: cpu workers).
+pub fn local_gpus(device: &str) -> Result<Vec<usize>> {
+    DeviceChoice::parse(device)?.gpus(tether_compute::cuda::device_count())
 }
 
 /// The line every command prints before using the synthetic demo model.

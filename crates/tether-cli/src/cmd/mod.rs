@@ -12,3 +12,4 @@ pub mod run;
 pub mod serve;
 pub mod tokenize;
 pub mod worker;
+pub mod worker_token;

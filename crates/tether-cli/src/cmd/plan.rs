@@ -34,6 +34,8 @@ pub struct PlanArgs {
     /// proportion to each worker's free bytes.
     #[arg(long = "worker", value_name = "ADDR")]
     pub workers: Vec<String>,
+    #[command(flatten)]
+    pub worker_token: crate::cmd::worker_token::WorkerTokenArgs,
     /// Share of the model per worker, e.g. `3,1` (as `tether run --split`).
     #[arg(long, value_delimiter = ',')]
     pub split: Option<Vec<f64>>,
@@ -101,7 +103,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         let names = (0..n).map(|i| format!("local {i}")).collect();
         (names, vec![host.free; n], true)
     } else {
-        let free = remote_free_bytes(&args.workers)?;
+        let free = remote_free_bytes(&args.workers, &args.worker_token.client_options()?)?;
         (args.workers.clone(), free, false)
     };
     // Local workers share one memory, so their equal free bytes split the model evenly.
@@ -116,7 +118,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     Ok(())
 }
 
-fn remote_free_bytes(addrs: &[String]) -> Result<Vec<u64>> {
+fn remote_free_bytes(addrs: &[String], options: &ClientOptions) -> Result<Vec<u64>> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -124,7 +126,7 @@ fn remote_free_bytes(addrs: &[String]) -> Result<Vec<u64>> {
     runtime.block_on(async {
         let mut free = Vec::with_capacity(addrs.len());
         for addr in addrs {
-            let client = WorkerClient::connect(addr, &ClientOptions::default())
+            let client = WorkerClient::connect(addr, options)
                 .await
                 .with_context(|| format!("asking worker {addr} for its free memory"))?;
             free.push(client.info().free_bytes);

@@ -2,7 +2,8 @@
 //! workers in this process (real gRPC on loopback) or over remote `--worker`s.
 
 use crate::cmd::cache_args::CacheArgs;
-use crate::cmd::local::{DEMO_LABEL, DeviceArgs, check_device, context_size};
+use crate::cmd::local::{DEMO_LABEL, DeviceArgs, context_size, local_gpus};
+use crate::cmd::worker_token::WorkerTokenArgs;
 use crate::model_source::ModelArgs;
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -42,6 +43,8 @@ pub struct RunArgs {
     /// A remote worker (host:port) to place layers on, in layer order; repeat for more.
     #[arg(long = "worker")]
     pub workers: Vec<String>,
+    #[command(flatten)]
+    pub worker_token: WorkerTokenArgs,
     /// Share of the model per worker, e.g. `3,1` (default: in proportion to free memory).
     #[arg(long, value_delimiter = ',')]
     pub split: Option<Vec<f64>>,
@@ -109,6 +112,7 @@ pub fn run(args: RunArgs) -> Result<()> {
 
 async fn run_async(args: RunArgs) -> Result<()> {
     let params = args.sampling.params()?;
+    let client = args.worker_token.client_options()?;
     let started = Instant::now();
     let resolved = args.model.resolve()?;
     if resolved.is_demo {
@@ -117,15 +121,18 @@ async fn run_async(args: RunArgs) -> Result<()> {
     let model = ModelFile::open(&resolved.path)?;
     let ctx = context_size(&args.device, model.config(), 1)?;
     let local = if args.workers.is_empty() {
-        check_device(&args.device)?;
+        let gpus = local_gpus(&args.device.device)?;
         if args.local_workers == 0 {
             bail!("--local-workers must be at least 1");
         }
+        // One worker per GPU unless more were asked for.
+        let n = args.local_workers.max(gpus.len());
         let options = LocalOptions {
             threads: args.device.threads,
             max_memory: None,
+            gpus,
         };
-        Some(LocalWorkers::start(args.local_workers, &options).await?)
+        Some(LocalWorkers::start(n, &options).await?)
     } else {
         None
     };
@@ -141,6 +148,7 @@ async fn run_async(args: RunArgs) -> Result<()> {
         cache_k: args.cache.k(),
         cache_v: args.cache.v(),
         queue_depth: 1,
+        client,
         ..CoordinatorConfig::new(&model, addrs)
     };
     let progress = Arc::new(tether_coordinator::LoadProgress::default());

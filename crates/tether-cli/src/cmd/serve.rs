@@ -2,7 +2,8 @@
 //! layers on remote `--worker`s or on embedded workers in this process.
 
 use crate::cmd::cache_args::CacheArgs;
-use crate::cmd::local::{DEMO_LABEL, check_device};
+use crate::cmd::local::{DEMO_LABEL, local_gpus};
+use crate::cmd::worker_token::WorkerTokenArgs;
 use crate::ctl::units::parse_duration;
 use crate::model_source::ModelArgs;
 use crate::signals::first_signal;
@@ -13,7 +14,9 @@ use std::time::Duration;
 use tether_coordinator::http::admin::admin_router;
 use tether_coordinator::http::{HttpOptions, router, serve};
 use tether_coordinator::load::LoadOptions;
-use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
+use tether_coordinator::{
+    Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile, WorkerDns,
+};
 use tether_worker::Lease;
 
 /// Arguments of `tether serve`.
@@ -22,14 +25,23 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// A worker (host:port) to place layers on, in layer order; repeat for more. Without
-    /// any, embedded workers run in this process.
+    /// any (and no --worker-dns), embedded workers run in this process.
     #[arg(long = "worker")]
     pub workers: Vec<String>,
-    /// Embedded workers to split the model over when no --worker is given.
+    /// A DNS name (host:port), e.g. a Kubernetes headless Service, whose addresses are
+    /// workers (after any --worker, sorted). It is resolved again every --dns-refresh; when
+    /// its addresses change the model is unloaded and loaded again over them.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub worker_dns: Option<String>,
+    /// How often --worker-dns is resolved again.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub dns_refresh: Duration,
+    /// Embedded workers to split the model over when no --worker or --worker-dns is given.
     #[arg(long, default_value_t = 1)]
     pub local_workers: usize,
-    /// Device of the embedded workers (`cpu`; GPUs are served by `tether worker`).
-    #[arg(long, default_value = "cpu")]
+    /// Device of the embedded workers: `auto` (one worker per CUDA GPU when the machine has
+    /// any, else the cpu), `cpu`, `cuda` (every GPU) or `cuda:N`.
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// Compute threads of the embedded workers, in all (default: one per core).
     #[arg(long, short = 't')]
@@ -55,9 +67,12 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* requests.
     #[arg(long, env = "TETHER_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Admin token the workers require (their --admin-token), for /v1/admin/*.
+    /// Admin token the workers require (their --admin-token), for /v1/admin/*; default:
+    /// --worker-token.
     #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    #[command(flatten)]
+    pub worker_token: WorkerTokenArgs,
     /// The model's id in the API (default: the file name without `.gguf`).
     #[arg(long)]
     pub model_id: Option<String>,
@@ -103,26 +118,34 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
             args.lease_ttl
         );
     }
+    if let Some(name) = &args.worker_dns {
+        let port = name.rsplit_once(':').map(|(_, p)| p.parse::<u16>());
+        if !matches!(port, Some(Ok(_))) {
+            bail!("--worker-dns {name:?} needs a port: give HOST:PORT, e.g. tether-workers:50061");
+        }
+    }
+    if args.dns_refresh.is_zero() {
+        bail!("--dns-refresh must be more than 0 (e.g. 10s)");
+    }
+    let client = args.worker_token.client_options()?;
     let resolved = args.model.resolve()?;
     if resolved.is_demo {
         eprintln!("{DEMO_LABEL}");
     }
     let model = ModelFile::open(&resolved.path)?;
-    let local = if args.workers.is_empty() {
-        check_device(&crate::cmd::local::DeviceArgs {
-            device: args.device.clone(),
-            threads: args.threads,
-            ctx: args.ctx,
-            ubatch: args.ubatch,
-        })?;
+    let local = if args.workers.is_empty() && args.worker_dns.is_none() {
+        let gpus = local_gpus(&args.device)?;
         if args.local_workers == 0 {
             bail!("--local-workers must be at least 1");
         }
+        // One worker per GPU unless more were asked for.
+        let n = args.local_workers.max(gpus.len());
         let options = LocalOptions {
             threads: args.threads,
             max_memory: None,
+            gpus,
         };
-        Some(LocalWorkers::start(args.local_workers, &options).await?)
+        Some(LocalWorkers::start(n, &options).await?)
     } else {
         None
     };
@@ -148,6 +171,11 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
             pause_before_commit: args.debug_pause_before_commit,
             ..defaults.load.clone()
         },
+        client,
+        worker_dns: args.worker_dns.clone().map(|name| WorkerDns {
+            name,
+            refresh: args.dns_refresh,
+        }),
         ..defaults
     };
     // The engine logs the placement it loaded.
@@ -166,9 +194,12 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     };
     let app = router(coordinator.clone(), opts).merge(admin_router(
         coordinator.clone(),
-        addrs,
         args.api_key.clone(),
-        args.admin_token.clone(),
+        // A worker without --admin-token takes its --token on admin calls.
+        args.admin_token
+            .clone()
+            .filter(|t| !t.is_empty())
+            .or_else(|| args.worker_token.worker_token.clone()),
     ));
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

@@ -8,6 +8,7 @@ use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_worker::BearerToken;
 use tether_worker::metrics_http::serve_metrics;
 use tether_worker::model_stage::ModelStageFactory;
 use tether_worker::registry::{RegistryConfig, SessionRegistry};
@@ -52,13 +53,27 @@ pub struct WorkerArgs {
     /// How often expired leases and undecided transactions are looked for.
     #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     pub reap_period: Duration,
+    /// Log a warning when memory no session accounts for (`unaccounted_bytes` in
+    /// `tetherctl status`) stays above this for --leak-window (0 turns it off).
+    #[arg(long, default_value = "256M", value_parser = parse_bytes)]
+    pub leak_warn: u64,
+    /// How long unaccounted memory must stay above --leak-warn before the warning.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub leak_window: Duration,
     /// Serve Prometheus metrics at http://ADDR/metrics (off unless given; port 0 picks a
     /// free port, and the address is printed).
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<String>,
-    /// Require this token on admin calls (tetherctl).
+    /// Require this token on admin calls (tetherctl). Without it, admin calls require
+    /// --token when that is set.
     #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Require `authorization: Bearer TOKEN` on every session call (Hello, Attach, Prepare,
+    /// Commit, Forward, ...): coordinators pass it with --worker-token. Also guards admin
+    /// calls when --admin-token is not given. Health checks stay open. Sent in clear: no TLS
+    /// yet.
+    #[arg(long, env = "TETHER_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 /// Runs a worker until SIGTERM/SIGINT; a second signal exits at once.
@@ -72,8 +87,14 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
 }
 
 async fn serve_device(args: WorkerArgs) -> anyhow::Result<()> {
-    match DeviceChoice::parse(&args.device)? {
-        DeviceChoice::Cpu => {
+    // A worker serves one device: `auto` and `cuda` take the first GPU.
+    let gpus = DeviceChoice::parse(&args.device)?.gpus(tether_compute::cuda::device_count())?;
+    let one = match gpus.first() {
+        Some(&n) => DeviceChoice::Cuda(n),
+        None => DeviceChoice::Cpu,
+    };
+    match one {
+        DeviceChoice::Auto | DeviceChoice::AllGpus | DeviceChoice::Cpu => {
             let backend = CpuBackend::new(args.threads).context("starting the cpu backend")?;
             serve_on(args, Arc::new(backend)).await
         }
@@ -99,6 +120,7 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         min_ttl: args.min_ttl,
         ..RegistryConfig::default()
     };
+    let token = BearerToken::parse(args.token.as_deref()).context("--token")?;
     let registry = Arc::new(SessionRegistry::new(
         Arc::clone(&factory),
         max_memory,
@@ -115,6 +137,7 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         reap_period: args.reap_period,
         shutdown_grace: args.shutdown_grace,
         admin_token: args.admin_token.clone(),
+        token: token.clone(),
     };
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics = match &args.metrics_listen {
@@ -138,6 +161,19 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         }
         None => None,
     };
+    let leak_watch = (args.leak_warn > 0).then(|| {
+        tokio::spawn(tether_worker::leak_watch::watch(
+            Arc::clone(&registry),
+            args.leak_warn,
+            args.leak_window,
+        ))
+    });
+    if token.is_none() && !addr.ip().is_loopback() {
+        tracing::warn!(
+            %addr,
+            "no --token: anyone who can reach this address can open sessions on this device"
+        );
+    }
     tracing::info!(%addr, device = %factory.device_name(), max_memory, "worker listening");
     // Scripts and tests read this line to learn the port.
     println!(
@@ -145,6 +181,9 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         factory.device_name()
     );
     let served = serve(listener, registry, options, first_signal()).await;
+    if let Some(task) = leak_watch {
+        task.abort();
+    }
     let _ = metrics_stop.send(());
     if let Some(task) = metrics {
         let _ = task.await;

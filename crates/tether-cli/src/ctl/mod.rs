@@ -29,7 +29,8 @@ pub struct Cli {
     /// The coordinator's API key, when it requires one.
     #[arg(long, env = "TETHER_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Admin token, when the worker requires one.
+    /// Admin token, when the worker requires one; default: TETHER_WORKER_TOKEN (a worker
+    /// started with --token but no --admin-token takes its --token on admin calls).
     #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// Print JSON instead of tables.
@@ -67,8 +68,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let Some(worker) = cli.worker.clone() else {
         anyhow::bail!("give --worker ADDR or --coordinator URL");
     };
-    let mut admin =
-        AdminClient::connect(&worker, cli.admin_token.clone(), &ClientOptions::default()).await?;
+    let token = cli
+        .admin_token
+        .clone()
+        .filter(|t| !t.is_empty())
+        .or_else(|| std::env::var("TETHER_WORKER_TOKEN").ok())
+        .filter(|t| !t.is_empty());
+    let mut admin = AdminClient::connect(&worker, token, &ClientOptions::default()).await?;
     match cli.command {
         Command::Status => {
             let status = admin.status().await?;

@@ -62,6 +62,17 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// How many CUDA devices this machine has: 0 without a driver or when it cannot tell.
+pub fn device_count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    CudaContext::device_count()
+        .ok()
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(0)
+}
+
 impl CudaBackend {
     /// Opens device `ordinal`, compiles (or loads from the disk cache) the kernels and
     /// allocates the index staging memory. Fails with [`ComputeError::Unavailable`] when
@@ -196,6 +207,13 @@ mod tests {
                 Err(e) => panic!("expected Unavailable, got {e}"),
                 Ok(_) => panic!("a backend without a CUDA driver"),
             }
+        }
+    }
+
+    #[test]
+    fn device_count_is_zero_without_a_driver() {
+        if !driver_present() {
+            assert_eq!(device_count(), 0);
         }
     }
 

@@ -16,7 +16,6 @@ use tether_worker::client::{AdminClient, ClientOptions};
 
 struct AdminState {
     coordinator: Arc<Coordinator>,
-    workers: Vec<String>,
     api_key: Option<String>,
     worker_admin_token: Option<String>,
 }
@@ -27,13 +26,11 @@ type Shared = Arc<AdminState>;
 /// `worker_admin_token` is sent to workers that require one.
 pub fn admin_router(
     coordinator: Arc<Coordinator>,
-    workers: Vec<String>,
     api_key: Option<String>,
     worker_admin_token: Option<String>,
 ) -> Router {
     let state = Arc::new(AdminState {
         coordinator,
-        workers,
         api_key,
         worker_admin_token,
     });
@@ -106,7 +103,8 @@ async fn admin_client(state: &AdminState, addr: &str) -> Result<AdminClient, Str
 
 async fn workers_status(State(state): State<Shared>) -> Json<Value> {
     let mut out = Vec::new();
-    for addr in &state.workers {
+    // The coordinator's current list: `--worker-dns` may have changed it since start.
+    for addr in &state.coordinator.workers() {
         let status = match admin_client(&state, addr).await {
             Ok(mut c) => c.status().await.map_err(|e| e.to_string()),
             Err(e) => Err(e),
@@ -121,7 +119,8 @@ async fn workers_status(State(state): State<Shared>) -> Json<Value> {
 
 async fn sessions(State(state): State<Shared>) -> Json<Value> {
     let mut out = Vec::new();
-    for addr in &state.workers {
+    // The coordinator's current list: `--worker-dns` may have changed it since start.
+    for addr in &state.coordinator.workers() {
         let sessions = match admin_client(&state, addr).await {
             Ok(mut c) => c.sessions().await.map_err(|e| e.to_string()),
             Err(e) => Err(e),

@@ -119,6 +119,7 @@ pub async fn cluster(path: &Path, n: usize, tune: impl FnOnce(&mut CoordinatorCo
         &LocalOptions {
             threads: Some(n),
             max_memory: Some(1 << 30),
+            gpus: Vec::new(),
         },
     )
     .await

@@ -12,10 +12,13 @@ pub use load::{DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource};
 pub use session::{AttachOptions, Session};
 
 use crate::error::WorkerError;
+use crate::token::BearerToken;
 use std::fmt;
 use std::time::Duration;
 use tether_proto::PROTOCOL_VERSION;
 use tether_proto::v1 as pb;
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 /// What kind of failure a worker reported, after gRPC's status codes.
@@ -31,7 +34,7 @@ pub enum ErrorKind {
     ResourceExhausted,
     /// UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED: the worker cannot be reached or is leaving.
     Unavailable,
-    /// UNAUTHENTICATED: the admin token is missing or wrong.
+    /// UNAUTHENTICATED: the worker or admin token is missing or wrong.
     Unauthenticated,
     /// ABORTED: the transaction was aborted.
     Aborted,
@@ -136,6 +139,9 @@ pub struct ClientOptions {
     pub keepalive_timeout: Duration,
     /// Largest message sent or received.
     pub max_message_bytes: usize,
+    /// Sent as `authorization: Bearer TOKEN` on every data-plane call (the worker's
+    /// `--token`); `None` for open workers.
+    pub token: Option<BearerToken>,
 }
 
 impl Default for ClientOptions {
@@ -145,6 +151,7 @@ impl Default for ClientOptions {
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(5),
             max_message_bytes: crate::server::DEFAULT_MAX_MESSAGE_BYTES,
+            token: None,
         }
     }
 }
@@ -196,11 +203,32 @@ pub(crate) async fn connect_channel(
         })
 }
 
+/// Puts the token, when there is one, on every outgoing call.
+#[derive(Clone)]
+pub(crate) struct SendToken(Option<BearerToken>);
+
+impl Interceptor for SendToken {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.0 {
+            request
+                .metadata_mut()
+                .insert("authorization", token.header_value());
+        }
+        Ok(request)
+    }
+}
+
+/// The generated client over a channel that carries the token.
+pub(crate) type WorkerRpc = pb::worker_client::WorkerClient<InterceptedService<Channel, SendToken>>;
+
 /// A connection to one worker's session and serving API.
 #[derive(Clone)]
 pub struct WorkerClient {
     pub(crate) addr: String,
-    pub(crate) rpc: pb::worker_client::WorkerClient<Channel>,
+    pub(crate) rpc: WorkerRpc,
     info: WorkerInfo,
 }
 
@@ -208,9 +236,12 @@ impl WorkerClient {
     /// Connects to `addr` ("host:port") and checks that the worker speaks this protocol.
     pub async fn connect(addr: &str, options: &ClientOptions) -> Result<Self, ClientError> {
         let channel = connect_channel(addr, options).await?;
-        let mut rpc = pb::worker_client::WorkerClient::new(channel)
-            .max_decoding_message_size(options.max_message_bytes)
-            .max_encoding_message_size(options.max_message_bytes);
+        let mut rpc = pb::worker_client::WorkerClient::with_interceptor(
+            channel,
+            SendToken(options.token.clone()),
+        )
+        .max_decoding_message_size(options.max_message_bytes)
+        .max_encoding_message_size(options.max_message_bytes);
         let hello = rpc
             .hello(pb::HelloRequest {
                 protocol_version: PROTOCOL_VERSION,

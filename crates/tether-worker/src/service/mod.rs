@@ -2,10 +2,12 @@
 
 pub mod admin;
 mod attach;
+pub mod auth;
 pub mod convert;
 pub mod health;
 pub mod worker;
 
-pub use admin::{AdminAuth, AdminService};
+pub use admin::AdminService;
+pub use auth::{AdminAuth, WorkerAuth};
 pub use health::HealthService;
 pub use worker::WorkerService;

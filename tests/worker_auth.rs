@@ -1,0 +1,232 @@
+//! A worker started with `--token` serves only clients that carry it: without it or with a
+//! wrong one every data-plane call is UNAUTHENTICATED and nothing is opened or reserved;
+//! with it sessions load and serve, and `tether run` / `tether serve` with `--worker-token`
+//! generate end to end.
+//! All against real `tether worker` processes.
+
+mod support;
+
+use std::process::{Command, Output};
+use std::time::Duration;
+use support::{
+    Serve, TETHER, TETHERCTL, TinyModel, Worker, full_load, http, http_json, sessions_and_bytes,
+};
+use tether_worker::client::{
+    AttachOptions, ClientOptions, ErrorKind, Health, WorkerClient, check_health,
+};
+use tether_worker::{BearerToken, ForwardInput, ForwardOutput, Lease, TokenPos};
+
+const TOKEN: &str = "worker-auth-test-7f3c9e";
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn options(token: Option<&str>) -> ClientOptions {
+    ClientOptions {
+        token: BearerToken::parse(token).expect("token"),
+        ..ClientOptions::default()
+    }
+}
+
+/// `tetherctl --worker ADDR --json ARGS`, with TETHER_WORKER_TOKEN set to `token` when given.
+fn tetherctl(addr: &str, token: Option<&str>, args: &[&str]) -> Output {
+    let mut cmd = Command::new(TETHERCTL);
+    cmd.args(["--worker", addr, "--json"])
+        .args(args)
+        .env_remove("TETHER_ADMIN_TOKEN")
+        .env_remove("TETHER_WORKER_TOKEN");
+    if let Some(t) = token {
+        cmd.env("TETHER_WORKER_TOKEN", t);
+    }
+    cmd.output().expect("run tetherctl")
+}
+
+fn status(addr: &str) -> serde_json::Value {
+    let out = tetherctl(addr, Some(TOKEN), &["status"]);
+    assert!(
+        out.status.success(),
+        "tetherctl status with the worker token: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("tetherctl prints JSON")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn clients_without_the_token_are_refused_and_leave_nothing_behind() {
+    let worker = Worker::start(&["--token", TOKEN]);
+    let rt = runtime();
+    let health = rt
+        .block_on(check_health(&worker.addr, "", &options(None)))
+        .expect("health needs no token");
+    assert_eq!(health, Health::Serving);
+    for (given, what) in [(None, "no token"), (Some("wrong-token"), "a wrong token")] {
+        let err = rt
+            .block_on(WorkerClient::connect(&worker.addr, &options(given)))
+            .err()
+            .unwrap_or_else(|| panic!("a client with {what} was admitted"));
+        assert_eq!(err.kind(), ErrorKind::Unauthenticated, "{what}: {err}");
+        assert!(!err.to_string().contains(TOKEN), "{err}");
+    }
+    // A real `tether attach` process without the token fails and says what to pass.
+    let attach = Command::new(TETHER)
+        .args(["attach", "--worker", &worker.addr, "--model", "unused.gguf"])
+        .arg("--no-load")
+        .env_remove("TETHER_WORKER_TOKEN")
+        .output()
+        .expect("run tether attach");
+    assert!(!attach.status.success(), "{}", text(&attach));
+    assert!(
+        text(&attach).contains("--worker-token"),
+        "{}",
+        text(&attach)
+    );
+    // Admin calls take the data token too (no --admin-token), and only it.
+    let refused = tetherctl(&worker.addr, None, &["status"]);
+    assert!(!refused.status.success(), "{}", text(&refused));
+    let refused = tetherctl(&worker.addr, Some("wrong-token"), &["status"]);
+    assert!(!refused.status.success(), "{}", text(&refused));
+    let s = status(&worker.addr);
+    assert_eq!(sessions_and_bytes(&s), (0, 0), "{s}");
+    assert_eq!(s["counters"]["opened"], 0, "{s}");
+    assert!(
+        worker.log().contains("refused a call"),
+        "the worker logs refusals: {}",
+        worker.log()
+    );
+    assert!(
+        !worker.log().contains(TOKEN),
+        "the log must not hold the token"
+    );
+}
+
+#[test]
+fn the_right_token_loads_and_serves_a_session() {
+    let model = TinyModel::new();
+    let worker = Worker::start(&["--token", TOKEN]);
+    let rt = runtime();
+    rt.block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &options(Some(TOKEN)))
+            .await
+            .expect("connect with the token");
+        let session = client
+            .attach(AttachOptions {
+                client_name: "worker-auth".into(),
+                lease: Lease {
+                    heartbeat_interval: Duration::from_millis(200),
+                    ttl: Duration::from_secs(5),
+                },
+                heartbeat: true,
+            })
+            .await
+            .expect("attach with the token");
+        let (request, source, _) = full_load(&model.path, 16);
+        let txn = request.txn;
+        let reserved = client
+            .prepare(session.id(), request, source)
+            .await
+            .expect("prepare");
+        assert!(reserved > 0);
+        client.commit(session.id(), txn).await.expect("commit");
+        let out = client
+            .forward(
+                session.id(),
+                &[TokenPos { seq: 0, pos: 0 }],
+                &ForwardInput::TokenIds(vec![1]),
+                &[0],
+            )
+            .await
+            .expect("forward");
+        let ForwardOutput::Logits(logits) = out else {
+            panic!("asked for logits, got {out:?}");
+        };
+        assert!(!logits.is_empty() && logits.iter().all(|x| x.is_finite()));
+        let held = status(&worker.addr);
+        assert_eq!(held["sessions"], 1, "{held}");
+        session.close().await;
+    });
+    let s = status(&worker.addr);
+    assert_eq!(sessions_and_bytes(&s), (0, 0), "{s}");
+}
+
+fn tether_run(addr: &str, model: &TinyModel, token: Option<&str>) -> Output {
+    let mut cmd = Command::new(TETHER);
+    cmd.args(["run", "--model", model.arg(), "--worker", addr])
+        .args(["-n", "4", "--ctx", "32", "--temp", "0", "-p", "hello"])
+        .env_remove("TETHER_WORKER_TOKEN");
+    if let Some(t) = token {
+        cmd.args(["--worker-token", t]);
+    }
+    cmd.output().expect("run tether run")
+}
+
+#[test]
+fn tether_run_with_the_worker_token_generates_end_to_end() {
+    let model = TinyModel::new();
+    let worker = Worker::start(&["--token", TOKEN]);
+    let refused = tether_run(&worker.addr, &model, None);
+    assert!(!refused.status.success(), "{}", text(&refused));
+    assert!(
+        text(&refused).contains("Unauthenticated") && text(&refused).contains("--worker-token"),
+        "{}",
+        text(&refused)
+    );
+    let ran = tether_run(&worker.addr, &model, Some(TOKEN));
+    assert!(ran.status.success(), "{}", text(&ran));
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(stderr.contains("| generated "), "{stderr}");
+    assert!(
+        String::from_utf8_lossy(&ran.stdout).starts_with("hello"),
+        "{}",
+        text(&ran)
+    );
+    let s = status(&worker.addr);
+    assert_eq!(sessions_and_bytes(&s), (0, 0), "{s}");
+    assert_eq!(
+        s["counters"]["opened"], 1,
+        "only the run with the token opened a session: {s}"
+    );
+}
+
+#[test]
+fn tether_serve_with_the_worker_token_serves_and_reads_worker_status() {
+    let model = TinyModel::new();
+    let worker = Worker::start(&["--token", TOKEN]);
+    let serve = Serve::start(&[
+        "--model",
+        model.arg(),
+        "--worker",
+        &worker.addr,
+        "--worker-token",
+        TOKEN,
+        "--ctx",
+        "32",
+        "--parallel",
+        "1",
+    ]);
+    let (code, health) = http(&serve.addr, "GET", "/health", None);
+    assert_eq!(code, 200, "{health}");
+    let body = r#"{"prompt": [1, 2], "max_tokens": 3, "temperature": 0}"#;
+    let (code, reply) = http(&serve.addr, "POST", "/v1/completions", Some(body));
+    assert_eq!(code, 200, "{reply}");
+    // Without --admin-token, the coordinator's admin view uses the worker token too.
+    let workers = http_json(&serve.addr, "/v1/admin/workers");
+    let workers = workers.as_array().expect("worker list");
+    assert_eq!(workers.len(), 1, "{workers:?}");
+    assert_eq!(workers[0]["status"]["sessions"], 1, "{workers:?}");
+    assert!(
+        !serve.log().contains(TOKEN),
+        "the log must not hold the token"
+    );
+}
