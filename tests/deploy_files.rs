@@ -181,3 +181,58 @@ fn every_subcommand_and_flag_in_deploy_files_exists() {
         }
     }
 }
+
+/// What can be checked of the image without a docker daemon: every binary the Dockerfile
+/// builds, copies or runs is one this workspace defines, and each built one is copied.
+#[test]
+fn the_dockerfile_builds_copies_and_runs_real_binaries() {
+    let text = std::fs::read_to_string(deploy_dir().join("docker/Dockerfile"))
+        .expect("deploy/docker/Dockerfile readable");
+    let manifest =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+            .expect("tether-cli Cargo.toml readable");
+    let defined: Vec<&str> = manifest
+        .split("[[bin]]")
+        .skip(1)
+        .filter_map(|b| b.lines().find_map(|l| l.trim().strip_prefix("name = ")))
+        .map(|n| n.trim_matches('"'))
+        .collect();
+    assert!(
+        defined.contains(&"tether") && defined.contains(&"tetherctl"),
+        "{defined:?}"
+    );
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let built: Vec<&str> = words
+        .windows(2)
+        .filter(|w| w[0] == "--bin")
+        .map(|w| w[1])
+        .collect();
+    assert!(!built.is_empty(), "the Dockerfile builds no --bin");
+    for b in &built {
+        assert!(defined.contains(b), "Dockerfile builds unknown binary {b}");
+        let copied = format!("/src/target/release/{b}");
+        assert!(
+            text.contains(&copied),
+            "Dockerfile builds {b} but never copies {copied}"
+        );
+    }
+    let entry = text
+        .lines()
+        .find_map(|l| l.strip_prefix("ENTRYPOINT"))
+        .expect("an ENTRYPOINT");
+    let first = entry
+        .trim()
+        .trim_matches(|c| c == '[' || c == ']')
+        .split(',')
+        .next()
+        .map(|s| s.trim().trim_matches('"'))
+        .unwrap_or_default();
+    assert!(
+        built.contains(&first),
+        "ENTRYPOINT runs {first}, which is not built"
+    );
+    assert!(
+        text.contains("STOPSIGNAL SIGTERM"),
+        "workers drain on SIGTERM"
+    );
+}

@@ -101,6 +101,14 @@ pub trait Backend: Send + Sync + 'static {
         Ok(f())
     }
 
+    /// Allocates one buffer per entry of `sizes`, all at once: a session's weights, caches and
+    /// scratch. A backend may carve them out of one allocation (the memory returns when the
+    /// last of them is dropped), so that what the device reports in use is the sum of the
+    /// sizes and not each buffer rounded up to the driver's page. Fails like [`Backend::alloc`].
+    fn alloc_many(&self, sizes: &[usize]) -> Result<Vec<Self::Buffer>> {
+        sizes.iter().map(|&s| self.alloc(s)).collect()
+    }
+
     /// Allocates `bytes` of device memory. Fails with [`ComputeError::OutOfMemory`], never aborts.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
 

@@ -696,3 +696,40 @@ fn rope_and_store_matches_cpu() {
         }
     }
 }
+
+/// Buffers reserved together share one allocation: each holds its own bytes, they do not
+/// overlap, and the memory returns when the last of them is dropped.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn alloc_many_buffers_are_separate_and_freed_with_the_last() {
+    let g = gpu();
+    let base = g.allocated_bytes();
+    let sizes = [100usize, 0, 5000, 1 << 20, 256];
+    let mut bufs = g.alloc_many(&sizes).unwrap();
+    assert_eq!(bufs.len(), sizes.len());
+    for (b, &s) in bufs.iter().zip(&sizes) {
+        assert_eq!(b.bytes(), s);
+    }
+    let held = g.allocated_bytes() - base;
+    let aligned: usize = sizes.iter().map(|s| s.next_multiple_of(256)).sum();
+    assert_eq!(held, aligned as u64, "one allocation of the aligned sizes");
+    // Fill each with its own byte, then read all back: no buffer spills into another.
+    for (i, b) in bufs.iter_mut().enumerate() {
+        let fill = vec![i as u8 + 1; b.bytes()];
+        g.upload(b, 0, &fill).unwrap();
+    }
+    for (i, b) in bufs.iter().enumerate() {
+        let mut back = vec![0u8; b.bytes()];
+        g.download(b, 0, &mut back).unwrap();
+        assert!(back.iter().all(|&x| x == i as u8 + 1), "buffer {i}");
+    }
+    let last = bufs.pop().unwrap();
+    drop(bufs);
+    assert_eq!(
+        g.allocated_bytes() - base,
+        held,
+        "held while one part lives"
+    );
+    drop(last);
+    assert_eq!(g.allocated_bytes(), base, "freed with the last part");
+}

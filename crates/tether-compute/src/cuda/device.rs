@@ -66,12 +66,64 @@ impl Device {
     /// is defined).
     pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<CudaBuffer> {
         if bytes == 0 {
-            return Ok(CudaBuffer {
-                ptr: 0,
-                len: 0,
-                device: self.clone(),
-            });
+            return Ok(CudaBuffer::empty(self));
         }
+        let ptr = self.alloc_raw(bytes)?;
+        Ok(CudaBuffer {
+            ptr,
+            len: bytes,
+            device: self.clone(),
+            block: None,
+        })
+    }
+
+    /// Buffers of `sizes` carved out of one allocation (each starting on a 256-byte
+    /// boundary, as cuMemAlloc's own do), freed when the last of them is dropped. The
+    /// driver hands out memory in 2 MiB pages: hundreds of tensors allocated one by one
+    /// would each round up, and the device would show hundreds of MiB more in use than
+    /// the session holds.
+    pub(crate) fn alloc_many(self: &Arc<Self>, sizes: &[usize]) -> Result<Vec<CudaBuffer>> {
+        let mut offsets = Vec::with_capacity(sizes.len());
+        let mut total = 0usize;
+        for &s in sizes {
+            offsets.push(total);
+            total = total
+                .checked_add(s.next_multiple_of(BLOCK_ALIGN))
+                .ok_or_else(|| ComputeError::Shape {
+                    op: "alloc",
+                    detail: format!("{} buffers overflow the address space", sizes.len()),
+                })?;
+        }
+        if total == 0 {
+            return Ok(sizes.iter().map(|_| CudaBuffer::empty(self)).collect());
+        }
+        let ptr = self.alloc_raw(total)?;
+        let block = Arc::new(Block {
+            ptr,
+            len: total,
+            device: self.clone(),
+        });
+        Ok(sizes
+            .iter()
+            .zip(offsets)
+            .map(|(&len, off)| {
+                if len == 0 {
+                    CudaBuffer::empty(self)
+                } else {
+                    CudaBuffer {
+                        ptr: ptr + off as u64,
+                        len,
+                        device: self.clone(),
+                        block: Some(block.clone()),
+                    }
+                }
+            })
+            .collect())
+    }
+
+    /// `bytes` (> 0) of zeroed device memory, counted in `allocated`; the caller frees it
+    /// with [`Device::free_raw`].
+    fn alloc_raw(&self, bytes: usize) -> Result<CUdeviceptr> {
         self.flush_recorded()?;
         self.bind()?;
         // SAFETY: the context is current; the memory is zeroed below before any use.
@@ -87,17 +139,41 @@ impl Device {
             }
             Err(e) => return Err(driver_err(&format!("allocating {bytes} bytes"), e)),
         };
-        let buf = CudaBuffer {
-            ptr,
-            len: bytes,
-            device: self.clone(),
-        };
         self.allocated.fetch_add(bytes as u64, Ordering::Relaxed);
         // SAFETY: `ptr` holds `bytes` bytes; the memset is ordered on the stream before any
-        // op that uses the buffer.
-        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
-            .map_err(|e| driver_err(&format!("zeroing {bytes} new bytes"), e))?;
-        Ok(buf)
+        // op that uses the memory.
+        if let Err(e) = unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) } {
+            self.free_raw(ptr, bytes);
+            return Err(driver_err(&format!("zeroing {bytes} new bytes"), e));
+        }
+        Ok(ptr)
+    }
+
+    /// Frees what [`Device::alloc_raw`] gave, once every op that may use it has finished.
+    fn free_raw(&self, ptr: CUdeviceptr, bytes: usize) {
+        // A kernel still queued may use this memory: wait for the stream before freeing.
+        // Errors here cannot be returned; a failed sync means the context is broken, and
+        // freeing then is still the best that can be done.
+        let _ = self.synchronize();
+        // SAFETY: `ptr` came from malloc_sync, is freed once, and the stream is idle.
+        let _ = unsafe { result::free_sync(ptr) };
+        self.allocated.fetch_sub(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+/// Alignment of each buffer inside a shared block (cuMemAlloc's own alignment).
+const BLOCK_ALIGN: usize = 256;
+
+/// One allocation shared by the buffers of [`Device::alloc_many`]; freed with the last.
+struct Block {
+    ptr: CUdeviceptr,
+    len: usize,
+    device: Arc<Device>,
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        self.device.free_raw(self.ptr, self.len);
     }
 }
 
@@ -107,9 +183,21 @@ pub struct CudaBuffer {
     ptr: CUdeviceptr,
     len: usize,
     device: Arc<Device>,
+    /// The shared allocation this buffer is part of (freed with the last part), or `None`
+    /// when the buffer owns its memory.
+    block: Option<Arc<Block>>,
 }
 
 impl CudaBuffer {
+    fn empty(device: &Arc<Device>) -> CudaBuffer {
+        CudaBuffer {
+            ptr: 0,
+            len: 0,
+            device: device.clone(),
+            block: None,
+        }
+    }
+
     /// The device address (0 for an empty buffer).
     pub(crate) fn ptr(&self) -> CUdeviceptr {
         self.ptr
@@ -135,17 +223,10 @@ impl std::fmt::Debug for CudaBuffer {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
-        if self.len == 0 {
+        // A part of a shared block is freed with the block (when its last part goes).
+        if self.len == 0 || self.block.is_some() {
             return;
         }
-        // A kernel still queued may use this memory: wait for the stream before freeing.
-        // Errors here cannot be returned; a failed sync means the context is broken, and
-        // freeing then is still the best that can be done.
-        let _ = self.device.synchronize();
-        // SAFETY: `ptr` came from malloc_sync, is freed once, and the stream is idle.
-        let _ = unsafe { result::free_sync(self.ptr) };
-        self.device
-            .allocated
-            .fetch_sub(self.len as u64, Ordering::Relaxed);
+        self.device.free_raw(self.ptr, self.len);
     }
 }

@@ -88,6 +88,10 @@ impl Backend for CudaBackend {
         Ok(MemoryInfo { total, free })
     }
 
+    fn alloc_many(&self, sizes: &[usize]) -> Result<Vec<CudaBuffer>> {
+        self.device.alloc_many(sizes)
+    }
+
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
         self.device.alloc(bytes)
     }

@@ -247,17 +247,46 @@ impl<B: Backend> Stage<B> {
             }
         }
         let kv = KvState::new(spec.n_seq, spec.ctx_per_seq)?;
-        let mut allocs = 0u64;
-        let mut alloc = |bytes: u64, what: &str| -> Result<B::Buffer, ModelError> {
-            let size = usize::try_from(bytes).map_err(|_| {
+        // Every buffer of the stage in one request, so a backend can reserve them together
+        // (one device allocation per session: see `Backend::alloc_many`).
+        let n_layers = spec.last_layer - spec.first_layer;
+        let k_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_k);
+        let v_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_v);
+        let sizes = scratch_sizes(&cfg, &spec);
+        let mut wanted: Vec<u64> = tensors.iter().map(|t| t.bytes).collect();
+        for _ in spec.first_layer..spec.last_layer {
+            wanted.extend([k_bytes, v_bytes]);
+        }
+        wanted.extend([sizes.hidden, sizes.normed, sizes.logits]);
+        if n_layers > 0 {
+            wanted.extend([
+                sizes.q, sizes.q, sizes.kv, sizes.kv, sizes.ff, sizes.ff, sizes.ff,
+            ]);
+        }
+        let total: u64 = wanted.iter().sum();
+        let as_usize: Vec<usize> = wanted
+            .iter()
+            .map(|&b| usize::try_from(b))
+            .collect::<Result<_, _>>()
+            .map_err(|_| {
                 ModelError::InvalidArgument(format!(
-                    "{what}: {bytes} bytes exceed the address space"
+                    "the stage's {total} bytes exceed the address space"
                 ))
             })?;
-            allocs += 1;
-            backend.alloc(size).map_err(|source| ModelError::Compute {
-                what: format!("allocating {bytes} bytes for {what}"),
+        let allocs = wanted.iter().filter(|&&b| b > 0).count() as u64;
+        let mut bufs = backend
+            .alloc_many(&as_usize)
+            .map_err(|source| ModelError::Compute {
+                what: format!(
+                    "allocating {total} bytes for the stage's {} buffers",
+                    wanted.len()
+                ),
                 source,
+            })?
+            .into_iter();
+        let mut next = || {
+            bufs.next().ok_or_else(|| {
+                ModelError::FailedPrecondition("the backend returned too few buffers".into())
             })
         };
         let mut weights = Vec::with_capacity(tensors.len());
@@ -265,45 +294,30 @@ impl<B: Backend> Stage<B> {
             weights.push(Weight {
                 name: t.name.clone(),
                 ty: t.ty,
-                buf: alloc(t.bytes, &format!("tensor '{}'", t.name))?,
+                buf: next()?,
                 written: Vec::new(),
             });
         }
-        let n_layers = spec.last_layer - spec.first_layer;
-        let k_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_k);
-        let v_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_v);
         let mut kv_cache = Vec::with_capacity(n_layers);
-        for layer in spec.first_layer..spec.last_layer {
-            let k = alloc(
-                k_bytes,
-                &format!("the {} K cache of layer {layer}", spec.cache_k),
-            )?;
-            let v = alloc(
-                v_bytes,
-                &format!("the {} V cache of layer {layer}", spec.cache_v),
-            )?;
-            kv_cache.push((k, v));
+        for _ in spec.first_layer..spec.last_layer {
+            kv_cache.push((next()?, next()?));
         }
-        let sizes = scratch_sizes(&cfg, &spec);
-        let mut opt = |bytes: u64, what: &str| -> Result<Option<B::Buffer>, ModelError> {
-            if bytes == 0 {
-                Ok(None)
-            } else {
-                alloc(bytes, what).map(Some)
-            }
+        let mut opt = |bytes: u64| -> Result<Option<B::Buffer>, ModelError> {
+            let buf = next()?;
+            Ok((bytes > 0).then_some(buf))
         };
-        let hidden = opt(sizes.hidden, "the hidden-state scratch")?;
-        let normed = opt(sizes.normed, "the normed-state scratch")?;
-        let logits = opt(sizes.logits, "the logits scratch")?;
+        let hidden = opt(sizes.hidden)?;
+        let normed = opt(sizes.normed)?;
+        let logits = opt(sizes.logits)?;
         let layer = if n_layers > 0 {
             Some(LayerScratch {
-                q: alloc(sizes.q, "the query scratch")?,
-                attn: alloc(sizes.q, "the attention-output scratch")?,
-                k: alloc(sizes.kv, "the key scratch")?,
-                v: alloc(sizes.kv, "the value scratch")?,
-                gate: alloc(sizes.ff, "the ffn gate scratch")?,
-                up: alloc(sizes.ff, "the ffn up scratch")?,
-                act: alloc(sizes.ff, "the ffn activation scratch")?,
+                q: next()?,
+                attn: next()?,
+                k: next()?,
+                v: next()?,
+                gate: next()?,
+                up: next()?,
+                act: next()?,
             })
         } else {
             None
