@@ -220,3 +220,41 @@ fn malformed_requests_get_clear_errors_and_change_nothing() {
     assert_eq!(status["counters"]["closed"], 1);
     drop(bystander);
 }
+
+#[test]
+fn session_limits_refuse_over_grpc_and_open_nothing() {
+    let worker = Worker::start(&["--max-sessions", "2", "--max-sessions-per-client", "1"]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        let options = |name: &str| AttachOptions {
+            client_name: name.into(),
+            lease: Lease {
+                heartbeat_interval: Duration::from_millis(200),
+                ttl: Duration::from_secs(5),
+            },
+            heartbeat: true,
+        };
+        let _first = client.attach(options("same")).await.expect("first session");
+        let Err(err) = client.attach(options("same")).await else {
+            panic!("a second session of one client was admitted");
+        };
+        assert_eq!(err.kind(), ErrorKind::ResourceExhausted, "{err}");
+        assert!(err.to_string().contains("per-client"), "{err}");
+        let _other = client
+            .attach(options("other"))
+            .await
+            .expect("another client");
+        let Err(err) = client.attach(options("third")).await else {
+            panic!("a third session was admitted past --max-sessions 2");
+        };
+        assert_eq!(err.kind(), ErrorKind::ResourceExhausted, "{err}");
+        let status = tetherctl_json(&worker.addr, &["status"]);
+        assert_eq!(sessions_and_bytes(&status).0, 2, "refusals opened nothing");
+    });
+}

@@ -29,6 +29,9 @@ pub enum WorkerError {
         /// Bytes held by all sessions at the time.
         held: u64,
     },
+    /// Admission refused: too many sessions, in all or for one client (RESOURCE_EXHAUSTED).
+    #[error("{0}")]
+    TooManySessions(String),
     /// The worker is draining or shutting down (UNAVAILABLE).
     #[error("{0}")]
     Unavailable(String),

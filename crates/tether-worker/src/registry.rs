@@ -32,6 +32,10 @@ pub struct RegistryConfig {
     pub max_decision_timeout: Duration,
     /// The worker's build, for Hello and status.
     pub worker_version: String,
+    /// Most live sessions in all (`None`: no limit but memory).
+    pub max_sessions: Option<usize>,
+    /// Most live sessions of one client name (`None`: no limit).
+    pub max_sessions_per_client: Option<usize>,
 }
 
 impl Default for RegistryConfig {
@@ -46,6 +50,8 @@ impl Default for RegistryConfig {
             decision_timeout: Duration::from_secs(30),
             max_decision_timeout: Duration::from_secs(600),
             worker_version: format!("tether {}", env!("CARGO_PKG_VERSION")),
+            max_sessions: None,
+            max_sessions_per_client: None,
         }
     }
 }
@@ -146,6 +152,7 @@ impl SessionRegistry {
             ));
         }
         let name: String = client_name.chars().take(256).collect();
+        self.check_session_limits(&inner, &name)?;
         let session = Session::new(name.clone(), lease, &self.root);
         let ticket = session.ticket();
         inner.sessions.insert(session.id, session);
@@ -159,6 +166,32 @@ impl SessionRegistry {
             "session opened"
         );
         Ok(ticket)
+    }
+
+    /// Refuses a new session beyond `--max-sessions` or `--max-sessions-per-client`, so one
+    /// client (or a crowd) cannot hold every slot while memory is still free.
+    fn check_session_limits(&self, inner: &Inner, client: &str) -> Result<()> {
+        let live = inner.sessions.len();
+        if let Some(max) = self.config.max_sessions
+            && live >= max
+        {
+            return Err(WorkerError::TooManySessions(format!(
+                "this worker already has {live} sessions (--max-sessions {max}); end one or attach to another worker"
+            )));
+        }
+        if let Some(max) = self.config.max_sessions_per_client {
+            let mine = inner
+                .sessions
+                .values()
+                .filter(|s| s.client_name == client)
+                .count();
+            if mine >= max {
+                return Err(WorkerError::TooManySessions(format!(
+                    "client {client:?} already has {mine} sessions on this worker (--max-sessions-per-client {max}); end one first"
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn clamp_lease(&self, asked: Lease) -> Lease {

@@ -278,3 +278,31 @@ async fn lease_is_clamped_to_the_limits() {
     assert_eq!(t.lease.ttl, reg.config().min_ttl);
     assert!(t.lease.heartbeat_interval <= t.lease.ttl / 2);
 }
+
+#[test]
+fn session_limits_refuse_with_resource_exhausted_and_free_up_on_close() {
+    let config = RegistryConfig {
+        max_sessions: Some(3),
+        max_sessions_per_client: Some(2),
+        ..RegistryConfig::default()
+    };
+    let reg = SessionRegistry::new(Arc::new(FakeFactory { free: 1 << 30 }), 1 << 20, config);
+    let a1 = reg.open("a", lease(1000)).unwrap();
+    let _a2 = reg.open("a", lease(1000)).unwrap();
+    let Err(err) = reg.open("a", lease(1000)) else {
+        panic!("a third session of client a was admitted");
+    };
+    assert!(matches!(err, WorkerError::TooManySessions(_)), "{err}");
+    assert!(
+        err.to_string().contains("--max-sessions-per-client 2"),
+        "{err}"
+    );
+    let _b1 = reg.open("b", lease(1000)).unwrap();
+    let Err(err) = reg.open("c", lease(1000)) else {
+        panic!("a fourth session was admitted");
+    };
+    assert!(err.to_string().contains("--max-sessions 3"), "{err}");
+    assert_eq!(reg.status().sessions, 3, "refusals open nothing");
+    reg.end(a1.id, EndReason::Closed).expect("ended");
+    reg.open("a", lease(1000)).expect("a slot is free again");
+}

@@ -53,6 +53,13 @@ pub struct WorkerArgs {
     /// How often expired leases and undecided transactions are looked for.
     #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     pub reap_period: Duration,
+    /// Most live sessions in all; more are refused with RESOURCE_EXHAUSTED (default: only
+    /// memory limits them).
+    #[arg(long)]
+    pub max_sessions: Option<usize>,
+    /// Most live sessions of one client name (coordinators name themselves in Hello).
+    #[arg(long)]
+    pub max_sessions_per_client: Option<usize>,
     /// Log a warning when memory no session accounts for (`unaccounted_bytes` in
     /// `tetherctl status`) stays above this for --leak-window (0 turns it off).
     #[arg(long, default_value = "256M", value_parser = parse_bytes)]
@@ -118,6 +125,8 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
     let config = RegistryConfig {
         decision_timeout: args.prepare_timeout,
         min_ttl: args.min_ttl,
+        max_sessions: args.max_sessions,
+        max_sessions_per_client: args.max_sessions_per_client,
         ..RegistryConfig::default()
     };
     let token = BearerToken::parse(args.token.as_deref()).context("--token")?;

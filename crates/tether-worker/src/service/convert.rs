@@ -15,7 +15,9 @@ pub fn to_status(e: WorkerError) -> Status {
         WorkerError::NotFound(_) => Code::NotFound,
         WorkerError::InvalidArgument(_) => Code::InvalidArgument,
         WorkerError::FailedPrecondition(_) => Code::FailedPrecondition,
-        WorkerError::ResourceExhausted { .. } => Code::ResourceExhausted,
+        WorkerError::ResourceExhausted { .. } | WorkerError::TooManySessions(_) => {
+            Code::ResourceExhausted
+        }
         WorkerError::Unavailable(_) => Code::Unavailable,
         WorkerError::Aborted(_) => Code::Aborted,
         WorkerError::Internal(_) => Code::Internal,
