@@ -1,14 +1,9 @@
 // Normalisation, activation, residual and rotary kernels on f32 rows.
 
-// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight. Launch: gridDim.x = n_tokens,
-// blockDim.x = a multiple of 32 up to 1024 (decode rows are one block each, so the block is
-// wide: its loads are what the whole op waits for). The sum of squares is kept in f64, as
-// on the cpu (rows reach 8192+).
-extern "C" __global__ void __launch_bounds__(1024)
-    rms_norm(const float* x, const float* weight, int dim, float eps, float* out) {
+// 1 / sqrt(mean(xr^2) + eps) of one row, summed by the whole block in f64 (as on the cpu:
+// rows reach 8192+). Every thread of the block must call it.
+__device__ float row_inv_rms(const float* xr, int dim, float eps) {
     __shared__ double part[32];
-    const float* xr = x + (size_t)blockIdx.x * dim;
-    float* o = out + (size_t)blockIdx.x * dim;
     double ss = 0.0;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
     ss = warp_sum_d(ss);
@@ -16,7 +11,17 @@ extern "C" __global__ void __launch_bounds__(1024)
     __syncthreads();
     double total = 0.0;
     for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += part[w];
-    float inv = (float)(1.0 / sqrt(total / (double)dim + (double)eps));
+    return (float)(1.0 / sqrt(total / (double)dim + (double)eps));
+}
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight. Launch: gridDim.x = n_tokens,
+// blockDim.x = a multiple of 32 up to 1024 (decode rows are one block each, so the block is
+// wide: its loads are what the whole op waits for).
+extern "C" __global__ void __launch_bounds__(1024)
+    rms_norm(const float* x, const float* weight, int dim, float eps, float* out) {
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    float* o = out + (size_t)blockIdx.x * dim;
+    float inv = row_inv_rms(xr, dim, eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * inv * weight[i];
 }
 
@@ -26,17 +31,9 @@ extern "C" __global__ void __launch_bounds__(1024)
 extern "C" __global__ void __launch_bounds__(1024)
     rms_norm_q8(const float* x, const float* weight, int dim, float eps, float* out, i8* xq,
                 float2* xds) {
-    __shared__ double part[32];
     const float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
-    ss = warp_sum_d(ss);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    double total = 0.0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += part[w];
-    float inv = (float)(1.0 / sqrt(total / (double)dim + (double)eps));
+    float inv = row_inv_rms(xr, dim, eps);
     size_t row = (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float v = xr[i] * inv * weight[i];

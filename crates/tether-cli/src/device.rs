@@ -46,6 +46,17 @@ impl DeviceChoice {
     }
 }
 
+/// The GPUs `--device TEXT` names on this machine (empty: the cpu).
+pub fn gpus_named(text: &str) -> Result<Vec<usize>> {
+    DeviceChoice::parse(text)?.gpus(tether_compute::cuda::device_count())
+}
+
+/// The one device a single backend (a worker, `eval`, `bench`) runs on: the first GPU
+/// `--device TEXT` names, or `None` for the cpu.
+pub fn single_gpu(text: &str) -> Result<Option<usize>> {
+    Ok(gpus_named(text)?.first().copied())
+}
+
 #[cfg(test)]
 mod tests {
     use super::DeviceChoice;

@@ -9,69 +9,8 @@ use tether_compute::{
 };
 use tether_gguf::GgmlType;
 
-/// splitmix64: deterministic test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    fn f32s(&mut self, n: usize, amp: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| ((self.unit() * 2.0 - 1.0) * f64::from(amp)) as f32)
-            .collect()
-    }
-}
-
-/// Offsets of the f16 scales inside one block of `ty` (random bytes there would give
-/// infinities and NaNs).
-fn scale_offsets(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-        GgmlType::Q6K => &[208],
-        _ => &[],
-    }
-}
-
-/// Random weights of `ty`: random quants with sane scales, or values in [-1, 1).
-fn random_weights(rng: &mut Rng, ty: GgmlType, elems: usize) -> Vec<u8> {
-    let floats = rng.f32s(elems, 1.0);
-    match ty {
-        GgmlType::F32 => floats.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        GgmlType::F16 => floats
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        GgmlType::BF16 => floats
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect(),
-        _ => {
-            let block = ty.block_bytes();
-            let mut out: Vec<u8> = (0..elems / ty.block_elems() * block)
-                .map(|_| rng.next_u64() as u8)
-                .collect();
-            for b in out.chunks_exact_mut(block) {
-                for &at in scale_offsets(ty) {
-                    let mag = 1e-3 * 100f64.powf(rng.unit());
-                    let s = if rng.next_u64() & 1 == 0 { mag } else { -mag };
-                    b[at..at + 2].copy_from_slice(&half::f16::from_f64(s).to_le_bytes());
-                }
-            }
-            out
-        }
-    }
-}
+mod common;
+use common::{Rng, WEIGHT_TYPES, cpu, f32_bytes, get, gpu, put, random_weights};
 
 /// ‖a − b‖ / ‖b‖.
 fn relative_error(a: &[f32], b: &[f32]) -> f64 {
@@ -83,35 +22,6 @@ fn relative_error(a: &[f32], b: &[f32]) -> f64 {
         .sum();
     let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
     if n == 0.0 { d.sqrt() } else { (d / n).sqrt() }
-}
-
-fn gpu() -> CudaBackend {
-    CudaBackend::new(0).unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"))
-}
-
-fn cpu() -> CpuBackend {
-    CpuBackend::new(None).unwrap()
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// Uploads `bytes` to a new buffer of `be`.
-fn put<B: Backend>(be: &B, bytes: &[u8]) -> B::Buffer {
-    let mut b = be.alloc(bytes.len()).unwrap();
-    be.upload(&mut b, 0, bytes).unwrap();
-    b
-}
-
-/// The first `n` f32 of `buf`.
-fn get<B: Backend>(be: &B, buf: &B::Buffer, n: usize) -> Vec<f32> {
-    let mut bytes = vec![0u8; n * 4];
-    be.download(buf, 0, &mut bytes).unwrap();
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 /// Both backends' buffers for the same bytes.
@@ -135,17 +45,6 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = relative_error(got, want);
     assert!(e < tol, "{what}: relative error {e} >= {tol}");
 }
-
-const WEIGHT_TYPES: [GgmlType; 8] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
 
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -115,26 +115,7 @@ fn check_against_reference(file: &GgufFile, what: &str) {
         println!("{what}: greedy tokens equal the reference's (the cpu's for {same_as_cpu})");
         return;
     }
-    let mut forced = prompt.to_vec();
-    forced.extend(&ours);
-    let logits = reference.logits(&forced);
-    let mut ties = 0;
-    for (i, &tok) in ours.iter().enumerate() {
-        let row = &logits[prompt.len() - 1 + i];
-        let best = (0..v).fold(0, |b, j| if row[j] > row[b] { j } else { b });
-        if best as u32 != tok {
-            let gap = row[best] - row[tok as usize];
-            assert!(
-                gap < 3.0 * worst_abs,
-                "{what}: step {i}: {tok} chosen, the reference prefers {best} by {gap:.3e}"
-            );
-            ties += 1;
-        }
-    }
-    assert!(
-        ties <= 3,
-        "{what}: {ties} near-ties in {GREEDY_STEPS} steps"
-    );
+    let ties = reference.check_greedy(prompt, &ours, worst_abs, 3, what);
     println!(
         "{what}: greedy tokens are the reference's choices ({ties} near-ties), the cpu's for the first {same_as_cpu}"
     );

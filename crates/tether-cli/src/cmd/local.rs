@@ -3,12 +3,13 @@
 //! coordinator).
 
 use crate::cmd::cache_args::CacheArgs;
-use crate::device::DeviceChoice;
+use crate::device::{gpus_named, single_gpu};
 use crate::model_source::{ModelArgs, ResolvedModel};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::sync::Arc;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_coordinator::{LocalOptions, LocalWorkers};
 use tether_gguf::GgufFile;
 use tether_model::{Generator, ModelConfig};
 
@@ -49,16 +50,11 @@ pub enum AnyBackend {
 
 /// Starts the backend `--device` names.
 pub fn open_backend(dev: &DeviceArgs) -> Result<AnyBackend> {
-    let gpus = DeviceChoice::parse(&dev.device)?.gpus(tether_compute::cuda::device_count())?;
-    let choice = match gpus.first() {
-        Some(&n) => DeviceChoice::Cuda(n),
-        None => DeviceChoice::Cpu,
-    };
-    Ok(match choice {
-        DeviceChoice::Auto | DeviceChoice::AllGpus | DeviceChoice::Cpu => AnyBackend::Cpu(
-            Arc::new(CpuBackend::new(dev.threads).context("starting the cpu backend")?),
-        ),
-        DeviceChoice::Cuda(n) => AnyBackend::Cuda(Arc::new(
+    Ok(match single_gpu(&dev.device)? {
+        None => AnyBackend::Cpu(Arc::new(
+            CpuBackend::new(dev.threads).context("starting the cpu backend")?,
+        )),
+        Some(n) => AnyBackend::Cuda(Arc::new(
             CudaBackend::new(n).with_context(|| format!("starting the cuda backend on GPU {n}"))?,
         )),
     })
@@ -105,10 +101,25 @@ pub fn context_size(dev: &DeviceArgs, cfg: &ModelConfig, min_ctx: usize) -> Resu
     Ok(ctx)
 }
 
-/// The GPUs `--device` gives the embedded workers of `run` and `serve`, one worker each
-/// (empty: cpu workers).
-pub fn local_gpus(device: &str) -> Result<Vec<usize>> {
-    DeviceChoice::parse(device)?.gpus(tether_compute::cuda::device_count())
+/// Starts the embedded workers of `run` and `serve`: one per GPU `device` names (`auto`:
+/// every GPU the machine has), else `count` cpu workers sharing `threads`.
+pub async fn start_local_workers(
+    device: &str,
+    count: usize,
+    threads: Option<usize>,
+) -> Result<LocalWorkers> {
+    let gpus = gpus_named(device)?;
+    if count == 0 {
+        bail!("--local-workers must be at least 1");
+    }
+    // One worker per GPU unless more were asked for.
+    let n = count.max(gpus.len());
+    let options = LocalOptions {
+        threads,
+        max_memory: None,
+        gpus,
+    };
+    Ok(LocalWorkers::start(n, &options).await?)
 }
 
 /// The line every command prints before using the synthetic demo model.

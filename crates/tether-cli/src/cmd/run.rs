@@ -2,7 +2,7 @@
 //! workers in this process (real gRPC on loopback) or over remote `--worker`s.
 
 use crate::cmd::cache_args::CacheArgs;
-use crate::cmd::local::{DEMO_LABEL, DeviceArgs, context_size, local_gpus};
+use crate::cmd::local::{DEMO_LABEL, DeviceArgs, context_size, start_local_workers};
 use crate::cmd::worker_token::WorkerTokenArgs;
 use crate::model_source::ModelArgs;
 use anyhow::{Context, Result, bail};
@@ -11,7 +11,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 use tether_coordinator::api::{FinishReason, GenEvent, GenRequest, Generation};
-use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
+use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile};
 use tether_model::SamplingParams;
 
 /// Arguments of `tether run`.
@@ -121,18 +121,10 @@ async fn run_async(args: RunArgs) -> Result<()> {
     let model = ModelFile::open(&resolved.path)?;
     let ctx = context_size(&args.device, model.config(), 1)?;
     let local = if args.workers.is_empty() {
-        let gpus = local_gpus(&args.device.device)?;
-        if args.local_workers == 0 {
-            bail!("--local-workers must be at least 1");
-        }
-        // One worker per GPU unless more were asked for.
-        let n = args.local_workers.max(gpus.len());
-        let options = LocalOptions {
-            threads: args.device.threads,
-            max_memory: None,
-            gpus,
-        };
-        Some(LocalWorkers::start(n, &options).await?)
+        Some(
+            start_local_workers(&args.device.device, args.local_workers, args.device.threads)
+                .await?,
+        )
     } else {
         None
     };

@@ -2,7 +2,7 @@
 //! layers on remote `--worker`s or on embedded workers in this process.
 
 use crate::cmd::cache_args::CacheArgs;
-use crate::cmd::local::{DEMO_LABEL, local_gpus};
+use crate::cmd::local::{DEMO_LABEL, start_local_workers};
 use crate::cmd::worker_token::WorkerTokenArgs;
 use crate::ctl::units::parse_duration;
 use crate::model_source::ModelArgs;
@@ -14,9 +14,7 @@ use std::time::Duration;
 use tether_coordinator::http::admin::admin_router;
 use tether_coordinator::http::{HttpOptions, router, serve};
 use tether_coordinator::load::LoadOptions;
-use tether_coordinator::{
-    Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile, WorkerDns,
-};
+use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile, WorkerDns};
 use tether_worker::Lease;
 
 /// Arguments of `tether serve`.
@@ -134,18 +132,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     }
     let model = ModelFile::open(&resolved.path)?;
     let local = if args.workers.is_empty() && args.worker_dns.is_none() {
-        let gpus = local_gpus(&args.device)?;
-        if args.local_workers == 0 {
-            bail!("--local-workers must be at least 1");
-        }
-        // One worker per GPU unless more were asked for.
-        let n = args.local_workers.max(gpus.len());
-        let options = LocalOptions {
-            threads: args.threads,
-            max_memory: None,
-            gpus,
-        };
-        Some(LocalWorkers::start(n, &options).await?)
+        Some(start_local_workers(&args.device, args.local_workers, args.threads).await?)
     } else {
         None
     };

@@ -1,7 +1,7 @@
 //! `tether worker`: serve one device's memory to coordinators, session by session.
 
 use crate::ctl::units::{parse_bytes, parse_duration};
-use crate::device::DeviceChoice;
+use crate::device::single_gpu;
 use crate::signals::first_signal;
 use anyhow::Context;
 use clap::Args;
@@ -95,17 +95,12 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
 
 async fn serve_device(args: WorkerArgs) -> anyhow::Result<()> {
     // A worker serves one device: `auto` and `cuda` take the first GPU.
-    let gpus = DeviceChoice::parse(&args.device)?.gpus(tether_compute::cuda::device_count())?;
-    let one = match gpus.first() {
-        Some(&n) => DeviceChoice::Cuda(n),
-        None => DeviceChoice::Cpu,
-    };
-    match one {
-        DeviceChoice::Auto | DeviceChoice::AllGpus | DeviceChoice::Cpu => {
+    match single_gpu(&args.device)? {
+        None => {
             let backend = CpuBackend::new(args.threads).context("starting the cpu backend")?;
             serve_on(args, Arc::new(backend)).await
         }
-        DeviceChoice::Cuda(n) => {
+        Some(n) => {
             let backend = CudaBackend::new(n)
                 .with_context(|| format!("starting the cuda backend on GPU {n}"))?;
             serve_on(args, Arc::new(backend)).await

@@ -49,6 +49,13 @@ impl Xq {
     }
 }
 
+/// A locked 8-bit copy of some rows: the addresses of its values and scales.
+struct QuantizedInput<'a> {
+    _guard: MutexGuard<'a, Xq>,
+    q: u64,
+    ds: u64,
+}
+
 /// Device addresses and sizes of one checked matmul.
 pub(crate) struct MatvecArgs {
     pub w: u64,
@@ -101,47 +108,37 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let int8 = a.ty == GgmlType::Q4_0 && a.cols.is_multiple_of(32) && a.cols <= XQ_MAX_COLS;
-        // Held across the loop: the quantized rows are read by the launch after it.
-        let mut xq = if int8 { Some(self.lock_xq()) } else { None };
         let mut t0 = 0;
         while t0 < a.n_tokens {
             let n = (a.n_tokens - t0).min(MV_MAX_TOKENS);
             let width = n.next_power_of_two();
             let x = a.x + (t0 * a.cols * 4) as u64;
             let out = a.out + (t0 * a.rows * 4) as u64;
-            match &mut xq {
-                Some(xq) => {
-                    let (q, ds) = (xq.buf.ptr(), xq.buf.ptr() + XQ_SCALES_AT as u64);
-                    let key = (x, a.cols, n, self.write_epoch.load(Ordering::Relaxed));
-                    if xq.holds != Some(key) {
-                        self.quantize_q8(x, a.cols, n, q, ds)?;
-                        xq.holds = Some(key);
-                    }
-                    let args = [
-                        Arg::Ptr(a.w),
-                        rows_arg,
-                        cols_arg,
-                        Arg::Ptr(q),
-                        Arg::Ptr(ds),
-                        Arg::I32(n as i32),
-                        Arg::Ptr(out),
-                        Arg::I32(i32::from(a.accumulate)),
-                    ];
-                    // Not `run`: the output is never the quantized input, which stays valid.
-                    self.launch_kernel(&format!("matvecq_{stem}_{width}"), cfg, &args)?;
-                }
-                None => {
-                    let args = [
-                        Arg::Ptr(a.w),
-                        rows_arg,
-                        cols_arg,
-                        Arg::Ptr(x),
-                        Arg::I32(n as i32),
-                        Arg::Ptr(out),
-                        Arg::I32(i32::from(a.accumulate)),
-                    ];
-                    self.run(&format!("matvec_{stem}_{width}"), cfg, &args)?;
-                }
+            if int8 {
+                let xin = self.quantized_input(x, a.cols, n)?;
+                let args = [
+                    Arg::Ptr(a.w),
+                    rows_arg,
+                    cols_arg,
+                    Arg::Ptr(xin.q),
+                    Arg::Ptr(xin.ds),
+                    Arg::I32(n as i32),
+                    Arg::Ptr(out),
+                    Arg::I32(i32::from(a.accumulate)),
+                ];
+                // Not `run`: the output is never the quantized input, which stays valid.
+                self.launch_kernel(&format!("matvecq_{stem}_{width}"), cfg, &args)?;
+            } else {
+                let args = [
+                    Arg::Ptr(a.w),
+                    rows_arg,
+                    cols_arg,
+                    Arg::Ptr(x),
+                    Arg::I32(n as i32),
+                    Arg::Ptr(out),
+                    Arg::I32(i32::from(a.accumulate)),
+                ];
+                self.run(&format!("matvec_{stem}_{width}"), cfg, &args)?;
             }
             t0 += n;
         }
@@ -167,7 +164,8 @@ impl CudaBackend {
             block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (q, ds) = self.quantized_input(x, cols, n)?;
+        let xin = self.quantized_input(x, cols, n)?;
+        let (q, ds) = (xin.q, xin.ds);
         let args = [
             Arg::Ptr(m[0].0),
             Arg::Ptr(m[1].0),
@@ -216,16 +214,21 @@ impl CudaBackend {
     }
 
     /// The 8-bit copy of `n` rows of `cols` at `x` (quantized now unless the buffer already
-    /// holds them): the addresses of its values and of its scales.
-    fn quantized_input(&self, x: u64, cols: usize, n: usize) -> Result<(u64, u64)> {
-        let mut xq = self.lock_xq();
-        let (q, ds) = (xq.buf.ptr(), xq.buf.ptr() + XQ_SCALES_AT as u64);
+    /// holds them). The buffer stays locked until the returned value is dropped: launch the
+    /// kernels that read it before then, or another thread's rows could be queued over it.
+    fn quantized_input(&self, x: u64, cols: usize, n: usize) -> Result<QuantizedInput<'_>> {
+        let mut guard = self.lock_xq();
+        let (q, ds) = (guard.buf.ptr(), guard.buf.ptr() + XQ_SCALES_AT as u64);
         let key = (x, cols, n, self.write_epoch.load(Ordering::Relaxed));
-        if xq.holds != Some(key) {
+        if guard.holds != Some(key) {
             self.quantize_q8(x, cols, n, q, ds)?;
-            xq.holds = Some(key);
+            guard.holds = Some(key);
         }
-        Ok((q, ds))
+        Ok(QuantizedInput {
+            _guard: guard,
+            q,
+            ds,
+        })
     }
 
     /// Whether the fused Q4_0 decode kernels ([`Self::matvec3`], [`Self::matvec_swiglu`])
@@ -259,7 +262,8 @@ impl CudaBackend {
             block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (q, ds) = self.quantized_input(x, cols, n)?;
+        let xin = self.quantized_input(x, cols, n)?;
+        let (q, ds) = (xin.q, xin.ds);
         let args = [
             Arg::Ptr(gate),
             Arg::Ptr(up),

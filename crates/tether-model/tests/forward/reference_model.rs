@@ -220,6 +220,44 @@ impl Reference {
     }
 }
 
+impl Reference {
+    /// Checks a backend's greedy continuation `got` of `prompt` against this reference:
+    /// each token must be the reference's arg-max, or within three times `worst_abs` (the
+    /// largest logit error measured) of it, a near-tie that error can flip; at most
+    /// `max_near_ties` of those. Returns how many near-ties there were.
+    pub fn check_greedy(
+        &self,
+        prompt: &[u32],
+        got: &[u32],
+        worst_abs: f64,
+        max_near_ties: usize,
+        what: &str,
+    ) -> usize {
+        let mut forced = prompt.to_vec();
+        forced.extend(got);
+        let logits = self.logits(&forced);
+        let mut ties = 0;
+        for (i, &tok) in got.iter().enumerate() {
+            let row = &logits[prompt.len() - 1 + i];
+            let best = (0..row.len()).fold(0, |b, j| if row[j] > row[b] { j } else { b });
+            if best as u32 != tok {
+                let gap = row[best] - row[tok as usize];
+                assert!(
+                    gap < 3.0 * worst_abs,
+                    "{what}: step {i}: {tok} chosen, reference prefers {best} by {gap:.3e} (errors up to {worst_abs:.3e})"
+                );
+                ties += 1;
+            }
+        }
+        assert!(
+            ties <= max_near_ties,
+            "{what}: {ties} near-ties in {} steps",
+            got.len()
+        );
+        ties
+    }
+}
+
 /// ‖a − b‖ / ‖b‖.
 pub fn relative_error(a: &[f32], b: &[f64]) -> f64 {
     let num: f64 = a

@@ -58,26 +58,7 @@ fn compare(
         println!("{what}: worst relative error {worst:.2e}, greedy equal");
         return;
     }
-    let mut forced = prompt.to_vec();
-    forced.extend(&got);
-    let logits = reference.logits(&forced);
-    let mut ties = 0;
-    for (i, &tok) in got.iter().enumerate() {
-        let row = &logits[prompt.len() - 1 + i];
-        let best = (0..v).fold(0, |b, j| if row[j] > row[b] { j } else { b });
-        if best as u32 != tok {
-            let gap = row[best] - row[tok as usize];
-            assert!(
-                gap < 3.0 * worst_abs,
-                "{what}: step {i}: {tok} chosen, reference prefers {best} by {gap:.3e} (errors up to {worst_abs:.3e})"
-            );
-            ties += 1;
-        }
-    }
-    assert!(
-        ties <= max_near_ties,
-        "{what}: {ties} near-ties in {n_greedy} steps"
-    );
+    let ties = reference.check_greedy(prompt, &got, worst_abs, max_near_ties, what);
     println!("{what}: worst relative error {worst:.2e}, {ties} near-ties");
 }
 
