@@ -10,7 +10,9 @@
 //! Replay a failure with `TETHER_CHAOS_SEED=<printed seed>`. `TETHER_CHAOS_ITERATIONS`
 //! sets the number of steps (default [`DEFAULT_ITERATIONS`], well under a minute); soak
 //! mode is the same test with a large count, e.g.
-//! `TETHER_CHAOS_ITERATIONS=500 cargo test -p tether-cli --test chaos -- --nocapture`.
+//! `TETHER_CHAOS_ITERATIONS=500 cargo test -p tether-cli --test chaos -- --nocapture`, or
+//! for a duration: `TETHER_CHAOS_SECONDS=1800` runs steps until 30 minutes have passed
+//! (then the count is only an upper bound).
 
 mod support;
 
@@ -534,8 +536,16 @@ fn seeded_chaos_keeps_workers_up_and_frees_every_session() {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64)
     });
-    let iterations = env_u64("TETHER_CHAOS_ITERATIONS").unwrap_or(DEFAULT_ITERATIONS);
-    println!("TETHER_CHAOS_SEED={seed} TETHER_CHAOS_ITERATIONS={iterations}");
+    let duration = env_u64("TETHER_CHAOS_SECONDS").map(Duration::from_secs);
+    let iterations = env_u64("TETHER_CHAOS_ITERATIONS").unwrap_or(if duration.is_some() {
+        u64::MAX
+    } else {
+        DEFAULT_ITERATIONS
+    });
+    println!(
+        "TETHER_CHAOS_SEED={seed} TETHER_CHAOS_ITERATIONS={iterations} TETHER_CHAOS_SECONDS={}",
+        duration.map_or(0, |d| d.as_secs())
+    );
     // splitmix64 first, so that nearby seeds give unrelated runs.
     let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -558,7 +568,12 @@ fn seeded_chaos_keeps_workers_up_and_frees_every_session() {
     if let Err(e) = c.await_listening(Duration::from_secs(30)) {
         panic!("{e}");
     }
+    let mut steps = 0;
     for i in 0..iterations {
+        if duration.is_some_and(|d| started.elapsed() >= d) {
+            break;
+        }
+        steps = i + 1;
         let (fault, moment) = pick(&mut rng);
         println!(
             "step {i}: {fault:?} while {moment:?} (t={:?})",
@@ -586,7 +601,7 @@ fn seeded_chaos_keeps_workers_up_and_frees_every_session() {
         }
     }
     println!(
-        "chaos summary: seed {seed}, iterations {iterations}, {:?} total\n  faults {:?}\n  worst release {:?}, worst recovery {:?}\n  worker crashes {}, leaks {}, hangs {}, serve startup failures {}, worker port reused {} / moved {}",
+        "chaos summary: seed {seed}, iterations {steps}, {:?} total\n  faults {:?}\n  worst release {:?}, worst recovery {:?}\n  worker crashes {}, leaks {}, hangs {}, serve startup failures {}, worker port reused {} / moved {}",
         started.elapsed(),
         stats.faults,
         stats.worst_release,

@@ -77,6 +77,17 @@ pub enum GenError {
     Internal(String),
 }
 
+/// `--context-shift`: a generation that fills its context keeps its first `keep` tokens,
+/// drops the oldest half of the rest and goes on, instead of ending with `length`. The
+/// kept tail is fed again at its new positions (its cells are recomputed, not rotated), so
+/// the model sees exactly the shortened text; the cost is one prefill of about half the
+/// context per shift.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextShift {
+    /// Tokens at the start (system prompt, instructions) that are never dropped.
+    pub keep: usize,
+}
+
 /// Whether the engine serves now.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Health {

@@ -2,7 +2,9 @@
 //! the model, loads it by two-phase commit, and hands it to the scheduler task, which serves
 //! [`Generation`] requests with continuous batching.
 
-use crate::api::{EngineStats, GenError, GenEvent, GenRequest, Generation, Health, ModelInfo};
+use crate::api::{
+    ContextShift, EngineStats, GenError, GenEvent, GenRequest, Generation, Health, ModelInfo,
+};
 use crate::discovery::{WorkerDns, resolve, watch_dns, worker_list};
 use crate::load::{LoadError, LoadOptions, LoadedModel, load_plan};
 use crate::model_file::ModelFile;
@@ -52,6 +54,8 @@ pub struct CoordinatorConfig {
     pub client: ClientOptions,
     /// How often a lost model is loaded again.
     pub retry_every: Duration,
+    /// Whether a generation that fills its context drops old tokens and goes on.
+    pub context_shift: Option<ContextShift>,
 }
 
 impl CoordinatorConfig {
@@ -76,6 +80,7 @@ impl CoordinatorConfig {
             load: LoadOptions::default(),
             client: ClientOptions::default(),
             retry_every: Duration::from_secs(3),
+            context_shift: None,
         }
     }
 }
@@ -105,6 +110,7 @@ pub(crate) struct Setup {
     pub shape: ServeShape,
     pub load: LoadOptions,
     pub client: ClientOptions,
+    pub context_shift: Option<ContextShift>,
 }
 
 impl Setup {
@@ -182,6 +188,7 @@ pub struct Coordinator {
     info: ModelInfo,
     tokenizer: Arc<Tokenizer>,
     n_vocab: usize,
+    context_shift: Option<ContextShift>,
     shared: Arc<Shared>,
     submit: mpsc::Sender<Admitted>,
     stop: CancellationToken,
@@ -208,6 +215,16 @@ impl Coordinator {
         }
         if config.queue_depth == 0 {
             return bad("the queue depth must be at least 1");
+        }
+        if let Some(shift) = config.context_shift
+            && shift.keep + 2 > config.ctx_per_seq
+        {
+            return Err(CoordinatorError::Config(format!(
+                "--keep {} leaves nothing to drop in a context of {}; keep at most {}",
+                shift.keep,
+                config.ctx_per_seq,
+                config.ctx_per_seq.saturating_sub(2)
+            )));
         }
         let initial = match &config.worker_dns {
             Some(dns) => worker_list(&config.workers, &resolve(dns).await.unwrap_or_default()),
@@ -250,6 +267,7 @@ impl Coordinator {
             },
             load: config.load.clone(),
             client: config.client.clone(),
+            context_shift: config.context_shift,
         };
         let first = match setup
             .connect_and_load(&model, config.worker_dns.is_none())
@@ -301,6 +319,7 @@ impl Coordinator {
             },
             tokenizer: model.tokenizer(),
             n_vocab: model.config().n_vocab,
+            context_shift: config.context_shift,
             shared,
             submit,
             stop,
@@ -390,7 +409,11 @@ impl Generation for Coordinator {
         self.check(&req)?;
         // Room for every event a request can produce, so the scheduler never waits on a
         // slow reader (tokio allocates channel blocks lazily).
-        let capacity = req.max_tokens.min(self.info.ctx_per_seq) + 2;
+        let most = match self.context_shift {
+            Some(_) => req.max_tokens,
+            None => req.max_tokens.min(self.info.ctx_per_seq),
+        };
+        let capacity = most + 2;
         let (events, rx) = mpsc::channel(capacity);
         match self.submit.try_send(Admitted { req, events }) {
             Ok(()) => Ok(rx),

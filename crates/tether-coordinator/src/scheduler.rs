@@ -9,8 +9,7 @@ use crate::engine::Setup;
 use crate::load::{LoadedModel, LoadedStage};
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
-use crate::sequence::{Batch, Events, Next, Sequence, build_batch, split_batch};
-use futures::future::join_all;
+use crate::sequence::{Batch, Events, Next, Sequence, build_step, split_batch};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -77,6 +76,8 @@ pub(crate) struct Scheduler {
     pub retry_every: Duration,
     slots: Vec<Option<Sequence>>,
     to_clear: Vec<u32>,
+    /// `(slot, cells to keep)` of sequences whose context was shifted.
+    to_truncate: Vec<(u32, usize)>,
     rotation: usize,
 }
 
@@ -99,6 +100,7 @@ impl Scheduler {
             retry_every,
             slots: (0..n_seq).map(|_| None).collect(),
             to_clear: Vec::new(),
+            to_truncate: Vec::new(),
             rotation: 0,
         }
     }
@@ -196,6 +198,7 @@ impl Scheduler {
             tokens: req.prompt,
             fed: 0,
             generated: 0,
+            dropped: 0,
             max_tokens: req.max_tokens,
             sampler: Sampler::new(req.sampling),
             deadline: req.deadline,
@@ -221,6 +224,7 @@ impl Scheduler {
             }
         }
         self.to_clear.clear();
+        self.to_truncate.clear();
         self.shared.running.store(0, Ordering::Relaxed);
     }
 
@@ -229,6 +233,9 @@ impl Scheduler {
         let stop = self.stop.clone();
         let ended = loop {
             self.reap();
+            if let Err(reason) = truncate_slots(&stages, &mut self.to_truncate).await {
+                break Ended::Lost(reason);
+            }
             if let Err(reason) = clear_slots(&stages, &mut self.to_clear).await {
                 break Ended::Lost(reason);
             }
@@ -245,19 +252,29 @@ impl Scheduler {
                 }
                 continue;
             }
-            let batch = build_batch(&self.slots, self.setup.shape.ubatch, self.rotation);
+            let mut chunks = build_step(
+                &self.slots,
+                self.setup.shape.ubatch,
+                self.rotation,
+                stages.len(),
+            );
             self.rotation = self.rotation.wrapping_add(1);
-            let groups = split_batch(batch, stages.len());
+            let groups = match chunks.len() {
+                1 => split_batch(chunks.remove(0), stages.len()),
+                _ => chunks,
+            };
             let results = tokio::select! {
                 () = stop.cancelled() => break Ended::Stopped,
                 reason = loaded.lost() => break Ended::Lost(reason),
                 reason = self.setup.workers_changed() => break Ended::Lost(reason),
-                r = join_all(groups.iter().map(|b| run_forward(&stages, b))) => r,
+                r = run_pipeline(&stages, &groups) => r,
             };
-            let applied = groups
-                .iter()
-                .zip(results)
-                .try_for_each(|(b, r)| r.and_then(|logits| self.apply(b, &logits)));
+            let applied = results.and_then(|logits| {
+                groups
+                    .iter()
+                    .zip(logits)
+                    .try_for_each(|(b, l)| self.apply(b, &l))
+            });
             if let Err(reason) = applied {
                 break Ended::Lost(reason);
             }
@@ -284,7 +301,7 @@ impl Scheduler {
         }
         for &(i, take) in &batch.fed {
             if let Some(seq) = &mut self.slots[i] {
-                let prompt_part = seq.prompt_len.saturating_sub(seq.fed).min(take);
+                let prompt_part = seq.prompt_part(take);
                 seq.fed += take;
                 self.shared
                     .prompt_tokens
@@ -293,6 +310,7 @@ impl Scheduler {
         }
         let tokenizer = self.model.tokenizer();
         let ctx = self.setup.shape.ctx_per_seq;
+        let shift = self.setup.context_shift;
         let mut finished = Vec::new();
         for (row, &i) in batch.sample_for.iter().enumerate() {
             let Some(seq) = &mut self.slots[i] else {
@@ -305,8 +323,18 @@ impl Scheduler {
             if !eog {
                 self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
             }
-            if let Next::Finish(finish) = seq.accept(token, eog, ctx) {
-                finished.push((i, finish));
+            match seq.accept(token, eog, ctx, shift) {
+                Next::Continue => {}
+                Next::Shifted(kept) => {
+                    tracing::debug!(
+                        slot = seq.slot,
+                        kept,
+                        dropped = seq.dropped,
+                        "context shifted"
+                    );
+                    self.to_truncate.push((seq.slot, kept));
+                }
+                Next::Finish(finish) => finished.push((i, finish)),
             }
         }
         for (i, finish) in finished {
@@ -383,21 +411,74 @@ async fn clear_slots(stages: &[LoadedStage], slots: &mut Vec<u32>) -> Result<(),
     Ok(())
 }
 
-/// Runs `batch` through every worker in layer order; returns the logits of its rows.
-async fn run_forward(stages: &[LoadedStage], batch: &Batch) -> Result<Vec<f32>, String> {
-    let mut input = ForwardInput::TokenIds(batch.ids.clone());
-    let last = stages.len().saturating_sub(1);
-    for (i, st) in stages.iter().enumerate() {
-        let rows: &[u32] = if i == last { &batch.logits_rows } else { &[] };
-        let out = st
-            .client
-            .forward(st.session, &batch.tokens, &input, rows)
-            .await
-            .map_err(|e| e.to_string())?;
-        match out {
-            ForwardOutput::Hidden(h) => input = ForwardInput::Hidden(h),
-            ForwardOutput::Logits(l) => return Ok(l),
+/// Forgets the cells of shifted sequences past their kept prefix on every worker.
+async fn truncate_slots(
+    stages: &[LoadedStage],
+    slots: &mut Vec<(u32, usize)>,
+) -> Result<(), String> {
+    for (seq, keep) in slots.drain(..) {
+        let keep = u32::try_from(keep).map_err(|_| format!("{keep} cells do not fit a u32"))?;
+        for st in stages {
+            st.client
+                .kv_truncate(st.session, seq, keep)
+                .await
+                .map_err(|e| e.to_string())?;
         }
     }
-    Ok(Vec::new())
+    Ok(())
+}
+
+/// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
+/// groups in order (a later group of a sequence needs the cells of an earlier one) and
+/// passes each on as soon as it is done, so group k+1 runs on one worker while group k
+/// runs on the next. Returns each group's logits, in order.
+async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Vec<f32>>, String> {
+    let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
+    let mut workers = Vec::with_capacity(stages.len());
+    let last = stages.len().saturating_sub(1);
+    for (i, st) in stages.iter().enumerate() {
+        let (tx, next) = mpsc::unbounded_channel();
+        let mut input = std::mem::replace(&mut rx, next);
+        workers.push(async move {
+            let mut logits = Vec::new();
+            while let Some((k, x)) = input.recv().await {
+                let b = &groups[k];
+                let rows: &[u32] = if i == last { &b.logits_rows } else { &[] };
+                let out = st
+                    .client
+                    .forward(st.session, &b.tokens, &x, rows)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                match out {
+                    ForwardOutput::Hidden(h) if i < last => {
+                        // The next worker gone means another worker failed; its error wins.
+                        let _ = tx.send((k, ForwardInput::Hidden(h)));
+                    }
+                    ForwardOutput::Logits(l) if i == last => logits.push(l),
+                    ForwardOutput::Hidden(_) if rows.is_empty() => logits.push(Vec::new()),
+                    _ => {
+                        return Err(format!(
+                            "worker {} returned the wrong kind of output",
+                            st.client.addr()
+                        ));
+                    }
+                }
+            }
+            Ok::<_, String>(logits)
+        });
+    }
+    for (k, b) in groups.iter().enumerate() {
+        let _ = first.send((k, ForwardInput::TokenIds(b.ids.clone())));
+    }
+    drop(first);
+    let mut outputs = futures::future::try_join_all(workers).await?;
+    let logits = outputs.pop().unwrap_or_default();
+    if logits.len() != groups.len() {
+        return Err(format!(
+            "the pipeline returned logits for {} of {} groups",
+            logits.len(),
+            groups.len()
+        ));
+    }
+    Ok(logits)
 }

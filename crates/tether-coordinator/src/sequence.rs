@@ -2,7 +2,7 @@
 //! them: decode tokens first (one per generating sequence), then prompt chunks, never more
 //! than `ubatch` tokens in all.
 
-use crate::api::{FinishReason, GenError, GenEvent};
+use crate::api::{ContextShift, FinishReason, GenError, GenEvent};
 use std::time::Instant;
 use tether_model::Sampler;
 use tether_worker::TokenPos;
@@ -23,6 +23,8 @@ pub(crate) struct Sequence {
     pub fed: usize,
     /// Tokens generated.
     pub generated: usize,
+    /// Tokens dropped by context shifts.
+    pub dropped: usize,
     /// Most tokens to generate.
     pub max_tokens: usize,
     /// The request's sampler.
@@ -38,35 +40,64 @@ pub(crate) struct Sequence {
 pub(crate) enum Next {
     /// Feed it next step.
     Continue,
+    /// The context was shifted: the sequence's cells past this many must be forgotten on
+    /// every worker before its next step, which feeds the kept tail again.
+    Shifted(usize),
     /// The request is over.
     Finish(FinishReason),
 }
 
 impl Sequence {
-    /// Tokens not yet in the KV cache.
-    fn to_feed(&self) -> usize {
-        self.tokens.len() - self.fed
-    }
-
-    fn decoding(&self) -> bool {
-        self.fed >= self.prompt_len
+    /// Whether the tokens of the next feed still count as prompt tokens.
+    pub fn prompt_part(&self, take: usize) -> usize {
+        if self.dropped > 0 {
+            return 0;
+        }
+        self.prompt_len.saturating_sub(self.fed).min(take)
     }
 
     /// Takes a sampled token: an end-of-generation token ends the request unsent; otherwise
-    /// it is sent, and `max_tokens` or a full context (`ctx` cells) end the request, as the
-    /// single-process generator does.
-    pub fn accept(&mut self, token: u32, is_eog: bool, ctx: usize) -> Next {
+    /// it is sent, and `max_tokens` ends the request. A full context (`ctx` cells) ends it
+    /// too, as the single-process generator does, unless `shift` lets it drop old tokens.
+    pub fn accept(
+        &mut self,
+        token: u32,
+        is_eog: bool,
+        ctx: usize,
+        shift: Option<ContextShift>,
+    ) -> Next {
         if is_eog {
             return Next::Finish(FinishReason::Stop);
         }
         self.tokens.push(token);
         self.generated += 1;
         self.send(Ok(GenEvent::Token(token)));
-        // The next token would go at position `tokens.len() - 1`, which must be a cell.
-        if self.generated >= self.max_tokens || self.tokens.len() > ctx {
+        if self.generated >= self.max_tokens {
             return Next::Finish(FinishReason::Length);
         }
+        // The next token would go at position `tokens.len() - 1`, which must be a cell.
+        if self.tokens.len() > ctx {
+            return match shift.and_then(|s| self.shift(s.keep)) {
+                Some(kept) => Next::Shifted(kept),
+                None => Next::Finish(FinishReason::Length),
+            };
+        }
         Next::Continue
+    }
+
+    /// Drops the oldest half of the tokens after the first `keep` (as llama.cpp's context
+    /// shift does) and rewinds `fed` to the kept prefix; `None` when nothing can be dropped.
+    fn shift(&mut self, keep: usize) -> Option<usize> {
+        let past = self.tokens.len() - 1;
+        let keep = keep.min(past);
+        let drop = (past - keep) / 2;
+        if drop == 0 {
+            return None;
+        }
+        self.tokens.drain(keep..keep + drop);
+        self.dropped += drop;
+        self.fed = self.fed.min(keep);
+        Some(self.fed)
     }
 
     /// Sends the final event.
@@ -101,8 +132,46 @@ pub(crate) struct Batch {
 }
 
 /// Makes the next step's batch from the sequences in `slots`, starting the rotation at
-/// `start` so no sequence waits forever when `ubatch` is smaller than the demand.
-pub(crate) fn build_batch(slots: &[Option<Sequence>], ubatch: usize, start: usize) -> Batch {
+/// `start` so no sequence waits forever when `ubatch` is smaller than the demand (the
+/// first of [`build_step`]'s chunks).
+#[cfg(test)]
+fn build_batch(slots: &[Option<Sequence>], ubatch: usize, start: usize) -> Batch {
+    let mut fed: Vec<usize> = slots
+        .iter()
+        .map(|s| s.as_ref().map_or(0, |s| s.fed))
+        .collect();
+    fill_batch(slots, ubatch, start, &mut fed)
+}
+
+/// Makes a step's batches: the first as [`build_batch`], then, while prompts have tokens
+/// left and there are fewer than `chunks`, more prompt chunks that go on where the one
+/// before stopped. Sent through the workers in order, chunk k+1 runs on an earlier worker
+/// while chunk k runs on a later one, so a long prompt fills the pipeline instead of
+/// crossing the workers one at a time.
+pub(crate) fn build_step(
+    slots: &[Option<Sequence>],
+    ubatch: usize,
+    start: usize,
+    chunks: usize,
+) -> Vec<Batch> {
+    let mut fed: Vec<usize> = slots
+        .iter()
+        .map(|s| s.as_ref().map_or(0, |s| s.fed))
+        .collect();
+    let mut out = vec![fill_batch(slots, ubatch, start, &mut fed)];
+    while out.len() < chunks {
+        let next = fill_batch(slots, ubatch, start, &mut fed);
+        if next.tokens.is_empty() {
+            break;
+        }
+        out.push(next);
+    }
+    out
+}
+
+/// One batch of at most `ubatch` tokens, as if each sequence had `fed[i]` tokens in its
+/// cache; advances `fed` past what it takes.
+fn fill_batch(slots: &[Option<Sequence>], ubatch: usize, start: usize, fed: &mut [usize]) -> Batch {
     let mut batch = Batch::default();
     let mut budget = ubatch;
     let n = slots.len();
@@ -110,23 +179,29 @@ pub(crate) fn build_batch(slots: &[Option<Sequence>], ubatch: usize, start: usiz
         for k in 0..n {
             let i = (start + k) % n;
             let Some(seq) = &slots[i] else { continue };
-            if seq.decoding() != decode_pass || seq.to_feed() == 0 || budget == 0 {
+            let done = fed[i];
+            let to_feed = seq.tokens.len() - done;
+            // One token a step once the prompt is in; a tail fed again after a context
+            // shift goes with the prompt chunks.
+            let decoding = done >= seq.prompt_len && to_feed <= 1;
+            if decoding != decode_pass || to_feed == 0 || budget == 0 {
                 continue;
             }
-            let take = seq.to_feed().min(budget);
+            let take = to_feed.min(budget);
             budget -= take;
-            for p in seq.fed..seq.fed + take {
+            for p in done..done + take {
                 batch.tokens.push(TokenPos {
                     seq: seq.slot,
                     pos: p as u32,
                 });
                 batch.ids.push(seq.tokens[p]);
             }
-            if seq.fed + take == seq.tokens.len() {
+            if done + take == seq.tokens.len() {
                 batch.logits_rows.push((batch.tokens.len() - 1) as u32);
                 batch.sample_for.push(i);
             }
             batch.fed.push((i, take));
+            fed[i] = done + take;
         }
     }
     batch
@@ -181,6 +256,7 @@ mod tests {
             prompt_len: prompt,
             fed,
             generated: 0,
+            dropped: 0,
             max_tokens: 3,
             sampler: Sampler::new(SamplingParams::greedy()),
             deadline: None,
@@ -251,22 +327,92 @@ mod tests {
     #[test]
     fn accept_follows_the_generator_rules() {
         let (mut s, mut rx) = seq(0, 2, 2);
-        assert_eq!(s.accept(9, true, 16), Next::Finish(FinishReason::Stop));
+        assert_eq!(
+            s.accept(9, true, 16, None),
+            Next::Finish(FinishReason::Stop)
+        );
         assert!(
             rx.try_recv().is_err(),
             "an end-of-generation token is not sent"
         );
-        assert_eq!(s.accept(5, false, 16), Next::Continue);
+        assert_eq!(s.accept(5, false, 16, None), Next::Continue);
         assert_eq!(rx.try_recv().unwrap(), Ok(GenEvent::Token(5)));
         assert_eq!(
-            s.accept(6, false, 3),
+            s.accept(6, false, 3, None),
             Next::Finish(FinishReason::Length),
             "context full"
         );
         let (mut s, _rx) = seq(0, 2, 2);
-        s.accept(1, false, 16);
-        s.accept(1, false, 16);
-        assert_eq!(s.accept(1, false, 16), Next::Finish(FinishReason::Length));
+        s.accept(1, false, 16, None);
+        s.accept(1, false, 16, None);
+        assert_eq!(
+            s.accept(1, false, 16, None),
+            Next::Finish(FinishReason::Length)
+        );
         assert_eq!(s.generated, 3);
+    }
+
+    #[test]
+    fn a_full_context_shifts_and_feeds_the_kept_tail_again() {
+        // Prompt of 6 in a context of 8; keep 2.
+        let (mut s, _rx) = seq(0, 6, 6);
+        s.max_tokens = 100;
+        let shift = Some(ContextShift { keep: 2 });
+        assert_eq!(s.accept(50, false, 8, shift), Next::Continue);
+        s.fed += 1;
+        assert_eq!(s.accept(51, false, 8, shift), Next::Continue);
+        s.fed += 1;
+        // 9 tokens, 8 fed: full. Of the 6 after the kept 2, the oldest 3 go.
+        assert_eq!(s.accept(52, false, 8, shift), Next::Shifted(2));
+        assert_eq!(s.tokens, vec![0, 1, 5, 50, 51, 52]);
+        assert_eq!((s.fed, s.dropped, s.generated), (2, 3, 3));
+        assert_eq!(s.prompt_part(4), 0, "fed again, not prompt");
+        // The tail goes with the prompt chunks and asks for logits at its end.
+        let batch = build_batch(&[Some(s)], 16, 0);
+        assert_eq!(batch.ids, vec![5, 50, 51, 52]);
+        assert_eq!(batch.tokens[0], TokenPos { seq: 0, pos: 2 });
+        assert_eq!(batch.logits_rows, vec![3]);
+    }
+
+    #[test]
+    fn a_step_chunks_a_long_prompt_for_the_pipeline() {
+        let (mut a, _ra) = seq(0, 2, 2);
+        a.tokens.push(7);
+        let (b, _rb) = seq(1, 10, 1);
+        let slots = vec![Some(a), Some(b)];
+        let chunks = build_step(&slots, 4, 0, 3);
+        assert_eq!(chunks.len(), 3);
+        assert_eq!(chunks[0].fed, vec![(0, 1), (1, 3)], "decode first");
+        assert_eq!(chunks[1].fed, vec![(1, 4)]);
+        assert_eq!(chunks[1].tokens[0], TokenPos { seq: 1, pos: 4 });
+        assert_eq!(chunks[2].fed, vec![(1, 2)]);
+        assert_eq!(chunks[2].tokens[1], TokenPos { seq: 1, pos: 9 });
+        assert_eq!(chunks[0].sample_for, vec![0]);
+        assert!(chunks[1].logits_rows.is_empty());
+        assert_eq!(
+            chunks[2].logits_rows,
+            vec![1],
+            "logits where the prompt ends"
+        );
+        assert_eq!(build_step(&slots, 4, 0, 8).len(), 3, "no empty chunks");
+        assert_eq!(build_step(&slots, 4, 0, 1), vec![build_batch(&slots, 4, 0)]);
+    }
+
+    #[test]
+    fn a_shift_with_nothing_to_drop_ends_with_length() {
+        let (mut s, _rx) = seq(0, 3, 3);
+        s.max_tokens = 100;
+        let keep_all = Some(ContextShift { keep: 3 });
+        assert_eq!(
+            s.accept(9, false, 3, keep_all),
+            Next::Finish(FinishReason::Length)
+        );
+        let (mut s, _rx) = seq(0, 3, 3);
+        s.max_tokens = 1;
+        assert_eq!(
+            s.accept(9, false, 3, Some(ContextShift { keep: 0 })),
+            Next::Finish(FinishReason::Length),
+            "max_tokens wins over a shift"
+        );
     }
 }

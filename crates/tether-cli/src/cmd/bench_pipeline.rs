@@ -1,6 +1,6 @@
-//! `tether bench --pipeline 1,2`: the cost of splitting a model over workers — decode
-//! tokens/s through the coordinator with 1, 2, ... embedded workers (real gRPC on loopback),
-//! measured in one run so the rows compare as a ratio.
+//! `tether bench --pipeline 1,2`: the cost of splitting a model over workers — prompt and
+//! decode tokens/s through the coordinator with 1, 2, ... embedded workers (real gRPC on
+//! loopback), measured in one run so the rows compare as a ratio.
 
 use crate::cmd::bench::BenchArgs;
 use crate::cmd::local::DEMO_LABEL;
@@ -10,7 +10,8 @@ use tether_coordinator::api::{GenEvent, GenRequest, Generation};
 use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
 use tether_model::SamplingParams;
 
-/// Prints one `tgN` row per worker count and each count's ratio to the first.
+/// Prints a `ppN` row (with -p above 0) and a `tgN` row per worker count, each with its
+/// ratio to the first count.
 pub fn run(args: &BenchArgs, counts: &[usize]) -> Result<()> {
     if counts.is_empty() || counts.contains(&0) {
         bail!("--pipeline takes worker counts of at least 1, e.g. 1,2");
@@ -28,36 +29,58 @@ pub fn run(args: &BenchArgs, counts: &[usize]) -> Result<()> {
     }
     let model = ModelFile::open(&resolved.path)?;
     println!(
-        "model: {} | decode through the coordinator | ctx {}",
+        "model: {} | through the coordinator | ctx {} | ubatch {}",
         resolved.path.display(),
-        args.n_gen + 2
+        ctx(args),
+        args.device.ubatch
     );
     println!("| test | workers | t/s | ± | vs {} worker(s) |", counts[0]);
     println!("|---|---:|---:|---:|---:|");
-    let mut first = None;
+    let mut rows = Vec::new();
     for &n in counts {
         let samples = runtime.block_on(measure(args, &model, n))?;
-        let mean = samples.iter().sum::<f64>() / samples.len() as f64;
-        let var =
-            samples.iter().map(|s| (s - mean) * (s - mean)).sum::<f64>() / samples.len() as f64;
-        let base = *first.get_or_insert(mean);
-        println!(
-            "| tg{} | {n} | {mean:.2} | {:.2} | {:.3} |",
-            args.n_gen,
-            var.sqrt(),
-            mean / base
-        );
+        let pp: Vec<f64> = samples.iter().map(|s| s.0).collect();
+        let tg: Vec<f64> = samples.iter().map(|s| s.1).collect();
+        rows.push((n, pp, tg));
+    }
+    let tables = [
+        (format!("pp{}", args.n_prompt), 1, args.n_prompt > 0),
+        (format!("tg{}", args.n_gen), 2, true),
+    ];
+    for (name, column, shown) in tables {
+        if !shown {
+            continue;
+        }
+        let mut first = None;
+        for (n, pp, tg) in &rows {
+            let samples = if column == 1 { pp } else { tg };
+            let mean = samples.iter().sum::<f64>() / samples.len() as f64;
+            let var =
+                samples.iter().map(|s| (s - mean) * (s - mean)).sum::<f64>() / samples.len() as f64;
+            let base = *first.get_or_insert(mean);
+            println!(
+                "| {name} | {n} | {mean:.2} | {:.2} | {:.3} |",
+                var.sqrt(),
+                mean / base
+            );
+        }
     }
     Ok(())
 }
 
-/// Decode rates (tokens/s after the first token) of `repetitions` greedy generations
-/// through `n` embedded workers, after one warm-up.
+/// Context cells: the prompt, the generated tokens and a little room.
+fn ctx(args: &BenchArgs) -> usize {
+    args.n_prompt + args.n_gen + 2
+}
+
+/// Prompt rates (prompt tokens over the time to the first token) and decode rates (tokens/s
+/// after the first token) of `repetitions` greedy generations through `n` embedded workers,
+/// after one warm-up.
 async fn measure(
     args: &BenchArgs,
     model: &std::sync::Arc<ModelFile>,
     n: usize,
-) -> Result<Vec<f64>> {
+) -> Result<Vec<(f64, f64)>> {
     let options = LocalOptions {
         threads: args.device.threads,
         max_memory: None,
@@ -65,17 +88,24 @@ async fn measure(
     };
     let workers = LocalWorkers::start(n, &options).await?;
     let config = CoordinatorConfig {
-        ctx_per_seq: args.n_gen + 2,
+        ctx_per_seq: ctx(args),
         parallel: 1,
+        ubatch: args.device.ubatch,
         cache_k: args.cache.k(),
         cache_v: args.cache.v(),
         ..CoordinatorConfig::new(model, workers.addrs())
     };
     let coordinator = Coordinator::start(model.clone(), config).await?;
+    let vocab = model.config().n_vocab.max(2) as u64;
+    // Any ids work for timing; token 0 is avoided only because it is often padding.
+    let prompt: Vec<u32> = (0..args.n_prompt.max(1) as u64)
+        .map(|i| (1 + i * 7919 % (vocab - 1)) as u32)
+        .collect();
     let mut rates = Vec::new();
     for i in 0..=args.repetitions {
+        let submitted = Instant::now();
         let mut events = coordinator.submit(GenRequest {
-            prompt: vec![1],
+            prompt: prompt.clone(),
             max_tokens: args.n_gen,
             sampling: SamplingParams::greedy(),
             deadline: None,
@@ -101,7 +131,8 @@ async fn measure(
             );
         }
         if i > 0 {
-            rates.push((tokens - 1) as f64 / first.elapsed().as_secs_f64());
+            let pp = prompt.len() as f64 / (first - submitted).as_secs_f64();
+            rates.push((pp, (tokens - 1) as f64 / first.elapsed().as_secs_f64()));
         }
     }
     coordinator.shutdown().await;

@@ -4,6 +4,7 @@ pub mod attach;
 pub mod bench;
 pub mod bench_pipeline;
 pub mod cache_args;
+pub mod context_shift;
 pub mod eval;
 pub mod gguf;
 pub mod local;

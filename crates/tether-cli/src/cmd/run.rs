@@ -2,6 +2,7 @@
 //! workers in this process (real gRPC on loopback) or over remote `--worker`s.
 
 use crate::cmd::cache_args::CacheArgs;
+use crate::cmd::context_shift::ContextShiftArgs;
 use crate::cmd::local::{DEMO_LABEL, DeviceArgs, context_size, start_local_workers};
 use crate::cmd::worker_token::WorkerTokenArgs;
 use crate::model_source::ModelArgs;
@@ -23,6 +24,8 @@ pub struct RunArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub cache: CacheArgs,
+    #[command(flatten)]
+    pub shift: ContextShiftArgs,
     /// The prompt.
     #[arg(long, short = 'p', default_value = "Once upon a time")]
     pub prompt: String,
@@ -141,6 +144,7 @@ async fn run_async(args: RunArgs) -> Result<()> {
         cache_v: args.cache.v(),
         queue_depth: 1,
         client,
+        context_shift: args.shift.policy(),
         ..CoordinatorConfig::new(&model, addrs)
     };
     let progress = Arc::new(tether_coordinator::LoadProgress::default());

@@ -2,6 +2,7 @@
 //! layers on remote `--worker`s or on embedded workers in this process.
 
 use crate::cmd::cache_args::CacheArgs;
+use crate::cmd::context_shift::ContextShiftArgs;
 use crate::cmd::local::{DEMO_LABEL, start_local_workers};
 use crate::cmd::worker_token::WorkerTokenArgs;
 use crate::ctl::units::parse_duration;
@@ -90,6 +91,8 @@ pub struct ServeArgs {
     pub shutdown_grace: Duration,
     #[command(flatten)]
     pub cache: CacheArgs,
+    #[command(flatten)]
+    pub shift: ContextShiftArgs,
     /// Test hook: sleep this long between Prepare and Commit of the model load.
     #[arg(long, hide = true, value_parser = parse_duration)]
     pub debug_pause_before_commit: Option<Duration>,
@@ -149,6 +152,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         parallel: args.parallel,
         ubatch: args.ubatch,
         queue_depth: args.queue,
+        context_shift: args.shift.policy(),
         model_id: args.model_id.clone().unwrap_or(defaults.model_id.clone()),
         load: LoadOptions {
             lease: Lease {
