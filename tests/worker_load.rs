@@ -66,6 +66,71 @@ fn prepare_over_max_memory_is_refused_and_stages_nothing() {
     });
 }
 
+/// Bytes a worker reserves for the whole tiny model with `ctx` cells.
+async fn reserved_for(addr: &str, model: &std::path::Path, ctx: usize) -> u64 {
+    let client = WorkerClient::connect(addr, &ClientOptions::default())
+        .await
+        .expect("connect");
+    let session = client
+        .attach(attach_options("measure"))
+        .await
+        .expect("attach");
+    let (load, source, _) = full_load(model, ctx);
+    let bytes = client
+        .prepare(session.id(), load, source)
+        .await
+        .expect("prepare");
+    session.close().await;
+    bytes
+}
+
+#[test]
+fn prepare_over_the_session_limit_is_refused_while_a_smaller_one_loads() {
+    let model = TinyModel::new();
+    let (small, big) = runtime().block_on(async {
+        let probe = Worker::start(&[]);
+        let small = reserved_for(&probe.addr, &model.path, 1).await;
+        (small, reserved_for(&probe.addr, &model.path, 64).await)
+    });
+    assert!(big > small, "a longer context needs more bytes");
+    let limit = small.to_string();
+    let worker = Worker::start(&["--max-session-memory", &limit]);
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        let session = client.attach(attach_options("big")).await.expect("attach");
+        let (load, source, _) = full_load(&model.path, 64);
+        let err = client
+            .prepare(session.id(), load, source)
+            .await
+            .unwrap_err();
+        println!("refusal: {err}");
+        assert_eq!(err.kind(), ErrorKind::ResourceExhausted, "{err}");
+        assert!(err.to_string().contains("--max-session-memory"), "{err}");
+        let mut admin = AdminClient::connect(&worker.addr, None, &ClientOptions::default())
+            .await
+            .expect("admin");
+        let status = admin.status().await.expect("status");
+        assert_eq!((status.sessions, status.session_bytes), (1, 0));
+        // The limit is per session, not for the worker: two sessions each hold all of it.
+        let mut kept = Vec::new();
+        for name in ["small-1", "small-2"] {
+            let session = client.attach(attach_options(name)).await.expect("attach");
+            let (load, source, _) = full_load(&model.path, 1);
+            let txn = load.txn;
+            match client.prepare(session.id(), load, source).await {
+                Ok(bytes) => assert_eq!(bytes, small),
+                Err(e) => panic!("a load at the limit was refused: {e}"),
+            }
+            client.commit(session.id(), txn).await.expect("commit");
+            kept.push(session);
+        }
+        let status = admin.status().await.expect("status");
+        assert_eq!(status.session_bytes, 2 * small);
+    });
+}
+
 #[test]
 fn prepare_without_commit_is_aborted_by_timeout_and_freed() {
     let model = TinyModel::new();

@@ -29,9 +29,10 @@ pub enum WorkerError {
         /// Bytes held by all sessions at the time.
         held: u64,
     },
-    /// Admission refused: too many sessions, in all or for one client (RESOURCE_EXHAUSTED).
+    /// Admission refused by a configured limit other than free memory: sessions in all or
+    /// per client, bytes per session (RESOURCE_EXHAUSTED).
     #[error("{0}")]
-    TooManySessions(String),
+    OverLimit(String),
     /// The worker is draining or shutting down (UNAVAILABLE).
     #[error("{0}")]
     Unavailable(String),

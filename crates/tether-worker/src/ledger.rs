@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Debug)]
 pub struct MemoryLedger {
     limit: u64,
+    /// Most bytes one session may hold (`--max-session-memory`).
+    session_limit: Option<u64>,
     reserved: AtomicU64,
 }
 
@@ -17,8 +19,15 @@ impl MemoryLedger {
     pub fn new(limit: u64) -> Self {
         Self {
             limit,
+            session_limit: None,
             reserved: AtomicU64::new(0),
         }
+    }
+
+    /// The same ledger, refusing any session that would hold more than `bytes`.
+    pub fn with_session_limit(mut self, bytes: Option<u64>) -> Self {
+        self.session_limit = bytes;
+        self
     }
 
     /// The admission limit in bytes.
@@ -44,19 +53,34 @@ impl MemoryLedger {
         bytes: u64,
         what: &str,
     ) -> Result<Reservation, WorkerError> {
+        if let Some(cap) = self.session_limit {
+            session_bytes
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                    held.checked_add(bytes).filter(|&total| total <= cap)
+                })
+                .map_err(|held| {
+                    WorkerError::OverLimit(format!(
+                        "{what}: asked {bytes} bytes, but a session may hold at most {cap} bytes (--max-session-memory) and this one holds {held}; lower the context/batch size or split the model over more workers"
+                    ))
+                })?;
+        } else {
+            session_bytes.fetch_add(bytes, Ordering::AcqRel);
+        }
         let limit = self.limit;
         self.reserved
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
                 held.checked_add(bytes).filter(|&total| total <= limit)
             })
-            .map_err(|held| WorkerError::ResourceExhausted {
-                what: what.to_string(),
-                asked: bytes,
-                free: limit.saturating_sub(held),
-                limit,
-                held,
+            .map_err(|held| {
+                session_bytes.fetch_sub(bytes, Ordering::AcqRel);
+                WorkerError::ResourceExhausted {
+                    what: what.to_string(),
+                    asked: bytes,
+                    free: limit.saturating_sub(held),
+                    limit,
+                    held,
+                }
             })?;
-        session_bytes.fetch_add(bytes, Ordering::AcqRel);
         Ok(Reservation {
             ledger: Arc::clone(self),
             session_bytes: Arc::clone(session_bytes),
@@ -120,6 +144,31 @@ mod tests {
         );
         drop(a);
         assert_eq!((ledger.reserved(), session.load(Ordering::Acquire)), (0, 0));
+    }
+
+    #[test]
+    fn a_session_limit_caps_each_session_alone() {
+        let ledger = Arc::new(MemoryLedger::new(1000).with_session_limit(Some(400)));
+        let (one, two) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let a = ledger.reserve(&one, 300, "weights").unwrap();
+        let err = ledger.reserve(&one, 101, "kv cache").unwrap_err();
+        assert!(
+            matches!(&err, WorkerError::OverLimit(m) if m.contains("at most 400 bytes") && m.contains("holds 300")),
+            "{err}"
+        );
+        assert_eq!((ledger.reserved(), one.load(Ordering::Acquire)), (300, 300));
+        let b = ledger.reserve(&two, 400, "weights").unwrap();
+        let c = ledger.reserve(&one, 100, "kv cache").unwrap();
+        assert_eq!(ledger.reserved(), 800);
+        // The worker-wide limit still applies, and a refusal there leaves the session as it was.
+        let three = Arc::new(AtomicU64::new(0));
+        assert!(matches!(
+            ledger.reserve(&three, 201, "weights"),
+            Err(WorkerError::ResourceExhausted { .. })
+        ));
+        assert_eq!(three.load(Ordering::Acquire), 0);
+        drop((a, b, c));
+        assert_eq!(ledger.reserved(), 0);
     }
 
     #[test]

@@ -36,6 +36,8 @@ pub struct RegistryConfig {
     pub max_sessions: Option<usize>,
     /// Most live sessions of one client name (`None`: no limit).
     pub max_sessions_per_client: Option<usize>,
+    /// Most bytes one session may hold (`None`: no limit but memory).
+    pub max_session_bytes: Option<u64>,
 }
 
 impl Default for RegistryConfig {
@@ -52,6 +54,7 @@ impl Default for RegistryConfig {
             worker_version: format!("tether {}", env!("CARGO_PKG_VERSION")),
             max_sessions: None,
             max_sessions_per_client: None,
+            max_session_bytes: None,
         }
     }
 }
@@ -95,7 +98,9 @@ impl SessionRegistry {
                 draining: false,
                 closed: false,
             }),
-            ledger: Arc::new(MemoryLedger::new(max_memory)),
+            ledger: Arc::new(
+                MemoryLedger::new(max_memory).with_session_limit(config.max_session_bytes),
+            ),
             factory,
             counters: Counters::default(),
             config,
@@ -175,7 +180,7 @@ impl SessionRegistry {
         if let Some(max) = self.config.max_sessions
             && live >= max
         {
-            return Err(WorkerError::TooManySessions(format!(
+            return Err(WorkerError::OverLimit(format!(
                 "this worker already has {live} sessions (--max-sessions {max}); end one or attach to another worker"
             )));
         }
@@ -186,7 +191,7 @@ impl SessionRegistry {
                 .filter(|s| s.client_name == client)
                 .count();
             if mine >= max {
-                return Err(WorkerError::TooManySessions(format!(
+                return Err(WorkerError::OverLimit(format!(
                     "client {client:?} already has {mine} sessions on this worker (--max-sessions-per-client {max}); end one first"
                 )));
             }

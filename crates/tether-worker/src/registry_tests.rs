@@ -292,7 +292,7 @@ fn session_limits_refuse_with_resource_exhausted_and_free_up_on_close() {
     let Err(err) = reg.open("a", lease(1000)) else {
         panic!("a third session of client a was admitted");
     };
-    assert!(matches!(err, WorkerError::TooManySessions(_)), "{err}");
+    assert!(matches!(err, WorkerError::OverLimit(_)), "{err}");
     assert!(
         err.to_string().contains("--max-sessions-per-client 2"),
         "{err}"

@@ -60,6 +60,10 @@ pub struct WorkerArgs {
     /// Most live sessions of one client name (coordinators name themselves in Hello).
     #[arg(long)]
     pub max_sessions_per_client: Option<usize>,
+    /// Most bytes one session may hold (e.g. 4G); a Prepare asking for more is refused with
+    /// RESOURCE_EXHAUSTED before anything is allocated (default: only --max-memory).
+    #[arg(long, value_parser = parse_bytes)]
+    pub max_session_memory: Option<u64>,
     /// Log a warning when memory no session accounts for (`unaccounted_bytes` in
     /// `tetherctl status`) stays above this for --leak-window (0 turns it off).
     #[arg(long, default_value = "256M", value_parser = parse_bytes)]
@@ -122,6 +126,7 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         min_ttl: args.min_ttl,
         max_sessions: args.max_sessions,
         max_sessions_per_client: args.max_sessions_per_client,
+        max_session_bytes: args.max_session_memory,
         ..RegistryConfig::default()
     };
     let token = BearerToken::parse(args.token.as_deref()).context("--token")?;

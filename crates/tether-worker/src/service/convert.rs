@@ -15,7 +15,7 @@ pub fn to_status(e: WorkerError) -> Status {
         WorkerError::NotFound(_) => Code::NotFound,
         WorkerError::InvalidArgument(_) => Code::InvalidArgument,
         WorkerError::FailedPrecondition(_) => Code::FailedPrecondition,
-        WorkerError::ResourceExhausted { .. } | WorkerError::TooManySessions(_) => {
+        WorkerError::ResourceExhausted { .. } | WorkerError::OverLimit(_) => {
             Code::ResourceExhausted
         }
         WorkerError::Unavailable(_) => Code::Unavailable,
