@@ -81,6 +81,10 @@ pub struct ServeArgs {
     /// Largest `max_tokens` a request may ask for.
     #[arg(long, default_value_t = 4096)]
     pub max_tokens_limit: usize,
+    /// Most prompt tokens a request may send (default: the context); longer prompts get
+    /// HTTP 400 `context_length_exceeded`.
+    #[arg(long)]
+    pub max_prompt_tokens: Option<usize>,
     /// Lease of the worker sessions: a worker frees a session that has not heard a
     /// heartbeat for this long (heartbeats go every third of it).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -180,8 +184,8 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         api_key: args.api_key.clone(),
         request_timeout: args.request_timeout,
         max_tokens_limit: args.max_tokens_limit,
+        max_prompt_tokens: args.max_prompt_tokens,
         model_id: args.model_id.clone(),
-        ..HttpOptions::default()
     };
     let app = router(coordinator.clone(), opts).merge(admin_router(
         coordinator.clone(),

@@ -248,6 +248,48 @@ async fn client_errors_get_openai_error_shapes() {
 }
 
 #[tokio::test]
+async fn prompt_and_max_tokens_limits_refuse_with_the_limit_named() {
+    let model = tiny_model();
+    let opts = HttpOptions {
+        max_prompt_tokens: Some(4),
+        max_tokens_limit: 8,
+        ..HttpOptions::default()
+    };
+    let server = TestServer::start(engine(model, TEST_CTX, 2), opts).await;
+    let long = post(
+        server.addr,
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7, 8, 9], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(long.status, 400);
+    let e = long.json();
+    assert_eq!(e["error"]["code"], "context_length_exceeded");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("at most 4")),
+        "{e}"
+    );
+    let greedy = post(
+        server.addr,
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7, 8], "max_tokens": 9}),
+    )
+    .await;
+    assert_eq!(greedy.status, 400);
+    assert_eq!(greedy.json()["error"]["param"], "max_tokens");
+    let within = post(
+        server.addr,
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7, 8], "max_tokens": 8}),
+    )
+    .await;
+    assert_eq!(within.status, 200, "{}", within.body);
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn api_key_is_required_on_v1_when_set() {
     let model = tiny_model();
     let opts = HttpOptions {
