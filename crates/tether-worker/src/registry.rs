@@ -6,6 +6,7 @@ use crate::error::{Result, WorkerError};
 use crate::ids::SessionId;
 use crate::ledger::MemoryLedger;
 use crate::metrics::WorkerMetrics;
+use crate::model_dir::ModelDirs;
 use crate::session::{EndReason, Lease, Session, SessionEnd, SessionTicket};
 use crate::stage::StageFactory;
 use crate::status::{Counters, SessionSummary, WorkerStatus, process_rss_bytes};
@@ -36,6 +37,9 @@ pub struct RegistryConfig {
     pub max_sessions: Option<usize>,
     /// Most live sessions of one client name (`None`: no limit).
     pub max_sessions_per_client: Option<usize>,
+    /// Directories the worker reads its own copies of model files from (`--model-dir`);
+    /// empty: every Prepare must send its tensors.
+    pub model_dirs: ModelDirs,
 }
 
 impl Default for RegistryConfig {
@@ -52,6 +56,7 @@ impl Default for RegistryConfig {
             worker_version: format!("tether {}", env!("CARGO_PKG_VERSION")),
             max_sessions: None,
             max_sessions_per_client: None,
+            model_dirs: ModelDirs::default(),
         }
     }
 }

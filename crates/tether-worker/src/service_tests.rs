@@ -84,6 +84,7 @@ fn load_request() -> (LoadRequest, Arc<dyn TensorSource>) {
         tensors: names,
         decision_timeout: None,
         chunk_bytes: 10,
+        local_path: None,
     };
     (req, Arc::new(source))
 }
@@ -264,5 +265,59 @@ async fn over_limit_prepare_kill_and_shutdown() {
         .unwrap();
     h.stop.cancel();
     assert_eq!(last.ended().await.reason, EndReason::Shutdown);
+    h.done.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_refused_local_read_is_marked_over_grpc_and_streaming_then_works() {
+    let h = start(1 << 20).await;
+    let client = WorkerClient::connect(&h.addr, &ClientOptions::default())
+        .await
+        .unwrap();
+    let session = client
+        .attach(AttachOptions {
+            client_name: "local".into(),
+            lease: lease(60_000),
+            heartbeat: true,
+        })
+        .await
+        .unwrap();
+    let (req, source) = load_request();
+    let local = LoadRequest {
+        local_path: Some("/models/m.gguf".into()),
+        ..req.clone()
+    };
+    let err = client
+        .prepare(session.id(), local, Arc::clone(&source))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::LocalFileRefused, "{err}");
+    assert!(err.to_string().contains("--model-dir"), "{err}");
+    let mut a = admin(&h.addr).await;
+    assert_eq!(a.status().await.unwrap().session_bytes, 0);
+    let streamed = LoadRequest {
+        txn: TxnId::new_random(),
+        ..req.clone()
+    };
+    let txn = streamed.txn;
+    assert!(
+        client
+            .prepare(session.id(), streamed, Arc::clone(&source))
+            .await
+            .unwrap()
+            > 0
+    );
+    client.commit(session.id(), txn).await.unwrap();
+    // Other FAILED_PRECONDITION answers (here: the session already serves) carry no mark.
+    let again = LoadRequest {
+        txn: TxnId::new_random(),
+        ..req
+    };
+    let err = client
+        .prepare(session.id(), again, source)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    h.stop.cancel();
     h.done.await.unwrap();
 }

@@ -7,6 +7,7 @@ pub mod cache_args;
 pub mod eval;
 pub mod gguf;
 pub mod local;
+pub mod path_on_workers;
 pub mod plan;
 pub mod run;
 pub mod serve;

@@ -3,6 +3,7 @@
 
 use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::local::{DEMO_LABEL, start_local_workers};
+use crate::cmd::path_on_workers::PathOnWorkersArgs;
 use crate::cmd::worker_token::WorkerTokenArgs;
 use crate::ctl::units::parse_duration;
 use crate::model_source::ModelArgs;
@@ -90,6 +91,8 @@ pub struct ServeArgs {
     pub shutdown_grace: Duration,
     #[command(flatten)]
     pub cache: CacheArgs,
+    #[command(flatten)]
+    pub path_on_workers: PathOnWorkersArgs,
     /// Test hook: sleep this long between Prepare and Commit of the model load.
     #[arg(long, hide = true, value_parser = parse_duration)]
     pub debug_pause_before_commit: Option<Duration>,
@@ -131,7 +134,9 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         eprintln!("{DEMO_LABEL}");
     }
     let model = ModelFile::open(&resolved.path)?;
-    let local = if args.workers.is_empty() && args.worker_dns.is_none() {
+    let embedded = args.workers.is_empty() && args.worker_dns.is_none();
+    args.path_on_workers.check_remote(!embedded)?;
+    let local = if embedded {
         Some(start_local_workers(&args.device, args.local_workers, args.threads).await?)
     } else {
         None
@@ -156,6 +161,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
                 ttl: args.lease_ttl,
             },
             pause_before_commit: args.debug_pause_before_commit,
+            model_path_on_workers: args.path_on_workers.path(),
             ..defaults.load.clone()
         },
         client,
