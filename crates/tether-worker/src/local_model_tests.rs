@@ -1,7 +1,8 @@
 //! Prepare from the worker's own copy of the model, on the real model stage and real files:
-//! a faithful copy is read (and counted as read locally), and a copy that differs in size,
-//! header or one tensor byte is refused with the check that failed, leaving the session's
-//! bytes where they were so that a streamed Prepare can follow.
+//! a faithful copy is read (and counted as read locally; no chunk is taken after it), and a
+//! copy that differs in size, header or one tensor byte is refused with the check that
+//! failed, leaving the session's bytes where they were so that a streamed Prepare can
+//! follow.
 
 use crate::error::WorkerError;
 use crate::ids::TxnId;
@@ -156,8 +157,10 @@ async fn a_faithful_copy_is_read_locally_and_prepares() {
     let session = open(&reg);
     let (b, tensor_bytes) = begin(&files.model, session, Some("tiny.gguf"));
     let txn = b.txn;
-    let upload = reg.begin_prepare(b).await.unwrap();
+    let mut upload = reg.begin_prepare(b).await.unwrap();
     assert_eq!(upload.source(), TensorSourceKind::LocalFile);
+    let err = upload.accept("token_embd.weight", 0, &[0; 4]).unwrap_err();
+    assert!(err.to_string().contains("without chunks"), "{err}");
     let reserved = upload.finish().unwrap();
     assert!(reserved > tensor_bytes, "{reserved} <= {tensor_bytes}");
     reg.commit(session, txn).unwrap();
@@ -174,18 +177,6 @@ async fn a_faithful_copy_is_read_locally_and_prepares() {
         )),
         "{text}"
     );
-}
-
-#[tokio::test]
-async fn a_chunk_after_a_local_read_is_refused() {
-    let files = Files::new();
-    files.copy("tiny.gguf", |_, _| {});
-    let reg = registry(&files.models());
-    let session = open(&reg);
-    let (b, _) = begin(&files.model, session, Some("tiny.gguf"));
-    let mut upload = reg.begin_prepare(b).await.unwrap();
-    let err = upload.accept("token_embd.weight", 0, &[0; 4]).unwrap_err();
-    assert!(err.to_string().contains("without chunks"), "{err}");
 }
 
 #[tokio::test]
