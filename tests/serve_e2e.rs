@@ -6,14 +6,11 @@
 mod support;
 
 use std::io::{BufRead, BufReader};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::{
-    Serve, TinyModel, Worker, http, http_json, http_read_head, http_send, process_alive,
-    send_signal, sessions_and_bytes,
+    Serve, TinyModel, Worker, completion_body, http, http_json, http_read_head, http_send,
+    process_alive, reference, send_signal, sessions_and_bytes,
 };
-use tether_model::tokenizer::Tokenizer;
-use tether_model::{Generator, Sampler, SamplingParams};
 
 /// The lease the coordinator asks for in the crash tests.
 const LEASE_TTL: Duration = Duration::from_secs(1);
@@ -67,41 +64,6 @@ fn assert_alive(workers: [&Worker; 2]) {
             w.log()
         );
     }
-}
-
-/// Greedy tokens of the whole model in this process, and their text as the API builds it
-/// (the pieces concatenated).
-fn reference(model: &TinyModel, prompt: &[u32], n: usize) -> (Vec<u32>, String) {
-    let file = tether_gguf::GgufFile::open(&model.path).expect("open model");
-    let tokenizer = Tokenizer::from_gguf(&file).expect("tokenizer");
-    let backend = Arc::new(tether_compute::CpuBackend::new(Some(1)).expect("cpu backend"));
-    let mut generator = Generator::from_file(backend, &file, 256, 8).expect("generator");
-    let eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
-        .filter(|&t| tokenizer.is_eog(t))
-        .collect();
-    let mut sampler = Sampler::new(SamplingParams {
-        repeat_penalty: 1.0,
-        ..SamplingParams::greedy()
-    });
-    let (tokens, _) = generator
-        .generate(prompt, n, &mut sampler, &eog, |_| true)
-        .expect("generate");
-    let bytes: Vec<u8> = tokens
-        .iter()
-        .flat_map(|&t| tokenizer.token_to_piece(t))
-        .collect();
-    (tokens, String::from_utf8_lossy(&bytes).into_owned())
-}
-
-fn completion_body(prompt: &[u32], max_tokens: usize, stream: bool) -> String {
-    serde_json::json!({
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "repeat_penalty": 1.0,
-        "stream": stream,
-    })
-    .to_string()
 }
 
 /// What a streamed completion delivered.

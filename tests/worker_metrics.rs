@@ -4,9 +4,8 @@
 
 mod support;
 
-use std::io::{Read, Write};
 use std::time::Duration;
-use support::{TinyModel, Worker, full_load};
+use support::{TinyModel, Worker, full_load, metrics_addr, sample, scrape};
 use tether_worker::client::{
     AdminClient, AttachOptions, ClientOptions, Health, WorkerClient, check_health,
 };
@@ -28,44 +27,6 @@ fn attach_options(name: &str) -> AttachOptions {
         },
         heartbeat: true,
     }
-}
-
-/// The metrics address the worker printed.
-fn metrics_addr(worker: &Worker) -> String {
-    let log = worker.log();
-    log.lines()
-        .find_map(|l| {
-            l.strip_prefix("tether worker metrics on http://")?
-                .strip_suffix("/metrics")
-        })
-        .unwrap_or_else(|| panic!("the worker printed no metrics address; log:\n{log}"))
-        .to_string()
-}
-
-/// `GET /metrics`: the body, after checking status and content type.
-fn scrape(addr: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the metrics port");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nhost: test\r\n\r\n")
-        .expect("send the request");
-    let mut response = String::new();
-    stream
-        .read_to_string(&mut response)
-        .expect("read the response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(head.contains("content-type: text/plain"), "{head}");
-    body.to_string()
-}
-
-/// The value of one series (name and labels as printed).
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
 fn value(text: &str, series: &str) -> f64 {

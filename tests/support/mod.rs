@@ -346,6 +346,7 @@ pub fn full_load(
         tensors,
         decision_timeout: None,
         chunk_bytes: 64 << 10,
+        local_path: None,
     };
     (request, std::sync::Arc::new(GgufSource(file)), cfg.n_embd)
 }
@@ -607,4 +608,77 @@ pub fn http_deadline(
         String::from_utf8_lossy(&rest).into_owned()
     };
     Ok((status, text))
+}
+
+/// Greedy tokens of the whole model in this process, and their text as the API builds it
+/// (the pieces concatenated).
+pub fn reference(model: &TinyModel, prompt: &[u32], n: usize) -> (Vec<u32>, String) {
+    use tether_model::tokenizer::Tokenizer;
+    use tether_model::{Generator, Sampler, SamplingParams};
+    let file = tether_gguf::GgufFile::open(&model.path).expect("open model");
+    let tokenizer = Tokenizer::from_gguf(&file).expect("tokenizer");
+    let backend = Arc::new(tether_compute::CpuBackend::new(Some(1)).expect("cpu backend"));
+    let mut generator = Generator::from_file(backend, &file, 256, 8).expect("generator");
+    let eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
+        .filter(|&t| tokenizer.is_eog(t))
+        .collect();
+    let mut sampler = Sampler::new(SamplingParams {
+        repeat_penalty: 1.0,
+        ..SamplingParams::greedy()
+    });
+    let (tokens, _) = generator
+        .generate(prompt, n, &mut sampler, &eog, |_| true)
+        .expect("generate");
+    let bytes: Vec<u8> = tokens
+        .iter()
+        .flat_map(|&t| tokenizer.token_to_piece(t))
+        .collect();
+    (tokens, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The metrics address the worker printed.
+pub fn metrics_addr(worker: &Worker) -> String {
+    let log = worker.log();
+    log.lines()
+        .find_map(|l| {
+            l.strip_prefix("tether worker metrics on http://")?
+                .strip_suffix("/metrics")
+        })
+        .unwrap_or_else(|| panic!("the worker printed no metrics address; log:\n{log}"))
+        .to_string()
+}
+
+/// `GET /metrics`: the body, after checking status and content type.
+pub fn scrape(addr: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the metrics port");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    std::io::Write::write_all(&mut stream, b"GET /metrics HTTP/1.1\r\nhost: test\r\n\r\n")
+        .expect("send the request");
+    let mut response = String::new();
+    std::io::Read::read_to_string(&mut stream, &mut response).expect("read the response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("content-type: text/plain"), "{head}");
+    body.to_string()
+}
+
+/// The value of one series (name and labels as printed).
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// A `/v1/completions` body for greedy generation without repetition penalty.
+pub fn completion_body(prompt: &[u32], max_tokens: usize, stream: bool) -> String {
+    serde_json::json!({
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "repeat_penalty": 1.0,
+        "stream": stream,
+    })
+    .to_string()
 }

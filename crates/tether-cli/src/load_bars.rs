@@ -1,4 +1,5 @@
-//! Progress bars, one per worker, while a model's tensors stream to the workers.
+//! Progress bars, one per worker, while a model's tensors stream to the workers (a worker
+//! that read its own copy of the model shows full at once, marked so).
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::sync::Arc;
@@ -35,6 +36,9 @@ impl LoadBars {
                         bar.set_style(style.clone());
                         bar.set_prefix(w.addr.clone());
                         bars.push(bar);
+                    }
+                    if w.read_by_worker {
+                        bars[i].set_prefix(format!("{} (own file)", w.addr));
                     }
                     bars[i].set_length(w.total);
                     bars[i].set_position(w.sent);

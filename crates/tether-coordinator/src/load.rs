@@ -1,14 +1,18 @@
 //! Two-phase load of a [`Plan`]: a session on every worker, Prepare on all at once (tensor
-//! bytes streamed from the coordinator's mmap), then Commit on all when every worker voted
+//! bytes streamed from the coordinator's mmap, or read by each worker from its own copy of
+//! the file with `--model-path-on-workers`), then Commit on all when every worker voted
 //! yes, or Abort on all and close every session. A half-loaded model never serves.
 
 use crate::model_file::{MappedSource, ModelFile};
-use crate::placement::Plan;
+use crate::placement::{Assignment, Plan};
 use crate::progress::LoadProgress;
 use futures::future::join_all;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
-use tether_worker::client::{AttachOptions, LoadRequest, Session, TensorSource, WorkerClient};
+use tether_worker::client::{
+    AttachOptions, ClientError, ErrorKind, LoadRequest, Session, TensorSource, WorkerClient,
+};
 use tether_worker::{BlockSpec, Lease, SessionId, TxnId};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -29,6 +33,10 @@ pub struct LoadOptions {
     pub pause_before_commit: Option<Duration>,
     /// Where to report the bytes streamed to each worker (progress bars).
     pub progress: Option<Arc<LoadProgress>>,
+    /// The model's path as the workers see it (`--model-path-on-workers`): each worker is
+    /// asked to read its tensors from there; one that refuses gets them streamed. `None`:
+    /// stream to every worker.
+    pub model_path_on_workers: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -43,6 +51,7 @@ impl Default for LoadOptions {
             chunk_bytes: tether_worker::client::DEFAULT_CHUNK_BYTES,
             pause_before_commit: None,
             progress: None,
+            model_path_on_workers: None,
         }
     }
 }
@@ -87,6 +96,24 @@ pub enum LoadError {
     },
 }
 
+/// How a worker got its block's tensor bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BytesVia {
+    /// Streamed from the coordinator's copy in the Prepare stream.
+    Stream,
+    /// Read by the worker from its own copy (`--model-path-on-workers`).
+    WorkerFile,
+}
+
+impl std::fmt::Display for BytesVia {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Stream => "streamed from the coordinator",
+            Self::WorkerFile => "read from the worker's own copy",
+        })
+    }
+}
+
 /// A block committed on one worker.
 #[derive(Clone)]
 pub struct LoadedStage {
@@ -98,6 +125,90 @@ pub struct LoadedStage {
     pub spec: BlockSpec,
     /// Bytes the worker reserved for it.
     pub reserved: u64,
+    /// How its tensor bytes got there.
+    pub via: BytesVia,
+}
+
+/// One worker's vote in Prepare: the transaction it prepared (a fallback to streaming
+/// prepares under a fresh id), and the bytes reserved and the way the tensors came, or why
+/// it refused.
+struct Vote {
+    txn: TxnId,
+    result: Result<(u64, BytesVia), ClientError>,
+}
+
+/// What one worker's Prepare needs.
+struct PrepareJob<'a> {
+    client: &'a WorkerClient,
+    session: SessionId,
+    request: LoadRequest,
+    source: Arc<dyn TensorSource>,
+    sent: Arc<AtomicU64>,
+    total: u64,
+    path_on_workers: Option<&'a str>,
+    progress: Option<&'a LoadProgress>,
+}
+
+/// Prepares one worker: from its own copy of the model when a path is given and it agrees,
+/// else (or after it refused, with a warning) by streaming the bytes.
+async fn prepare_worker(job: PrepareJob<'_>) -> Vote {
+    let PrepareJob {
+        client,
+        session,
+        mut request,
+        source,
+        sent,
+        total,
+        path_on_workers,
+        progress,
+    } = job;
+    let addr = client.addr();
+    if let Some(path) = path_on_workers {
+        let local = LoadRequest {
+            local_path: Some(path.to_string()),
+            ..request.clone()
+        };
+        match client.prepare(session, local, Arc::clone(&source)).await {
+            Ok(reserved) => {
+                if let Some(p) = progress {
+                    p.mark_read_by_worker(addr);
+                }
+                tracing::info!(worker = %addr, path, bytes = total, "worker {addr} read its tensors from its own copy of the model");
+                return Vote {
+                    txn: request.txn,
+                    result: Ok((reserved, BytesVia::WorkerFile)),
+                };
+            }
+            Err(e) if e.kind() == ErrorKind::LocalFileRefused => {
+                tracing::warn!(worker = %addr, path, "worker {addr} did not read the model from its own copy, streaming its tensors instead: {e}");
+            }
+            Err(e) => {
+                return Vote {
+                    txn: request.txn,
+                    result: Err(e),
+                };
+            }
+        }
+        // The refused transaction is aborted on the worker; ids are used once.
+        request.txn = TxnId::new_random();
+    }
+    let txn = request.txn;
+    let result = client
+        .prepare_with_progress(session, request, source, sent)
+        .await
+        .map(|reserved| {
+            tracing::info!(worker = %addr, bytes = total, "streamed the tensors of worker {addr}'s block from the coordinator");
+            (reserved, BytesVia::Stream)
+        });
+    Vote { txn, result }
+}
+
+fn block_bytes(model: &ModelFile, a: &Assignment) -> u64 {
+    a.tensors
+        .iter()
+        .filter_map(|t| model.gguf().tensor(t))
+        .map(|t| t.bytes)
+        .sum()
 }
 
 /// A model committed on every worker of a plan. Its sessions are watched: when any ends,
@@ -221,38 +332,45 @@ pub async fn load_plan(
 
     let txn = TxnId::new_random();
     let source: Arc<dyn TensorSource> = Arc::new(MappedSource(Arc::clone(model)));
+    let totals: Vec<u64> = picked.iter().map(|(_, a)| block_bytes(model, a)).collect();
     let counters = options.progress.as_ref().map_or_else(
         || picked.iter().map(|_| Arc::default()).collect(),
         |p| {
-            p.begin(picked.iter().map(|(client, a)| {
-                let bytes = a
-                    .tensors
+            p.begin(
+                picked
                     .iter()
-                    .filter_map(|t| model.gguf().tensor(t))
-                    .map(|t| t.bytes)
-                    .sum();
-                (client.addr().to_string(), bytes)
-            }))
+                    .zip(&totals)
+                    .map(|((client, _), &bytes)| (client.addr().to_string(), bytes)),
+            )
         },
     );
-    let prepared = join_all(picked.iter().zip(&sessions).zip(counters).map(
-        |(((client, a), (_, s)), sent)| {
-            let request = LoadRequest {
-                txn,
-                gguf_header: model.header().to_vec(),
-                gguf_file_bytes: model.file_bytes(),
-                spec: a.spec,
-                tensors: a.tensors.clone(),
-                decision_timeout: Some(options.decision_timeout),
-                chunk_bytes: options.chunk_bytes,
-            };
-            client.prepare_with_progress(s.id(), request, Arc::clone(&source), sent)
+    let votes = join_all(picked.iter().zip(&sessions).zip(counters).zip(&totals).map(
+        |((((client, a), (_, s)), sent), &total)| {
+            prepare_worker(PrepareJob {
+                client,
+                session: s.id(),
+                request: LoadRequest {
+                    txn,
+                    gguf_header: model.header().to_vec(),
+                    gguf_file_bytes: model.file_bytes(),
+                    spec: a.spec,
+                    tensors: a.tensors.clone(),
+                    decision_timeout: Some(options.decision_timeout),
+                    chunk_bytes: options.chunk_bytes,
+                    local_path: None,
+                },
+                source: Arc::clone(&source),
+                sent,
+                total,
+                path_on_workers: options.model_path_on_workers.as_deref(),
+                progress: options.progress.as_deref(),
+            })
         },
     ))
     .await;
 
-    let refusal = picked.iter().zip(&prepared).find_map(|((client, a), r)| {
-        r.as_ref().err().map(|e| LoadError::Refused {
+    let refusal = picked.iter().zip(&votes).find_map(|((client, a), v)| {
+        v.result.as_ref().err().map(|e| LoadError::Refused {
             addr: client.addr().to_string(),
             first: a.spec.first_layer,
             last: a.spec.last_layer,
@@ -265,7 +383,8 @@ pub async fn load_plan(
             picked
                 .iter()
                 .zip(&sessions)
-                .map(|((c, _), (_, s))| c.abort(s.id(), txn)),
+                .zip(&votes)
+                .map(|(((c, _), (_, s)), v)| c.abort(s.id(), v.txn)),
         )
         .await;
         close_sessions(sessions, close_wait).await;
@@ -283,7 +402,8 @@ pub async fn load_plan(
         picked
             .iter()
             .zip(&sessions)
-            .map(|((c, _), (_, s))| c.commit(s.id(), txn)),
+            .zip(&votes)
+            .map(|(((c, _), (_, s)), v)| c.commit(s.id(), v.txn)),
     )
     .await;
     if let Some((client, e)) = picked
@@ -301,12 +421,16 @@ pub async fn load_plan(
     let stages = picked
         .iter()
         .zip(&sessions)
-        .zip(&prepared)
-        .map(|(((client, a), (_, s)), reserved)| LoadedStage {
-            client: client.clone(),
-            session: s.id(),
-            spec: a.spec,
-            reserved: *reserved.as_ref().unwrap_or(&0),
+        .zip(&votes)
+        .map(|(((client, a), (_, s)), v)| {
+            let (reserved, via) = v.result.as_ref().map_or((0, BytesVia::Stream), |r| *r);
+            LoadedStage {
+                client: client.clone(),
+                session: s.id(),
+                spec: a.spec,
+                reserved,
+                via,
+            }
         })
         .collect();
     let (lost_tx, lost) = watch::channel(None);

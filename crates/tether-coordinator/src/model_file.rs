@@ -1,9 +1,10 @@
 //! The coordinator's view of the model file: an mmap the tensors are streamed from, the
 //! header the workers plan from, the hyper-parameters and the tokenizer.
 
+use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tether_gguf::GgufFile;
 use tether_model::ModelConfig;
 use tether_model::tokenizer::Tokenizer;
@@ -27,6 +28,9 @@ pub struct ModelFile {
     file_bytes: u64,
     config: ModelConfig,
     tokenizer: Arc<Tokenizer>,
+    /// CRC-32 of each tensor once computed: a reload, or a second Prepare after a worker
+    /// refused its own copy, does not read the tensor again.
+    crcs: Mutex<HashMap<String, u32>>,
 }
 
 impl ModelFile {
@@ -56,6 +60,7 @@ impl ModelFile {
             file_bytes,
             config,
             tokenizer: Arc::new(tokenizer),
+            crcs: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -89,6 +94,18 @@ impl ModelFile {
         Arc::clone(&self.tokenizer)
     }
 
+    /// The CRC-32 (IEEE) of tensor `name`'s bytes, computed on first use.
+    pub fn tensor_crc32(&self, name: &str) -> Option<u32> {
+        let crcs = || self.crcs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&crc) = crcs().get(name) {
+            return Some(crc);
+        }
+        // Hashed outside the lock: loads on several workers hash their blocks at once.
+        let crc = crc32fast::hash(self.file.tensor_data(self.file.tensor(name)?));
+        crcs().insert(name.to_string(), crc);
+        Some(crc)
+    }
+
     /// `tokenizer.chat_template`, when present.
     pub fn chat_template(&self) -> Option<String> {
         self.file
@@ -104,5 +121,9 @@ impl TensorSource for MappedSource {
     fn tensor_bytes(&self, name: &str) -> Option<&[u8]> {
         let file = &self.0.file;
         file.tensor(name).map(|t| file.tensor_data(t))
+    }
+
+    fn crc32(&self, name: &str) -> Option<u32> {
+        self.0.tensor_crc32(name)
     }
 }

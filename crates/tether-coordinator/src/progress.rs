@@ -1,5 +1,5 @@
-//! How far each worker's Prepare stream has got, for progress bars: the load writes, a
-//! front end reads snapshots.
+//! How far each worker's Prepare stream has got, and whether the worker read its own copy
+//! of the model instead, for progress bars: the load writes, a front end reads snapshots.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,6 +10,7 @@ struct Entry {
     addr: String,
     total: u64,
     sent: Arc<AtomicU64>,
+    read_by_worker: bool,
 }
 
 /// The bytes sent and to send per worker during the current (or last) load.
@@ -27,6 +28,9 @@ pub struct WorkerProgress {
     pub sent: u64,
     /// Tensor bytes of its block.
     pub total: u64,
+    /// The worker read them from its own copy of the model (`--model-path-on-workers`)
+    /// instead of receiving them.
+    pub read_by_worker: bool,
 }
 
 impl LoadProgress {
@@ -40,11 +44,21 @@ impl LoadProgress {
                 addr,
                 total,
                 sent: Arc::default(),
+                read_by_worker: false,
             })
             .collect();
         let counters = entries.iter().map(|e| Arc::clone(&e.sent)).collect();
         *self.entries.lock().unwrap_or_else(|e| e.into_inner()) = entries;
         counters
+    }
+
+    /// Records that worker `addr` read its block from its own copy of the model.
+    pub(crate) fn mark_read_by_worker(&self, addr: &str) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        for e in entries.iter_mut().filter(|e| e.addr == addr) {
+            e.read_by_worker = true;
+            e.sent.store(e.total, Ordering::Relaxed);
+        }
     }
 
     /// Every worker's progress now.
@@ -57,6 +71,7 @@ impl LoadProgress {
                 addr: e.addr.clone(),
                 sent: e.sent.load(Ordering::Relaxed).min(e.total),
                 total: e.total,
+                read_by_worker: e.read_by_worker,
             })
             .collect()
     }

@@ -75,6 +75,25 @@ impl GgufFile {
         Self::build(name, Storage::Mapped(map))
     }
 
+    /// Memory-map and parse a file already opened, e.g. one whose path was checked against
+    /// an allowed directory before opening; `name` is used in errors.
+    pub fn map_file(name: &str, file: &std::fs::File) -> Result<GgufFile, GgufError> {
+        // SAFETY: as in `open`: a read-only map; a file truncated while mapped can fault.
+        let map = unsafe { memmap2::Mmap::map(file) }.map_err(|source| GgufError::Io {
+            path: name.to_string(),
+            action: "mmap",
+            source,
+        })?;
+        Self::build(name.to_string(), Storage::Mapped(map))
+    }
+
+    /// The file's bytes before its tensor data: the header, metadata and tensor infos.
+    pub fn header_bytes(&self) -> &[u8] {
+        let end = usize::try_from(self.data_offset).unwrap_or(usize::MAX);
+        let bytes = self.storage.bytes();
+        bytes.get(..end).unwrap_or(bytes)
+    }
+
     /// Parse a GGUF file held in memory; `name` is used in errors.
     pub fn from_bytes(name: &str, bytes: Vec<u8>) -> Result<GgufFile, GgufError> {
         Self::build(name.to_string(), Storage::Owned(bytes))

@@ -72,6 +72,24 @@ fn valid_file_parses() {
 }
 
 #[test]
+fn an_opened_file_maps_like_a_path_and_hands_out_its_header_bytes() {
+    let bytes = valid_file();
+    let path = std::env::temp_dir().join(format!("tether-gguf-map-{}.gguf", std::process::id()));
+    std::fs::write(&path, &bytes).unwrap();
+    let opened = std::fs::File::open(&path).unwrap();
+    let mapped = GgufFile::map_file("mapped", &opened);
+    let _ = std::fs::remove_file(&path);
+    let mapped = mapped.unwrap();
+    let in_memory = GgufFile::from_bytes("valid", bytes.clone()).unwrap();
+    let end = in_memory.data_offset() as usize;
+    assert!(end > 0 && end < bytes.len());
+    assert_eq!(mapped.header_bytes(), &bytes[..end]);
+    assert_eq!(in_memory.header_bytes(), &bytes[..end]);
+    let t1 = mapped.tensor("t1").unwrap();
+    assert_eq!(mapped.tensor_data(t1), &[2u8; 18][..]);
+}
+
+#[test]
 fn every_truncation_of_the_header_is_an_error() {
     let bytes = valid_file();
     let f = GgufFile::from_bytes("valid", bytes.clone()).unwrap();

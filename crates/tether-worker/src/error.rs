@@ -13,6 +13,11 @@ pub enum WorkerError {
     /// The request is valid but the state does not allow it now (FAILED_PRECONDITION).
     #[error("{0}")]
     FailedPrecondition(String),
+    /// A Prepare named the worker's own copy of the model (`local_path`) and the worker
+    /// would not or could not use it: no `--model-dir`, outside it, missing, or not the
+    /// coordinator's file (FAILED_PRECONDITION, marked so that the client streams instead).
+    #[error("{0}")]
+    LocalFile(String),
     /// Admission refused: not enough memory (RESOURCE_EXHAUSTED).
     #[error(
         "{what}: asked {asked} bytes, {free} bytes free (limit {limit} bytes, {held} held by sessions); free memory by ending sessions, or lower the context/batch size"

@@ -10,8 +10,10 @@ pub mod ids;
 pub mod leak_watch;
 pub mod ledger;
 pub mod load;
+mod local_model;
 pub mod metrics;
 pub mod metrics_http;
+pub mod model_dir;
 pub mod model_stage;
 pub mod participant;
 pub mod reaper;
@@ -28,6 +30,8 @@ pub mod token;
 #[cfg(test)]
 mod auth_tests;
 #[cfg(test)]
+mod local_model_tests;
+#[cfg(test)]
 mod model_stage_tests;
 #[cfg(test)]
 mod observability_tests;
@@ -41,6 +45,7 @@ pub(crate) mod testing;
 pub use error::{Result, WorkerError};
 pub use ids::{SessionId, TxnId};
 pub use load::{PrepareBegin, PrepareUpload};
+pub use model_dir::ModelDirs;
 pub use registry::{RegistryConfig, SessionRegistry};
 pub use serve::ForwardCall;
 pub use session::{EndReason, Lease, SessionEnd};

@@ -1,9 +1,11 @@
 //! Loading a layer block into a session by two-phase commit: Prepare (plan, admit, build,
-//! receive and verify every tensor), then Commit (serve) or Abort (free).
+//! receive — or read from the worker's own copy of the model — and verify every tensor),
+//! then Commit (serve) or Abort (free).
 
 use crate::error::{Result, WorkerError};
 use crate::ids::{SessionId, TxnId};
-use crate::metrics::TxnOp;
+use crate::local_model::LocalModel;
+use crate::metrics::{TensorSourceKind, TxnOp};
 use crate::participant::Outcome;
 use crate::registry::{SessionRegistry, unknown_session};
 use crate::session::{OwnedStage, SessionState};
@@ -32,6 +34,9 @@ pub struct PrepareBegin {
     pub tensors: Vec<TensorDigest>,
     /// How long the prepared state waits for a decision; `None` = the worker's default.
     pub decision_timeout: Option<Duration>,
+    /// The worker's own copy of the model to read the tensors from (within its
+    /// `--model-dir`); `None`: the client sends them in chunks.
+    pub local_path: Option<String>,
 }
 
 /// A Prepare whose block is built and reserved, receiving tensor bytes. Dropping it before
@@ -44,6 +49,9 @@ pub struct PrepareUpload {
     staged: Option<OwnedStage>,
     cancel: CancellationToken,
     decision_timeout: Duration,
+    /// Where the tensors came from: with `LocalFile` they are all staged already and no
+    /// chunk is accepted.
+    source: TensorSourceKind,
 }
 
 /// Marks the transaction failed if Prepare stops before handing over to [`PrepareUpload`].
@@ -75,6 +83,7 @@ impl SessionRegistry {
             spec,
             tensors,
             decision_timeout,
+            local_path,
         } = begin;
         let (session_bytes, cancel) = self
             .open_prepare(session, txn)
@@ -86,6 +95,14 @@ impl SessionRegistry {
             armed: true,
         };
 
+        let gguf_header = Arc::new(gguf_header);
+        let local = match local_path {
+            Some(requested) => Some(
+                self.open_local_model(session, txn, requested, &gguf_header, gguf_file_bytes)
+                    .await?,
+            ),
+            None => None,
+        };
         let factory = Arc::clone(&self.factory);
         let plan = self
             .run_blocking("planning the layer block", move || {
@@ -103,7 +120,17 @@ impl SessionRegistry {
         let stage = self
             .run_blocking("building the layer block", move || plan.build())
             .await?;
-        let staged = OwnedStage { stage, reservation };
+        let mut staged = OwnedStage { stage, reservation };
+        let mut staging = staging;
+        let source = match local {
+            Some(local) => {
+                (staging, staged) = self
+                    .stage_from_local(session, txn, local, staging, staged, cancel.clone())
+                    .await?;
+                TensorSourceKind::LocalFile
+            }
+            None => TensorSourceKind::Network,
+        };
         let timeout = decision_timeout
             .unwrap_or(self.config.decision_timeout)
             .min(self.config.max_decision_timeout);
@@ -116,7 +143,67 @@ impl SessionRegistry {
             staged: Some(staged),
             cancel,
             decision_timeout: timeout,
+            source,
         })
+    }
+
+    /// Opens the worker's own copy of the model that a Prepare names, checking its place,
+    /// length and header; a refusal is logged and counted.
+    async fn open_local_model(
+        &self,
+        session: SessionId,
+        txn: TxnId,
+        requested: String,
+        header: &Arc<Vec<u8>>,
+        file_bytes: u64,
+    ) -> Result<LocalModel> {
+        let dirs = self.config.model_dirs.clone();
+        let header = Arc::clone(header);
+        let opened = self
+            .run_blocking("opening the worker's copy of the model", move || {
+                LocalModel::open(&dirs, &requested, &header, file_bytes)
+            })
+            .await;
+        self.note_local_refusal(session, txn, &opened);
+        opened
+    }
+
+    /// Reads every tensor of `staging` from `local` into the block, off the async threads.
+    /// On any failure the block is dropped there, so its memory is freed. The read stops
+    /// when the session ends or when this future is dropped (the Prepare call went away).
+    async fn stage_from_local(
+        self: &Arc<Self>,
+        session: SessionId,
+        txn: TxnId,
+        local: LocalModel,
+        mut staging: Staging,
+        mut staged: OwnedStage,
+        session_cancel: CancellationToken,
+    ) -> Result<(Staging, OwnedStage)> {
+        let cancel = session_cancel.child_token();
+        let _stop_when_dropped = cancel.clone().drop_guard();
+        let registry = Arc::clone(self);
+        let read = self
+            .run_blocking("reading tensors from the worker's copy of the model", move || {
+                let bytes = local.stage_into(
+                    &mut staging,
+                    staged.stage.as_mut(),
+                    &cancel,
+                    &registry.metrics,
+                )?;
+                tracing::info!(session = %session, txn = %txn, bytes, path = %local.path().display(), "tensors read from the worker's own copy of the model");
+                Ok((staging, staged))
+            })
+            .await;
+        self.note_local_refusal(session, txn, &read);
+        read
+    }
+
+    fn note_local_refusal<T>(&self, session: SessionId, txn: TxnId, result: &Result<T>) {
+        if let Err(WorkerError::LocalFile(why)) = result {
+            self.metrics.count_local_refused();
+            tracing::warn!(session = %session, txn = %txn, "not reading the model from this worker's own copy: {why}");
+        }
     }
 
     /// Starts transaction `txn` in `session`: its byte counter and cancellation token.
@@ -216,12 +303,26 @@ impl PrepareUpload {
 
     /// Checks one chunk of a tensor and copies it into the block.
     pub fn accept(&mut self, name: &str, offset: u64, data: &[u8]) -> Result<()> {
+        if self.source == TensorSourceKind::LocalFile {
+            return Err(WorkerError::InvalidArgument(format!(
+                "chunk for tensor {name:?}: this Prepare read its tensors from the worker's own copy of the model; send End without chunks"
+            )));
+        }
         let staged = self
             .staged
             .as_mut()
             .ok_or_else(|| WorkerError::Internal("upload already finished".into()))?;
         self.staging
-            .accept(staged.stage.as_mut(), name, offset, data)
+            .accept(staged.stage.as_mut(), name, offset, data)?;
+        self.registry
+            .metrics
+            .count_tensor_bytes(TensorSourceKind::Network, data.len() as u64);
+        Ok(())
+    }
+
+    /// Where the tensors came from.
+    pub fn source(&self) -> TensorSourceKind {
+        self.source
     }
 
     /// Verifies every tensor and moves the block to the prepared state. Returns the bytes
@@ -253,7 +354,11 @@ impl PrepareUpload {
             .metrics
             .count_txn(TxnOp::Prepare, prepared.is_ok());
         prepared?;
-        tracing::info!(session = %self.session, txn = %self.txn, bytes, "prepared");
+        let source = match self.source {
+            TensorSourceKind::Network => "network",
+            TensorSourceKind::LocalFile => "local file",
+        };
+        tracing::info!(session = %self.session, txn = %self.txn, bytes, tensors_from = source, "prepared");
         Ok(bytes)
     }
 }

@@ -41,12 +41,36 @@ impl TxnOp {
     }
 }
 
+/// Where a Prepare's tensor bytes came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorSourceKind {
+    /// Chunks in the Prepare stream (from the coordinator's copy).
+    Network,
+    /// The worker's own copy of the model file (`--model-dir`).
+    LocalFile,
+}
+
+impl TensorSourceKind {
+    const ALL: [TensorSourceKind; 2] = [TensorSourceKind::Network, TensorSourceKind::LocalFile];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Network => "network",
+            Self::LocalFile => "local_file",
+        }
+    }
+}
+
 /// Counters the registry keeps for the metrics endpoint only.
 #[derive(Debug, Default)]
 pub(crate) struct WorkerMetrics {
     /// `[op][0 = ok, 1 = refused]`.
     txn: [[AtomicU64; 2]; 3],
     forward: Histogram,
+    /// Tensor bytes staged, by [`TensorSourceKind`].
+    tensor_bytes: [AtomicU64; 2],
+    /// Prepares that named the worker's own copy of the model and were refused.
+    local_refused: AtomicU64,
 }
 
 impl WorkerMetrics {
@@ -63,6 +87,26 @@ impl WorkerMetrics {
     /// Records the duration of one forward pass.
     pub fn observe_forward(&self, took: Duration) {
         self.forward.observe(took);
+    }
+
+    /// Counts tensor bytes copied into a staged block from `source`.
+    pub fn count_tensor_bytes(&self, source: TensorSourceKind, bytes: u64) {
+        self.tensor_bytes[source as usize].fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Tensor bytes staged from `source` so far.
+    pub fn tensor_bytes(&self, source: TensorSourceKind) -> u64 {
+        self.tensor_bytes[source as usize].load(Ordering::Relaxed)
+    }
+
+    /// Counts one refused read of the worker's own copy of the model.
+    pub fn count_local_refused(&self) {
+        self.local_refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Refused reads of the worker's own copy of the model so far.
+    pub fn local_refused(&self) -> u64 {
+        self.local_refused.load(Ordering::Relaxed)
     }
 }
 
@@ -235,6 +279,33 @@ impl SessionRegistry {
 
         header(
             &mut out,
+            "tether_tensor_bytes_total",
+            "counter",
+            "Tensor bytes staged by Prepare, by where they came from: chunks over the network, or the worker's own copy of the model file (--model-dir).",
+        );
+        for source in TensorSourceKind::ALL {
+            let _ = writeln!(
+                out,
+                "tether_tensor_bytes_total{{source=\"{}\"}} {}",
+                source.as_str(),
+                self.metrics.tensor_bytes(source)
+            );
+        }
+
+        header(
+            &mut out,
+            "tether_local_model_refused_total",
+            "counter",
+            "Prepares that asked the worker to read its own copy of the model and were refused (no --model-dir, outside it, missing, or a different file); the coordinator then streams.",
+        );
+        let _ = writeln!(
+            out,
+            "tether_local_model_refused_total {}",
+            self.metrics.local_refused()
+        );
+
+        header(
+            &mut out,
             "tether_forward_seconds",
             "histogram",
             "Duration of successful forward passes.",
@@ -302,6 +373,23 @@ mod tests {
             .and_then(|v| v.parse().ok())
             .unwrap_or(f64::NAN);
         assert!((sum - 20.0033).abs() < 1e-9, "{sum}");
+    }
+
+    #[test]
+    fn tensor_bytes_are_kept_apart_by_source() {
+        let m = WorkerMetrics::default();
+        m.count_tensor_bytes(TensorSourceKind::Network, 10);
+        m.count_tensor_bytes(TensorSourceKind::LocalFile, 7);
+        m.count_tensor_bytes(TensorSourceKind::LocalFile, 5);
+        m.count_local_refused();
+        assert_eq!(
+            (
+                m.tensor_bytes(TensorSourceKind::Network),
+                m.tensor_bytes(TensorSourceKind::LocalFile),
+                m.local_refused()
+            ),
+            (10, 12, 1)
+        );
     }
 
     #[test]

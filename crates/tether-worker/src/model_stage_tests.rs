@@ -4,6 +4,7 @@
 
 use crate::model_stage::ModelStageFactory;
 use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, StageFactory, TokenPos};
+use crate::testing::TempDir;
 use std::sync::Arc;
 use tether_compute::CpuBackend;
 use tether_gguf::{GgmlType, GgufFile};
@@ -11,31 +12,13 @@ use tether_model::{
     BatchToken, ModelConfig, StageSpec, SynthShape, load_stage_from_file, synthesize,
 };
 
-fn tiny_model() -> (tempdir::Dir, GgufFile, Vec<u8>) {
-    let dir = tempdir::Dir::new();
+fn tiny_model() -> (TempDir, GgufFile, Vec<u8>) {
+    let dir = TempDir::new();
     let path = dir.0.join("tiny.gguf");
     synthesize(&path, SynthShape::Tiny, GgmlType::F32, 7).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let file = GgufFile::open(&path).unwrap();
     (dir, file, bytes)
-}
-
-mod tempdir {
-    /// A directory removed on drop.
-    pub struct Dir(pub std::path::PathBuf);
-    impl Dir {
-        pub fn new() -> Self {
-            let p =
-                std::env::temp_dir().join(format!("tether-worker-test-{}", uuid::Uuid::new_v4()));
-            std::fs::create_dir_all(&p).unwrap();
-            Self(p)
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 }
 
 #[test]

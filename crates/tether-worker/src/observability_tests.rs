@@ -67,6 +67,7 @@ fn begin(session: crate::SessionId, txn: TxnId) -> PrepareBegin {
             })
             .collect(),
         decision_timeout: None,
+        local_path: None,
     }
 }
 

@@ -6,6 +6,7 @@ use crate::error::{Result, WorkerError};
 use crate::ids::SessionId;
 use crate::ledger::MemoryLedger;
 use crate::metrics::WorkerMetrics;
+use crate::model_dir::ModelDirs;
 use crate::session::{EndReason, Lease, Session, SessionEnd, SessionTicket};
 use crate::stage::StageFactory;
 use crate::status::{Counters, SessionSummary, WorkerStatus, process_rss_bytes};
@@ -38,6 +39,9 @@ pub struct RegistryConfig {
     pub max_sessions_per_client: Option<usize>,
     /// Most bytes one session may hold (`None`: no limit but memory).
     pub max_session_bytes: Option<u64>,
+    /// Directories the worker reads its own copies of model files from (`--model-dir`);
+    /// empty: every Prepare must send its tensors.
+    pub model_dirs: ModelDirs,
 }
 
 impl Default for RegistryConfig {
@@ -55,6 +59,7 @@ impl Default for RegistryConfig {
             max_sessions: None,
             max_sessions_per_client: None,
             max_session_bytes: None,
+            model_dirs: ModelDirs::default(),
         }
     }
 }

@@ -60,6 +60,7 @@ fn begin(session: crate::SessionId, txn: TxnId) -> PrepareBegin {
         spec: spec(),
         tensors,
         decision_timeout: None,
+        local_path: None,
     }
 }
 

@@ -2,7 +2,8 @@
 //! client, the fake model.
 
 use crate::client::{
-    AdminClient, AttachOptions, ClientOptions, ErrorKind, LoadRequest, TensorSource, WorkerClient,
+    AdminClient, AttachOptions, ClientOptions, ErrorKind, LoadRequest, Session, TensorSource,
+    WorkerClient,
 };
 use crate::ids::TxnId;
 use crate::registry::{RegistryConfig, SessionRegistry};
@@ -84,8 +85,25 @@ fn load_request() -> (LoadRequest, Arc<dyn TensorSource>) {
         tensors: names,
         decision_timeout: None,
         chunk_bytes: 10,
+        local_path: None,
     };
     (req, Arc::new(source))
+}
+
+/// A client of `addr` and a heartbeating session named `name` with a `ttl_ms` lease.
+async fn attached(addr: &str, name: &str, ttl_ms: u64) -> (WorkerClient, Session) {
+    let client = WorkerClient::connect(addr, &ClientOptions::default())
+        .await
+        .unwrap();
+    let session = client
+        .attach(AttachOptions {
+            client_name: name.into(),
+            lease: lease(ttl_ms),
+            heartbeat: true,
+        })
+        .await
+        .unwrap();
+    (client, session)
 }
 
 async fn admin(addr: &str) -> AdminClient {
@@ -97,17 +115,7 @@ async fn admin(addr: &str) -> AdminClient {
 #[tokio::test]
 async fn load_forward_close_over_grpc_frees_everything() {
     let h = start(1 << 20).await;
-    let client = WorkerClient::connect(&h.addr, &ClientOptions::default())
-        .await
-        .unwrap();
-    let session = client
-        .attach(AttachOptions {
-            client_name: "t".into(),
-            lease: lease(2000),
-            heartbeat: true,
-        })
-        .await
-        .unwrap();
+    let (client, session) = attached(&h.addr, "t", 2000).await;
     let (req, source) = load_request();
     let txn = req.txn;
     assert!(client.prepare(session.id(), req, source).await.unwrap() > 0);
@@ -226,17 +234,7 @@ async fn dropped_client_and_silent_client_both_end() {
 #[tokio::test]
 async fn over_limit_prepare_kill_and_shutdown() {
     let h = start(100).await;
-    let client = WorkerClient::connect(&h.addr, &ClientOptions::default())
-        .await
-        .unwrap();
-    let mut session = client
-        .attach(AttachOptions {
-            client_name: "big".into(),
-            lease: lease(60_000),
-            heartbeat: true,
-        })
-        .await
-        .unwrap();
+    let (client, mut session) = attached(&h.addr, "big", 60_000).await;
     let (req, source) = load_request();
     let err = client.prepare(session.id(), req, source).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::ResourceExhausted);
@@ -264,5 +262,49 @@ async fn over_limit_prepare_kill_and_shutdown() {
         .unwrap();
     h.stop.cancel();
     assert_eq!(last.ended().await.reason, EndReason::Shutdown);
+    h.done.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_refused_local_read_is_marked_over_grpc_and_streaming_then_works() {
+    let h = start(1 << 20).await;
+    let (client, session) = attached(&h.addr, "local", 60_000).await;
+    let (req, source) = load_request();
+    let local = LoadRequest {
+        local_path: Some("/models/m.gguf".into()),
+        ..req.clone()
+    };
+    let err = client
+        .prepare(session.id(), local, Arc::clone(&source))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::LocalFileRefused, "{err}");
+    assert!(err.to_string().contains("--model-dir"), "{err}");
+    let mut a = admin(&h.addr).await;
+    assert_eq!(a.status().await.unwrap().session_bytes, 0);
+    let streamed = LoadRequest {
+        txn: TxnId::new_random(),
+        ..req.clone()
+    };
+    let txn = streamed.txn;
+    assert!(
+        client
+            .prepare(session.id(), streamed, Arc::clone(&source))
+            .await
+            .unwrap()
+            > 0
+    );
+    client.commit(session.id(), txn).await.unwrap();
+    // Other FAILED_PRECONDITION answers (here: the session already serves) carry no mark.
+    let again = LoadRequest {
+        txn: TxnId::new_random(),
+        ..req
+    };
+    let err = client
+        .prepare(session.id(), again, source)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    h.stop.cancel();
     h.done.await.unwrap();
 }

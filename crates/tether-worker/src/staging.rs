@@ -107,6 +107,32 @@ impl Staging {
         Ok(())
     }
 
+    /// Every announced tensor with its length, by name.
+    pub(crate) fn expected(&self) -> Vec<(String, u64)> {
+        let mut all: Vec<(String, u64)> = self
+            .tensors
+            .iter()
+            .map(|(name, t)| (name.clone(), t.expected_bytes))
+            .collect();
+        all.sort();
+        all
+    }
+
+    /// The first tensor (by name) whose bytes so far do not have the announced CRC-32: its
+    /// name, the CRC-32 of what arrived, and the announced one.
+    pub(crate) fn crc_mismatch(&self) -> Option<(String, u32, u32)> {
+        let mut bad: Vec<(String, u32, u32)> = self
+            .tensors
+            .iter()
+            .filter_map(|(name, t)| {
+                let got = t.hasher.clone().finalize();
+                (got != t.expected_crc).then(|| (name.clone(), got, t.expected_crc))
+            })
+            .collect();
+        bad.sort();
+        bad.into_iter().next()
+    }
+
     /// Checks that every tensor arrived whole with the announced CRC-32.
     pub fn finish(self) -> Result<()> {
         let mut names: Vec<_> = self.tensors.into_iter().collect();
@@ -185,6 +211,31 @@ mod tests {
         assert!(Staging::new(&[need("w", 4)], &[]).is_err());
         assert!(Staging::new(&[need("w", 4)], &[digest("w", b"abc")]).is_err());
         assert!(Staging::new(&[need("w", 1)], &[digest("w", b"a"), digest("v", b"b")]).is_err());
+    }
+
+    #[test]
+    fn crc_mismatch_names_the_first_bad_tensor_without_consuming_the_staging() {
+        let digests = [
+            digest("a", b"aaaa"),
+            digest("b", b"bbbb"),
+            digest("c", b"cc"),
+        ];
+        let needs = [need("a", 4), need("b", 4), need("c", 2)];
+        let mut staging = Staging::new(&needs, &digests).unwrap();
+        assert_eq!(
+            staging.expected(),
+            vec![("a".into(), 4), ("b".into(), 4), ("c".into(), 2)]
+        );
+        let mut stage = FakeStage::new(4, 1);
+        staging.accept(&mut stage, "a", 0, b"aaaa").unwrap();
+        staging.accept(&mut stage, "b", 0, b"bbbx").unwrap();
+        staging.accept(&mut stage, "c", 0, b"cX").unwrap();
+        let (name, got, want) = staging.crc_mismatch().unwrap();
+        assert_eq!(
+            (name.as_str(), got, want),
+            ("b", crc32fast::hash(b"bbbx"), crc32fast::hash(b"bbbb"))
+        );
+        assert!(staging.finish().is_err());
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! A stand-in for the model side in unit tests: blocks of plain host memory whose forward
-//! pass adds 1 per layer to every hidden value.
+//! pass adds 1 per layer to every hidden value; and a temporary directory.
 
 use crate::error::{Result, WorkerError};
 use crate::stage::{
@@ -164,5 +164,23 @@ impl ServingStage for FakeStage {
 
     fn bytes(&self) -> u64 {
         self.memory.len() as u64
+    }
+}
+
+/// A fresh directory under the system's temporary directory, removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    /// Creates it.
+    pub fn new() -> Self {
+        let p = std::env::temp_dir().join(format!("tether-worker-test-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }

@@ -173,6 +173,7 @@ async fn attach(args: AttachArgs) -> anyhow::Result<()> {
             tensors,
             decision_timeout: None,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
+            local_path: None,
         };
         let reserved = client
             .prepare(session.id(), load, Arc::new(GgufSource(file)))

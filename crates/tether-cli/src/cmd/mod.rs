@@ -8,6 +8,7 @@ pub mod context_shift;
 pub mod eval;
 pub mod gguf;
 pub mod local;
+pub mod path_on_workers;
 pub mod plan;
 pub mod run;
 pub mod serve;

@@ -4,6 +4,7 @@
 use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::context_shift::ContextShiftArgs;
 use crate::cmd::local::{DEMO_LABEL, DeviceArgs, context_size, start_local_workers};
+use crate::cmd::path_on_workers::PathOnWorkersArgs;
 use crate::cmd::worker_token::WorkerTokenArgs;
 use crate::model_source::ModelArgs;
 use anyhow::{Context, Result, bail};
@@ -48,6 +49,8 @@ pub struct RunArgs {
     pub workers: Vec<String>,
     #[command(flatten)]
     pub worker_token: WorkerTokenArgs,
+    #[command(flatten)]
+    pub path_on_workers: PathOnWorkersArgs,
     /// Share of the model per worker, e.g. `3,1` (default: in proportion to free memory).
     #[arg(long, value_delimiter = ',')]
     pub split: Option<Vec<f64>>,
@@ -123,6 +126,8 @@ async fn run_async(args: RunArgs) -> Result<()> {
     }
     let model = ModelFile::open(&resolved.path)?;
     let ctx = context_size(&args.device, model.config(), 1)?;
+    args.path_on_workers
+        .check_remote(!args.workers.is_empty())?;
     let local = if args.workers.is_empty() {
         Some(
             start_local_workers(&args.device.device, args.local_workers, args.device.threads)
@@ -149,6 +154,7 @@ async fn run_async(args: RunArgs) -> Result<()> {
     };
     let progress = Arc::new(tether_coordinator::LoadProgress::default());
     config.load.progress = Some(Arc::clone(&progress));
+    config.load.model_path_on_workers = args.path_on_workers.path();
     let bars = crate::load_bars::LoadBars::start(progress);
     let loaded = Coordinator::start(model, config).await;
     bars.finish().await;

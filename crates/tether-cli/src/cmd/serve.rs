@@ -4,6 +4,7 @@
 use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::context_shift::ContextShiftArgs;
 use crate::cmd::local::{DEMO_LABEL, start_local_workers};
+use crate::cmd::path_on_workers::PathOnWorkersArgs;
 use crate::cmd::worker_token::WorkerTokenArgs;
 use crate::ctl::units::parse_duration;
 use crate::model_source::ModelArgs;
@@ -97,6 +98,8 @@ pub struct ServeArgs {
     pub cache: CacheArgs,
     #[command(flatten)]
     pub shift: ContextShiftArgs,
+    #[command(flatten)]
+    pub path_on_workers: PathOnWorkersArgs,
     /// Test hook: sleep this long between Prepare and Commit of the model load.
     #[arg(long, hide = true, value_parser = parse_duration)]
     pub debug_pause_before_commit: Option<Duration>,
@@ -138,7 +141,9 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         eprintln!("{DEMO_LABEL}");
     }
     let model = ModelFile::open(&resolved.path)?;
-    let local = if args.workers.is_empty() && args.worker_dns.is_none() {
+    let embedded = args.workers.is_empty() && args.worker_dns.is_none();
+    args.path_on_workers.check_remote(!embedded)?;
+    let local = if embedded {
         Some(start_local_workers(&args.device, args.local_workers, args.threads).await?)
     } else {
         None
@@ -164,6 +169,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
                 ttl: args.lease_ttl,
             },
             pause_before_commit: args.debug_pause_before_commit,
+            model_path_on_workers: args.path_on_workers.path(),
             ..defaults.load.clone()
         },
         client,

@@ -8,12 +8,12 @@ use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
-use tether_worker::BearerToken;
 use tether_worker::metrics_http::serve_metrics;
 use tether_worker::model_stage::ModelStageFactory;
 use tether_worker::registry::{RegistryConfig, SessionRegistry};
 use tether_worker::server::{DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve};
 use tether_worker::stage::StageFactory;
+use tether_worker::{BearerToken, ModelDirs};
 
 /// Memory left to the device's other users when `--max-memory` is not given: 10% of the
 /// device, at most 1 GiB.
@@ -85,6 +85,11 @@ pub struct WorkerArgs {
     /// yet.
     #[arg(long, env = "TETHER_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// A directory whose model files this worker may read itself when a coordinator runs
+    /// with --model-path-on-workers (repeatable). Nothing outside these trees is read:
+    /// symlinks and `..` are resolved first. Without it, every load streams its tensors.
+    #[arg(long = "model-dir", value_name = "DIR")]
+    pub model_dirs: Vec<std::path::PathBuf>,
 }
 
 /// Runs a worker until SIGTERM/SIGINT; a second signal exits at once.
@@ -127,6 +132,7 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         max_sessions: args.max_sessions,
         max_sessions_per_client: args.max_sessions_per_client,
         max_session_bytes: args.max_session_memory,
+        model_dirs: ModelDirs::new(&args.model_dirs).map_err(anyhow::Error::msg)?,
         ..RegistryConfig::default()
     };
     let token = BearerToken::parse(args.token.as_deref()).context("--token")?;
@@ -184,6 +190,14 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         );
     }
     tracing::info!(%addr, device = %factory.device_name(), max_memory, "worker listening");
+    let model_dirs = &registry.config().model_dirs;
+    if !model_dirs.is_empty() {
+        let dirs: Vec<String> = model_dirs.dirs().map(|d| d.display().to_string()).collect();
+        tracing::info!(
+            "coordinators may ask this worker to read model files under {}",
+            dirs.join(", ")
+        );
+    }
     // Scripts and tests read this line to learn the port.
     println!(
         "tether worker listening on {addr} (device {}, max memory {max_memory} bytes)",

@@ -15,6 +15,12 @@ use tether_proto::v1 as pb;
 pub trait TensorSource: Send + Sync + 'static {
     /// The bytes of tensor `name`, or `None` when the source lacks it.
     fn tensor_bytes(&self, name: &str) -> Option<&[u8]>;
+
+    /// The CRC-32 (IEEE) of tensor `name`'s bytes. Sources used for many loads may keep
+    /// it, so that a reload or a second attempt does not read every tensor again.
+    fn crc32(&self, name: &str) -> Option<u32> {
+        self.tensor_bytes(name).map(crc32fast::hash)
+    }
 }
 
 /// A layer block to load.
@@ -34,6 +40,10 @@ pub struct LoadRequest {
     pub decision_timeout: Option<Duration>,
     /// Bytes per chunk message.
     pub chunk_bytes: usize,
+    /// The worker's own copy of the model (as the worker sees it) to read the tensors from
+    /// instead of receiving chunks; `None`: stream them. A worker that will not read it
+    /// answers [`super::ErrorKind::LocalFileRefused`], having staged nothing.
+    pub local_path: Option<String>,
 }
 
 /// Default chunk size: large enough to stream fast, far below the message limit.
@@ -91,7 +101,8 @@ impl WorkerClient {
     }
 
     /// [`Self::prepare`], adding the tensor bytes handed to the stream to `sent` as they
-    /// go, for progress bars.
+    /// go, for progress bars. With `load.local_path` no tensor bytes are sent (the CRC-32s
+    /// still are, so the worker can check its copy against the source's).
     pub async fn prepare_with_progress(
         &self,
         session: SessionId,
@@ -101,17 +112,18 @@ impl WorkerClient {
     ) -> Result<u64, ClientError> {
         let mut digests = Vec::with_capacity(load.tensors.len());
         for name in &load.tensors {
-            let data = source.tensor_bytes(name).ok_or_else(|| {
+            let missing = || {
                 ClientError::protocol(
                     "prepare",
                     &self.addr,
                     format!("the tensor source has no tensor {name:?}"),
                 )
-            })?;
+            };
+            let data = source.tensor_bytes(name).ok_or_else(missing)?;
             digests.push(pb::TensorDigest {
                 name: name.clone(),
                 bytes: data.len() as u64,
-                crc32: crc32fast::hash(data),
+                crc32: source.crc32(name).ok_or_else(missing)?,
             });
         }
         let begin = pb::PrepareBegin {
@@ -124,11 +136,17 @@ impl WorkerClient {
             decision_timeout_ms: load
                 .decision_timeout
                 .map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX)),
+            local_path: load.local_path.clone().unwrap_or_default(),
+        };
+        let names = if load.local_path.is_some() {
+            Vec::new()
+        } else {
+            load.tensors
         };
         let chunks = Chunks {
             source,
             sent,
-            names: load.tensors,
+            names,
             tensor: 0,
             offset: 0,
             chunk: load.chunk_bytes.max(1),

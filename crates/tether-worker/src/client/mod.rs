@@ -30,6 +30,10 @@ pub enum ErrorKind {
     InvalidArgument,
     /// FAILED_PRECONDITION: not allowed in the current state (or version mismatch).
     FailedPrecondition,
+    /// FAILED_PRECONDITION marked `tether-refused: local-file`: the worker would not read
+    /// the model from its own copy (no `--model-dir`, outside it, missing, or a different
+    /// file) and staged nothing; streaming the bytes instead can still work.
+    LocalFileRefused,
     /// RESOURCE_EXHAUSTED: not enough memory, or a message over the size limit.
     ResourceExhausted,
     /// UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED: the worker cannot be reached or is leaving.
@@ -100,6 +104,7 @@ impl ClientError {
         let kind = match s.code() {
             Code::NotFound => ErrorKind::NotFound,
             Code::InvalidArgument | Code::OutOfRange => ErrorKind::InvalidArgument,
+            Code::FailedPrecondition if refused_local_file(s) => ErrorKind::LocalFileRefused,
             Code::FailedPrecondition => ErrorKind::FailedPrecondition,
             Code::ResourceExhausted => ErrorKind::ResourceExhausted,
             Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded => ErrorKind::Unavailable,
@@ -126,6 +131,14 @@ impl ClientError {
     pub(crate) fn domain(op: &'static str, addr: &str, e: WorkerError) -> Self {
         Self::protocol(op, addr, e.to_string())
     }
+}
+
+/// Whether `s` carries the worker's mark of a refused local read.
+fn refused_local_file(s: &tonic::Status) -> bool {
+    use crate::service::convert::{REFUSED_KEY, REFUSED_LOCAL_FILE};
+    s.metadata()
+        .get(REFUSED_KEY)
+        .is_some_and(|v| v.as_bytes() == REFUSED_LOCAL_FILE.as_bytes())
 }
 
 /// Connection settings.

@@ -9,12 +9,19 @@ use tether_proto::PROTOCOL_VERSION;
 use tether_proto::v1 as pb;
 use tonic::{Code, Status};
 
+/// Metadata key (sent as a trailer) marking a Prepare refused because the worker would not
+/// read the model from its own file; the client then streams the bytes.
+pub const REFUSED_KEY: &str = "tether-refused";
+/// The value of [`REFUSED_KEY`] for a refused local read.
+pub const REFUSED_LOCAL_FILE: &str = "local-file";
+
 /// The gRPC status for a domain error.
 pub fn to_status(e: WorkerError) -> Status {
+    let local_file = matches!(e, WorkerError::LocalFile(_));
     let code = match &e {
         WorkerError::NotFound(_) => Code::NotFound,
         WorkerError::InvalidArgument(_) => Code::InvalidArgument,
-        WorkerError::FailedPrecondition(_) => Code::FailedPrecondition,
+        WorkerError::FailedPrecondition(_) | WorkerError::LocalFile(_) => Code::FailedPrecondition,
         WorkerError::ResourceExhausted { .. } | WorkerError::OverLimit(_) => {
             Code::ResourceExhausted
         }
@@ -22,7 +29,14 @@ pub fn to_status(e: WorkerError) -> Status {
         WorkerError::Aborted(_) => Code::Aborted,
         WorkerError::Internal(_) => Code::Internal,
     };
-    Status::new(code, e.to_string())
+    let mut status = Status::new(code, e.to_string());
+    if local_file {
+        status.metadata_mut().insert(
+            REFUSED_KEY,
+            tonic::metadata::MetadataValue::from_static(REFUSED_LOCAL_FILE),
+        );
+    }
+    status
 }
 
 /// Refuses a peer speaking another protocol major version.

@@ -150,6 +150,7 @@ impl pb::worker_server::Worker for WorkerService {
                 .then(|| Duration::from_millis(begin.decision_timeout_ms.into())),
             gguf_header: begin.gguf_header,
             gguf_file_bytes: begin.gguf_file_bytes,
+            local_path: (!begin.local_path.is_empty()).then_some(begin.local_path),
         };
         let (session, txn) = (begin.session, begin.txn);
         let mut upload = self
