@@ -2,6 +2,7 @@
 //! prost type appears in its public API.
 
 mod admin;
+mod diagnose;
 mod health;
 mod load;
 mod session;
@@ -12,7 +13,9 @@ pub use load::{DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource};
 pub use session::{AttachOptions, Session};
 
 use crate::error::WorkerError;
+use crate::tls::ClientTls;
 use crate::token::BearerToken;
+use diagnose::Link;
 use std::fmt;
 use std::time::Duration;
 use tether_proto::PROTOCOL_VERSION;
@@ -142,6 +145,9 @@ pub struct ClientOptions {
     /// Sent as `authorization: Bearer TOKEN` on every data-plane call (the worker's
     /// `--token`); `None` for open workers.
     pub token: Option<BearerToken>,
+    /// Speak TLS (`https://`) and check the worker's certificate, presenting a client
+    /// certificate when one is set; `None` speaks plaintext.
+    pub tls: Option<ClientTls>,
 }
 
 impl Default for ClientOptions {
@@ -152,6 +158,7 @@ impl Default for ClientOptions {
             keepalive_timeout: Duration::from_secs(5),
             max_message_bytes: crate::server::DEFAULT_MAX_MESSAGE_BYTES,
             token: None,
+            tls: None,
         }
     }
 }
@@ -169,12 +176,45 @@ pub struct WorkerInfo {
     pub max_message_bytes: u64,
 }
 
-pub(crate) fn endpoint_uri(addr: &str) -> String {
-    if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
+/// The URI of `addr` ("host:port", or with a scheme that must agree with the TLS setting).
+pub(crate) fn endpoint_uri(addr: &str, tls: bool) -> Result<String, String> {
+    match (addr.split_once("://"), tls) {
+        (None, false) => Ok(format!("http://{addr}")),
+        (None, true) => Ok(format!("https://{addr}")),
+        (Some(("http", _)), false) | (Some(("https", _)), true) => Ok(addr.to_string()),
+        (Some(("http", _)), true) => Err(format!(
+            "{addr} asks for plaintext but TLS is set: give host:port or https://host:port"
+        )),
+        (Some(("https", _)), false) => Err(format!(
+            "{addr} asks for TLS but no CA is given to check the worker: pass --worker-tls-ca"
+        )),
+        (Some((scheme, _)), _) => Err(format!(
+            "unknown scheme {scheme}:// in {addr}: give host:port"
+        )),
     }
+}
+
+/// An error and every error under it, joined, skipping causes already quoted by the one
+/// above (tonic and hyper often repeat them).
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    append_causes(error.to_string(), error.source())
+}
+
+/// `text` followed by `cause` and every error under it, each one left out when `text`
+/// already holds it.
+pub(crate) fn append_causes(
+    mut text: String,
+    mut cause: Option<&(dyn std::error::Error + 'static)>,
+) -> String {
+    while let Some(e) = cause {
+        let part = e.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        cause = e.source();
+    }
+    text
 }
 
 pub(crate) async fn connect_channel(
@@ -185,8 +225,13 @@ pub(crate) async fn connect_channel(
         addr: addr.to_string(),
         detail,
     };
-    let endpoint =
-        Endpoint::from_shared(endpoint_uri(addr)).map_err(|e| connect_err(e.to_string()))?;
+    let uri = endpoint_uri(addr, options.tls.is_some()).map_err(connect_err)?;
+    let mut endpoint = Endpoint::from_shared(uri).map_err(|e| connect_err(e.to_string()))?;
+    if let Some(tls) = &options.tls {
+        endpoint = endpoint
+            .tls_config(tls.tonic_config())
+            .map_err(|e| connect_err(format!("TLS settings refused: {}", error_chain(&e))))?;
+    }
     endpoint
         .connect_timeout(options.connect_timeout)
         .http2_keep_alive_interval(options.keepalive_interval)
@@ -195,12 +240,7 @@ pub(crate) async fn connect_channel(
         .tcp_nodelay(true)
         .connect()
         .await
-        .map_err(|e| {
-            connect_err(format!(
-                "{e} ({})",
-                std::error::Error::source(&e).map_or(String::new(), |s| s.to_string())
-            ))
-        })
+        .map_err(|e| connect_err(Link::of(options).explain(&error_chain(&e))))
 }
 
 /// Puts the token, when there is one, on every outgoing call.
@@ -248,7 +288,7 @@ impl WorkerClient {
                 client_version: format!("tether {}", env!("CARGO_PKG_VERSION")),
             })
             .await
-            .map_err(|s| ClientError::rpc("hello", addr, &s))?
+            .map_err(|s| Link::of(options).call_failed("hello", addr, &s))?
             .into_inner();
         crate::service::convert::check_version(hello.protocol_version)
             .map_err(|e| ClientError::domain("hello", addr, e))?;
