@@ -10,6 +10,7 @@ pub mod local;
 pub mod plan;
 pub mod run;
 pub mod serve;
+pub mod tls_args;
 pub mod tokenize;
 pub mod worker;
-pub mod worker_token;
+pub mod worker_link;
