@@ -283,8 +283,7 @@ fn mutual_tls_and_the_token_together_admit_only_clients_with_both() {
     let cert_only = options(Some(client_tls("ca.pem", Some("client"), None)), None);
     let err = rt
         .block_on(open_session(&worker.addr, &cert_only))
-        .err()
-        .expect("a certificate without the token is refused");
+        .expect_err("a certificate without the token is refused");
     assert_eq!(err.kind(), ErrorKind::Unauthenticated, "{err}");
     assert_nothing_opened(&worker.addr, Some(TOKEN));
     let both = options(
