@@ -22,11 +22,12 @@ impl Link {
         }
     }
 
-    /// `detail` (an error chain) with what to check, when the failure looks like TLS.
+    /// `detail` (an error chain) with what to check: the TLS setting, when the failure
+    /// looks like TLS, else the address and the worker.
     pub(crate) fn explain(self, detail: &str) -> String {
         match self.hint(detail) {
             Some(hint) => format!("{detail} ({hint})"),
-            None => detail.to_string(),
+            None => format!("{detail}; check the address and that the worker runs"),
         }
     }
 
@@ -125,5 +126,6 @@ mod tests {
         assert!(closed.contains("--worker-tls-ca"), "{closed}");
         let refused = PLAIN.explain("tcp connect error: Connection refused (os error 111)");
         assert!(!refused.contains("TLS"), "{refused}");
+        assert!(refused.contains("check the address"), "{refused}");
     }
 }

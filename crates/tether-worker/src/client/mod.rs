@@ -55,9 +55,7 @@ impl fmt::Display for ErrorKind {
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// No connection could be made.
-    #[error(
-        "cannot connect to worker {addr}: {detail}; check the address and that the worker runs"
-    )]
+    #[error("cannot connect to worker {addr}: {detail}")]
     Connect {
         /// The worker's address.
         addr: String,
@@ -225,6 +223,7 @@ pub(crate) async fn connect_channel(
         addr: addr.to_string(),
         detail,
     };
+    let link = Link::of(options);
     let uri = endpoint_uri(addr, options.tls.is_some()).map_err(connect_err)?;
     let mut endpoint = Endpoint::from_shared(uri).map_err(|e| connect_err(e.to_string()))?;
     if let Some(tls) = &options.tls {
@@ -240,7 +239,7 @@ pub(crate) async fn connect_channel(
         .tcp_nodelay(true)
         .connect()
         .await
-        .map_err(|e| connect_err(Link::of(options).explain(&error_chain(&e))))
+        .map_err(|e| connect_err(link.explain(&error_chain(&e))))
 }
 
 /// Puts the token, when there is one, on every outgoing call.
@@ -313,5 +312,31 @@ impl WorkerClient {
     /// What the worker said when connecting.
     pub fn info(&self) -> &WorkerInfo {
         &self.info
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::endpoint_uri;
+
+    #[test]
+    fn the_scheme_follows_the_tls_setting() {
+        assert_eq!(
+            endpoint_uri("10.0.0.2:50061", false).as_deref(),
+            Ok("http://10.0.0.2:50061")
+        );
+        assert_eq!(
+            endpoint_uri("[::1]:50061", true).as_deref(),
+            Ok("https://[::1]:50061")
+        );
+        assert_eq!(
+            endpoint_uri("https://w:1", true).as_deref(),
+            Ok("https://w:1")
+        );
+        let plain = endpoint_uri("http://w:1", true).expect_err("plaintext URI with TLS set");
+        assert!(plain.contains("https://"), "{plain}");
+        let tls = endpoint_uri("https://w:1", false).expect_err("TLS URI without a CA");
+        assert!(tls.contains("--worker-tls-ca"), "{tls}");
+        assert!(endpoint_uri("grpc://w:1", false).is_err());
     }
 }
