@@ -193,6 +193,8 @@ pub struct Coordinator {
     submit: mpsc::Sender<Admitted>,
     stop: CancellationToken,
     workers: watch::Receiver<Vec<String>>,
+    /// How the workers are reached (token, TLS), for the admin view's own connections.
+    client: ClientOptions,
     /// The scheduler and, with `worker_dns`, the resolver.
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -324,6 +326,7 @@ impl Coordinator {
             submit,
             stop,
             workers,
+            client: config.client,
             tasks: Mutex::new(tasks),
         })
     }
@@ -336,6 +339,11 @@ impl Coordinator {
     /// The worker list in force now, in layer order (with `worker_dns`, as last resolved).
     pub fn workers(&self) -> Vec<String> {
         self.workers.borrow().clone()
+    }
+
+    /// How this coordinator connects to its workers (token and TLS).
+    pub fn client_options(&self) -> &ClientOptions {
+        &self.client
     }
 
     /// Stops serving: running requests end with Unavailable, every session is closed.

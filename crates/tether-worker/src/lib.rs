@@ -25,6 +25,7 @@ pub mod session;
 pub mod stage;
 pub mod staging;
 pub mod status;
+pub mod tls;
 pub mod token;
 
 #[cfg(test)]

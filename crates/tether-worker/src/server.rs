@@ -6,6 +6,7 @@
 use crate::reaper::run_reaper;
 use crate::registry::SessionRegistry;
 use crate::service::{AdminAuth, AdminService, HealthService, WorkerAuth, WorkerService};
+use crate::tls::ServerTls;
 use crate::token::BearerToken;
 use std::future::Future;
 use std::sync::Arc;
@@ -40,6 +41,9 @@ pub struct ServerOptions {
     /// Token every data-plane call (Hello, Attach, Prepare, Commit, Forward, ...) must carry;
     /// also guards the admin service when `admin_token` is unset. `None` leaves both open.
     pub token: Option<BearerToken>,
+    /// Serve TLS only (and with a client CA, only to clients whose certificate it signed);
+    /// `None` serves plaintext.
+    pub tls: Option<ServerTls>,
 }
 
 impl Default for ServerOptions {
@@ -52,6 +56,7 @@ impl Default for ServerOptions {
             shutdown_grace: Duration::from_secs(10),
             admin_token: None,
             token: None,
+            tls: None,
         }
     }
 }
@@ -86,6 +91,13 @@ pub async fn serve(
     let admin_token = BearerToken::parse(options.admin_token.as_deref())
         .map_err(|e| ServeError::Config(format!("--admin-token: {e}")))?
         .or_else(|| options.token.clone());
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &options.tls {
+        // Applies to the accepted sockets below too: each is handshaken before HTTP/2.
+        builder = builder
+            .tls_config(tls.tonic_config())
+            .map_err(|e| ServeError::Config(format!("TLS: {}", crate::client::error_chain(&e))))?;
+    }
     let stop = CancellationToken::new();
     let reaper = tokio::spawn(run_reaper(
         Arc::clone(&registry),
@@ -108,7 +120,7 @@ pub async fn serve(
         Arc::clone(&registry),
         stop.clone(),
     ));
-    let server = tonic::transport::Server::builder()
+    let server = builder
         .http2_keepalive_interval(Some(options.keepalive_interval))
         .http2_keepalive_timeout(Some(options.keepalive_timeout))
         .tcp_keepalive(Some(options.keepalive_interval))

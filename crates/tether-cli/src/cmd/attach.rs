@@ -23,7 +23,7 @@ pub struct AttachArgs {
     #[arg(long)]
     pub worker: String,
     #[command(flatten)]
-    pub worker_token: crate::cmd::worker_token::WorkerTokenArgs,
+    pub worker_link: crate::cmd::worker_link::WorkerLinkArgs,
     /// The GGUF model whose layers to load.
     #[arg(long)]
     pub model: PathBuf,
@@ -111,7 +111,7 @@ fn read_header(path: &Path, bytes: u64) -> anyhow::Result<Vec<u8>> {
 }
 
 async fn attach(args: AttachArgs) -> anyhow::Result<()> {
-    let client = WorkerClient::connect(&args.worker, &args.worker_token.client_options()?).await?;
+    let client = WorkerClient::connect(&args.worker, &args.worker_link.client_options()?).await?;
     let name = format!("tether-attach@{}:{}", hostname(), std::process::id());
     let options = AttachOptions {
         client_name: name,

@@ -12,6 +12,7 @@ pub mod path_on_workers;
 pub mod plan;
 pub mod run;
 pub mod serve;
+pub mod tls_args;
 pub mod tokenize;
 pub mod worker;
-pub mod worker_token;
+pub mod worker_link;

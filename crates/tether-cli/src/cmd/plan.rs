@@ -35,7 +35,7 @@ pub struct PlanArgs {
     #[arg(long = "worker", value_name = "ADDR")]
     pub workers: Vec<String>,
     #[command(flatten)]
-    pub worker_token: crate::cmd::worker_token::WorkerTokenArgs,
+    pub worker_link: crate::cmd::worker_link::WorkerLinkArgs,
     /// Share of the model per worker, e.g. `3,1` (as `tether run --split`).
     #[arg(long, value_delimiter = ',')]
     pub split: Option<Vec<f64>>,
@@ -103,7 +103,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         let names = (0..n).map(|i| format!("local {i}")).collect();
         (names, vec![host.free; n], true)
     } else {
-        let free = remote_free_bytes(&args.workers, &args.worker_token.client_options()?)?;
+        let free = remote_free_bytes(&args.workers, &args.worker_link.client_options()?)?;
         (args.workers.clone(), free, false)
     };
     // Local workers share one memory, so their equal free bytes split the model evenly.

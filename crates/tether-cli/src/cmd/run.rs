@@ -5,7 +5,7 @@ use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::context_shift::ContextShiftArgs;
 use crate::cmd::local::{DEMO_LABEL, DeviceArgs, context_size, start_local_workers};
 use crate::cmd::path_on_workers::PathOnWorkersArgs;
-use crate::cmd::worker_token::WorkerTokenArgs;
+use crate::cmd::worker_link::WorkerLinkArgs;
 use crate::model_source::ModelArgs;
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -48,7 +48,7 @@ pub struct RunArgs {
     #[arg(long = "worker")]
     pub workers: Vec<String>,
     #[command(flatten)]
-    pub worker_token: WorkerTokenArgs,
+    pub worker_link: WorkerLinkArgs,
     #[command(flatten)]
     pub path_on_workers: PathOnWorkersArgs,
     /// Share of the model per worker, e.g. `3,1` (default: in proportion to free memory).
@@ -118,7 +118,11 @@ pub fn run(args: RunArgs) -> Result<()> {
 
 async fn run_async(args: RunArgs) -> Result<()> {
     let params = args.sampling.params()?;
-    let client = args.worker_token.client_options()?;
+    let client = if args.workers.is_empty() {
+        args.worker_link.embedded_options()?
+    } else {
+        args.worker_link.client_options()?
+    };
     let started = Instant::now();
     let resolved = args.model.resolve()?;
     if resolved.is_demo {

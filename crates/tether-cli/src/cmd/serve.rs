@@ -5,7 +5,7 @@ use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::context_shift::ContextShiftArgs;
 use crate::cmd::local::{DEMO_LABEL, start_local_workers};
 use crate::cmd::path_on_workers::PathOnWorkersArgs;
-use crate::cmd::worker_token::WorkerTokenArgs;
+use crate::cmd::worker_link::WorkerLinkArgs;
 use crate::ctl::units::parse_duration;
 use crate::model_source::ModelArgs;
 use crate::signals::first_signal;
@@ -72,7 +72,7 @@ pub struct ServeArgs {
     #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     #[command(flatten)]
-    pub worker_token: WorkerTokenArgs,
+    pub worker_link: WorkerLinkArgs,
     /// The model's id in the API (default: the file name without `.gguf`).
     #[arg(long)]
     pub model_id: Option<String>,
@@ -135,7 +135,12 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     if args.dns_refresh.is_zero() {
         bail!("--dns-refresh must be more than 0 (e.g. 10s)");
     }
-    let client = args.worker_token.client_options()?;
+    let embedded = args.workers.is_empty() && args.worker_dns.is_none();
+    let client = if embedded {
+        args.worker_link.embedded_options()?
+    } else {
+        args.worker_link.client_options()?
+    };
     let resolved = args.model.resolve()?;
     if resolved.is_demo {
         eprintln!("{DEMO_LABEL}");
@@ -200,7 +205,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         args.admin_token
             .clone()
             .filter(|t| !t.is_empty())
-            .or_else(|| args.worker_token.worker_token.clone()),
+            .or_else(|| args.worker_link.worker_token.clone()),
     ));
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

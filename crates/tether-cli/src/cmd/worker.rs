@@ -1,5 +1,6 @@
 //! `tether worker`: serve one device's memory to coordinators, session by session.
 
+use crate::cmd::tls_args::ServeTlsArgs;
 use crate::ctl::units::{parse_bytes, parse_duration};
 use crate::device::single_gpu;
 use crate::signals::first_signal;
@@ -81,8 +82,8 @@ pub struct WorkerArgs {
     pub admin_token: Option<String>,
     /// Require `authorization: Bearer TOKEN` on every session call (Hello, Attach, Prepare,
     /// Commit, Forward, ...): coordinators pass it with --worker-token. Also guards admin
-    /// calls when --admin-token is not given. Health checks stay open. Sent in clear: no TLS
-    /// yet.
+    /// calls when --admin-token is not given. Health checks stay open. Sent in clear
+    /// unless the worker serves TLS (--tls-cert).
     #[arg(long, env = "TETHER_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// A directory whose model files this worker may read itself when a coordinator runs
@@ -90,6 +91,8 @@ pub struct WorkerArgs {
     /// symlinks and `..` are resolved first. Without it, every load streams its tensors.
     #[arg(long = "model-dir", value_name = "DIR")]
     pub model_dirs: Vec<std::path::PathBuf>,
+    #[command(flatten)]
+    pub tls: ServeTlsArgs,
 }
 
 /// Runs a worker until SIGTERM/SIGINT; a second signal exits at once.
@@ -136,6 +139,7 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         ..RegistryConfig::default()
     };
     let token = BearerToken::parse(args.token.as_deref()).context("--token")?;
+    let tls = args.tls.server_tls()?;
     let registry = Arc::new(SessionRegistry::new(
         Arc::clone(&factory),
         max_memory,
@@ -153,6 +157,7 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         shutdown_grace: args.shutdown_grace,
         admin_token: args.admin_token.clone(),
         token: token.clone(),
+        tls: tls.clone(),
     };
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics = match &args.metrics_listen {
@@ -183,13 +188,27 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
             args.leak_window,
         ))
     });
-    if token.is_none() && !addr.ip().is_loopback() {
+    let mutual_tls = tls
+        .as_ref()
+        .is_some_and(|t| t.requires_client_certificate());
+    if token.is_none() && !mutual_tls && !addr.ip().is_loopback() {
         tracing::warn!(
             %addr,
-            "no --token: anyone who can reach this address can open sessions on this device"
+            "no --token and no --tls-ca: anyone who can reach this address can open sessions on this device"
         );
     }
-    tracing::info!(%addr, device = %factory.device_name(), max_memory, "worker listening");
+    if token.is_some() && tls.is_none() && !addr.ip().is_loopback() {
+        tracing::warn!(
+            %addr,
+            "--token without --tls-cert: the token crosses the network in clear"
+        );
+    }
+    let transport = match &tls {
+        None => "plaintext",
+        Some(t) if t.requires_client_certificate() => "mutual TLS",
+        Some(_) => "TLS",
+    };
+    tracing::info!(%addr, device = %factory.device_name(), max_memory, transport, "worker listening");
     let model_dirs = &registry.config().model_dirs;
     if !model_dirs.is_empty() {
         let dirs: Vec<String> = model_dirs.dirs().map(|d| d.display().to_string()).collect();
@@ -200,7 +219,7 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
     }
     // Scripts and tests read this line to learn the port.
     println!(
-        "tether worker listening on {addr} (device {}, max memory {max_memory} bytes)",
+        "tether worker listening on {addr} (device {}, max memory {max_memory} bytes, {transport})",
         factory.device_name()
     );
     let served = serve(listener, registry, options, first_signal()).await;

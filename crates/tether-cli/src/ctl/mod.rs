@@ -4,6 +4,7 @@
 mod coordinator;
 pub mod units;
 
+use crate::cmd::tls_args::WorkerTlsArgs;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tether_worker::SessionId;
@@ -33,6 +34,8 @@ pub struct Cli {
     /// started with --token but no --admin-token takes its --token on admin calls).
     #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    #[command(flatten)]
+    pub tls: WorkerTlsArgs,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
@@ -74,7 +77,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         .filter(|t| !t.is_empty())
         .or_else(|| std::env::var("TETHER_WORKER_TOKEN").ok())
         .filter(|t| !t.is_empty());
-    let mut admin = AdminClient::connect(&worker, token, &ClientOptions::default()).await?;
+    let options = ClientOptions {
+        tls: cli.tls.client_tls()?,
+        ..ClientOptions::default()
+    };
+    let mut admin = AdminClient::connect(&worker, token, &options).await?;
     match cli.command {
         Command::Status => {
             let status = admin.status().await?;

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
 use std::sync::Arc;
-use tether_worker::client::{AdminClient, ClientOptions};
+use tether_worker::client::AdminClient;
 
 struct AdminState {
     coordinator: Arc<Coordinator>,
@@ -92,10 +92,11 @@ async fn model(State(state): State<Shared>) -> Json<Value> {
 }
 
 async fn admin_client(state: &AdminState, addr: &str) -> Result<AdminClient, String> {
+    // The coordinator's own TLS settings reach the workers' admin service too.
     AdminClient::connect(
         addr,
         state.worker_admin_token.clone(),
-        &ClientOptions::default(),
+        state.coordinator.client_options(),
     )
     .await
     .map_err(|e| e.to_string())

@@ -1,5 +1,6 @@
 //! The admin client behind `tetherctl`.
 
+use super::diagnose::Link;
 use super::{ClientError, ClientOptions, connect_channel};
 use crate::ids::SessionId;
 use crate::service::convert::{session_from_proto, status_from_proto};
@@ -12,6 +13,7 @@ pub struct AdminClient {
     addr: String,
     rpc: pb::admin_client::AdminClient<Channel>,
     token: Option<String>,
+    link: Link,
 }
 
 impl AdminClient {
@@ -26,6 +28,7 @@ impl AdminClient {
             addr: addr.to_string(),
             rpc: pb::admin_client::AdminClient::new(channel),
             token,
+            link: Link::of(options),
         })
     }
 
@@ -51,7 +54,7 @@ impl AdminClient {
             .rpc
             .status(req)
             .await
-            .map_err(|s| ClientError::rpc("status", &self.addr, &s))?;
+            .map_err(|s| self.link.call_failed("status", &self.addr, &s))?;
         Ok(status_from_proto(reply.into_inner()))
     }
 
@@ -62,7 +65,7 @@ impl AdminClient {
             .rpc
             .list_sessions(req)
             .await
-            .map_err(|s| ClientError::rpc("sessions", &self.addr, &s))?;
+            .map_err(|s| self.link.call_failed("sessions", &self.addr, &s))?;
         Ok(reply
             .into_inner()
             .sessions
@@ -83,7 +86,7 @@ impl AdminClient {
             .rpc
             .kill_session(req)
             .await
-            .map_err(|s| ClientError::rpc("kill", &self.addr, &s))?;
+            .map_err(|s| self.link.call_failed("kill", &self.addr, &s))?;
         Ok(reply.into_inner().bytes_freed)
     }
 
@@ -94,7 +97,7 @@ impl AdminClient {
             .rpc
             .drain(req)
             .await
-            .map_err(|s| ClientError::rpc("drain", &self.addr, &s))?;
+            .map_err(|s| self.link.call_failed("drain", &self.addr, &s))?;
         Ok(reply.into_inner().sessions)
     }
 }

@@ -1,5 +1,6 @@
 //! Asking a worker's `grpc.health.v1.Health` service whether it takes sessions.
 
+use super::diagnose::Link;
 use super::{ClientError, ClientOptions, connect_channel};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -28,7 +29,7 @@ pub async fn check_health(
             service: service.to_string(),
         })
         .await
-        .map_err(|s| ClientError::rpc("health check", addr, &s))?
+        .map_err(|s| Link::of(options).call_failed("health check", addr, &s))?
         .into_inner();
     Ok(match ServingStatus::try_from(reply.status) {
         Ok(ServingStatus::Serving) => Health::Serving,

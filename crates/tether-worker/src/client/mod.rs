@@ -2,6 +2,7 @@
 //! prost type appears in its public API.
 
 mod admin;
+mod diagnose;
 mod health;
 mod load;
 mod session;
@@ -12,7 +13,9 @@ pub use load::{DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource};
 pub use session::{AttachOptions, Session};
 
 use crate::error::WorkerError;
+use crate::tls::ClientTls;
 use crate::token::BearerToken;
+use diagnose::Link;
 use std::fmt;
 use std::time::Duration;
 use tether_proto::PROTOCOL_VERSION;
@@ -56,9 +59,7 @@ impl fmt::Display for ErrorKind {
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// No connection could be made.
-    #[error(
-        "cannot connect to worker {addr}: {detail}; check the address and that the worker runs"
-    )]
+    #[error("cannot connect to worker {addr}: {detail}")]
     Connect {
         /// The worker's address.
         addr: String,
@@ -155,6 +156,9 @@ pub struct ClientOptions {
     /// Sent as `authorization: Bearer TOKEN` on every data-plane call (the worker's
     /// `--token`); `None` for open workers.
     pub token: Option<BearerToken>,
+    /// Speak TLS (`https://`) and check the worker's certificate, presenting a client
+    /// certificate when one is set; `None` speaks plaintext.
+    pub tls: Option<ClientTls>,
 }
 
 impl Default for ClientOptions {
@@ -165,6 +169,7 @@ impl Default for ClientOptions {
             keepalive_timeout: Duration::from_secs(5),
             max_message_bytes: crate::server::DEFAULT_MAX_MESSAGE_BYTES,
             token: None,
+            tls: None,
         }
     }
 }
@@ -182,12 +187,45 @@ pub struct WorkerInfo {
     pub max_message_bytes: u64,
 }
 
-pub(crate) fn endpoint_uri(addr: &str) -> String {
-    if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
+/// The URI of `addr` ("host:port", or with a scheme that must agree with the TLS setting).
+pub(crate) fn endpoint_uri(addr: &str, tls: bool) -> Result<String, String> {
+    match (addr.split_once("://"), tls) {
+        (None, false) => Ok(format!("http://{addr}")),
+        (None, true) => Ok(format!("https://{addr}")),
+        (Some(("http", _)), false) | (Some(("https", _)), true) => Ok(addr.to_string()),
+        (Some(("http", _)), true) => Err(format!(
+            "{addr} asks for plaintext but TLS is set: give host:port or https://host:port"
+        )),
+        (Some(("https", _)), false) => Err(format!(
+            "{addr} asks for TLS but no CA is given to check the worker: pass --worker-tls-ca"
+        )),
+        (Some((scheme, _)), _) => Err(format!(
+            "unknown scheme {scheme}:// in {addr}: give host:port"
+        )),
     }
+}
+
+/// An error and every error under it, joined, skipping causes already quoted by the one
+/// above (tonic and hyper often repeat them).
+pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    append_causes(error.to_string(), error.source())
+}
+
+/// `text` followed by `cause` and every error under it, each one left out when `text`
+/// already holds it.
+pub(crate) fn append_causes(
+    mut text: String,
+    mut cause: Option<&(dyn std::error::Error + 'static)>,
+) -> String {
+    while let Some(e) = cause {
+        let part = e.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        cause = e.source();
+    }
+    text
 }
 
 pub(crate) async fn connect_channel(
@@ -198,8 +236,14 @@ pub(crate) async fn connect_channel(
         addr: addr.to_string(),
         detail,
     };
-    let endpoint =
-        Endpoint::from_shared(endpoint_uri(addr)).map_err(|e| connect_err(e.to_string()))?;
+    let link = Link::of(options);
+    let uri = endpoint_uri(addr, options.tls.is_some()).map_err(connect_err)?;
+    let mut endpoint = Endpoint::from_shared(uri).map_err(|e| connect_err(e.to_string()))?;
+    if let Some(tls) = &options.tls {
+        endpoint = endpoint
+            .tls_config(tls.tonic_config())
+            .map_err(|e| connect_err(format!("TLS settings refused: {}", error_chain(&e))))?;
+    }
     endpoint
         .connect_timeout(options.connect_timeout)
         .http2_keep_alive_interval(options.keepalive_interval)
@@ -208,12 +252,7 @@ pub(crate) async fn connect_channel(
         .tcp_nodelay(true)
         .connect()
         .await
-        .map_err(|e| {
-            connect_err(format!(
-                "{e} ({})",
-                std::error::Error::source(&e).map_or(String::new(), |s| s.to_string())
-            ))
-        })
+        .map_err(|e| connect_err(link.explain(&error_chain(&e))))
 }
 
 /// Puts the token, when there is one, on every outgoing call.
@@ -261,7 +300,7 @@ impl WorkerClient {
                 client_version: format!("tether {}", env!("CARGO_PKG_VERSION")),
             })
             .await
-            .map_err(|s| ClientError::rpc("hello", addr, &s))?
+            .map_err(|s| Link::of(options).call_failed("hello", addr, &s))?
             .into_inner();
         crate::service::convert::check_version(hello.protocol_version)
             .map_err(|e| ClientError::domain("hello", addr, e))?;
@@ -286,5 +325,31 @@ impl WorkerClient {
     /// What the worker said when connecting.
     pub fn info(&self) -> &WorkerInfo {
         &self.info
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::endpoint_uri;
+
+    #[test]
+    fn the_scheme_follows_the_tls_setting() {
+        assert_eq!(
+            endpoint_uri("10.0.0.2:50061", false).as_deref(),
+            Ok("http://10.0.0.2:50061")
+        );
+        assert_eq!(
+            endpoint_uri("[::1]:50061", true).as_deref(),
+            Ok("https://[::1]:50061")
+        );
+        assert_eq!(
+            endpoint_uri("https://w:1", true).as_deref(),
+            Ok("https://w:1")
+        );
+        let plain = endpoint_uri("http://w:1", true).expect_err("plaintext URI with TLS set");
+        assert!(plain.contains("https://"), "{plain}");
+        let tls = endpoint_uri("https://w:1", false).expect_err("TLS URI without a CA");
+        assert!(tls.contains("--worker-tls-ca"), "{tls}");
+        assert!(endpoint_uri("grpc://w:1", false).is_err());
     }
 }

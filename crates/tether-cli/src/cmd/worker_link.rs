@@ -1,0 +1,49 @@
+//! How `run`, `serve`, `attach` and `plan` reach workers: `--worker-token`, the secret of
+//! workers started with `--token`, and the `--worker-tls-*` flags for workers that serve
+//! TLS.
+
+use crate::cmd::tls_args::WorkerTlsArgs;
+use anyhow::Context;
+use clap::Args;
+use tether_worker::BearerToken;
+use tether_worker::client::ClientOptions;
+
+/// The flags of a connection to workers.
+#[derive(Args, Debug, Clone, Default)]
+pub struct WorkerLinkArgs {
+    /// Token the --worker processes require (their --token), sent on every call to them.
+    #[arg(long, env = "TETHER_WORKER_TOKEN", hide_env_values = true)]
+    pub worker_token: Option<String>,
+    #[command(flatten)]
+    pub tls: WorkerTlsArgs,
+}
+
+impl WorkerLinkArgs {
+    /// The token, checked; `None` when not given (or given empty).
+    pub fn token(&self) -> anyhow::Result<Option<BearerToken>> {
+        BearerToken::parse(self.worker_token.as_deref()).context("--worker-token")
+    }
+
+    /// Worker connection settings carrying the token and the TLS settings.
+    pub fn client_options(&self) -> anyhow::Result<ClientOptions> {
+        Ok(ClientOptions {
+            token: self.token()?,
+            tls: self.tls.client_tls()?,
+            ..ClientOptions::default()
+        })
+    }
+
+    /// The settings for workers embedded in this process, which listen on loopback in
+    /// plaintext: the TLS flags are meant for --worker processes.
+    pub fn embedded_options(&self) -> anyhow::Result<ClientOptions> {
+        if self.tls.any_given() {
+            tracing::warn!(
+                "the --worker-tls-* settings apply to --worker processes; the embedded workers are reached in plaintext on loopback"
+            );
+        }
+        Ok(ClientOptions {
+            token: self.token()?,
+            ..ClientOptions::default()
+        })
+    }
+}
