@@ -412,6 +412,19 @@ impl Serve {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
+    /// Waits up to `timeout` for `needle` in the log: the lines a process printed just
+    /// before it exited may still be on their way through the pipe.
+    pub fn log_contains(&self, needle: &str, timeout: Duration) -> bool {
+        let start = Instant::now();
+        while !self.log().contains(needle) {
+            if start.elapsed() >= timeout {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
     /// The HTTP address from its "listening" line, once it printed one.
     pub fn listening_addr(&self) -> Option<String> {
         let log = self.log();
