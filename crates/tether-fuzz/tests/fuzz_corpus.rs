@@ -15,6 +15,7 @@ use std::time::Instant;
 use tether_fuzz::Target;
 use tether_fuzz::mutate::{Rng, mutate};
 use tether_fuzz::rig::Rig;
+use tether_worker::server::DEFAULT_MAX_MESSAGE_BYTES;
 
 /// Counts the largest single allocation; refuses absurd ones instead of touching them.
 struct Counting;
@@ -25,15 +26,34 @@ static PANICS: AtomicUsize = AtomicUsize::new(0);
 /// Larger requests are refused (null) so a finding fails the test instead of the machine.
 const REFUSE_ABOVE: usize = 4 << 30;
 
+/// The input being run, for the refusal report (the test cannot unwind out of `alloc`).
+static CURRENT: std::sync::Mutex<Option<(&'static str, Vec<u8>)>> = std::sync::Mutex::new(None);
+
 fn note(size: usize) -> bool {
     LARGEST.fetch_max(size, Ordering::Relaxed);
     if size > REFUSE_ABOVE {
-        // No allocation here: this runs inside the allocator.
-        let _ = std::io::stderr()
-            .write_all(b"tether-fuzz: refused an allocation over 4 GiB (a finding)\n");
+        refused(size);
         return false;
     }
     true
+}
+
+/// Saves the input that asked for `size` bytes; the process aborts right after, when the
+/// caller cannot handle a null allocation. The small allocations made here are below the
+/// refusal limit, so they do not recurse into this path.
+fn refused(size: usize) {
+    let saved = CURRENT.try_lock().ok().and_then(|current| {
+        let (target, data) = current.as_ref()?;
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fuzz-failures");
+        let _ = std::fs::create_dir_all(&dir);
+        let path = dir.join(format!("{target}-refused-{:016x}", fnv(data)));
+        std::fs::write(&path, data).ok()?;
+        Some(path)
+    });
+    let _ = writeln!(
+        std::io::stderr(),
+        "tether-fuzz: refused an allocation of {size} bytes (over 4 GiB): a finding; input saved to {saved:?}"
+    );
 }
 
 // SAFETY: every call forwards to `System` with the caller's layout and pointer unchanged;
@@ -68,9 +88,15 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-/// The most one input may make the process allocate at once.
-fn allocation_bound(input_len: usize) -> usize {
-    (64 << 20).max(16 * input_len)
+/// The most one input may make the process allocate at once. Stream targets also allow
+/// what tonic's frame reader reserves for a frame header's announced length before the
+/// bytes arrive: up to the worker's message limit (README, Limitations).
+fn allocation_bound(target: Target, input_len: usize) -> usize {
+    let bound = (64 << 20).max(16 * input_len);
+    match target {
+        Target::Attach | Target::Prepare => bound.max(DEFAULT_MAX_MESSAGE_BYTES + 2 * input_len),
+        _ => bound,
+    }
 }
 
 fn corpus_dir() -> PathBuf {
@@ -110,6 +136,7 @@ fn fnv(bytes: &[u8]) -> u64 {
 /// Runs one input; on a finding saves it and fails with everything needed to replay it.
 fn run_one(target: Target, data: &[u8], context: &str) {
     let panics = PANICS.load(Ordering::SeqCst);
+    *CURRENT.lock().unwrap_or_else(|p| p.into_inner()) = Some((target.name(), data.to_vec()));
     LARGEST.store(0, Ordering::SeqCst);
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| target.run(data)));
     let largest = LARGEST.load(Ordering::SeqCst);
@@ -119,10 +146,10 @@ fn run_one(target: Target, data: &[u8], context: &str) {
         Ok(Ok(())) if PANICS.load(Ordering::SeqCst) != panics => {
             Some("a task it started panicked (message above)".to_string())
         }
-        Ok(Ok(())) if largest > allocation_bound(data.len()) => Some(format!(
+        Ok(Ok(())) if largest > allocation_bound(target, data.len()) => Some(format!(
             "one allocation of {largest} bytes for a {}-byte input (bound {})",
             data.len(),
-            allocation_bound(data.len())
+            allocation_bound(target, data.len())
         )),
         Ok(Ok(())) => None,
     };
