@@ -10,6 +10,13 @@ use tether_proto::v1 as pb;
 use tether_proto::v1::worker_server::Worker;
 use tonic::Request;
 
+/// The tests share one worker and check its session count: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn seed(target: Target, name: &str) -> Vec<u8> {
     let rig = Rig::get();
     let all = seeds(target, &rig.model).unwrap();
@@ -29,6 +36,7 @@ fn seed(target: Target, name: &str) -> Vec<u8> {
 
 #[test]
 fn valid_forward_seeds_are_served() {
+    let _serial = serial();
     let rig = Rig::get();
     for name in ["hidden_in_hidden_out", "ids_to_logits", "ids_to_hidden"] {
         let mut req = pb::ForwardRequest::decode(seed(Target::Forward, name).as_slice()).unwrap();
@@ -55,6 +63,7 @@ fn valid_forward_seeds_are_served() {
 
 #[test]
 fn the_complete_prepare_seed_loads_and_commits() {
+    let _serial = serial();
     let rig = Rig::get();
     let session = rig.fresh_session().unwrap();
     let frames = seed(Target::Prepare, "head_complete");
@@ -82,6 +91,7 @@ fn the_complete_prepare_seed_loads_and_commits() {
 
 #[test]
 fn the_prepared_decision_seed_commits() {
+    let _serial = serial();
     let rig = Rig::get();
     let session = rig.fresh_session().unwrap();
     rig.prepare_txn(session).unwrap();
@@ -98,6 +108,7 @@ fn the_prepared_decision_seed_commits() {
 
 #[test]
 fn every_target_runs_its_corpus_cleanly() {
+    let _serial = serial();
     for target in Target::ALL {
         let rig = Rig::get();
         for (name, bytes) in seeds(target, &rig.model).unwrap() {
