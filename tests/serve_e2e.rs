@@ -406,10 +406,11 @@ fn a_worker_refusing_its_prepare_aborts_the_load_on_both() {
     let status = serve
         .wait_exit(Duration::from_secs(20))
         .unwrap_or_else(|| panic!("serve did not give up; log:\n{}", serve.log()));
+    let named = serve.log_contains(&strict.addr, Duration::from_secs(5));
     let log = serve.log();
     println!("serve failed as expected:\n{log}");
     assert!(!status.success(), "{status:?}");
-    assert!(log.contains(&strict.addr), "names {}: {log}", strict.addr);
+    assert!(named, "names {}: {log}", strict.addr);
     let freed = wait_all_freed([&roomy, &strict], Duration::from_secs(1));
     println!("refused Prepare → both workers at 0 sessions/0 bytes {freed:?} after serve exited");
     // The coordinator closes both sessions itself before exiting.

@@ -178,8 +178,9 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Parse the header of a GGUF v2/v3 file held in `bytes`.
-pub(crate) fn parse(path: &str, bytes: &[u8]) -> Result<Header, GgufError> {
+/// Parse the header of a GGUF v2/v3 file that starts with `bytes` and is `file_len` bytes
+/// long (`bytes` may hold only the header); every tensor must lie inside `file_len`.
+pub(crate) fn parse(path: &str, bytes: &[u8], file_len: u64) -> Result<Header, GgufError> {
     let mut c = Cursor {
         bytes,
         pos: 0,
@@ -329,7 +330,6 @@ pub(crate) fn parse(path: &str, bytes: &[u8]) -> Result<Header, GgufError> {
 
     let header_end = c.pos as u64;
     let data_offset = header_end.div_ceil(alignment) * alignment;
-    let file_len = bytes.len() as u64;
     for t in &mut raw {
         let start = data_offset.checked_add(t.offset);
         let end = start.and_then(|s| s.checked_add(t.bytes));

@@ -72,7 +72,8 @@ impl GgufFile {
         // SAFETY: the map is read-only; a file truncated by another process while mapped can
         // fault, the same caveat every mmap-based model loader accepts.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io("mmap", e))?;
-        Self::build(name, Storage::Mapped(map))
+        let len = map.len() as u64;
+        Self::build(name, Storage::Mapped(map), len)
     }
 
     /// Memory-map and parse a file already opened, e.g. one whose path was checked against
@@ -84,7 +85,8 @@ impl GgufFile {
             action: "mmap",
             source,
         })?;
-        Self::build(name.to_string(), Storage::Mapped(map))
+        let len = map.len() as u64;
+        Self::build(name.to_string(), Storage::Mapped(map), len)
     }
 
     /// The file's bytes before its tensor data: the header, metadata and tensor infos.
@@ -96,11 +98,30 @@ impl GgufFile {
 
     /// Parse a GGUF file held in memory; `name` is used in errors.
     pub fn from_bytes(name: &str, bytes: Vec<u8>) -> Result<GgufFile, GgufError> {
-        Self::build(name.to_string(), Storage::Owned(bytes))
+        let len = bytes.len() as u64;
+        Self::build(name.to_string(), Storage::Owned(bytes), len)
     }
 
-    fn build(path: String, storage: Storage) -> Result<GgufFile, GgufError> {
-        let header = parse(&path, storage.bytes())?;
+    /// Parse the header of a `file_len`-byte GGUF file from its first bytes only (what a
+    /// coordinator sends a worker before the tensors). Tensors are checked against
+    /// `file_len`; [`GgufFile::tensor_data`] is empty for data outside `header`.
+    pub fn from_header(name: &str, header: Vec<u8>, file_len: u64) -> Result<GgufFile, GgufError> {
+        if file_len < header.len() as u64 {
+            return Err(GgufError::Invalid {
+                path: name.to_string(),
+                what: "header".into(),
+                offset: 0,
+                reason: format!(
+                    "{} header bytes cannot start a file of {file_len} bytes",
+                    header.len()
+                ),
+            });
+        }
+        Self::build(name.to_string(), Storage::Owned(header), file_len)
+    }
+
+    fn build(path: String, storage: Storage, file_len: u64) -> Result<GgufFile, GgufError> {
+        let header = parse(&path, storage.bytes(), file_len)?;
         let key_index = header
             .metadata
             .iter()
@@ -214,7 +235,8 @@ impl GgufFile {
     }
 
     /// The raw data of `t`. Bounds were checked when the file was opened; a `TensorInfo` from
-    /// another file whose range does not fit this one yields an empty slice.
+    /// another file whose range does not fit this one, or data beyond the bytes of a file
+    /// read with [`GgufFile::from_header`], yields an empty slice.
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
         let bytes = self.storage.bytes();
         let start = usize::try_from(t.offset).unwrap_or(usize::MAX);
@@ -233,9 +255,19 @@ impl GgufFile {
             offset: t.offset,
             reason,
         };
+        // The output is sized by the header's dims: check the data is really here first,
+        // so a header-only file cannot make this allocate what its dims merely claim.
+        let data = self.tensor_data(t);
+        if data.len() as u64 != t.bytes {
+            return Err(invalid(format!(
+                "{} of its {} bytes are held here (a header-only or different file)",
+                data.len(),
+                t.bytes
+            )));
+        }
         let n = usize::try_from(t.elements()).map_err(|e| invalid(e.to_string()))?;
         let mut out = vec![0.0f32; n];
-        dequantize(t.ty, self.tensor_data(t), &mut out).map_err(|e| invalid(e.to_string()))?;
+        dequantize(t.ty, data, &mut out).map_err(|e| invalid(e.to_string()))?;
         Ok(out)
     }
 

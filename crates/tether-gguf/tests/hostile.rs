@@ -218,3 +218,36 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_header_alone_is_checked_against_the_file_length_it_names() {
+    let bytes = valid_file();
+    let full = GgufFile::from_bytes("valid", bytes.clone()).unwrap();
+    let header = bytes[..full.data_offset() as usize].to_vec();
+    let len = bytes.len() as u64;
+
+    let f = GgufFile::from_header("header", header.clone(), len).unwrap();
+    assert_eq!(f.tensors(), full.tensors());
+    // The data is not held: empty slices, and dequantizing is an error, not a panic.
+    assert!(f.tensors().iter().all(|t| f.tensor_data(t).is_empty()));
+    assert!(f.tensor_f32(&f.tensors()[0]).is_err());
+    // A huge claimed length costs nothing: nothing is allocated from it.
+    assert!(GgufFile::from_header("header", header.clone(), 1 << 40).is_ok());
+
+    let data_end = full
+        .tensors()
+        .iter()
+        .map(|t| t.offset + t.bytes)
+        .max()
+        .unwrap();
+    let e = GgufFile::from_header("header", header.clone(), data_end - 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("outside the file"), "{e}");
+    let e = GgufFile::from_header("header", header.clone(), header.len() as u64 - 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("cannot start a file"), "{e}");
+}

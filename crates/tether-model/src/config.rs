@@ -136,6 +136,19 @@ impl ModelConfig {
             tied_output: file.tensor(crate::arch::OUTPUT).is_none(),
             has_rope_freqs: file.tensor(crate::arch::ROPE_FREQS).is_some(),
         };
+        // Every block has tensors of its own: a block count beyond the tensor count is a
+        // corrupt header, and checking lists of expected tensors for it would be sized by
+        // that one number.
+        if cfg.n_layer > file.tensors().len() {
+            return Err(meta.err(
+                "block_count",
+                &format!(
+                    "is {} but the file has only {} tensors",
+                    cfg.n_layer,
+                    file.tensors().len()
+                ),
+            ));
+        }
         crate::arch::validate_tensors(&cfg, file.tensors())?;
         Ok(cfg)
     }
@@ -191,11 +204,15 @@ mod tests {
 
     /// A header-only llama/qwen2 file with `extra` metadata and a 8×32 embedding.
     fn file(arch: &str, extra: &[(&str, MetaValue)]) -> GgufFile {
+        file_with_blocks(arch, 0, extra)
+    }
+
+    fn file_with_blocks(arch: &str, blocks: u32, extra: &[(&str, MetaValue)]) -> GgufFile {
         let mut w = GgufWriter::new();
         w.add_metadata("general.architecture", MetaValue::String(arch.into()));
         for (k, v) in [
             ("embedding_length", MetaValue::U32(8)),
-            ("block_count", MetaValue::U32(0)),
+            ("block_count", MetaValue::U32(blocks)),
             ("feed_forward_length", MetaValue::U32(16)),
             ("attention.head_count", MetaValue::U32(2)),
             ("attention.layer_norm_rms_epsilon", MetaValue::F32(1e-6)),
@@ -233,6 +250,17 @@ mod tests {
         assert_eq!(cfg.rope.freq_scale, 0.25);
         assert!(cfg.rope.neox);
         assert_eq!(cfg.kv_dim(), 4);
+    }
+
+    #[test]
+    fn a_block_count_beyond_the_tensors_is_refused_before_listing_them() {
+        // Found by fuzzing: a mutated count made the tensor check list 5 GB of specs.
+        let err = ModelConfig::from_gguf(&file_with_blocks("llama", u32::MAX, &[])).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("block_count") && msg.contains("only 2 tensors"),
+            "{msg}"
+        );
     }
 
     #[test]

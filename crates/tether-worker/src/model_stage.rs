@@ -50,12 +50,9 @@ fn model_error(what: &str, e: ModelError) -> WorkerError {
     }
 }
 
-/// Parses a GGUF header sent without its tensor data.
-///
-/// `GgufFile` checks that every tensor lies inside the bytes it is given, so the header is
-/// placed at the front of a zeroed buffer of the file's length. Zeroed allocations of this
-/// size are mapped lazily by the allocator, so only the header's pages become resident.
-// TODO: parse with a header-only constructor once tether-gguf offers one.
+/// Parses a GGUF header sent without its tensor data, checking every tensor against the
+/// file length the coordinator names. Only the header's own bytes are held: the length is
+/// a number from the network and must not size an allocation.
 fn parse_header(header: &[u8], file_bytes: u64) -> Result<GgufFile> {
     if file_bytes > MAX_FILE_BYTES || (header.len() as u64) > file_bytes {
         return Err(WorkerError::InvalidArgument(format!(
@@ -63,41 +60,14 @@ fn parse_header(header: &[u8], file_bytes: u64) -> Result<GgufFile> {
             header.len()
         )));
     }
-    let len = usize::try_from(file_bytes).map_err(|_| {
-        WorkerError::InvalidArgument(format!(
-            "prepare: a {file_bytes}-byte model does not fit this host's address space"
-        ))
-    })?;
-    let mut bytes = zeroed_bytes(len).ok_or_else(|| WorkerError::ResourceExhausted {
-        what: "prepare: address space to check the GGUF header against the file length".into(),
-        asked: file_bytes,
-        free: 0,
-        limit: 0,
-        held: 0,
-    })?;
-    bytes[..header.len()].copy_from_slice(header);
-    GgufFile::from_bytes("GGUF header from the coordinator", bytes).map_err(|e| {
+    GgufFile::from_header(
+        "GGUF header from the coordinator",
+        header.to_vec(),
+        file_bytes,
+    )
+    .map_err(|e| {
         WorkerError::InvalidArgument(format!("prepare: the GGUF header does not parse: {e}"))
     })
-}
-
-/// A zeroed buffer of `len` bytes, or `None` when it cannot be allocated (never aborts).
-/// `alloc_zeroed` maps large sizes lazily, so untouched pages cost no memory.
-fn zeroed_bytes(len: usize) -> Option<Vec<u8>> {
-    if len == 0 {
-        return Some(Vec::new());
-    }
-    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
-    // SAFETY: `layout` has a non-zero size. The pointer, when not null, comes from the global
-    // allocator with the layout of `[u8; len]`, which is what `Vec<u8>` with capacity `len`
-    // uses, and all `len` bytes are initialized (zeroed).
-    unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout);
-        if ptr.is_null() {
-            return None;
-        }
-        Some(Vec::from_raw_parts(ptr, len, len))
-    }
 }
 
 fn to_model_spec(spec: &BlockSpec) -> StageSpec {

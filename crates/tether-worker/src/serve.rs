@@ -170,6 +170,14 @@ pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()
                 "forward: logits asked of a block without the output head".into(),
             ));
         }
+        // Each row costs n_vocab floats of output; rows beyond the batch's size can only be
+        // repeats, and would let a short request size a huge allocation.
+        if call.logits_rows.len() > n {
+            return Err(WorkerError::InvalidArgument(format!(
+                "forward: {} logits rows for a batch of {n} tokens; ask at most one per token",
+                call.logits_rows.len()
+            )));
+        }
         if let Some(bad) = call.logits_rows.iter().find(|&&r| r as usize >= n) {
             return Err(WorkerError::InvalidArgument(format!(
                 "forward: logits row {bad} is outside the batch of {n} tokens"
@@ -177,4 +185,50 @@ pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stage::BlockSpec;
+
+    fn shape() -> StageShape {
+        StageShape {
+            n_embd: 4,
+            n_vocab: 10,
+            spec: BlockSpec {
+                first_layer: 0,
+                last_layer: 1,
+                has_embed: true,
+                has_head: true,
+                ctx_per_seq: 8,
+                n_seq: 2,
+                ubatch: 4,
+                cache_k: tether_gguf::GgmlType::F16,
+                cache_v: tether_gguf::GgmlType::F16,
+            },
+        }
+    }
+
+    fn call(logits_rows: Vec<u32>) -> ForwardCall {
+        ForwardCall {
+            tokens: vec![TokenPos { seq: 0, pos: 0 }, TokenPos { seq: 0, pos: 1 }],
+            input: ForwardInput::TokenIds(vec![1, 2]),
+            logits_rows,
+        }
+    }
+
+    #[test]
+    fn logits_rows_are_bounded_by_the_batch() {
+        assert!(check_forward(&shape(), &call(vec![0, 1])).is_ok());
+        // Repeated rows: one varint byte each on the wire, n_vocab floats each of output.
+        let err = check_forward(&shape(), &call(vec![0; 100_000]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("100000 logits rows") && err.contains("2 tokens"),
+            "{err}"
+        );
+        assert!(check_forward(&shape(), &call(vec![2])).is_err());
+    }
 }
