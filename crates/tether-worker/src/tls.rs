@@ -7,6 +7,7 @@ use rustls_pki_types::pem::{self, PemObject};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
@@ -167,6 +168,16 @@ impl CertifiedKey {
         Identity::from_pem(&self.cert.bytes, &self.key.bytes)
     }
 
+    /// The chain and key, parsed.
+    fn der(&self) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
+        let chain = CertificateDer::pem_slice_iter(&self.cert.bytes)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.cert.bad_pem(e))?;
+        let key =
+            PrivateKeyDer::from_pem_slice(&self.key.bytes).map_err(|e| self.key.bad_pem(e))?;
+        Ok((chain, key))
+    }
+
     fn describe(&self) -> String {
         format!(
             "certificate {} with key {}",
@@ -216,6 +227,44 @@ impl ServerTls {
             Some(ca) => config.client_ca_root(ca.certificate()),
             None => config,
         }
+    }
+
+    /// The same settings as a rustls configuration, for listeners outside tonic (the
+    /// coordinator's HTTPS API), offering HTTP/2 and HTTP/1.1.
+    pub fn rustls_config(&self) -> Result<tokio_rustls::rustls::ServerConfig, TlsError> {
+        use tokio_rustls::rustls;
+        let refused = |e: &dyn std::fmt::Display| TlsError::Refused {
+            what: self.describe(),
+            detail: e.to_string(),
+        };
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| refused(&e))?;
+        let builder = match &self.client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for cert in CertificateDer::pem_slice_iter(&ca.bytes) {
+                    roots
+                        .add(cert.map_err(|e| ca.bad_pem(e))?)
+                        .map_err(|e| refused(&e))?;
+                }
+                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots),
+                    provider,
+                )
+                .build()
+                .map_err(|e| refused(&e))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let (certs, key) = self.identity.der()?;
+        let mut config = builder
+            .with_single_cert(certs, key)
+            .map_err(|e| refused(&e))?;
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(config)
     }
 
     fn describe(&self) -> String {

@@ -18,7 +18,8 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Serve the OpenAI-compatible HTTP API over workers (embedded ones when none are given).
-    Serve(cmd::serve::ServeArgs),
+    // Boxed: serve has by far the most flags.
+    Serve(Box<cmd::serve::ServeArgs>),
     /// Generate text from a prompt (the demo model when no --model is given).
     Run(cmd::run::RunArgs),
     /// Write the logits of every position of a token sequence.
@@ -54,7 +55,7 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
-        Command::Serve(args) => cmd::serve::run(args),
+        Command::Serve(args) => cmd::serve::run(*args),
         Command::Run(args) => cmd::run::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Bench(args) => cmd::bench::run(args),

@@ -5,6 +5,7 @@ use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::context_shift::ContextShiftArgs;
 use crate::cmd::local::{DEMO_LABEL, start_local_workers};
 use crate::cmd::path_on_workers::PathOnWorkersArgs;
+use crate::cmd::tls_args::ServeTlsArgs;
 use crate::cmd::worker_link::WorkerLinkArgs;
 use crate::ctl::units::parse_duration;
 use crate::model_source::ModelArgs;
@@ -14,7 +15,7 @@ use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
 use tether_coordinator::http::admin::admin_router;
-use tether_coordinator::http::{HttpOptions, router, serve};
+use tether_coordinator::http::{HttpOptions, router, serve, serve_tls};
 use tether_coordinator::load::LoadOptions;
 use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile, WorkerDns};
 use tether_worker::Lease;
@@ -98,6 +99,10 @@ pub struct ServeArgs {
     pub cache: CacheArgs,
     #[command(flatten)]
     pub shift: ContextShiftArgs,
+    /// HTTPS for the API (--tls-cert/--tls-key; with --tls-ca, clients must present a
+    /// certificate of that CA).
+    #[command(flatten)]
+    pub tls: ServeTlsArgs,
     #[command(flatten)]
     pub path_on_workers: PathOnWorkersArgs,
     /// Test hook: sleep this long between Prepare and Commit of the model load.
@@ -135,6 +140,14 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     if args.dns_refresh.is_zero() {
         bail!("--dns-refresh must be more than 0 (e.g. 10s)");
     }
+    // Checked before the model loads, so a wrong file fails in a second, not after a load.
+    let https = match args.tls.server_tls()? {
+        Some(tls) => Some(
+            tls.rustls_config()
+                .context("the HTTPS settings (--tls-cert/--tls-key/--tls-ca)")?,
+        ),
+        None => None,
+    };
     let embedded = args.workers.is_empty() && args.worker_dns.is_none();
     let client = if embedded {
         args.worker_link.embedded_options()?
@@ -212,12 +225,17 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
     // Scripts and tests read this line to learn the port.
-    println!("tether serve listening on http://{addr}");
+    let scheme = if https.is_some() { "https" } else { "http" };
+    println!("tether serve listening on {scheme}://{addr}");
     let (signalled_tx, signalled) = tokio::sync::oneshot::channel::<()>();
-    let mut server = tokio::spawn(serve(listener, app, async move {
+    let shutdown = async move {
         first_signal().await;
         let _ = signalled_tx.send(());
-    }));
+    };
+    let mut server = match https {
+        Some(config) => tokio::spawn(serve_tls(listener, config, app, shutdown)),
+        None => tokio::spawn(serve(listener, app, shutdown)),
+    };
     let served = tokio::select! {
         done = &mut server => done,
         _ = signalled => match tokio::time::timeout(args.shutdown_grace, &mut server).await {

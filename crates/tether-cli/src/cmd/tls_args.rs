@@ -1,4 +1,5 @@
-//! TLS flags: `--tls-cert/--tls-key/--tls-ca` of `tether worker`, and
+//! TLS flags: `--tls-cert/--tls-key/--tls-ca` of `tether worker` (gRPC) and `tether serve`
+//! (the HTTP API), and
 //! `--worker-tls-ca/--worker-tls-cert/--worker-tls-key/--worker-tls-name` of everything
 //! that connects to workers (`run`, `serve`, `attach`, `plan`, `tetherctl`).
 
@@ -7,11 +8,12 @@ use clap::Args;
 use std::path::{Path, PathBuf};
 use tether_worker::tls::{CertifiedKey, ClientTls, Pem, ServerTls};
 
-/// How `tether worker` serves TLS.
+/// How `tether worker` (gRPC) or `tether serve` (HTTPS) serves TLS.
 #[derive(Args, Debug, Clone, Default)]
 pub struct ServeTlsArgs {
     /// Serve TLS only, with this certificate (PEM, leaf first, then any intermediates);
-    /// needs --tls-key. Clients then pass --worker-tls-ca.
+    /// needs --tls-key. Clients of a worker then pass --worker-tls-ca; `serve` answers
+    /// HTTPS only.
     #[arg(long, env = "TETHER_TLS_CERT", value_name = "PEM")]
     pub tls_cert: Option<PathBuf>,
     /// Private key (PEM, unencrypted) of --tls-cert.
@@ -33,7 +35,7 @@ impl ServeTlsArgs {
         );
         let identity = match (cert, key) {
             (None, None) if ca.is_some() => bail!(
-                "--tls-ca (require client certificates) needs --tls-cert and --tls-key: the worker must serve TLS to check clients"
+                "--tls-ca (require client certificates) needs --tls-cert and --tls-key: TLS must be served to check clients' certificates"
             ),
             (None, None) => return Ok(None),
             (Some(_), None) => bail!("--tls-cert needs --tls-key (the certificate's private key)"),
@@ -44,7 +46,7 @@ impl ServeTlsArgs {
         };
         let client_ca = ca.map(Pem::read).transpose().context("--tls-ca")?;
         ServerTls::new(identity, client_ca)
-            .context("the worker's TLS settings")
+            .context("the TLS settings")
             .map(Some)
     }
 }

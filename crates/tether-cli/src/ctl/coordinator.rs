@@ -4,10 +4,76 @@
 use super::Command;
 use super::units::human_bytes;
 use anyhow::{Context, Result, bail};
+use clap::Args;
 use serde_json::Value;
+use std::path::PathBuf;
+use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig};
+
+/// How tetherctl checks a coordinator that serves HTTPS (`serve --tls-cert`).
+#[derive(Args, Debug, Clone, Default)]
+pub struct CoordinatorTlsArgs {
+    /// CA (PEM) that signed the coordinator's certificate, for an `https://` URL.
+    #[arg(long, env = "TETHER_COORDINATOR_CA", value_name = "PEM")]
+    pub coordinator_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for a coordinator that requires one (its --tls-ca); needs
+    /// --coordinator-key.
+    #[arg(long, env = "TETHER_COORDINATOR_CERT", value_name = "PEM")]
+    pub coordinator_cert: Option<PathBuf>,
+    /// Private key (PEM) of --coordinator-cert.
+    #[arg(long, env = "TETHER_COORDINATOR_KEY", value_name = "PEM")]
+    pub coordinator_key: Option<PathBuf>,
+}
+
+impl CoordinatorTlsArgs {
+    /// The TLS settings of the HTTP client, with every file read and checked.
+    fn config(&self) -> Result<TlsConfig> {
+        let read = |path: &PathBuf, flag: &str| {
+            std::fs::read(path).with_context(|| format!("{flag}: reading {}", path.display()))
+        };
+        let mut config = TlsConfig::builder();
+        if let Some(path) = &self.coordinator_ca {
+            let text = read(path, "--coordinator-ca")?;
+            let ca = Certificate::from_pem(&text).with_context(|| {
+                format!(
+                    "--coordinator-ca: {} is not a PEM certificate",
+                    path.display()
+                )
+            })?;
+            config = config.root_certs(RootCerts::new_with_certs(&[ca]));
+        }
+        match (&self.coordinator_cert, &self.coordinator_key) {
+            (None, None) => {}
+            (Some(cert), Some(key)) => {
+                let chain = Certificate::from_pem(&read(cert, "--coordinator-cert")?)
+                    .with_context(|| {
+                        format!(
+                            "--coordinator-cert: {} is not a PEM certificate",
+                            cert.display()
+                        )
+                    })?;
+                let key =
+                    PrivateKey::from_pem(&read(key, "--coordinator-key")?).with_context(|| {
+                        format!(
+                            "--coordinator-key: {} is not a PEM private key",
+                            key.display()
+                        )
+                    })?;
+                config = config.client_cert(Some(ClientCert::new_with_certs(&[chain], key)));
+            }
+            _ => bail!("--coordinator-cert and --coordinator-key go together"),
+        }
+        Ok(config.build())
+    }
+}
 
 /// Runs one command against a coordinator.
-pub fn run(url: &str, api_key: Option<&str>, command: &Command, json: bool) -> Result<()> {
+pub fn run(
+    url: &str,
+    api_key: Option<&str>,
+    tls: &CoordinatorTlsArgs,
+    command: &Command,
+    json: bool,
+) -> Result<()> {
     let path = match command {
         Command::Workers | Command::Status => "workers",
         Command::Sessions => "sessions",
@@ -21,7 +87,11 @@ pub fn run(url: &str, api_key: Option<&str>, command: &Command, json: bool) -> R
     } else {
         format!("http://{}", url.trim_end_matches('/'))
     };
-    let value = fetch(&format!("{base}/v1/admin/{path}"), api_key)?;
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .tls_config(tls.config()?)
+        .build()
+        .into();
+    let value = fetch(&agent, &format!("{base}/v1/admin/{path}"), api_key)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(());
@@ -34,8 +104,8 @@ pub fn run(url: &str, api_key: Option<&str>, command: &Command, json: bool) -> R
     Ok(())
 }
 
-fn fetch(url: &str, api_key: Option<&str>) -> Result<Value> {
-    let mut request = ureq::get(url);
+fn fetch(agent: &ureq::Agent, url: &str, api_key: Option<&str>) -> Result<Value> {
+    let mut request = agent.get(url);
     if let Some(key) = api_key {
         request = request.header("Authorization", &format!("Bearer {key}"));
     }

@@ -30,6 +30,8 @@ pub struct Cli {
     /// The coordinator's API key, when it requires one.
     #[arg(long, env = "TETHER_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    #[command(flatten)]
+    pub coordinator_tls: coordinator::CoordinatorTlsArgs,
     /// Admin token, when the worker requires one; default: TETHER_WORKER_TOKEN (a worker
     /// started with --token but no --admin-token takes its --token on admin calls).
     #[arg(long, env = "TETHER_ADMIN_TOKEN", hide_env_values = true)]
@@ -66,7 +68,13 @@ pub enum Command {
 /// Runs one tetherctl command.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(url) = &cli.coordinator {
-        return coordinator::run(url, cli.api_key.as_deref(), &cli.command, cli.json);
+        return coordinator::run(
+            url,
+            cli.api_key.as_deref(),
+            &cli.coordinator_tls,
+            &cli.command,
+            cli.json,
+        );
     }
     let Some(worker) = cli.worker.clone() else {
         anyhow::bail!("give --worker ADDR or --coordinator URL");

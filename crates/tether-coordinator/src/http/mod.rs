@@ -12,6 +12,7 @@ mod prepare;
 mod run;
 pub mod template;
 pub mod text;
+pub mod tls_listener;
 pub mod types;
 
 #[cfg(test)]
@@ -131,6 +132,19 @@ pub async fn serve(
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// As [`serve`], over TLS with `config` (HTTPS).
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    config: tokio_rustls::rustls::ServerConfig,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let listener = tls_listener::TlsListener::new(listener, config)?;
     axum::serve(listener, router)
         .with_graceful_shutdown(shutdown)
         .await
