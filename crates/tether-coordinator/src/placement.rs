@@ -129,28 +129,13 @@ pub fn block_tensors(
     tensors: &[TensorInfo],
     spec: &BlockSpec,
 ) -> Result<Vec<tether_model::TensorSlot>, PlacementError> {
-    Stage::<CpuBackend>::required_tensors(cfg, &model_spec(spec), tensors).map_err(|e| {
+    Stage::<CpuBackend>::required_tensors(cfg, &StageSpec::from(spec), tensors).map_err(|e| {
         PlacementError::Model {
             first: spec.first_layer,
             last: spec.last_layer,
             detail: e.to_string(),
         }
     })
-}
-
-/// The model crate's spelling of a block.
-pub fn model_spec(spec: &BlockSpec) -> StageSpec {
-    StageSpec {
-        first_layer: spec.first_layer,
-        last_layer: spec.last_layer,
-        has_embed: spec.has_embed,
-        has_head: spec.has_head,
-        ctx_per_seq: spec.ctx_per_seq,
-        n_seq: spec.n_seq,
-        ubatch: spec.ubatch,
-        cache_k: spec.cache_k,
-        cache_v: spec.cache_v,
-    }
 }
 
 /// The block covering units `[a, b)` of a model of `n_layer` layers, where unit 0 is the
@@ -180,7 +165,7 @@ fn unit_bytes(
         .map(|u| {
             let spec = block_of_units(u, u + 1, n, shape);
             let slots = block_tensors(cfg, tensors, &spec)?;
-            let plan = plan_stage(cfg, &model_spec(&spec), &slots);
+            let plan = plan_stage(cfg, &StageSpec::from(&spec), &slots);
             Ok(plan.weights_bytes + plan.kv_bytes)
         })
         .collect()
@@ -270,7 +255,7 @@ pub fn place(
         let spec = block_of_units(start, end, cfg.n_layer, shape);
         start = end;
         let slots = block_tensors(cfg, tensors, &spec)?;
-        let bytes = plan_stage(cfg, &model_spec(&spec), &slots);
+        let bytes = plan_stage(cfg, &StageSpec::from(&spec), &slots);
         if bytes.total_bytes > worker.free_bytes {
             return Err(PlacementError::DoesNotFit {
                 addr: worker.addr.clone(),

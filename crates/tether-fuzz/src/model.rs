@@ -89,23 +89,16 @@ impl TinyModel {
 
     /// The bytes before the tensor data: what a coordinator sends in PrepareBegin.
     pub fn header(&self) -> &[u8] {
-        let end = (self.file.data_offset() as usize).min(self.bytes.len());
-        &self.bytes[..end]
+        self.file.header_bytes()
     }
 
     /// The tensors a block of `spec` loads, in the order a coordinator sends them.
     pub fn block_tensors(&self, spec: &pb::StageSpec) -> Vec<(String, &[u8])> {
-        let model_spec = StageSpec {
-            first_layer: spec.first_layer as usize,
-            last_layer: spec.last_layer as usize,
-            has_embed: spec.has_embed,
-            has_head: spec.has_head,
-            ctx_per_seq: spec.ctx_per_seq as usize,
-            n_seq: spec.n_seq as usize,
-            ubatch: spec.ubatch as usize,
-            cache_k: GgmlType::F16,
-            cache_v: GgmlType::F16,
+        // The worker's own reading of the spec: a spec it refuses loads nothing.
+        let Ok(block) = tether_worker::service::convert::spec_from_proto(Some(*spec)) else {
+            return Vec::new();
         };
+        let model_spec = StageSpec::from(&block);
         let slots =
             Stage::<CpuBackend>::required_tensors(&self.config, &model_spec, self.file.tensors())
                 .unwrap_or_default();

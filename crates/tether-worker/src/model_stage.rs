@@ -70,20 +70,6 @@ fn parse_header(header: &[u8], file_bytes: u64) -> Result<GgufFile> {
     })
 }
 
-fn to_model_spec(spec: &BlockSpec) -> StageSpec {
-    StageSpec {
-        first_layer: spec.first_layer,
-        last_layer: spec.last_layer,
-        has_embed: spec.has_embed,
-        has_head: spec.has_head,
-        ctx_per_seq: spec.ctx_per_seq,
-        n_seq: spec.n_seq,
-        ubatch: spec.ubatch,
-        cache_k: spec.cache_k,
-        cache_v: spec.cache_v,
-    }
-}
-
 impl<B: Backend> StageFactory for ModelStageFactory<B> {
     fn device_name(&self) -> String {
         self.backend.name()
@@ -110,7 +96,7 @@ impl<B: Backend> StageFactory for ModelStageFactory<B> {
         let file = parse_header(gguf_header, file_bytes)?;
         let cfg = ModelConfig::from_gguf(&file)
             .map_err(|e| model_error("prepare: reading hyper-parameters", e))?;
-        let model_spec = to_model_spec(spec);
+        let model_spec = StageSpec::from(spec);
         let slots = Stage::<B>::required_tensors(&cfg, &model_spec, file.tensors())
             .map_err(|e| model_error("prepare: planning the layer block", e))?;
         let total_bytes = plan_stage(&cfg, &model_spec, &slots).total_bytes;
@@ -159,7 +145,7 @@ impl<B: Backend> PlannedStage for PlannedModelStage<B> {
         let stage = Stage::new(
             self.backend,
             self.cfg,
-            to_model_spec(&self.spec),
+            StageSpec::from(&self.spec),
             &self.slots,
         )
         .map_err(|e| model_error("prepare: allocating the layer block", e))?;

@@ -30,6 +30,22 @@ pub struct BlockSpec {
     pub cache_v: GgmlType,
 }
 
+impl From<&BlockSpec> for tether_model::StageSpec {
+    fn from(spec: &BlockSpec) -> Self {
+        Self {
+            first_layer: spec.first_layer,
+            last_layer: spec.last_layer,
+            has_embed: spec.has_embed,
+            has_head: spec.has_head,
+            ctx_per_seq: spec.ctx_per_seq,
+            n_seq: spec.n_seq,
+            ubatch: spec.ubatch,
+            cache_k: spec.cache_k,
+            cache_v: spec.cache_v,
+        }
+    }
+}
+
 /// One token of a batch: its sequence and position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TokenPos {

@@ -299,7 +299,6 @@ fn print_table(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tether_coordinator::placement::model_spec;
     use tether_gguf::GgmlType;
     use tether_model::Stage;
 
@@ -413,7 +412,7 @@ mod tests {
         assert!(workers[0].spec.has_embed && workers[1].spec.has_head);
         let backend = std::sync::Arc::new(CpuBackend::new(Some(1)).unwrap());
         for w in workers {
-            let spec = model_spec(&w.spec);
+            let spec = tether_model::StageSpec::from(&w.spec);
             let slots = Stage::<CpuBackend>::required_tensors(cfg, &spec, file.tensors()).unwrap();
             let stage =
                 Stage::new(std::sync::Arc::clone(&backend), cfg.clone(), spec, &slots).unwrap();
