@@ -3,6 +3,7 @@
 // cache row cells[t] = f16(src[t]). Launch: any 1-D grid over n_tokens * kv_dim elements.
 extern "C" __global__ void kv_store_f16(const float* src, int kv_dim, const u32* cells,
                                         int n_tokens, u16* cache) {
+    PDL_ENTRY();
     u64 total = (u64)n_tokens * kv_dim;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         u64 t = i / kv_dim, c = i % kv_dim;
@@ -15,6 +16,7 @@ extern "C" __global__ void kv_store_f16(const float* src, int kv_dim, const u32*
 // Launch: any 1-D grid over n_tokens * kv_dim / 32 blocks; kv_dim is a multiple of 32.
 extern "C" __global__ void kv_store_quant(const float* src, int kv_dim, const u32* cells,
                                           int n_tokens, u8* cache, int ty) {
+    PDL_ENTRY();
     int nb = kv_dim / 32;
     int bb = ty == TY_Q8_0 ? 34 : 18;
     u64 total = (u64)n_tokens * nb;
@@ -92,6 +94,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention(const float* q, const u8* k, const u8* v, int ty, const u32* spans, int n_heads,
               int n_kv_heads, int head_dim, u64 head_bytes, float scale, u32 chunk, float* out,
               float* partial) {
+    PDL_ENTRY();
     extern __shared__ float scores[];
     __shared__ float red[ATT_WARPS];
     int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -171,6 +174,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_f16v(const float* q, const u8* k, const u8* v, int ty, const u32* spans,
                    int n_heads, int n_kv_heads, int head_dim, u64 head_bytes, float scale,
                    u32 chunk, float* out, float* partial) {
+    PDL_ENTRY();
     extern __shared__ float scores[];
     __shared__ float red[ATT_WARPS];
     __shared__ float osum[ATT_THREADS * 8];
@@ -266,6 +270,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // Launch: gridDim = (n_heads, n_tokens), blockDim.x = 128.
 extern "C" __global__ void __launch_bounds__(128)
     attention_merge(const float* partial, int n_splits, int n_heads, int head_dim, float* out) {
+    PDL_ENTRY();
     u64 th = (u64)blockIdx.y * n_heads + blockIdx.x;
     const float* p = partial + th * n_splits * (head_dim + 2);
     float mx = NEG_INF;

@@ -17,8 +17,35 @@ typedef unsigned long long u64;
 #define TY_Q5_K 13
 #define TY_Q6_K 14
 #define TY_BF16 30
+// Q4_0 and Q8_0 in the packed layout of matvec_packed.cu (not ggml ids): rows of groups of
+// 8 blocks, the group's 8 f16 scales first, then its blocks' quants.
+#define TY_Q4_0P 1002
+#define TY_Q8_0P 1008
 
 #define NEG_INF __int_as_float(0xff800000)
+
+// Programmatic dependent launch (sm_90 and later; no-ops before, and when a kernel was
+// launched without it). The host launches decode kernels so that the next kernel's blocks
+// may start while this one runs: each kernel first lets its successor launch, then waits
+// until its predecessor has finished and its writes are visible, before it reads or writes
+// anything another kernel touches. Only constant data (weights) may be read before the wait.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+#define PDL_ENTRY() \
+    do {            \
+        pdl_trigger(); \
+        pdl_wait();    \
+    } while (0)
 
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
@@ -78,6 +105,18 @@ __device__ float dequant_at(int ty, const u8* row, int e) {
     case TY_Q8_0: {
         const u8* b = row + (e / 32) * 34;
         return (float)(i8)b[2 + e % 32] * h2f(ld16(b));
+    }
+    case TY_Q4_0P: {
+        int b = e / 32, j = e % 32;
+        const u8* g = row + (b >> 3) * 144;
+        u8 byte = g[16 + 16 * (b & 7) + (j & 15)];
+        int q = j < 16 ? (byte & 15) : (byte >> 4);
+        return (float)(q - 8) * h2f(ld16(g + 2 * (b & 7)));
+    }
+    case TY_Q8_0P: {
+        int b = e / 32;
+        const u8* g = row + (b >> 3) * 272;
+        return (float)(i8)g[16 + 32 * (b & 7) + e % 32] * h2f(ld16(g + 2 * (b & 7)));
     }
     case TY_Q4_K:
     case TY_Q5_K: {

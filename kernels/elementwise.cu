@@ -19,6 +19,7 @@ __device__ float row_inv_rms(const float* xr, int dim, float eps) {
 // wide: its loads are what the whole op waits for).
 extern "C" __global__ void __launch_bounds__(1024)
     rms_norm(const float* x, const float* weight, int dim, float eps, float* out) {
+    PDL_ENTRY();
     const float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
     float inv = row_inv_rms(xr, dim, eps);
@@ -31,6 +32,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 extern "C" __global__ void __launch_bounds__(1024)
     rms_norm_q8(const float* x, const float* weight, int dim, float eps, float* out, i8* xq,
                 float2* xds) {
+    PDL_ENTRY();
     const float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
     float inv = row_inv_rms(xr, dim, eps);
@@ -44,6 +46,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 
 // out[i] = silu(gate[i]) * up[i]. Launch: any 1-D grid (grid-stride loop).
 extern "C" __global__ void swiglu(const float* gate, const float* up, u64 n, float* out) {
+    PDL_ENTRY();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         float g = gate[i];
         out[i] = g / (1.f + expf(-g)) * up[i];
@@ -52,12 +55,14 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, u64 n, flo
 
 // x[i] += y[i]. Launch: any 1-D grid.
 extern "C" __global__ void add(float* x, const float* y, u64 n) {
+    PDL_ENTRY();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         x[i] += y[i];
 }
 
 // x[i] += bias[i % dim] for i < n. Launch: any 1-D grid.
 extern "C" __global__ void add_bias(float* x, const float* bias, u64 n, u64 dim) {
+    PDL_ENTRY();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         x[i] += bias[i % dim];
 }
@@ -68,6 +73,7 @@ extern "C" __global__ void add_bias(float* x, const float* bias, u64 n, u64 dim)
 extern "C" __global__ void rope(float* x, int n_tokens, int n_heads, int head_dim,
                                 const u32* positions, int n_rot, float freq_base,
                                 float freq_scale, int neox, const float* factors) {
+    PDL_ENTRY();
     int half = n_rot / 2;
     u64 total = (u64)n_tokens * n_heads * half;
     for (u64 idx = blockIdx.x * (u64)blockDim.x + threadIdx.x; idx < total;
@@ -96,6 +102,7 @@ extern "C" __global__ void rope_store_f16(float* q, float* k, const float* v, in
                                           int n_rot, float freq_base, float freq_scale,
                                           int neox, const float* factors, const u32* cells,
                                           u16* kc, u16* vc) {
+    PDL_ENTRY();
     int h = blockIdx.x, t = blockIdx.y;
     bool is_q = h < n_heads;
     int kh = h - n_heads;
@@ -126,6 +133,7 @@ extern "C" __global__ void rope_store_f16(float* q, float* k, const float* v, in
 // out[t] = dequant(table row ids[t]). Launch: gridDim.x = n_ids, blockDim.x = 256.
 extern "C" __global__ void get_rows(const u8* table, int ty, u64 row_bytes, int row_len,
                                     const u32* ids, float* out) {
+    PDL_ENTRY();
     const u8* row = table + (u64)ids[blockIdx.x] * row_bytes;
     float* o = out + (u64)blockIdx.x * row_len;
     for (int e = threadIdx.x; e < row_len; e += blockDim.x) o[e] = dequant_at(ty, row, e);

@@ -35,6 +35,25 @@ __device__ __forceinline__ void decode8(int ty, const u8* row, int e0, float* v)
         for (int i = 0; i < 8; i++) v[i] = (float)(i8)q[i] * d;
         return;
     }
+    case TY_Q4_0P: {
+        int blk = e0 / 32, j0 = e0 % 32;
+        const u8* g = row + (blk >> 3) * 144;
+        float d = h2f(ld16(g + 2 * (blk & 7)));
+        const u8* q = g + 16 + 16 * (blk & 7) + (j0 % 16);
+        int shift = j0 < 16 ? 0 : 4;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = (float)(((q[i] >> shift) & 15) - 8) * d;
+        return;
+    }
+    case TY_Q8_0P: {
+        int blk = e0 / 32;
+        const u8* g = row + (blk >> 3) * 272;
+        float d = h2f(ld16(g + 2 * (blk & 7)));
+        const u8* q = g + 16 + 32 * (blk & 7) + e0 % 32;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = (float)(i8)q[i] * d;
+        return;
+    }
     case TY_Q4_K:
     case TY_Q5_K: {
         bool five = ty == TY_Q5_K;

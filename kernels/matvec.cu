@@ -245,7 +245,7 @@ template <int NT> __device__ void mv_bf16(const u8* w, int rows, int cols, const
 #define MV_ENTRY(name, nt)                                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                         \
         matvec_##name##_##nt(const u8* w, int rows, int cols, const float* x, int n, float* out, \
-                             int accum) {                                                 \
+                             int accum) { PDL_ENTRY();                                                 \
         mv_##name<nt>(w, rows, cols, x, n, out, accum);                                            \
     }
 
@@ -266,6 +266,7 @@ MV_ALL(q6_k)
 // Launch: blockDim.x = 256, one warp per block of 32, n * cols / 32 warps in all.
 extern "C" __global__ void __launch_bounds__(256)
     quantize_q8(const float* x, int cols, int nt, i8* xq, float2* xds) {
+    PDL_ENTRY();
     int warp = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
     int nb = cols / 32;
     if (warp >= nt * nb) return;
@@ -357,7 +358,7 @@ __device__ void mvq3_q4_0(const u8* w0, const u8* w1, const u8* w2, int r0, int 
 #define MVQ3_ENTRY(nt)                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvecq3_q4_0_##nt(                     \
         const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,          \
-        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {           \
+        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) { PDL_ENTRY();           \
         mvq3_q4_0<nt>(w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);                  \
     }
 
@@ -369,7 +370,7 @@ MVQ3_ENTRY(8)
 #define MVQ_SWIGLU_ENTRY(nt)                                                                  \
     extern "C" __global__ void __launch_bounds__(128) matvecq_swiglu_q4_0_##nt(               \
         const u8* wg, const u8* wu, int rows, int cols, const i8* xq, const float2* xds,     \
-        int n, float* out) {                                                                  \
+        int n, float* out) { PDL_ENTRY();                                                                  \
         mvq_swiglu_q4_0<nt>(wg, wu, rows, cols, xq, xds, n, out);                             \
     }
 
@@ -381,7 +382,7 @@ MVQ_SWIGLU_ENTRY(8)
 #define MVQ_ENTRY(name, nt)                                                                   \
     extern "C" __global__ void __launch_bounds__(128) matvecq_##name##_##nt(                  \
         const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n, float* out,     \
-        int accum) {                                                                          \
+        int accum) { PDL_ENTRY();                                                                          \
         mvq_##name<nt>(w, rows, cols, xq, xds, n, out, accum);                                     \
     }
 

@@ -112,6 +112,15 @@ pub trait Backend: Send + Sync + 'static {
     /// Allocates `bytes` of device memory. Fails with [`ComputeError::OutOfMemory`], never aborts.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
 
+    /// Called once weight `w` (rows of `row_len` values of `ty`, the whole buffer) has been
+    /// written in full. The backend may rewrite its bytes in place into a layout its
+    /// kernels read faster (the cuda backend packs Q4_0 and Q8_0 rows); from then on only
+    /// this backend's ops read it, and it must not be written again.
+    fn finish_weight(&self, w: &mut Self::Buffer, ty: GgmlType, row_len: usize) -> Result<()> {
+        let _ = (w, ty, row_len);
+        Ok(())
+    }
+
     /// Copies `src` into `dst` at byte `offset`.
     fn upload(&self, dst: &mut Self::Buffer, offset: usize, src: &[u8]) -> Result<()>;
 

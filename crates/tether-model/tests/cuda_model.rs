@@ -67,7 +67,12 @@ fn greedy<B: Backend>(g: &mut Generator<B>, prompt: &[u32]) -> Vec<u32> {
 /// exactly the reference's tokens when the weights are exact floats. The cpu backend's
 /// distance to the reference is printed beside it: it quantizes activations to 8 bits for
 /// quantized weights (as llama.cpp does), which costs it up to 2e-2 on these models.
-fn check_against_reference(file: &GgufFile, what: &str) {
+///
+/// With `eight_bit` (Q4_0 and Q8_0 weights, whose decode products take 8-bit activations on
+/// both backends, as llama.cpp's do) the bound is the cpu's own distance to the reference
+/// times 1.5, when that is above 1e-2: the cuda backend must be no worse than the cpu; and
+/// up to 8 of the 64 greedy tokens may be near-ties instead of 3.
+fn check_against_reference(file: &GgufFile, what: &str, eight_bit: bool) {
     let reference = Reference::load(file);
     let v = reference.vocab();
     let tokens = prompt(v);
@@ -96,10 +101,21 @@ fn check_against_reference(file: &GgufFile, what: &str) {
     println!(
         "{what}: cuda vs reference {worst:.2e}, cpu vs reference {cpu_worst:.2e}, cuda vs cpu {vs_cpu:.2e}"
     );
-    assert!(worst < 1e-2, "{what}: cuda vs reference {worst:e} >= 1e-2");
+    let bound = if eight_bit {
+        (1.5 * cpu_worst).max(1e-2)
+    } else {
+        1e-2
+    };
+    assert!(
+        worst < bound,
+        "{what}: cuda vs reference {worst:e} >= {bound:e}"
+    );
     let last = on_gpu.prefill_logits(&tokens).unwrap();
     let last_err = relative_error(&last, &want[tokens.len() - 1]);
-    assert!(last_err < 1e-2, "{what}: prefill logits error {last_err:e}");
+    assert!(
+        last_err < bound,
+        "{what}: prefill logits error {last_err:e} >= {bound:e}"
+    );
 
     let prompt = &tokens[..8];
     let ours = greedy(&mut on_gpu, prompt);
@@ -115,7 +131,8 @@ fn check_against_reference(file: &GgufFile, what: &str) {
         println!("{what}: greedy tokens equal the reference's (the cpu's for {same_as_cpu})");
         return;
     }
-    let ties = reference.check_greedy(prompt, &ours, worst_abs, 3, what);
+    let max_ties = if eight_bit { 8 } else { 3 };
+    let ties = reference.check_greedy(prompt, &ours, worst_abs, max_ties, what);
     println!(
         "{what}: greedy tokens are the reference's choices ({ties} near-ties), the cpu's for the first {same_as_cpu}"
     );
@@ -173,7 +190,8 @@ fn every_weight_type_matches_the_reference() {
     for shape in [SynthShape::Tiny, SynthShape::TinyQwen2] {
         for ty in types {
             let (_tmp, file) = synth(shape, ty);
-            check_against_reference(&file, &format!("{} {ty}", shape.name()));
+            let eight_bit = matches!(ty, GgmlType::Q4_0 | GgmlType::Q8_0);
+            check_against_reference(&file, &format!("{} {ty}", shape.name()), eight_bit);
         }
     }
 }
@@ -216,5 +234,5 @@ fn stories260k_matches_the_reference() {
             path.display()
         )
     });
-    check_against_reference(&file, "stories260K");
+    check_against_reference(&file, "stories260K", false);
 }

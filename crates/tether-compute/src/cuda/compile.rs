@@ -24,6 +24,9 @@ struct KernelFile {
     name: &'static str,
     source: &'static str,
     entries: &'static [&'static str],
+    /// Whether every entry begins with `PDL_ENTRY` (or waits before touching memory that
+    /// other kernels use), so it may be launched as a programmatic dependent launch.
+    dependent_launch: bool,
 }
 
 const MATVEC_ENTRIES: &[&str] = &[
@@ -74,15 +77,52 @@ const MATVEC_ENTRIES: &[&str] = &[
     "matvecq_swiglu_q4_0_8",
 ];
 
+const MATVEC_PACKED_ENTRIES: &[&str] = &[
+    "matvecp_q4_0_1",
+    "matvecp3_q4_0_1",
+    "matvecp_swiglu_q4_0_1",
+    "matvecp_q4_0_2",
+    "matvecp3_q4_0_2",
+    "matvecp_swiglu_q4_0_2",
+    "matvecp_q4_0_4",
+    "matvecp3_q4_0_4",
+    "matvecp_swiglu_q4_0_4",
+    "matvecp_q4_0_8",
+    "matvecp3_q4_0_8",
+    "matvecp_swiglu_q4_0_8",
+    "matvecp_q8_0_1",
+    "matvecp3_q8_0_1",
+    "matvecp_swiglu_q8_0_1",
+    "matvecp_q8_0_2",
+    "matvecp3_q8_0_2",
+    "matvecp_swiglu_q8_0_2",
+    "matvecp_q8_0_4",
+    "matvecp3_q8_0_4",
+    "matvecp_swiglu_q8_0_4",
+    "matvecp_q8_0_8",
+    "matvecp3_q8_0_8",
+    "matvecp_swiglu_q8_0_8",
+    "pack_q4_0",
+    "pack_q8_0",
+];
+
 const FILES: &[KernelFile] = &[
     KernelFile {
         name: "matvec",
         source: include_str!("../../../../kernels/matvec.cu"),
+        dependent_launch: true,
         entries: MATVEC_ENTRIES,
+    },
+    KernelFile {
+        name: "matvec_packed",
+        source: include_str!("../../../../kernels/matvec_packed.cu"),
+        dependent_launch: true,
+        entries: MATVEC_PACKED_ENTRIES,
     },
     KernelFile {
         name: "elementwise",
         source: include_str!("../../../../kernels/elementwise.cu"),
+        dependent_launch: true,
         entries: &[
             "rms_norm",
             "rms_norm_q8",
@@ -97,6 +137,7 @@ const FILES: &[KernelFile] = &[
     KernelFile {
         name: "attention",
         source: include_str!("../../../../kernels/attention.cu"),
+        dependent_launch: true,
         entries: &[
             "kv_store_f16",
             "kv_store_quant",
@@ -108,6 +149,7 @@ const FILES: &[KernelFile] = &[
     KernelFile {
         name: "gemm",
         source: include_str!("../../../../kernels/gemm.cu"),
+        dependent_launch: false,
         entries: &[
             "gemm_dequant_f16",
             "gemm_x_f16",
@@ -118,9 +160,17 @@ const FILES: &[KernelFile] = &[
     },
 ];
 
+/// A loaded kernel entry point and whether it may be launched as a programmatic
+/// dependent launch.
+#[derive(Clone)]
+pub(crate) struct Kernel {
+    pub(crate) function: CudaFunction,
+    pub(crate) dependent_launch: bool,
+}
+
 /// Every kernel entry point, loaded into the backend's context.
 pub(crate) struct Kernels {
-    functions: HashMap<&'static str, CudaFunction>,
+    functions: HashMap<&'static str, Kernel>,
 }
 
 impl Kernels {
@@ -155,14 +205,18 @@ impl Kernels {
                 let f = module.load_function(entry).map_err(|e| {
                     driver_err(&format!("finding kernel {entry} in {}", file.name), e)
                 })?;
-                functions.insert(entry, f);
+                let kernel = Kernel {
+                    function: f,
+                    dependent_launch: file.dependent_launch,
+                };
+                functions.insert(entry, kernel);
             }
         }
         Ok(Self { functions })
     }
 
     /// The entry point `name` (one of the names listed in `FILES`).
-    pub(crate) fn get(&self, name: &str) -> Result<&CudaFunction> {
+    pub(crate) fn get(&self, name: &str) -> Result<&Kernel> {
         self.functions.get(name).ok_or_else(|| {
             ComputeError::Device(format!("kernel {name} was not loaded; this is a bug"))
         })

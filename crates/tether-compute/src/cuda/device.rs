@@ -74,6 +74,7 @@ impl Device {
             len: bytes,
             device: self.clone(),
             block: None,
+            packed: false,
         })
     }
 
@@ -115,6 +116,7 @@ impl Device {
                         len,
                         device: self.clone(),
                         block: Some(block.clone()),
+                        packed: false,
                     }
                 }
             })
@@ -186,6 +188,9 @@ pub struct CudaBuffer {
     /// The shared allocation this buffer is part of (freed with the last part), or `None`
     /// when the buffer owns its memory.
     block: Option<Arc<Block>>,
+    /// Whether its Q4_0 / Q8_0 rows were rewritten in the packed layout
+    /// (kernels/matvec_packed.cu) by `finish_weight`.
+    pub(crate) packed: bool,
 }
 
 impl CudaBuffer {
@@ -195,6 +200,7 @@ impl CudaBuffer {
             len: 0,
             device: device.clone(),
             block: None,
+            packed: false,
         }
     }
 

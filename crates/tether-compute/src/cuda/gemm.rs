@@ -95,6 +95,8 @@ impl GemmWorkspace {
 pub(super) struct GemmArgs {
     pub(super) w: u64,
     pub(super) ty: GgmlType,
+    /// Whether the weights are in the packed layout (packed.rs).
+    pub(super) packed: bool,
     pub(super) rows: usize,
     pub(super) cols: usize,
     pub(super) x: u64,
@@ -169,7 +171,11 @@ impl CudaBackend {
         let (cols_arg, kp_arg) = (int(OP, "cols", a.cols)?, int(OP, "padded cols", kp)?);
         let ldo = int(OP, "rows", a.rows)?;
         let _ = int(OP, "token count", a.n_tokens)?;
-        let ty = Arg::I32(a.ty.id() as i32);
+        let ty = Arg::I32(if a.packed {
+            super::packed::packed_type_id(a.ty)
+        } else {
+            a.ty.id() as i32
+        });
 
         // Held while enqueuing: the one stream orders the kernels of successive calls, so
         // the next call may reuse the workspace as soon as this one has enqueued.
@@ -347,6 +353,7 @@ mod gpu_tests {
         let args = GemmArgs {
             w: w.ptr(),
             ty,
+            packed: false,
             rows,
             cols,
             x: x.ptr(),

@@ -37,6 +37,8 @@ pub(crate) enum Cmd {
     Launch {
         name: String,
         func: CudaFunction,
+        /// Launch as a programmatic dependent launch (see `PDL_ENTRY` in common.cuh).
+        dependent: bool,
         cfg: LaunchConfig,
         args: Vec<Arg>,
     },
@@ -52,18 +54,21 @@ impl PartialEq for Cmd {
             (
                 Cmd::Launch {
                     name: a,
+                    dependent: p,
                     cfg: c,
                     args: x,
                     ..
                 },
                 Cmd::Launch {
                     name: b,
+                    dependent: q,
                     cfg: d,
                     args: y,
                     ..
                 },
             ) => {
                 a == b
+                    && p == q
                     && (c.grid_dim, c.block_dim, c.shared_mem_bytes)
                         == (d.grid_dim, d.block_dim, d.shared_mem_bytes)
                     && x == y
@@ -89,9 +94,10 @@ impl Cmd {
             Cmd::Launch {
                 name,
                 func,
+                dependent,
                 cfg,
                 args,
-            } => launch(stream, func, name, *cfg, args),
+            } => launch(stream, func, name, *cfg, args, *dependent),
             Cmd::HostToDevice { dst, src, bytes } => {
                 // SAFETY: `src` is `bytes` of the staging ring's pinned host memory, which
                 // lives as long as the backend and is not rewritten before the stream has

@@ -40,14 +40,20 @@ pub(crate) fn grid_for(n: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-/// Launches `f` on `stream` with `args` (in the kernel's parameter order).
+/// Launches `f` on `stream` with `args` (in the kernel's parameter order); as a
+/// programmatic dependent launch when `dependent` (the kernel must begin with
+/// `PDL_ENTRY`, see common.cuh).
 pub(crate) fn launch(
     stream: &CudaStream,
     f: &CudaFunction,
     name: &str,
     cfg: LaunchConfig,
     args: &[Arg],
+    dependent: bool,
 ) -> Result<()> {
+    if dependent {
+        return launch_dependent(stream, f, name, cfg, args);
+    }
     let mut b = stream.launch_builder(f);
     // The builder keeps pointers to the values: they live in `args` until the launch.
     for a in args {
@@ -63,4 +69,71 @@ pub(crate) fn launch(
     unsafe { b.launch(cfg) }
         .map(|_| ())
         .map_err(|e| driver_err(&format!("launching kernel {name}"), e))
+}
+
+/// [`launch`] through `cuLaunchKernelEx` with programmatic stream serialization: the
+/// kernel's blocks may start before the previous kernel on the stream has finished, and
+/// wait for it (`griddepcontrol.wait`) before they touch its results. Recorded into a CUDA
+/// graph, the attribute becomes a programmatic edge.
+fn launch_dependent(
+    stream: &CudaStream,
+    f: &CudaFunction,
+    name: &str,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<()> {
+    use cudarc::driver::sys;
+    use std::ffi::c_void;
+
+    // Each value in an 8-byte slot: the driver reads as many bytes as the parameter has
+    // from the start of its slot (little-endian, so an int is the slot's low bytes).
+    let mut slots: Vec<u64> = args
+        .iter()
+        .map(|a| match *a {
+            Arg::Ptr(v) | Arg::U64(v) => v,
+            Arg::I32(v) => u64::from(v as u32),
+            Arg::F32(v) => u64::from(v.to_bits()),
+        })
+        .collect();
+    let mut params: Vec<*mut c_void> = slots
+        .iter_mut()
+        .map(|s| (s as *mut u64).cast::<c_void>())
+        .collect();
+    // SAFETY: an all-zero attribute value is valid (a plain C union of integers).
+    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    value.programmaticStreamSerializationAllowed = 1;
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value,
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| driver_err(&format!("binding the context to launch {name}"), e))?;
+    // SAFETY: `params` points at one slot per kernel parameter, in order, all alive until
+    // the call returns (the driver copies them); the pointers among them are live buffers
+    // whose sizes the op checked; `attr` and `config` outlive the call.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(|e| driver_err(&format!("launching kernel {name}"), e))
 }

@@ -16,6 +16,7 @@ use tether_gguf::GgmlType;
 
 use super::check::shape_err;
 use super::launch::{Arg, int};
+use super::packed::packed_stem;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::Result;
 
@@ -24,7 +25,7 @@ const MV_ROWS_PER_BLOCK: usize = 4;
 /// Most tokens one matvec launch multiplies; larger batches are split.
 pub(crate) const MV_MAX_TOKENS: usize = 8;
 /// Widest activation row the 8-bit path takes; wider rows use the f32 kernels.
-const XQ_MAX_COLS: usize = 1 << 16;
+pub(super) const XQ_MAX_COLS: usize = 1 << 16;
 /// Bytes of the quantized-activation buffer: `MV_MAX_TOKENS` rows of int8 values, then
 /// one (scale, scaled sum) f32 pair per 32 values.
 pub(crate) const XQ_BYTES: usize = XQ_SCALES_AT + MV_MAX_TOKENS * (XQ_MAX_COLS / 32) * 8;
@@ -60,6 +61,8 @@ struct QuantizedInput<'a> {
 pub(crate) struct MatvecArgs {
     pub w: u64,
     pub ty: GgmlType,
+    /// Whether `w` is in the packed layout (packed.rs).
+    pub packed: bool,
     pub rows: usize,
     pub cols: usize,
     pub x: u64,
@@ -67,6 +70,16 @@ pub(crate) struct MatvecArgs {
     pub out: u64,
     /// Add into `out` instead of overwriting it.
     pub accumulate: bool,
+}
+
+/// Which kernels run a decode product fused with others (q/k/v; gate and up): the
+/// packed-layout ones (`matvecp…`) of one type, or the GGUF-layout Q4_0 ones (`matvecq…`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Fused {
+    prefix: &'static str,
+    stem: &'static str,
+    /// Whether the kernels take 8-bit activations (else the f32 rows).
+    int8: bool,
 }
 
 /// The name stem of the matvec kernels for `ty`.
@@ -107,7 +120,15 @@ impl CudaBackend {
             block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let int8 = a.ty == GgmlType::Q4_0 && a.cols.is_multiple_of(32) && a.cols <= XQ_MAX_COLS;
+        // Packed weights and GGUF-layout Q4_0 take 8-bit activations; the rest take f32.
+        let packed = a.packed && packed_stem(a.ty).is_some();
+        let int8 = packed
+            || (a.ty == GgmlType::Q4_0 && a.cols.is_multiple_of(32) && a.cols <= XQ_MAX_COLS);
+        let prefix = match (packed, int8) {
+            (true, _) => "matvecp",
+            (false, true) => "matvecq",
+            (false, false) => "matvec",
+        };
         let mut t0 = 0;
         while t0 < a.n_tokens {
             let n = (a.n_tokens - t0).min(MV_MAX_TOKENS);
@@ -127,7 +148,7 @@ impl CudaBackend {
                     Arg::I32(i32::from(a.accumulate)),
                 ];
                 // Not `run`: the output is never the quantized input, which stays valid.
-                self.launch_kernel(&format!("matvecq_{stem}_{width}"), cfg, &args)?;
+                self.launch_kernel(&format!("{prefix}_{stem}_{width}"), cfg, &args)?;
             } else {
                 let args = [
                     Arg::Ptr(a.w),
@@ -138,17 +159,18 @@ impl CudaBackend {
                     Arg::Ptr(out),
                     Arg::I32(i32::from(a.accumulate)),
                 ];
-                self.run(&format!("matvec_{stem}_{width}"), cfg, &args)?;
+                self.run(&format!("{prefix}_{stem}_{width}"), cfg, &args)?;
             }
             t0 += n;
         }
         Ok(())
     }
 
-    /// Three Q4_0 products of one input in one launch (attention's q, k and v): the small k
+    /// Three products of one input in one launch (attention's q, k and v): the small k
     /// and v matrices alone leave most of the GPU idle. `m[i]` is (weights, output).
     pub(super) fn matvec3(
         &self,
+        family: Fused,
         m: [(u64, u64); 3],
         rows: [usize; 3],
         cols: usize,
@@ -164,9 +186,7 @@ impl CudaBackend {
             block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let xin = self.quantized_input(x, cols, n)?;
-        let (q, ds) = (xin.q, xin.ds);
-        let args = [
+        let mut args = vec![
             Arg::Ptr(m[0].0),
             Arg::Ptr(m[1].0),
             Arg::Ptr(m[2].0),
@@ -174,15 +194,27 @@ impl CudaBackend {
             int(OP, "rows", rows[1])?,
             int(OP, "rows", rows[2])?,
             int(OP, "cols", cols)?,
-            Arg::Ptr(q),
-            Arg::Ptr(ds),
+        ];
+        // Held until the launch is queued (see `quantized_input`).
+        let xin = if family.int8 {
+            let xin = self.quantized_input(x, cols, n)?;
+            args.extend([Arg::Ptr(xin.q), Arg::Ptr(xin.ds)]);
+            Some(xin)
+        } else {
+            args.push(Arg::Ptr(x));
+            None
+        };
+        args.extend([
             Arg::I32(n as i32),
             Arg::Ptr(m[0].1),
             Arg::Ptr(m[1].1),
             Arg::Ptr(m[2].1),
-        ];
+        ]);
         let width = n.next_power_of_two();
-        self.launch_kernel(&format!("matvecq3_q4_0_{width}"), cfg, &args)
+        let Fused { prefix, stem, .. } = family;
+        let launched = self.launch_kernel(&format!("{prefix}3_{stem}_{width}"), cfg, &args);
+        drop(xin);
+        launched
     }
 
     /// Runs `launch`, an op that writes `n` rows of `cols` f32 at `x` and also their 8-bit
@@ -231,21 +263,46 @@ impl CudaBackend {
         })
     }
 
-    /// Whether the fused Q4_0 decode kernels ([`Self::matvec3`], [`Self::matvec_swiglu`])
-    /// take a product of this type and size (else: one matmul after another).
-    pub(super) fn fuses_q4_0(&self, ty: GgmlType, cols: usize, n_tokens: usize) -> bool {
-        ty == GgmlType::Q4_0
-            && cols > 0
-            && cols.is_multiple_of(32)
-            && cols <= XQ_MAX_COLS
-            && n_tokens <= MV_MAX_TOKENS
+    /// The fused decode kernels that take products of these weights (each with its type),
+    /// `cols` wide, for `n_tokens`: the packed ones when all are packed and of one type, the
+    /// GGUF-layout Q4_0 ones when all are unpacked Q4_0; `None` runs them one by one.
+    pub(super) fn fused_family<const N: usize>(
+        &self,
+        weights: [(&CudaBuffer, GgmlType); N],
+        cols: usize,
+        n_tokens: usize,
+    ) -> Option<Fused> {
+        let sizes_fit =
+            cols > 0 && cols.is_multiple_of(32) && cols <= XQ_MAX_COLS && n_tokens <= MV_MAX_TOKENS;
+        let (first, ty) = *weights.first()?;
+        if !sizes_fit
+            || weights
+                .iter()
+                .any(|&(w, t)| t != ty || w.packed != first.packed)
+        {
+            return None;
+        }
+        match (first.packed, ty) {
+            (true, _) => packed_stem(ty).map(|stem| Fused {
+                prefix: "matvecp",
+                stem,
+                int8: true,
+            }),
+            (false, GgmlType::Q4_0) => Some(Fused {
+                prefix: "matvecq",
+                stem: "q4_0",
+                int8: true,
+            }),
+            _ => None,
+        }
     }
 
-    /// `out[t] = silu(gate · x[t]) · (up · x[t])` in one launch (Q4_0, at most
-    /// [`MV_MAX_TOKENS`] tokens; see `fuses_q4_0`).
+    /// `out[t] = silu(gate · x[t]) · (up · x[t])` in one launch (at most
+    /// [`MV_MAX_TOKENS`] tokens; see `fused_family`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matvec_swiglu(
         &self,
+        family: Fused,
         gate: u64,
         up: u64,
         rows: usize,
@@ -262,20 +319,27 @@ impl CudaBackend {
             block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let xin = self.quantized_input(x, cols, n)?;
-        let (q, ds) = (xin.q, xin.ds);
-        let args = [
+        let mut args = vec![
             Arg::Ptr(gate),
             Arg::Ptr(up),
             int(OP, "rows", rows)?,
             int(OP, "cols", cols)?,
-            Arg::Ptr(q),
-            Arg::Ptr(ds),
-            Arg::I32(n as i32),
-            Arg::Ptr(out),
         ];
+        // Held until the launch is queued (see `quantized_input`).
+        let xin = if family.int8 {
+            let xin = self.quantized_input(x, cols, n)?;
+            args.extend([Arg::Ptr(xin.q), Arg::Ptr(xin.ds)]);
+            Some(xin)
+        } else {
+            args.push(Arg::Ptr(x));
+            None
+        };
+        args.extend([Arg::I32(n as i32), Arg::Ptr(out)]);
         let width = n.next_power_of_two();
-        self.launch_kernel(&format!("matvecq_swiglu_q4_0_{width}"), cfg, &args)
+        let Fused { prefix, stem, .. } = family;
+        let launched = self.launch_kernel(&format!("{prefix}_swiglu_{stem}_{width}"), cfg, &args);
+        drop(xin);
+        launched
     }
 
     /// Quantizes `n` rows of `cols` f32 at `x` into 8-bit blocks at `q` with their scales

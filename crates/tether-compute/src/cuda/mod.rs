@@ -15,6 +15,7 @@ mod graph;
 mod launch;
 mod matvec;
 mod ops;
+mod packed;
 mod staging;
 
 pub use device::CudaBuffer;
@@ -52,6 +53,11 @@ pub struct CudaBackend {
     capture: Arc<cudarc::driver::CudaStream>,
     /// Multiprocessors of the device: decode attention splits its cells to fill them.
     sm_count: usize,
+    /// Whether kernels that allow it are launched as programmatic dependent launches
+    /// (compute capability 9.0 and later, unless `TETHER_PDL=0`): each kernel's blocks start
+    /// while the previous one finishes, which hides a launch's latency and lets the decode
+    /// products fetch their weights early.
+    dependent_launches: bool,
     /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
     gemm_ws: Mutex<GemmWorkspace>,
 }
@@ -131,6 +137,8 @@ impl CudaBackend {
             step: Mutex::new(()),
             write_epoch: AtomicU64::new(0),
             sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
+            dependent_launches: cc.0 >= 9
+                && std::env::var_os("TETHER_PDL").is_none_or(|v| v != "0"),
             gemm_ws,
         })
     }

@@ -29,9 +29,11 @@ impl CudaBackend {
 
     /// Launches (or records, see graph.rs) kernel `name` without retiring quantized inputs.
     pub(super) fn launch_kernel(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let kernel = self.kernels.get(name)?;
         self.device.submit(Cmd::Launch {
             name: name.to_string(),
-            func: self.kernels.get(name)?.clone(),
+            func: kernel.function.clone(),
+            dependent: kernel.dependent_launch && self.dependent_launches,
             cfg,
             args: args.to_vec(),
         })
@@ -96,7 +98,17 @@ impl Backend for CudaBackend {
         self.device.alloc(bytes)
     }
 
+    fn finish_weight(&self, w: &mut CudaBuffer, ty: GgmlType, row_len: usize) -> Result<()> {
+        self.pack_weight(w, ty, row_len)
+    }
+
     fn upload(&self, dst: &mut CudaBuffer, offset: usize, src: &[u8]) -> Result<()> {
+        if dst.packed {
+            return Err(shape_err(
+                "upload",
+                "the buffer holds a finished weight in the packed layout; it cannot be written again".to_string(),
+            ));
+        }
         self.wrote();
         self.device.flush_recorded()?;
         need(
@@ -179,7 +191,7 @@ impl Backend for CudaBackend {
         };
         let args = [
             Arg::Ptr(t),
-            Arg::I32(ty.id() as i32),
+            Arg::I32(super::packed::kernel_type_id(table, ty)),
             Arg::U64(rb as u64),
             row_len,
             Arg::Ptr(ids_at),
@@ -209,6 +221,7 @@ impl Backend for CudaBackend {
             return self.gemm(&GemmArgs {
                 w: wp,
                 ty,
+                packed: w.packed,
                 rows,
                 cols,
                 x: xp,
@@ -219,6 +232,7 @@ impl Backend for CudaBackend {
         self.matvec(MatvecArgs {
             w: wp,
             ty,
+            packed: w.packed,
             rows,
             cols,
             x: xp,
@@ -238,13 +252,17 @@ impl Backend for CudaBackend {
         n_tokens: usize,
         outs: [&mut CudaBuffer; 3],
     ) -> Result<()> {
-        let fused = types.iter().all(|&t| self.fuses_q4_0(t, cols, n_tokens));
-        if !fused {
+        let family = self.fused_family(
+            [(ws[0], types[0]), (ws[1], types[1]), (ws[2], types[2])],
+            cols,
+            n_tokens,
+        );
+        let Some(family) = family else {
             for (i, out) in outs.into_iter().enumerate() {
                 self.matmul(ws[i], types[i], rows[i], cols, x, n_tokens, out)?;
             }
             return Ok(());
-        }
+        };
         let mut addrs = [(0u64, 0u64); 3];
         let mut xp = 0;
         for i in 0..3 {
@@ -256,7 +274,7 @@ impl Backend for CudaBackend {
         if n_tokens == 0 || rows.iter().sum::<usize>() == 0 {
             return Ok(());
         }
-        self.matvec3(addrs, rows, cols, xp, n_tokens)
+        self.matvec3(family, addrs, rows, cols, xp, n_tokens)
     }
 
     fn matmul_swiglu(
@@ -272,17 +290,18 @@ impl Backend for CudaBackend {
         gate_tmp: &mut CudaBuffer,
         up_tmp: &mut CudaBuffer,
     ) -> Result<()> {
-        if !self.fuses_q4_0(ty, cols, n_tokens) {
+        let family = self.fused_family([(gate, ty), (up, ty)], cols, n_tokens);
+        let Some(family) = family else {
             self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
             self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
             return self.swiglu(gate_tmp, up_tmp, n_tokens * rows, out);
-        }
+        };
         let (gp, xp, op) = self.matmul_operands(gate, ty, rows, cols, x, n_tokens, out)?;
         let (up_p, _, _) = self.matmul_operands(up, ty, rows, cols, x, n_tokens, out)?;
         if rows == 0 || n_tokens == 0 {
             return Ok(());
         }
-        self.matvec_swiglu(gp, up_p, rows, cols, xp, n_tokens, op)
+        self.matvec_swiglu(family, gp, up_p, rows, cols, xp, n_tokens, op)
     }
 
     fn matmul_add(
@@ -308,6 +327,7 @@ impl Backend for CudaBackend {
         self.matvec(MatvecArgs {
             w: wp,
             ty,
+            packed: w.packed,
             rows,
             cols,
             x: xp,

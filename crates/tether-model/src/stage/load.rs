@@ -27,6 +27,11 @@ impl<B: Backend> Stage<B> {
             ModelError::InvalidArgument(format!("tensor '{name}' is not part of this stage"))
         })?;
         let w = &mut self.weights[i];
+        if w.finished {
+            return Err(ModelError::FailedPrecondition(format!(
+                "tensor '{name}' was already loaded in full and finished; a stage's weights are written once"
+            )));
+        }
         let size = w.buf.bytes() as u64;
         let end = offset.checked_add(data.len() as u64).filter(|&e| e <= size);
         let (Some(end), Ok(at)) = (end, usize::try_from(offset)) else {
@@ -58,6 +63,15 @@ impl<B: Backend> Stage<B> {
                     w.name, w.ty
                 )));
             }
+        }
+        for w in self.weights.iter_mut().filter(|w| !w.finished) {
+            self.backend
+                .finish_weight(&mut w.buf, w.ty, w.row_len)
+                .map_err(|source| ModelError::Compute {
+                    what: format!("finishing tensor '{}'", w.name),
+                    source,
+                })?;
+            w.finished = true;
         }
         self.synchronize()?;
         self.loaded = true;

@@ -65,9 +65,14 @@ pub struct TensorSlot {
 struct Weight<Buf> {
     name: String,
     ty: GgmlType,
+    /// Values per row (`dims[0]`).
+    row_len: usize,
     buf: Buf,
     /// Sorted, merged, half-open ranges written so far.
     written: Vec<(u64, u64)>,
+    /// Handed to `Backend::finish_weight`, which may have changed its layout: no more
+    /// writes.
+    finished: bool,
 }
 
 /// Indices into `Stage::weights` of one layer's tensors.
@@ -294,8 +299,10 @@ impl<B: Backend> Stage<B> {
             weights.push(Weight {
                 name: t.name.clone(),
                 ty: t.ty,
+                row_len: t.dims.first().map_or(0, |&d| d as usize),
                 buf: next()?,
                 written: Vec::new(),
+                finished: false,
             });
         }
         let mut kv_cache = Vec::with_capacity(n_layers);

@@ -203,6 +203,22 @@ fn loading_checks_bounds_and_completeness() {
         stage.embed(&[1], &mut h).is_err(),
         "not ready before a complete load"
     );
+
+    // Completed and finished, a weight takes no more writes (a backend may have changed
+    // its layout), and the stage still runs.
+    let up = m.file.tensor("blk.0.ffn_up.weight").unwrap();
+    let data = m.file.tensor_data(up);
+    let half = data.len() / 2;
+    stage
+        .load_tensor("blk.0.ffn_up.weight", half as u64, &data[half..])
+        .unwrap();
+    stage.finish_load().unwrap();
+    let err = stage
+        .load_tensor("blk.0.ffn_up.weight", 0, &data[..16])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("already loaded in full"), "{err}");
+    stage.embed(&[1], &mut h).unwrap();
 }
 
 fn cfg_embd(stage: &Stage<CpuBackend>) -> usize {

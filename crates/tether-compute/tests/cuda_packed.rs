@@ -1,0 +1,242 @@
+//! Q4_0 and Q8_0 weights after `finish_weight`, which packs them on the GPU (the cpu keeps
+//! GGUF's layout): every op that reads a weight gives the cpu's results, for decode
+//! batches (packed products) and prefill batches (GEMM), fused or not.
+//!
+//! GPU tests, ignored by default: `cargo test -p tether-compute --test cuda_packed --
+//! --ignored`. Without a GPU they fail.
+
+use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_gguf::GgmlType;
+
+mod common;
+use common::{Rng, cpu, f32_bytes, get, gpu, put, random_weights};
+
+/// ‖a − b‖ / ‖b‖, after checking every value is finite.
+fn relative_error(what: &str, a: &[f32], b: &[f32]) -> f64 {
+    assert!(a.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+    let d: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (d / n.max(1e-30)).sqrt()
+}
+
+/// A weight on both backends, finished; returns the buffers and whether the GPU's bytes
+/// changed (packed).
+struct Finished {
+    g: <CudaBackend as Backend>::Buffer,
+    c: <CpuBackend as Backend>::Buffer,
+    packed: bool,
+}
+
+fn finished(g: &CudaBackend, c: &CpuBackend, ty: GgmlType, bytes: &[u8], cols: usize) -> Finished {
+    let (mut wg, mut wc) = (put(g, bytes), put(c, bytes));
+    g.finish_weight(&mut wg, ty, cols).unwrap();
+    c.finish_weight(&mut wc, ty, cols).unwrap();
+    let mut now = vec![0u8; bytes.len()];
+    g.download(&wg, 0, &mut now).unwrap();
+    Finished {
+        g: wg,
+        c: wc,
+        packed: now != bytes,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn packed_weights_give_the_cpus_products() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(31);
+    for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+        // 288 values are 9 blocks, not whole groups of 8: left unpacked.
+        for (cols, packs) in [(256usize, true), (4096, true), (14336, true), (288, false)] {
+            let rows = 67;
+            let bytes = random_weights(&mut rng, ty, rows * cols);
+            let w = finished(&g, &c, ty, &bytes, cols);
+            assert_eq!(w.packed, packs, "{ty} {rows}x{cols}: packed");
+            for n in [1usize, 2, 3, 8, 13] {
+                let x = rng.f32s(n * cols, 1.0);
+                let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
+                let mut og = g.alloc(n * rows * 4).unwrap();
+                let mut oc = c.alloc(n * rows * 4).unwrap();
+                g.matmul(&w.g, ty, rows, cols, &xg, n, &mut og).unwrap();
+                c.matmul(&w.c, ty, rows, cols, &xc, n, &mut oc).unwrap();
+                let what = format!("matmul {ty} {rows}x{cols} n={n}");
+                let e = relative_error(&what, &get(&g, &og, n * rows), &get(&c, &oc, n * rows));
+                assert!(e < 1e-2, "{what}: relative error {e}");
+
+                // The residual add fused into the product.
+                let start = f32_bytes(&rng.f32s(n * rows, 1.0));
+                let (mut ag, mut ac) = (put(&g, &start), put(&c, &start));
+                let mut tg = g.alloc(n * rows * 4).unwrap();
+                let mut tc = c.alloc(n * rows * 4).unwrap();
+                g.matmul_add(&w.g, ty, rows, cols, &xg, n, &mut ag, &mut tg)
+                    .unwrap();
+                c.matmul_add(&w.c, ty, rows, cols, &xc, n, &mut ac, &mut tc)
+                    .unwrap();
+                let what = format!("matmul_add {ty} {rows}x{cols} n={n}");
+                let e = relative_error(&what, &get(&g, &ag, n * rows), &get(&c, &ac, n * rows));
+                assert!(e < 1e-2, "{what}: relative error {e}");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn packed_weights_give_the_cpus_fused_products_and_rows() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(37);
+    for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+        let cols = 512;
+        let rows = [96usize, 32, 32];
+        let ws: Vec<Finished> = rows
+            .iter()
+            .map(|&r| finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols))
+            .collect();
+        assert!(ws.iter().all(|w| w.packed), "{ty}: packed");
+        for n in [1usize, 5, 8, 12] {
+            let x = rng.f32s(n * cols, 1.0);
+            let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
+            let mut og: Vec<_> = rows.iter().map(|r| g.alloc(n * r * 4).unwrap()).collect();
+            let mut oc: Vec<_> = rows.iter().map(|r| c.alloc(n * r * 4).unwrap()).collect();
+            let [g0, g1, g2] = &mut og[..] else {
+                unreachable!()
+            };
+            g.matmul3(
+                [&ws[0].g, &ws[1].g, &ws[2].g],
+                [ty; 3],
+                rows,
+                cols,
+                &xg,
+                n,
+                [g0, g1, g2],
+            )
+            .unwrap();
+            let [c0, c1, c2] = &mut oc[..] else {
+                unreachable!()
+            };
+            c.matmul3(
+                [&ws[0].c, &ws[1].c, &ws[2].c],
+                [ty; 3],
+                rows,
+                cols,
+                &xc,
+                n,
+                [c0, c1, c2],
+            )
+            .unwrap();
+            for i in 0..3 {
+                let what = format!("matmul3 {ty} output {i} n={n}");
+                let e = relative_error(
+                    &what,
+                    &get(&g, &og[i], n * rows[i]),
+                    &get(&c, &oc[i], n * rows[i]),
+                );
+                assert!(e < 1e-2, "{what}: relative error {e}");
+            }
+
+            // Gate and up: rows 0 and 1 of the first two matrices' shapes differ, so take
+            // the first matrix twice (the kernel reads two buffers either way).
+            let r = rows[0];
+            let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols);
+            let scratch = |b: &CudaBackend| b.alloc(n * r * 4).unwrap();
+            let (mut sg, mut g1, mut g2) = (scratch(&g), scratch(&g), scratch(&g));
+            let (mut sc, mut c1, mut c2) = (
+                c.alloc(n * r * 4).unwrap(),
+                c.alloc(n * r * 4).unwrap(),
+                c.alloc(n * r * 4).unwrap(),
+            );
+            g.matmul_swiglu(
+                &ws[0].g, &up.g, ty, r, cols, &xg, n, &mut sg, &mut g1, &mut g2,
+            )
+            .unwrap();
+            c.matmul_swiglu(
+                &ws[0].c, &up.c, ty, r, cols, &xc, n, &mut sc, &mut c1, &mut c2,
+            )
+            .unwrap();
+            let what = format!("matmul_swiglu {ty} n={n}");
+            let e = relative_error(&what, &get(&g, &sg, n * r), &get(&c, &sc, n * r));
+            assert!(e < 1e-2, "{what}: relative error {e}");
+        }
+
+        // Embedding rows come out of a packed table exactly as the cpu decodes them.
+        let table = finished(&g, &c, ty, &random_weights(&mut rng, ty, 7 * cols), cols);
+        assert!(table.packed);
+        let ids = [6u32, 0, 3, 3, 1];
+        let mut og = g.alloc(ids.len() * cols * 4).unwrap();
+        let mut oc = c.alloc(ids.len() * cols * 4).unwrap();
+        g.get_rows(&table.g, ty, cols, &ids, &mut og).unwrap();
+        c.get_rows(&table.c, ty, cols, &ids, &mut oc).unwrap();
+        let n = ids.len() * cols;
+        let what = format!("get_rows {ty}");
+        let e = relative_error(&what, &get(&g, &og, n), &get(&c, &oc, n));
+        assert!(e < 1e-6, "{what}: relative error {e}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_finished_weight_cannot_be_written_and_mixed_layouts_still_multiply() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(41);
+    let ty = GgmlType::Q4_0;
+    let cols = 512;
+    let bytes = random_weights(&mut rng, ty, 64 * cols);
+    let mut w = finished(&g, &c, ty, &bytes, cols);
+    assert!(w.packed);
+    assert!(
+        g.upload(&mut w.g, 0, &bytes[..64]).is_err(),
+        "a packed weight took a write"
+    );
+    // Finishing twice leaves it as it is.
+    let mut first = vec![0u8; bytes.len()];
+    g.download(&w.g, 0, &mut first).unwrap();
+    g.finish_weight(&mut w.g, ty, cols).unwrap();
+    let mut again = vec![0u8; bytes.len()];
+    g.download(&w.g, 0, &mut again).unwrap();
+    assert_eq!(
+        again, first,
+        "a second finish_weight packed the packed bytes again"
+    );
+
+    // q packed, k and v not: the three products run apart and still agree.
+    let plain = (put(&g, &bytes), put(&c, &bytes));
+    let x = rng.f32s(cols, 1.0);
+    let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
+    let mut og: Vec<_> = (0..3).map(|_| g.alloc(64 * 4).unwrap()).collect();
+    let mut oc: Vec<_> = (0..3).map(|_| c.alloc(64 * 4).unwrap()).collect();
+    let [g0, g1, g2] = &mut og[..] else {
+        unreachable!()
+    };
+    g.matmul3(
+        [&w.g, &plain.0, &plain.0],
+        [ty; 3],
+        [64; 3],
+        cols,
+        &xg,
+        1,
+        [g0, g1, g2],
+    )
+    .unwrap();
+    let [c0, c1, c2] = &mut oc[..] else {
+        unreachable!()
+    };
+    c.matmul3(
+        [&w.c, &plain.1, &plain.1],
+        [ty; 3],
+        [64; 3],
+        cols,
+        &xc,
+        1,
+        [c0, c1, c2],
+    )
+    .unwrap();
+    for i in 0..3 {
+        let what = format!("mixed matmul3 output {i}");
+        let e = relative_error(&what, &get(&g, &og[i], 64), &get(&c, &oc[i], 64));
+        assert!(e < 1e-2, "{what}: relative error {e}");
+    }
+}
