@@ -78,8 +78,6 @@ pub(crate) struct MatvecArgs {
 pub(crate) struct Fused {
     prefix: &'static str,
     stem: &'static str,
-    /// Whether the kernels take 8-bit activations (else the f32 rows).
-    int8: bool,
 }
 
 /// The name stem of the matvec kernels for `ty`.
@@ -196,14 +194,8 @@ impl CudaBackend {
             int(OP, "cols", cols)?,
         ];
         // Held until the launch is queued (see `quantized_input`).
-        let xin = if family.int8 {
-            let xin = self.quantized_input(x, cols, n)?;
-            args.extend([Arg::Ptr(xin.q), Arg::Ptr(xin.ds)]);
-            Some(xin)
-        } else {
-            args.push(Arg::Ptr(x));
-            None
-        };
+        let xin = self.quantized_input(x, cols, n)?;
+        args.extend([Arg::Ptr(xin.q), Arg::Ptr(xin.ds)]);
         args.extend([
             Arg::I32(n as i32),
             Arg::Ptr(m[0].1),
@@ -211,7 +203,7 @@ impl CudaBackend {
             Arg::Ptr(m[2].1),
         ]);
         let width = n.next_power_of_two();
-        let Fused { prefix, stem, .. } = family;
+        let Fused { prefix, stem } = family;
         let launched = self.launch_kernel(&format!("{prefix}3_{stem}_{width}"), cfg, &args);
         drop(xin);
         launched
@@ -286,12 +278,10 @@ impl CudaBackend {
             (true, _) => packed_stem(ty).map(|stem| Fused {
                 prefix: "matvecp",
                 stem,
-                int8: true,
             }),
             (false, GgmlType::Q4_0) => Some(Fused {
                 prefix: "matvecq",
                 stem: "q4_0",
-                int8: true,
             }),
             _ => None,
         }
@@ -326,17 +316,11 @@ impl CudaBackend {
             int(OP, "cols", cols)?,
         ];
         // Held until the launch is queued (see `quantized_input`).
-        let xin = if family.int8 {
-            let xin = self.quantized_input(x, cols, n)?;
-            args.extend([Arg::Ptr(xin.q), Arg::Ptr(xin.ds)]);
-            Some(xin)
-        } else {
-            args.push(Arg::Ptr(x));
-            None
-        };
+        let xin = self.quantized_input(x, cols, n)?;
+        args.extend([Arg::Ptr(xin.q), Arg::Ptr(xin.ds)]);
         args.extend([Arg::I32(n as i32), Arg::Ptr(out)]);
         let width = n.next_power_of_two();
-        let Fused { prefix, stem, .. } = family;
+        let Fused { prefix, stem } = family;
         let launched = self.launch_kernel(&format!("{prefix}_swiglu_{stem}_{width}"), cfg, &args);
         drop(xin);
         launched
