@@ -83,6 +83,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Total and free device memory.
     fn memory_info(&self) -> Result<MemoryInfo>;
 
+    /// Device memory this process holds on the device, as the driver's management library
+    /// counts it per process (NVML on NVIDIA GPUs), when it can tell. Unlike
+    /// [`Backend::memory_info`], other processes on the same device do not move it.
+    fn process_memory(&self) -> Option<u64> {
+        None
+    }
+
     /// Runs `f`, which issues many ops, in the backend's execution context. The cpu backend
     /// runs it on its compute pool, so each op starts on a pool thread instead of waking
     /// the pool from outside and blocking: for small models that hop costs more than the

@@ -341,6 +341,55 @@ fn attention_over_spans_longer_than_one_block_takes_matches_cpu() {
     assert_close("long attention", &get(&g, &og, n), &get(&c, &oc, n), 1e-4);
 }
 
+/// A prefill batch whose split partial results outgrow the backend's fixed scratch runs
+/// in groups of tokens, with the same results and no device memory taken.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn long_prefill_attention_runs_in_groups_without_allocating() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(8);
+    let shape = AttnShape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 64,
+    };
+    let kv_dim = shape.n_kv_heads * shape.head_dim;
+    let n_cells = 16_900;
+    let (k, v) = filled_caches(&g, &c, &mut rng, GgmlType::F16, kv_dim, n_cells);
+    // Three splits of (64 + 2) floats per head: 25 KiB a token, so 700 tokens take two
+    // groups of the 16 MiB scratch.
+    let spans: Vec<AttnSpan> = (0..700)
+        .map(|t| AttnSpan {
+            first_cell: 7,
+            n_cells: 16_400 + t % 400,
+        })
+        .collect();
+    let n = spans.len() * shape.n_heads * shape.head_dim;
+    let q = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
+    let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
+    g.synchronize().unwrap();
+    let (held, process) = (g.allocated_bytes(), g.process_memory());
+    g.attention(&q.g, &k.g, &v.g, GgmlType::F16, &spans, shape, 0.2, &mut og)
+        .unwrap();
+    g.synchronize().unwrap();
+    assert_eq!(
+        g.allocated_bytes(),
+        held,
+        "attention allocated device memory"
+    );
+    if let (Some(before), Some(after)) = (process, g.process_memory()) {
+        assert_eq!(after, before, "the process's device memory moved");
+    }
+    c.attention(&q.c, &k.c, &v.c, GgmlType::F16, &spans, shape, 0.2, &mut oc)
+        .unwrap();
+    assert_close(
+        "grouped attention",
+        &get(&g, &og, n),
+        &get(&c, &oc, n),
+        1e-4,
+    );
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn transfers_are_bounds_checked_and_round_trip() {
@@ -384,6 +433,32 @@ fn alloc_free_cycles_return_the_memory() {
         g.alloc(too_much),
         Err(ComputeError::OutOfMemory { .. })
     ));
+}
+
+/// NVML's count of this process's device memory follows an allocation up and back down,
+/// which is what lets a worker tell its own leaks from another process on the same GPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn process_memory_follows_allocations() {
+    let g = gpu();
+    g.synchronize().unwrap();
+    let before = g
+        .process_memory()
+        .expect("NVML lists this process (libnvidia-ml present, same pid namespace)");
+    let b = g.alloc(512 << 20).unwrap();
+    let during = g.process_memory().expect("still listed");
+    let grew = during.saturating_sub(before);
+    assert!(
+        (512 << 20..=(512 + 32) << 20).contains(&grew),
+        "a 512 MiB buffer moved NVML's count by {grew} bytes"
+    );
+    drop(b);
+    g.synchronize().unwrap();
+    let after = g.process_memory().expect("still listed");
+    assert!(
+        after.abs_diff(before) <= 2 << 20,
+        "NVML's count went from {before} to {after} across alloc and free"
+    );
 }
 
 /// The residual add fused into the product (matvec batches) and done after it (GEMM

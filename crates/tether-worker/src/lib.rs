@@ -52,5 +52,5 @@ pub use serve::ForwardCall;
 pub use session::{EndReason, Lease, SessionEnd};
 pub use stage::{BlockSpec, ForwardInput, ForwardOutput, StageFactory, TokenPos};
 pub use staging::TensorDigest;
-pub use status::{CounterValues, SessionSummary, WorkerStatus};
+pub use status::{CounterValues, MemorySource, SessionSummary, WorkerStatus};
 pub use token::BearerToken;

@@ -321,6 +321,36 @@ impl SessionRegistry {
             "Memory the worker holds beyond its idle baseline and its sessions' bytes (a leak shows here).",
         );
         let _ = writeln!(out, "tether_unaccounted_bytes {}", status.unaccounted_bytes);
+        header(
+            &mut out,
+            "tether_unaccounted_source",
+            "gauge",
+            "What tether_unaccounted_bytes counts (1 for the source in use): driver_per_process (NVML), device_used (cuMemGetInfo) or process_rss (cpu).",
+        );
+        let _ = writeln!(
+            out,
+            "tether_unaccounted_source{{source=\"{}\"}} 1",
+            status.memory_source.as_str()
+        );
+
+        header(
+            &mut out,
+            "tether_process_device_bytes",
+            "gauge",
+            "Device memory of the worker process as the driver counts it per process (NVML), now and at start; absent when it cannot tell.",
+        );
+        if status.process_device_bytes > 0 {
+            let _ = writeln!(
+                out,
+                "tether_process_device_bytes{{when=\"now\"}} {}",
+                status.process_device_bytes
+            );
+            let _ = writeln!(
+                out,
+                "tether_process_device_bytes{{when=\"start\"}} {}",
+                status.baseline_process_device_bytes
+            );
+        }
 
         header(
             &mut out,

@@ -87,6 +87,10 @@ impl<B: Backend> StageFactory for ModelStageFactory<B> {
         Ok((m.total, m.free))
     }
 
+    fn process_device_bytes(&self) -> Option<u64> {
+        self.backend.process_memory()
+    }
+
     fn plan(
         &self,
         gguf_header: &[u8],

@@ -253,6 +253,102 @@ fn memory_held_outside_sessions_shows_as_unaccounted_on_a_host_device() {
     drop(leak);
 }
 
+/// The fake device shared with another process: the device's used bytes move with both,
+/// the driver's per-process count (when `per_process`) only with this one.
+struct SharedGpuFake {
+    fake: FakeFactory,
+    per_process: bool,
+    others: std::sync::atomic::AtomicU64,
+    own: std::sync::atomic::AtomicU64,
+}
+
+impl SharedGpuFake {
+    const TOTAL: u64 = 80 << 30;
+    fn new(per_process: bool) -> Self {
+        Self {
+            fake: FakeFactory { free: 1 << 30 },
+            per_process,
+            others: (3 << 30).into(),
+            own: (500 << 20).into(),
+        }
+    }
+}
+
+impl StageFactory for SharedGpuFake {
+    fn device_name(&self) -> String {
+        "shared-gpu-fake".into()
+    }
+    fn memory_info(&self) -> Result<(u64, u64)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let used = self.others.load(Relaxed) + self.own.load(Relaxed);
+        Ok((Self::TOTAL, Self::TOTAL - used))
+    }
+    fn process_device_bytes(&self) -> Option<u64> {
+        self.per_process
+            .then(|| self.own.load(std::sync::atomic::Ordering::Relaxed))
+    }
+    fn plan(&self, h: &[u8], n: u64, spec: &BlockSpec) -> Result<Box<dyn PlannedStage>> {
+        self.fake.plan(h, n, spec)
+    }
+}
+
+#[test]
+fn another_process_on_the_gpu_is_not_unaccounted_when_the_driver_counts_per_process() {
+    use crate::status::MemorySource;
+    use std::sync::atomic::Ordering::Relaxed;
+    let factory = Arc::new(SharedGpuFake::new(true));
+    let reg = SessionRegistry::new(factory.clone(), 1 << 20, RegistryConfig::default());
+    let start = reg.status();
+    assert_eq!(start.memory_source, MemorySource::DriverPerProcess);
+    assert_eq!(start.baseline_process_device_bytes, 500 << 20);
+    // A second worker loads 20 GiB on the same GPU: not this worker's memory.
+    factory.others.fetch_add(20 << 30, Relaxed);
+    assert_eq!(reg.status().unaccounted_bytes, 0);
+    // This process takes 300 MiB outside any session: that is a leak.
+    factory.own.fetch_add(300 << 20, Relaxed);
+    let leaked = reg.status();
+    assert_eq!(leaked.unaccounted_bytes, 300 << 20);
+    assert_eq!(leaked.process_device_bytes, 800 << 20);
+    let text = reg.prometheus_text();
+    assert_eq!(
+        sample(&text, "tether_unaccounted_bytes"),
+        Some((300u64 << 20) as f64)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "tether_unaccounted_source{source=\"driver_per_process\"}"
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(&text, "tether_process_device_bytes{when=\"start\"}"),
+        Some((500u64 << 20) as f64)
+    );
+    // Through the wire form and back, as tetherctl sees it.
+    let back = crate::service::convert::status_from_proto(
+        crate::service::convert::status_to_proto(&leaked),
+    );
+    assert_eq!(back, leaked);
+}
+
+#[test]
+fn without_a_per_process_count_the_device_used_bytes_are_what_is_unaccounted() {
+    use crate::status::MemorySource;
+    use std::sync::atomic::Ordering::Relaxed;
+    let factory = Arc::new(SharedGpuFake::new(false));
+    let reg = SessionRegistry::new(factory.clone(), 1 << 20, RegistryConfig::default());
+    factory.others.fetch_add(1 << 30, Relaxed);
+    let s = reg.status();
+    assert_eq!(s.memory_source, MemorySource::DeviceUsed);
+    assert_eq!(s.unaccounted_bytes, 1 << 30);
+    assert_eq!(s.process_device_bytes, 0);
+    assert!(
+        !reg.prometheus_text()
+            .contains("tether_process_device_bytes{")
+    );
+}
+
 async fn health(
     client: &mut HealthClient<tonic::transport::Channel>,
     service: &str,

@@ -9,7 +9,7 @@ use crate::metrics::WorkerMetrics;
 use crate::model_dir::ModelDirs;
 use crate::session::{EndReason, Lease, Session, SessionEnd, SessionTicket};
 use crate::stage::StageFactory;
-use crate::status::{Counters, SessionSummary, WorkerStatus, process_rss_bytes};
+use crate::status::{Counters, MemorySource, SessionSummary, WorkerStatus, process_rss_bytes};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -84,6 +84,9 @@ pub struct SessionRegistry {
     pub(crate) tracker: TaskTracker,
     started: Instant,
     baseline_used: u64,
+    /// This process's device bytes when the registry was made, where the device counts
+    /// them per process (NVML).
+    baseline_process: Option<u64>,
     /// Resident memory of the process when the registry was made, before any session.
     baseline_rss: u64,
     /// `true` while new sessions are admitted; the health service watches it.
@@ -94,6 +97,7 @@ pub struct SessionRegistry {
 impl SessionRegistry {
     /// A registry admitting `max_memory` bytes of session memory on `factory`'s device.
     pub fn new(factory: Arc<dyn StageFactory>, max_memory: u64, config: RegistryConfig) -> Self {
+        let baseline_process = factory.process_device_bytes();
         let baseline_used = factory
             .memory_info()
             .map_or(0, |(total, free)| total - free.min(total));
@@ -113,6 +117,7 @@ impl SessionRegistry {
             tracker: TaskTracker::new(),
             started: Instant::now(),
             baseline_used,
+            baseline_process,
             baseline_rss: process_rss_bytes(),
             accepting: tokio::sync::watch::Sender::new(true),
             metrics: WorkerMetrics::default(),
@@ -348,14 +353,28 @@ impl SessionRegistry {
         self.accepting.subscribe()
     }
 
-    /// Memory held beyond the idle baseline and the sessions' bytes. On a device whose
-    /// memory is host memory (cpu) the worker's own resident set is what it holds, which
-    /// other processes do not move; elsewhere it is the driver's used bytes.
-    fn unaccounted_bytes(&self, device_used: u64, rss: u64, session_bytes: u64) -> u64 {
+    /// Memory held beyond the idle baseline and the sessions' bytes, and where the figure
+    /// comes from. Each source counts only this process where it can, so another process
+    /// on the same device (a second worker) does not show here: on a device whose memory
+    /// is host memory (cpu) the worker's resident set; on a GPU the driver's per-process
+    /// count (NVML) when it lists this process, else the device's used bytes.
+    fn unaccounted_bytes(
+        &self,
+        device_used: u64,
+        process_used: Option<u64>,
+        rss: u64,
+        session_bytes: u64,
+    ) -> (u64, MemorySource) {
+        let over = |now: u64, base: u64| now.saturating_sub(base.saturating_add(session_bytes));
         if self.factory.holds_host_memory() {
-            rss.saturating_sub(self.baseline_rss.saturating_add(session_bytes))
-        } else {
-            device_used.saturating_sub(self.baseline_used.saturating_add(session_bytes))
+            return (over(rss, self.baseline_rss), MemorySource::ProcessRss);
+        }
+        match (process_used, self.baseline_process) {
+            (Some(now), Some(base)) => (over(now, base), MemorySource::DriverPerProcess),
+            _ => (
+                over(device_used, self.baseline_used),
+                MemorySource::DeviceUsed,
+            ),
         }
     }
 
@@ -369,6 +388,8 @@ impl SessionRegistry {
         let used = total.saturating_sub(free);
         let session_bytes = self.ledger.reserved();
         let rss = process_rss_bytes();
+        let process_used = self.factory.process_device_bytes();
+        let (unaccounted, source) = self.unaccounted_bytes(used, process_used, rss, session_bytes);
         WorkerStatus {
             worker_version: self.config.worker_version.clone(),
             device: self.factory.device_name(),
@@ -378,7 +399,10 @@ impl SessionRegistry {
             max_memory_bytes: self.ledger.limit(),
             sessions,
             session_bytes,
-            unaccounted_bytes: self.unaccounted_bytes(used, rss, session_bytes),
+            unaccounted_bytes: unaccounted,
+            memory_source: source,
+            process_device_bytes: process_used.unwrap_or(0),
+            baseline_process_device_bytes: self.baseline_process.unwrap_or(0),
             counters: self.counters.snapshot(),
             draining,
             uptime_s: self.started.elapsed().as_secs(),

@@ -101,6 +101,12 @@ pub trait StageFactory: Send + Sync + 'static {
     /// Total and free device memory in bytes, as the driver reports them.
     fn memory_info(&self) -> Result<(u64, u64)>;
 
+    /// Device bytes this process holds, as the driver counts them per process (NVML), when
+    /// it can tell; other processes on the device do not move it.
+    fn process_device_bytes(&self) -> Option<u64> {
+        None
+    }
+
     /// Whether the device's memory is this process's host memory (the cpu device): then
     /// what the worker holds is its resident set, not the system's used memory.
     fn holds_host_memory(&self) -> bool {

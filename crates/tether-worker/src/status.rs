@@ -49,6 +49,40 @@ impl Counters {
     }
 }
 
+/// What a worker's `unaccounted_bytes` measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemorySource {
+    /// The process's resident memory over its start value (cpu device).
+    ProcessRss,
+    /// The process's device memory as the driver counts it per process (NVML).
+    DriverPerProcess,
+    /// The whole device's used memory over its value at start (cuMemGetInfo): other
+    /// processes on the device move it too.
+    DeviceUsed,
+}
+
+impl MemorySource {
+    /// The name used on the wire, in JSON and in `tetherctl status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemorySource::ProcessRss => "process_rss",
+            MemorySource::DriverPerProcess => "driver_per_process",
+            MemorySource::DeviceUsed => "device_used",
+        }
+    }
+
+    /// The source named `s`; an unknown or empty name (an older worker) reads as the
+    /// device's used memory, the only source such a worker had on a GPU.
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "process_rss" => MemorySource::ProcessRss,
+            "driver_per_process" => MemorySource::DriverPerProcess,
+            _ => MemorySource::DeviceUsed,
+        }
+    }
+}
+
 /// A worker's state as `tetherctl status` shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct WorkerStatus {
@@ -68,9 +102,16 @@ pub struct WorkerStatus {
     pub sessions: u32,
     /// Bytes held by all sessions.
     pub session_bytes: u64,
-    /// Bytes held beyond the idle baseline and session bytes: process RSS over its start
-    /// value on a host-memory device (cpu), device used bytes over baseline elsewhere.
+    /// Bytes held beyond the idle baseline and session bytes, as `memory_source` counts
+    /// them.
     pub unaccounted_bytes: u64,
+    /// Where `unaccounted_bytes` comes from.
+    pub memory_source: MemorySource,
+    /// Device bytes of this process as the driver counts them per process (NVML); 0 when
+    /// it cannot tell.
+    pub process_device_bytes: u64,
+    /// `process_device_bytes` when the worker started; 0 when the driver could not tell.
+    pub baseline_process_device_bytes: u64,
     /// Lifetime counters.
     pub counters: CounterValues,
     /// New sessions are refused.

@@ -169,6 +169,14 @@ fn print_status(addr: &str, s: &WorkerStatus) {
         c.opened, c.closed, c.disconnected, c.reaped, c.killed, c.shutdown, c.txn_timed_out
     );
     println!("process    rss {}", human_bytes(s.process_rss_bytes));
+    if s.process_device_bytes > 0 {
+        println!(
+            "           device {} (at start {})",
+            human_bytes(s.process_device_bytes),
+            human_bytes(s.baseline_process_device_bytes)
+        );
+    }
+    println!("           unaccounted counts {}", s.memory_source.as_str());
 }
 
 fn print_sessions(sessions: &[SessionSummary]) {

@@ -20,6 +20,11 @@ const MAX_SPLITS: usize = 64;
 /// Most cells one attention block takes: its scores live in 4 bytes of shared memory each,
 /// and 32 KiB stays under the 48 KiB a kernel gets without opting in to more.
 const MAX_CHUNK: usize = 8192;
+/// Bytes of the split blocks' partial results, taken once with the backend so that no
+/// attention call allocates: a call whose tokens need more runs them in groups that fit.
+/// Decode steps of up to 8 tokens need at most 8 MiB for 64 heads of 128 (64 splits);
+/// prefill batches only split past [`MAX_CHUNK`] cells.
+pub(super) const SCRATCH_BYTES: usize = 16 << 20;
 
 /// How many blocks share the cells of each (token, head): enough that `blocks` of them
 /// fill the GPU twice over (no fewer than [`MIN_CELLS_PER_SPLIT`] cells each), and enough
@@ -73,15 +78,12 @@ impl CudaBackend {
         if spans.is_empty() {
             return Ok(());
         }
-        let n_tokens = u32::try_from(spans.len())
-            .ok()
-            .filter(|&t| t <= 65_535)
-            .ok_or_else(|| {
-                shape_err(
-                    OP,
-                    format!("{} query tokens exceed 65535 per call", spans.len()),
-                )
-            })?;
+        if spans.len() > 65_535 {
+            return Err(shape_err(
+                OP,
+                format!("{} query tokens exceed 65535 per call", spans.len()),
+            ));
+        }
         let flat: Vec<u32> = spans
             .iter()
             .flat_map(|s| [s.first_cell, s.n_cells])
@@ -103,41 +105,26 @@ impl CudaBackend {
                 format!("spans of {max_cells} cells are too long"),
             ));
         }
+        // Each token's heads and splits leave (head_dim outputs, max, sum) in the scratch.
+        let per_token = elems(OP, &[shape.n_heads, splits, shape.head_dim + 2, 4])?;
+        let group = if splits == 1 {
+            spans.len()
+        } else {
+            SCRATCH_BYTES / per_token
+        };
+        if group == 0 {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "spans of {max_cells} cells need {per_token} bytes of partial results \
+                     per token, more than the {SCRATCH_BYTES} the backend holds"
+                ),
+            ));
+        }
         let mut staging = self.lock_staging();
         let spans_at = staging.stage_u32(&flat)?;
-        let mut scratch = self.lock_scratch();
-        let partial = if splits > 1 {
-            let bytes =
-                elems(OP, &[n, splits, 4])? + elems(OP, &[spans.len(), shape.n_heads, splits, 8])?;
-            if scratch.as_ref().is_none_or(|b| b.bytes() < bytes) {
-                // Freed (after a synchronize) before the larger one is taken.
-                *scratch = None;
-                *scratch = Some(self.device.alloc(bytes.next_power_of_two())?);
-            }
-            scratch.as_ref().map_or(0, |b| b.ptr())
-        } else {
-            0
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (shape.n_heads as u32, n_tokens, splits as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: (chunk * 4) as u32,
-        };
-        let args = [
-            Arg::Ptr(qp),
-            Arg::Ptr(kp),
-            Arg::Ptr(vp),
-            Arg::I32(cache_ty.id() as i32),
-            Arg::Ptr(spans_at),
-            int(OP, "n_heads", shape.n_heads)?,
-            int(OP, "n_kv_heads", shape.n_kv_heads)?,
-            int(OP, "head_dim", shape.head_dim)?,
-            Arg::U64(head_bytes as u64),
-            Arg::F32(scale),
-            Arg::I32(chunk as i32),
-            Arg::Ptr(op),
-            Arg::Ptr(partial),
-        ];
+        let scratch = self.lock_scratch();
+        let partial = if splits > 1 { scratch.ptr() } else { 0 };
         // Heads of 8..256 elements in whole 16-byte loads take the vectorised f16 kernel.
         let g = shape.head_dim / 8;
         let vectorised = cache_ty == GgmlType::F16
@@ -149,23 +136,50 @@ impl CudaBackend {
         } else {
             "attention"
         };
-        self.run(kernel, cfg, &args)?;
-        if splits == 1 {
-            return Ok(());
+        let row = (shape.n_heads * shape.head_dim * 4) as u64;
+        for start in (0..spans.len()).step_by(group) {
+            // At most 65535 (checked above), so it fits a grid's y.
+            let t = group.min(spans.len() - start) as u32;
+            let first = start as u64;
+            let cfg = LaunchConfig {
+                grid_dim: (shape.n_heads as u32, t, splits as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: (chunk * 4) as u32,
+            };
+            let args = [
+                Arg::Ptr(qp + first * row),
+                Arg::Ptr(kp),
+                Arg::Ptr(vp),
+                Arg::I32(cache_ty.id() as i32),
+                Arg::Ptr(spans_at + first * 8),
+                int(OP, "n_heads", shape.n_heads)?,
+                int(OP, "n_kv_heads", shape.n_kv_heads)?,
+                int(OP, "head_dim", shape.head_dim)?,
+                Arg::U64(head_bytes as u64),
+                Arg::F32(scale),
+                Arg::I32(chunk as i32),
+                Arg::Ptr(op + first * row),
+                Arg::Ptr(partial),
+            ];
+            self.run(kernel, cfg, &args)?;
+            if splits == 1 {
+                continue;
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (shape.n_heads as u32, t, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let args = [
+                Arg::Ptr(partial),
+                Arg::I32(splits as i32),
+                int(OP, "n_heads", shape.n_heads)?,
+                int(OP, "head_dim", shape.head_dim)?,
+                Arg::Ptr(op + first * row),
+            ];
+            self.run("attention_merge", cfg, &args)?;
         }
-        let cfg = LaunchConfig {
-            grid_dim: (shape.n_heads as u32, n_tokens, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let args = [
-            Arg::Ptr(partial),
-            Arg::I32(splits as i32),
-            int(OP, "n_heads", shape.n_heads)?,
-            int(OP, "head_dim", shape.head_dim)?,
-            Arg::Ptr(op),
-        ];
-        self.run("attention_merge", cfg, &args)
+        Ok(())
     }
 }
 

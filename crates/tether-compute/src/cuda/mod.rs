@@ -14,6 +14,7 @@ mod gemm;
 mod graph;
 mod launch;
 mod matvec;
+mod nvml;
 mod ops;
 mod packed;
 mod staging;
@@ -41,8 +42,9 @@ pub struct CudaBackend {
     /// Index staging; held for the whole of an op, from staging to launch, so no other
     /// thread can recycle the slot in between.
     staging: Mutex<Staging>,
-    /// Partial results of split attention, grown on first need; locked after `staging`.
-    scratch: Mutex<Option<CudaBuffer>>,
+    /// Partial results of split attention, of a fixed size (attention.rs); locked after
+    /// `staging`.
+    scratch: Mutex<CudaBuffer>,
     /// Decode activations quantized to 8-bit blocks (see `matvec.rs`); fixed size.
     xq: Mutex<matvec::Xq>,
     /// Bumped by every op that may write device memory (see `matvec.rs`).
@@ -60,6 +62,8 @@ pub struct CudaBackend {
     dependent_launches: bool,
     /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
     gemm_ws: Mutex<GemmWorkspace>,
+    /// Per-process memory of this device, when NVML is there to ask.
+    nvml: Option<nvml::Nvml>,
 }
 
 /// Whether the CUDA driver library can be loaded on this machine.
@@ -123,15 +127,17 @@ impl CudaBackend {
                 e,
             )
         })?;
+        let nvml = nvml::pci_bus_id(ctx.cu_device()).and_then(|bus| nvml::Nvml::open(&bus));
         let device = Arc::new(Device::new(ctx, stream, format!("cuda:{ordinal} {gpu}")));
         let staging = Mutex::new(Staging::new(&device)?);
         let xq = Mutex::new(matvec::Xq::new(device.alloc(matvec::XQ_BYTES)?));
         let gemm_ws = Mutex::new(GemmWorkspace::new(&device)?);
+        let scratch = Mutex::new(device.alloc(attention::SCRATCH_BYTES)?);
         Ok(Self {
             device,
             kernels,
             staging,
-            scratch: Mutex::new(None),
+            scratch,
             xq,
             capture,
             step: Mutex::new(()),
@@ -140,7 +146,15 @@ impl CudaBackend {
             dependent_launches: cc.0 >= 9
                 && std::env::var_os("TETHER_PDL").is_none_or(|v| v != "0"),
             gemm_ws,
+            nvml,
         })
+    }
+
+    /// Device bytes this process holds on the backend's device as NVML reports them (every
+    /// context, allocation and library workspace of the process there), or `None` without
+    /// NVML or when it does not list this process.
+    pub(crate) fn process_used(&self) -> Option<u64> {
+        self.nvml.as_ref()?.process_used(std::process::id())
     }
 
     /// Bytes of device memory currently allocated through this backend (buffers, staging).
@@ -152,10 +166,7 @@ impl CudaBackend {
     /// decode activations, GEMM workspace, attention scratch).
     pub fn internal_bytes(&self) -> usize {
         let staging = self.lock_staging().device_bytes();
-        staging
-            + self.lock_xq().bytes()
-            + self.lock_gemm().bytes()
-            + self.lock_scratch().as_ref().map_or(0, |b| b.bytes())
+        staging + self.lock_xq().bytes() + self.lock_gemm().bytes() + self.lock_scratch().bytes()
     }
 
     /// [`crate::Backend::replay`]: the staging ring restarts (so the step's index arrays
@@ -175,7 +186,7 @@ impl CudaBackend {
         graph::replay(&self.device, &self.capture, replays, key, f)
     }
 
-    fn lock_scratch(&self) -> MutexGuard<'_, Option<CudaBuffer>> {
+    fn lock_scratch(&self) -> MutexGuard<'_, CudaBuffer> {
         // The scratch holds no state between ops, so a poisoned lock is still usable.
         self.scratch.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -90,6 +90,10 @@ impl Backend for CudaBackend {
         Ok(MemoryInfo { total, free })
     }
 
+    fn process_memory(&self) -> Option<u64> {
+        self.process_used()
+    }
+
     fn alloc_many(&self, sizes: &[usize]) -> Result<Vec<CudaBuffer>> {
         self.device.alloc_many(sizes)
     }

@@ -3,7 +3,7 @@
 use crate::error::WorkerError;
 use crate::session::EndReason;
 use crate::stage::BlockSpec;
-use crate::status::{CounterValues, SessionSummary, WorkerStatus};
+use crate::status::{CounterValues, MemorySource, SessionSummary, WorkerStatus};
 use tether_gguf::GgmlType;
 use tether_proto::PROTOCOL_VERSION;
 use tether_proto::v1 as pb;
@@ -190,6 +190,9 @@ pub fn status_to_proto(s: &WorkerStatus) -> pb::StatusReply {
         uptime_s: s.uptime_s,
         process_rss_bytes: s.process_rss_bytes,
         baseline_rss_bytes: s.baseline_rss_bytes,
+        memory_source: s.memory_source.as_str().to_string(),
+        process_device_bytes: s.process_device_bytes,
+        baseline_process_device_bytes: s.baseline_process_device_bytes,
     }
 }
 
@@ -206,6 +209,9 @@ pub fn status_from_proto(s: pb::StatusReply) -> WorkerStatus {
         sessions: s.sessions,
         session_bytes: s.session_bytes,
         unaccounted_bytes: s.unaccounted_bytes,
+        memory_source: MemorySource::parse(&s.memory_source),
+        process_device_bytes: s.process_device_bytes,
+        baseline_process_device_bytes: s.baseline_process_device_bytes,
         counters: CounterValues {
             opened: c.opened,
             closed: c.closed,
