@@ -266,11 +266,13 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     }
 }
 
-// Merges the n_splits partial results of attention into out[t][h].
-// Launch: gridDim = (n_heads, n_tokens), blockDim.x = 128.
-extern "C" __global__ void __launch_bounds__(128)
-    attention_merge(const float* partial, int n_splits, int n_heads, int head_dim, float* out) {
-    PDL_ENTRY();
+// Merges the n_splits partial results of attention into out[t][h]; with Q8 it also writes
+// the merged rows as 8-bit blocks (xq [n_tokens][n_heads * head_dim], xds per 32 values)
+// for the output projection's decode kernel, saving it a quantize pass. Q8 needs head_dim
+// % 32 == 0, so each warp's 32 values of an iteration are one whole block.
+template <bool Q8>
+__device__ __forceinline__ void merge_splits(const float* partial, int n_splits, int n_heads,
+                                             int head_dim, float* out, i8* xq, float2* xds) {
     u64 th = (u64)blockIdx.y * n_heads + blockIdx.x;
     const float* p = partial + th * n_splits * (head_dim + 2);
     float mx = NEG_INF;
@@ -290,6 +292,23 @@ extern "C" __global__ void __launch_bounds__(128)
             const float* ps = p + (u64)z * (head_dim + 2);
             if (ps[head_dim + 1] > 0.f) acc += ps[d] * expf(ps[head_dim] - mx);
         }
-        out[th * head_dim + d] = acc * inv;
+        u64 at = th * head_dim + d;
+        out[at] = acc * inv;
+        if (Q8) q8_block(acc * inv, threadIdx.x & 31, xq + at, xds + at / 32);
     }
+}
+
+// Launch: gridDim = (n_heads, n_tokens), blockDim.x = 128.
+extern "C" __global__ void __launch_bounds__(128)
+    attention_merge(const float* partial, int n_splits, int n_heads, int head_dim, float* out) {
+    PDL_ENTRY();
+    merge_splits<false>(partial, n_splits, n_heads, head_dim, out, nullptr, nullptr);
+}
+
+// attention_merge that also writes the 8-bit copy; launch as attention_merge.
+extern "C" __global__ void __launch_bounds__(128)
+    attention_merge_q8(const float* partial, int n_splits, int n_heads, int head_dim,
+                       float* out, i8* xq, float2* xds) {
+    PDL_ENTRY();
+    merge_splits<true>(partial, n_splits, n_heads, head_dim, out, xq, xds);
 }

@@ -177,7 +177,19 @@ impl CudaBackend {
                 int(OP, "head_dim", shape.head_dim)?,
                 Arg::Ptr(op + first * row),
             ];
-            self.run("attention_merge", cfg, &args)?;
+            // A decode batch's merged rows are also quantized for the output projection
+            // (matvec.rs), which then skips its own pass over them.
+            let whole = t as usize == spans.len();
+            let fused = whole
+                && shape.head_dim.is_multiple_of(32)
+                && self.writing_xq(op, shape.n_heads * shape.head_dim, spans.len(), |q, ds| {
+                    let mut with_q = args.to_vec();
+                    with_q.extend([Arg::Ptr(q), Arg::Ptr(ds)]);
+                    self.run("attention_merge_q8", cfg, &with_q)
+                })?;
+            if !fused {
+                self.run("attention_merge", cfg, &args)?;
+            }
         }
         Ok(())
     }

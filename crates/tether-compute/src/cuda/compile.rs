@@ -144,6 +144,7 @@ const FILES: &[KernelFile] = &[
             "attention",
             "attention_f16v",
             "attention_merge",
+            "attention_merge_q8",
         ],
     },
     KernelFile {

@@ -19,6 +19,8 @@ use crate::shape_check::rope_args;
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
+/// Longest row `rms_norm_q8` holds in registers (1024 threads of 16 values).
+const RMS_NORM_Q8_MAX_DIM: usize = 16 * 1024;
 impl CudaBackend {
     /// Launches kernel `name`. Every op that may write device memory goes through here (or
     /// calls [`CudaBackend::wrote`]), which retires the quantized copy of a matmul input.
@@ -400,12 +402,23 @@ impl Backend for CudaBackend {
             Arg::F32(eps),
             Arg::Ptr(op),
         ];
-        // Decode rows are also quantized for the Q4_0 kernels as they are normalized.
-        let fused = self.writing_xq(op, dim, n_tokens, |q, ds| {
-            let mut with_q = args.to_vec();
-            with_q.extend([Arg::Ptr(q), Arg::Ptr(ds)]);
-            self.run("rms_norm_q8", cfg, &with_q)
-        })?;
+        // Decode rows are also quantized for the product kernels as they are normalized,
+        // by a kernel that holds a row in registers: two float4s per thread up to 1024
+        // threads, at most 16 values per thread in all (elementwise.cu).
+        let q8_cfg = LaunchConfig {
+            block_dim: (
+                dim.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32,
+                1,
+                1,
+            ),
+            ..cfg
+        };
+        let fused = dim <= RMS_NORM_Q8_MAX_DIM
+            && self.writing_xq(op, dim, n_tokens, |q, ds| {
+                let mut with_q = args.to_vec();
+                with_q.extend([Arg::Ptr(q), Arg::Ptr(ds)]);
+                self.run("rms_norm_q8", q8_cfg, &with_q)
+            })?;
         if fused {
             return Ok(());
         }
