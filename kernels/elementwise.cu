@@ -87,9 +87,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         int sum = 0;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            float qf = roundf(rv[j] * id);
-            // NaN input gives 0, like the cpu's saturating cast.
-            q[j] = qf != qf ? 0 : (int)fminf(fmaxf(qf, -127.f), 127.f);
+            q[j] = q8_round(rv[j], id);
             sum += q[j];
         }
 #pragma unroll
