@@ -151,15 +151,16 @@ __device__ __forceinline__ int dp4a_us(u32 a, int b, int c) {
 }
 
 
-// One warp quantizes its 32 values (lane i holds v of element i of the block) into 8-bit
-// q with scale d = amax / 127, as the cpu's quantize_row_q8 does, so both backends get the
-// same integers; lane 0 writes (d, d * sum q).
 // One value of an 8-bit block whose scale is 1 / id: rounded to nearest and saturated;
 // NaN input gives 0, like the cpu's saturating cast.
 __device__ __forceinline__ int q8_round(float v, float id) {
     float qf = roundf(v * id);
     return qf != qf ? 0 : (int)fminf(fmaxf(qf, -127.f), 127.f);
 }
+
+// One warp quantizes its 32 values (lane i holds v of element i of the block) into 8-bit
+// q with scale d = amax / 127, as the cpu's quantize_row_q8 does, so both backends get the
+// same integers; lane 0 writes (d, d * sum q).
 
 __device__ __forceinline__ void q8_block(float v, int lane, i8* q, float2* ds) {
     float amax = fabsf(v);

@@ -11,13 +11,22 @@
 // Rows hold a multiple of 256 values (whole groups) and start 16-byte aligned (checked on
 // the host); the type ids TY_Q4_0P / TY_Q8_0P in common.cuh name these layouts.
 //
-// Launch shape of the products: blockDim.x = 128 (4 warps), one warp per output row,
-// gridDim.x = ceil(rows / 4); NT (1, 2, 4, 8) is the widest batch an entry takes.
-
-#define PK_WARPS 4
-// Blocks a lane loads before it multiplies: enough bytes in flight per warp to cover the
-// memory latency (4 x 512 bytes for Q4_0).
-#define PK_UNROLL 4
+// Launch shape of the products: each warp takes R = 2 consecutive output rows (PK_R), so
+// the activation blocks it loads serve two rows; the matvec and q/k/v kernels run
+// PK_MV_WARPS warps per block, gridDim.x = ceil(rows / (PK_MV_WARPS * R)) (q/k/v: that per
+// matrix, in order); the gate/up kernel runs 32 / R warps per block, 32 rows a block, so
+// that one block holds a whole 8-bit block of its output (gridDim.x = ceil(rows / 32)).
+// NT (1, 2, 4, 8) is the widest batch an entry takes.
+//
+// On an H100 (llama3-8b shape, one token), the bytes a lane has in flight decide the speed:
+// one row a warp and 4 blocks a round (64 bytes a lane for Q4_0) read 2.0 TB/s in the down
+// projection; 4 rows with 2 blocks a round, the same bytes with half the warps, were slower
+// still; 2 rows with 4 blocks a round (128 bytes) gave tg128 287 -> 320 t/s for Q4_0 and
+// 200 -> 234 for Q8_0. Deeper rounds (8 blocks, or 4 rows of 4) gained nothing for Q4_0 and
+// lost for Q8_0 (registers).
+#define PK_R 2
+#define PK_MV_WARPS 4
+#define PK_SW_ROWS 32
 
 // 16 bytes of weights that are read once: past L1, which keeps the activations.
 __device__ __forceinline__ uint4 ld_stream(const u8* p) {
@@ -34,29 +43,72 @@ __device__ __forceinline__ int dp4a_ss(int a, int b, int c) {
     return d;
 }
 
-// Adds this lane's share of row . x[t] to acc[t] for t < nt. Lane l takes blocks l, l + 32,
-// ...; each round loads PK_UNROLL blocks' weights before using any.
-template <bool Q8, int NT>
-__device__ __forceinline__ void pk_row(const u8* row, int cols, const i8* xq,
-                                       const float2* xds, int nt, int lane, float (&acc)[NT]) {
+// The dot product of one packed block (quants q, scale d) with activation block (xa, xb, s).
+template <bool Q8>
+__device__ __forceinline__ float pk_block_dot(const uint4 (&q)[Q8 ? 2 : 1], float d, int4 xa,
+                                              int4 xb, float2 s) {
+    int dot;
+    if (Q8) {
+        uint4 lo = q[0], hi = q[Q8 ? 1 : 0];
+        dot = dp4a_ss((int)lo.x, xa.x, dp4a_ss((int)lo.y, xa.y, 0));
+        dot = dp4a_ss((int)lo.z, xa.z, dp4a_ss((int)lo.w, xa.w, dot));
+        dot = dp4a_ss((int)hi.x, xb.x, dp4a_ss((int)hi.y, xb.y, dot));
+        dot = dp4a_ss((int)hi.z, xb.z, dp4a_ss((int)hi.w, xb.w, dot));
+        return d * s.x * (float)dot;
+    }
+    // Byte i holds element i (low nibble) and element i + 16 (high).
+    uint4 w = q[0];
+    const u32 m = 0x0F0F0F0Fu;
+    dot = dp4a_us(w.x & m, xa.x, dp4a_us((w.x >> 4) & m, xb.x, 0));
+    dot = dp4a_us(w.y & m, xa.y, dp4a_us((w.y >> 4) & m, xb.y, dot));
+    dot = dp4a_us(w.z & m, xa.z, dp4a_us((w.z >> 4) & m, xb.z, dot));
+    dot = dp4a_us(w.w & m, xa.w, dp4a_us((w.w >> 4) & m, xb.w, dot));
+    // Quants are stored + 8: subtract 8 * sum(x), which s.y holds scaled.
+    return d * (s.x * (float)dot - 8.f * s.y);
+}
+
+// Adds this lane's share of row[r] . x[t] to acc[r][t] for the R rows from `w` (rows past
+// nrows repeat the last one and are never written) and t < nt. Lane l takes blocks l,
+// l + 32, ...; each round loads U blocks of every row before using any (U * R * 16 or 32
+// bytes a lane: enough in flight to cover the memory latency), and the first
+// round's loads are issued before the wait for the previous kernel (weights are constant),
+// so they overlap its tail.
+template <int R>
+__device__ __forceinline__ void pk_row_ptrs(const u8* w, size_t row_bytes, int nrows,
+                                            const u8* (&rowp)[R]) {
+#pragma unroll
+    for (int r = 0; r < R; r++) rowp[r] = w + (size_t)min(r, nrows - 1) * row_bytes;
+}
+
+template <bool Q8, int NT, int R, int U>
+__device__ __forceinline__ void pk_rows(const u8* const (&rowp)[R], int cols, const i8* xq,
+                                        const float2* xds, int nt, int lane, bool& waited,
+                                        float (&acc)[R][NT]) {
     const int group = Q8 ? 272 : 144, qbytes = Q8 ? 32 : 16;
     int nb = cols / 32;
-    for (int b0 = lane; b0 < nb; b0 += 32 * PK_UNROLL) {
-        uint4 q[PK_UNROLL][Q8 ? 2 : 1];
-        float d[PK_UNROLL];
+    for (int b0 = lane; b0 < nb; b0 += 32 * U) {
+        uint4 q[U][R][Q8 ? 2 : 1];
+        float d[U][R];
 #pragma unroll
-        for (int u = 0; u < PK_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             int b = b0 + 32 * u;
             if (b < nb) {
-                const u8* g = row + (size_t)(b >> 3) * group;
-                d[u] = h2f(ld16(g + 2 * (b & 7)));
-                const u8* qs = g + 16 + qbytes * (b & 7);
-                q[u][0] = ld_stream(qs);
-                if (Q8) q[u][Q8 ? 1 : 0] = ld_stream(qs + 16);
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    const u8* g = rowp[r] + (size_t)(b >> 3) * group;
+                    d[u][r] = h2f(ld16(g + 2 * (b & 7)));
+                    const u8* qs = g + 16 + qbytes * (b & 7);
+                    q[u][r][0] = ld_stream(qs);
+                    if (Q8) q[u][r][Q8 ? 1 : 0] = ld_stream(qs + 16);
+                }
             }
         }
+        if (!waited) {
+            pdl_wait();
+            waited = true;
+        }
 #pragma unroll
-        for (int u = 0; u < PK_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             int b = b0 + 32 * u;
             if (b >= nb) break;
 #pragma unroll
@@ -65,146 +117,173 @@ __device__ __forceinline__ void pk_row(const u8* row, int cols, const i8* xq,
                     const int4* xv = (const int4*)(xq + (size_t)t * cols + (size_t)b * 32);
                     int4 xa = xv[0], xb = xv[1];
                     float2 s = xds[(size_t)t * nb + b];
-                    int dot;
-                    if (Q8) {
-                        uint4 lo = q[u][0], hi = q[u][Q8 ? 1 : 0];
-                        dot = dp4a_ss((int)lo.x, xa.x, dp4a_ss((int)lo.y, xa.y, 0));
-                        dot = dp4a_ss((int)lo.z, xa.z, dp4a_ss((int)lo.w, xa.w, dot));
-                        dot = dp4a_ss((int)hi.x, xb.x, dp4a_ss((int)hi.y, xb.y, dot));
-                        dot = dp4a_ss((int)hi.z, xb.z, dp4a_ss((int)hi.w, xb.w, dot));
-                        acc[t] += d[u] * s.x * (float)dot;
-                    } else {
-                        // Byte i holds element i (low nibble) and element i + 16 (high).
-                        uint4 w = q[u][0];
-                        const u32 m = 0x0F0F0F0Fu;
-                        dot = dp4a_us(w.x & m, xa.x, dp4a_us((w.x >> 4) & m, xb.x, 0));
-                        dot = dp4a_us(w.y & m, xa.y, dp4a_us((w.y >> 4) & m, xb.y, dot));
-                        dot = dp4a_us(w.z & m, xa.z, dp4a_us((w.z >> 4) & m, xb.z, dot));
-                        dot = dp4a_us(w.w & m, xa.w, dp4a_us((w.w >> 4) & m, xb.w, dot));
-                        // Quants are stored + 8: subtract 8 * sum(x), which s.y holds scaled.
-                        acc[t] += d[u] * (s.x * (float)dot - 8.f * s.y);
-                    }
+#pragma unroll
+                    for (int r = 0; r < R; r++)
+                        acc[r][t] += pk_block_dot<Q8>(q[u][r], d[u][r], xa, xb, s);
                 }
             }
         }
     }
-}
-
-template <int NT>
-__device__ __forceinline__ void pk_zero(float (&acc)[NT]) {
-#pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.f;
-}
-
-template <bool Q8, int NT>
-__device__ void pk_matvec(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
-                          int nt, float* out, int accum) {
-    pdl_trigger();
-    int lane = threadIdx.x & 31, r = blockIdx.x * PK_WARPS + (threadIdx.x >> 5);
-    if (r >= rows) return;
-    size_t row_bytes = (size_t)(cols / 256) * (Q8 ? 272 : 144);
-    pdl_wait();
-    float acc[NT];
-    pk_zero(acc);
-    pk_row<Q8, NT>(w + (size_t)r * row_bytes, cols, xq, xds, nt, lane, acc);
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float v = warp_sum(acc[t]);
-        if (lane == 0 && t < nt) {
-            float* o = out + (size_t)t * rows + r;
-            *o = accum ? *o + v : v;
-        }
+    if (!waited) {
+        pdl_wait();
+        waited = true;
     }
 }
 
-// q, k and v of one input in one launch: global row R picks the matrix.
-template <bool Q8, int NT>
+template <int NT, int R>
+__device__ __forceinline__ void pk_zero(float (&acc)[R][NT]) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[r][t] = 0.f;
+}
+
+// Sums every lane's share and stores row r's result for token t from lane r.
+template <int NT, int R>
+__device__ __forceinline__ void pk_store(float (&acc)[R][NT], int lane, int nrows, int nt,
+                                         float* out, int rows, int accum) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float v = warp_sum(acc[r][t]);
+            if (lane == r && r < nrows && t < nt) {
+                float* o = out + (size_t)t * rows + r;
+                *o = accum ? *o + v : v;
+            }
+        }
+}
+
+template <bool Q8, int NT, int R, int U>
+__device__ void pk_matvec(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
+                          int nt, float* out, int accum) {
+    pdl_trigger();
+    int lane = threadIdx.x & 31;
+    int r0 = (blockIdx.x * PK_MV_WARPS + (threadIdx.x >> 5)) * R;
+    int nrows = min(R, rows - r0);
+    if (nrows <= 0) return;
+    size_t row_bytes = (size_t)(cols / 256) * (Q8 ? 272 : 144);
+    float acc[R][NT];
+    pk_zero(acc);
+    bool waited = false;
+    const u8* rowp[R];
+    pk_row_ptrs(w + (size_t)r0 * row_bytes, row_bytes, nrows, rowp);
+    pk_rows<Q8, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
+    pk_store(acc, lane, nrows, nt, out + r0, rows, accum);
+}
+
+// q, k and v of one input in one launch: the first ceil(r0 / rows per block) blocks take
+// matrix 0, the next ones matrix 1, then matrix 2.
+template <bool Q8, int NT, int R, int U>
 __device__ void pk_matvec3(const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2,
                            int cols, const i8* xq, const float2* xds, int nt, float* o0,
                            float* o1, float* o2) {
     pdl_trigger();
-    int lane = threadIdx.x & 31, R = blockIdx.x * PK_WARPS + (threadIdx.x >> 5);
+    const int per_block = PK_MV_WARPS * R;
+    int b0 = (r0 + per_block - 1) / per_block, b1 = (r1 + per_block - 1) / per_block;
+    int b = blockIdx.x;
     const u8* w;
     float* out;
-    int rows, r;
-    if (R < r0) {
-        w = w0, out = o0, rows = r0, r = R;
-    } else if (R < r0 + r1) {
-        w = w1, out = o1, rows = r1, r = R - r0;
-    } else if (R < r0 + r1 + r2) {
-        w = w2, out = o2, rows = r2, r = R - r0 - r1;
+    int rows;
+    if (b < b0) {
+        w = w0, out = o0, rows = r0;
+    } else if (b < b0 + b1) {
+        w = w1, out = o1, rows = r1, b -= b0;
     } else {
-        return;
+        w = w2, out = o2, rows = r2, b -= b0 + b1;
     }
+    int lane = threadIdx.x & 31;
+    int first = (b * PK_MV_WARPS + (threadIdx.x >> 5)) * R;
+    int nrows = min(R, rows - first);
+    if (nrows <= 0) return;
     size_t row_bytes = (size_t)(cols / 256) * (Q8 ? 272 : 144);
-    pdl_wait();
-    float acc[NT];
+    float acc[R][NT];
     pk_zero(acc);
-    pk_row<Q8, NT>(w + (size_t)r * row_bytes, cols, xq, xds, nt, lane, acc);
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float v = warp_sum(acc[t]);
-        if (lane == 0 && t < nt) out[(size_t)t * rows + r] = v;
-    }
+    bool waited = false;
+    const u8* rowp[R];
+    pk_row_ptrs(w + (size_t)first * row_bytes, row_bytes, nrows, rowp);
+    pk_rows<Q8, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
+    pk_store(acc, lane, nrows, nt, out + first, rows, 0);
 }
 
-// The feed-forward gate: out[t][r] = silu(gate[r] . x[t]) * (up[r] . x[t]), both rows in
-// one warp.
-template <bool Q8, int NT>
+// The feed-forward gate: out[t][r] = silu(gate[r] . x[t]) * (up[r] . x[t]). A block's 32
+// rows meet in shared memory, where one warp per token writes them (coalesced) and, when oq
+// is set (rows a multiple of 32), their 8-bit copy for the down projection, which then
+// skips its quantize pass.
+template <bool Q8, int NT, int R, int U>
 __device__ void pk_swiglu(const u8* wg, const u8* wu, int rows, int cols, const i8* xq,
-                          const float2* xds, int nt, float* out) {
+                          const float2* xds, int nt, float* out, i8* oq, float2* ods) {
+    __shared__ float vals[NT][PK_SW_ROWS];
     pdl_trigger();
-    int lane = threadIdx.x & 31, r = blockIdx.x * PK_WARPS + (threadIdx.x >> 5);
-    if (r >= rows) return;
-    size_t at = (size_t)r * (size_t)(cols / 256) * (Q8 ? 272 : 144);
-    pdl_wait();
-    float g[NT], u[NT];
-    pk_zero(g);
-    pk_zero(u);
-    pk_row<Q8, NT>(wg + at, cols, xq, xds, nt, lane, g);
-    pk_row<Q8, NT>(wu + at, cols, xq, xds, nt, lane, u);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int base = blockIdx.x * PK_SW_ROWS, r0 = base + warp * R;
+    int nrows = min(R, rows - r0);
+    bool waited = false;
+    if (nrows > 0) {
+        size_t at = (size_t)r0 * (size_t)(cols / 256) * (Q8 ? 272 : 144);
+        size_t row_bytes = (size_t)(cols / 256) * (Q8 ? 272 : 144);
+        // Gate rows, then up rows: loading both in one round spilled registers (and read
+        // slower) under the cap that fits every block on the GPU at once.
+        float g[R][NT], u[R][NT];
+        pk_zero(g);
+        pk_zero(u);
+        const u8* rowp[R];
+        pk_row_ptrs(wg + at, row_bytes, nrows, rowp);
+        pk_rows<Q8, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, g);
+        pk_row_ptrs(wu + at, row_bytes, nrows, rowp);
+        pk_rows<Q8, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, u);
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float gs = warp_sum(g[t]), us = warp_sum(u[t]);
-        if (lane == 0 && t < nt) out[(size_t)t * rows + r] = gs / (1.f + expf(-gs)) * us;
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float gs = warp_sum(g[r][t]), us = warp_sum(u[r][t]);
+                if (lane == 0) vals[t][warp * R + r] = gs / (1.f + expf(-gs)) * us;
+            }
+    } else {
+        pdl_wait();
+    }
+    __syncthreads();
+    for (int t = warp; t < nt; t += PK_SW_ROWS / R) {
+        int r = base + lane;
+        float v = vals[t][lane];
+        if (r < rows) out[(size_t)t * rows + r] = v;
+        if (oq) {
+            size_t at = (size_t)t * rows + r;
+            q8_block(v, lane, oq + at, ods + at / 32);
+        }
     }
 }
 
-#define PK_ENTRIES_Q4_0(nt)                                                               \
-    extern "C" __global__ void __launch_bounds__(128) matvecp_q4_0_##nt(                         \
-        const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n, float* out, int accum) { \
-        pk_matvec<false, nt>(w, rows, cols, xq, xds, n, out, accum);                                    \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) matvecp3_q4_0_##nt(                        \
-        const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,              \
-        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {                                  \
-        pk_matvec3<false, nt>(w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);                    \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) matvecp_swiglu_q4_0_##nt(                  \
-        const u8* wg, const u8* wu, int rows, int cols, const i8* xq, const float2* xds, int n, float* out) { \
-        pk_swiglu<false, nt>(wg, wu, rows, cols, xq, xds, n, out);                                      \
+#define PK_MV_ENTRIES(ty, Q8, R, U, nt)                                               \
+    extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matvecp_##ty##_##nt(  \
+        const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n, float* out, \
+        int accum) {                                                                       \
+        pk_matvec<Q8, nt, R, U>(w, rows, cols, xq, xds, n, out, accum);                    \
+    }                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matvecp3_##ty##_##nt( \
+        const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,        \
+        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {         \
+        pk_matvec3<Q8, nt, R, U>(w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);    \
     }
+
+// Registers are capped at 64 for one or two tokens, so two 512-thread blocks share an SM:
+// with four 256-thread blocks of 4 rows a warp instead, the only shape that holds all 448
+// blocks of a 14336-row feed-forward at once, decode was no faster (and slower for Q8_0).
+#define PK_SW_ENTRY(ty, Q8, R, U, nt)                                              \
+    extern "C" __global__ void __launch_bounds__(32 * PK_SW_ROWS / R, nt <= 2 ? 2 : 1) \
+        matvecp_swiglu_##ty##_##nt(const u8* wg, const u8* wu, int rows, int cols,    \
+                                        const i8* xq, const float2* xds, int n, float* out, \
+                                        i8* oq, float2* ods) {                             \
+        pk_swiglu<Q8, nt, R, U>(wg, wu, rows, cols, xq, xds, n, out, oq, ods);          \
+    }
+
+#define PK_ENTRIES_Q4_0(nt) PK_MV_ENTRIES(q4_0, false, PK_R, 4, nt) PK_SW_ENTRY(q4_0, false, PK_R, 2, nt)
+#define PK_ENTRIES_Q8_0(nt) PK_MV_ENTRIES(q8_0, true, PK_R, 4, nt) PK_SW_ENTRY(q8_0, true, PK_R, 2, nt)
 
 PK_ENTRIES_Q4_0(1)
 PK_ENTRIES_Q4_0(2)
 PK_ENTRIES_Q4_0(4)
 PK_ENTRIES_Q4_0(8)
-
-#define PK_ENTRIES_Q8_0(nt)                                                               \
-    extern "C" __global__ void __launch_bounds__(128) matvecp_q8_0_##nt(                         \
-        const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n, float* out, int accum) { \
-        pk_matvec<true, nt>(w, rows, cols, xq, xds, n, out, accum);                                    \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) matvecp3_q8_0_##nt(                        \
-        const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,              \
-        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {                                  \
-        pk_matvec3<true, nt>(w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);                    \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) matvecp_swiglu_q8_0_##nt(                  \
-        const u8* wg, const u8* wu, int rows, int cols, const i8* xq, const float2* xds, int n, float* out) { \
-        pk_swiglu<true, nt>(wg, wu, rows, cols, xq, xds, n, out);                                      \
-    }
-
 PK_ENTRIES_Q8_0(1)
 PK_ENTRIES_Q8_0(2)
 PK_ENTRIES_Q8_0(4)

@@ -12,6 +12,10 @@ mod common;
 use common::{Rng, cpu, f32_bytes, get, gpu, put, random_weights};
 
 /// ‖a − b‖ / ‖b‖, after checking every value is finite.
+fn zeros<B: Backend>(be: &B, n: usize) -> B::Buffer {
+    be.alloc(n * 4).unwrap()
+}
+
 fn relative_error(what: &str, a: &[f32], b: &[f32]) -> f64 {
     assert!(a.iter().all(|v| v.is_finite()), "{what}: non-finite output");
     let d: f64 = a
@@ -91,7 +95,8 @@ fn packed_weights_give_the_cpus_fused_products_and_rows() {
     let mut rng = Rng(37);
     for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
         let cols = 512;
-        let rows = [96usize, 32, 32];
+        // 40 rows end inside a block of the packed q/k/v kernel.
+        let rows = [96usize, 40, 40];
         let ws: Vec<Finished> = rows
             .iter()
             .map(|&r| finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols))
@@ -138,28 +143,46 @@ fn packed_weights_give_the_cpus_fused_products_and_rows() {
                 assert!(e < 1e-2, "{what}: relative error {e}");
             }
 
-            // Gate and up: rows 0 and 1 of the first two matrices' shapes differ, so take
-            // the first matrix twice (the kernel reads two buffers either way).
-            let r = rows[0];
-            let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols);
-            let scratch = |b: &CudaBackend| b.alloc(n * r * 4).unwrap();
-            let (mut sg, mut g1, mut g2) = (scratch(&g), scratch(&g), scratch(&g));
-            let (mut sc, mut c1, mut c2) = (
-                c.alloc(n * r * 4).unwrap(),
-                c.alloc(n * r * 4).unwrap(),
-                c.alloc(n * r * 4).unwrap(),
-            );
-            g.matmul_swiglu(
-                &ws[0].g, &up.g, ty, r, cols, &xg, n, &mut sg, &mut g1, &mut g2,
-            )
-            .unwrap();
-            c.matmul_swiglu(
-                &ws[0].c, &up.c, ty, r, cols, &xc, n, &mut sc, &mut c1, &mut c2,
-            )
-            .unwrap();
-            let what = format!("matmul_swiglu {ty} n={n}");
-            let e = relative_error(&what, &get(&g, &sg, n * r), &get(&c, &sc, n * r));
-            assert!(e < 1e-2, "{what}: relative error {e}");
+            // Gate and up, then down over their output: 256 rows are whole 8-bit blocks, so
+            // the gate/up kernel also writes the down projection's 8-bit input; 72 rows end
+            // inside a block and take the plain path.
+            for r in [256usize, 72] {
+                let gate = finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols);
+                let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols);
+                let (mut sg, mut g1, mut g2) =
+                    (zeros(&g, n * r), zeros(&g, n * r), zeros(&g, n * r));
+                let (mut sc, mut c1, mut c2) =
+                    (zeros(&c, n * r), zeros(&c, n * r), zeros(&c, n * r));
+                g.matmul_swiglu(
+                    &gate.g, &up.g, ty, r, cols, &xg, n, &mut sg, &mut g1, &mut g2,
+                )
+                .unwrap();
+                c.matmul_swiglu(
+                    &gate.c, &up.c, ty, r, cols, &xc, n, &mut sc, &mut c1, &mut c2,
+                )
+                .unwrap();
+                let what = format!("matmul_swiglu {ty} {r} rows n={n}");
+                let e = relative_error(&what, &get(&g, &sg, n * r), &get(&c, &sc, n * r));
+                assert!(e < 1e-2, "{what}: relative error {e}");
+                if !r.is_multiple_of(256) {
+                    continue;
+                }
+                let down_rows = 48;
+                let down = finished(&g, &c, ty, &random_weights(&mut rng, ty, down_rows * r), r);
+                assert!(down.packed, "{ty}: down packed");
+                let (mut dg, mut dc) = (zeros(&g, n * down_rows), zeros(&c, n * down_rows));
+                g.matmul(&down.g, ty, down_rows, r, &sg, n, &mut dg)
+                    .unwrap();
+                c.matmul(&down.c, ty, down_rows, r, &sc, n, &mut dc)
+                    .unwrap();
+                let what = format!("down after matmul_swiglu {ty} n={n}");
+                let e = relative_error(
+                    &what,
+                    &get(&g, &dg, n * down_rows),
+                    &get(&c, &dc, n * down_rows),
+                );
+                assert!(e < 1e-2, "{what}: relative error {e}");
+            }
         }
 
         // Embedding rows come out of a packed table exactly as the cpu decodes them.

@@ -379,7 +379,7 @@ mod tests {
                 if let Some((prefix, rest)) = packed {
                     let (ty, nt) = rest.rsplit_once('_').unwrap_or((rest, ""));
                     let mac = format!("PK_ENTRIES_{}({nt})", ty.to_uppercase());
-                    let body = format!("{prefix}{ty}_##nt(");
+                    let body = format!("{prefix}##ty##_##nt(");
                     assert!(
                         f.source.contains(&mac) && f.source.contains(&body),
                         "{e} not found in {}",

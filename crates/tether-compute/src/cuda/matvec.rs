@@ -1,12 +1,12 @@
 //! Matrix-vector products for small batches (decode): one launch per group of at most
 //! [`MV_MAX_TOKENS`] tokens, each reading every weight once.
 //!
-//! Q4_0 weights meet activations quantized to 8-bit blocks (as the cpu backend does),
-//! multiplied with 4-way integer dot products: the activation row then costs a quarter of
-//! its f32 bytes per weight row read, which is what bounded the f32 kernel (2.2 TB/s of
-//! weights instead of 1.4 on an H100). Q8_0 gains little from it (its weights are twice as
-//! large beside the activations) and keeps f32 activations, which are exact: the 8-bit
-//! activations cost up to 1.6e-2 of relative logit error on small random models.
+//! Q4_0 and packed Q8_0 weights meet activations quantized to 8-bit blocks (as the cpu
+//! backend does), multiplied with 4-way integer dot products: the activation row then costs
+//! a quarter of its f32 bytes per weight row read, which is what bounded the f32 kernel
+//! (2.2 TB/s of weights instead of 1.4 on an H100). The 8-bit copy lives in one of two
+//! slots of a buffer the backend holds; ops that produce a product's input (the norms, the
+//! attention merge, the packed gate/up kernel) write it as they go.
 
 use std::sync::MutexGuard;
 use std::sync::atomic::Ordering;
@@ -26,33 +26,72 @@ const MV_ROWS_PER_BLOCK: usize = 4;
 pub(crate) const MV_MAX_TOKENS: usize = 8;
 /// Widest activation row the 8-bit path takes; wider rows use the f32 kernels.
 pub(super) const XQ_MAX_COLS: usize = 1 << 16;
-/// Bytes of the quantized-activation buffer: `MV_MAX_TOKENS` rows of int8 values, then
-/// one (scale, scaled sum) f32 pair per 32 values.
-pub(crate) const XQ_BYTES: usize = XQ_SCALES_AT + MV_MAX_TOKENS * (XQ_MAX_COLS / 32) * 8;
-/// Where the (scale, scaled sum) pairs start in that buffer.
+/// Bytes of one slot of the quantized-activation buffer: `MV_MAX_TOKENS` rows of int8
+/// values, then one (scale, scaled sum) f32 pair per 32 values.
+const XQ_SLOT_BYTES: usize = XQ_SCALES_AT + MV_MAX_TOKENS * (XQ_MAX_COLS / 32) * 8;
+/// Slots of that buffer: a product that writes the 8-bit copy of its output (gate/up)
+/// reads its input's copy from the other one.
+const XQ_SLOTS: usize = 2;
+/// Bytes of the quantized-activation buffer.
+pub(crate) const XQ_BYTES: usize = XQ_SLOTS * XQ_SLOT_BYTES;
+/// Where the (scale, scaled sum) pairs start in a slot.
 const XQ_SCALES_AT: usize = MV_MAX_TOKENS * XQ_MAX_COLS;
+/// Rows the gate/up kernel gives one block (matvec_packed.cu's PK_SW_ROWS): one 8-bit
+/// block of its output per token.
+const PK_SWIGLU_ROWS_PER_BLOCK: usize = 32;
+/// Output rows of one warp of the packed kernels (PK_R).
+const PK_ROWS_PER_WARP: usize = 2;
+/// Rows of one block of the packed matvec and q/k/v kernels (PK_MV_WARPS warps).
+const PK_MV_ROWS_PER_BLOCK: usize = 4 * PK_ROWS_PER_WARP;
 
-/// The quantized-activation buffer and what it holds.
+/// (input address, cols, tokens, write epoch) of the rows a slot holds: matmuls of one
+/// input (q, k, v; gate, up) quantize it once, until any op writes device memory.
+type XqKey = (u64, usize, usize, u64);
+
+/// The quantized-activation buffer and what each slot holds.
 pub(crate) struct Xq {
     buf: CudaBuffer,
-    /// (input address, cols, tokens, write epoch) of the rows it holds: matmuls of one
-    /// input (q, k, v; gate, up) quantize it once, until any op writes device memory.
-    holds: Option<(u64, usize, usize, u64)>,
+    holds: [Option<XqKey>; XQ_SLOTS],
+    /// The slot written last: writers take the other one, so the copy just made stays.
+    newest: usize,
 }
 
 impl Xq {
     pub(crate) fn new(buf: CudaBuffer) -> Self {
-        Self { buf, holds: None }
+        Self {
+            buf,
+            holds: [None; XQ_SLOTS],
+            newest: 0,
+        }
     }
 
     pub(crate) fn bytes(&self) -> usize {
         crate::backend::DeviceBuffer::bytes(&self.buf)
     }
+
+    /// (values, scales) addresses of slot `s`.
+    fn slot(&self, s: usize) -> (u64, u64) {
+        let base = self.buf.ptr() + (s * XQ_SLOT_BYTES) as u64;
+        (base, base + XQ_SCALES_AT as u64)
+    }
+
+    /// The slot to write next (not the newest one), emptied.
+    fn take_for_write(&mut self) -> usize {
+        let s = (self.newest + 1) % XQ_SLOTS;
+        self.holds[s] = None;
+        s
+    }
+
+    fn written(&mut self, s: usize, key: XqKey) {
+        self.holds[s] = Some(key);
+        self.newest = s;
+    }
 }
 
 /// A locked 8-bit copy of some rows: the addresses of its values and scales.
 struct QuantizedInput<'a> {
-    _guard: MutexGuard<'a, Xq>,
+    guard: MutexGuard<'a, Xq>,
+    slot: usize,
     q: u64,
     ds: u64,
 }
@@ -80,6 +119,12 @@ pub(crate) struct Fused {
     stem: &'static str,
 }
 
+impl Fused {
+    fn packed(&self) -> bool {
+        self.prefix == "matvecp"
+    }
+}
+
 /// The name stem of the matvec kernels for `ty`.
 fn stem(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
@@ -93,6 +138,12 @@ fn stem(ty: GgmlType) -> Option<&'static str> {
         GgmlType::Q6K => "q6_k",
         _ => return None,
     })
+}
+
+/// Blocks of `per_block` rows that cover `rows`, as a grid dimension.
+fn blocks(op: &'static str, rows: usize, per_block: usize) -> Result<u32> {
+    u32::try_from(rows.div_ceil(per_block))
+        .map_err(|_| shape_err(op, format!("{rows} rows are too many for one launch")))
 }
 
 impl CudaBackend {
@@ -111,13 +162,6 @@ impl CudaBackend {
         const OP: &str = "matmul";
         let stem = stem(a.ty).ok_or_else(|| super::check::unsupported(OP, a.ty))?;
         let (rows_arg, cols_arg) = (int(OP, "rows", a.rows)?, int(OP, "cols", a.cols)?);
-        let blocks = u32::try_from(a.rows.div_ceil(MV_ROWS_PER_BLOCK))
-            .map_err(|_| shape_err(OP, format!("{} rows are too many for one launch", a.rows)))?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // Packed weights and GGUF-layout Q4_0 take 8-bit activations; the rest take f32.
         let packed = a.packed && packed_stem(a.ty).is_some();
         let int8 = packed
@@ -126,6 +170,17 @@ impl CudaBackend {
             (true, _) => "matvecp",
             (false, true) => "matvecq",
             (false, false) => "matvec",
+        };
+        let per_block = if packed {
+            PK_MV_ROWS_PER_BLOCK
+        } else {
+            MV_ROWS_PER_BLOCK
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(OP, a.rows, per_block)?, 1, 1),
+            // Both families run 4 warps a block.
+            block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
         };
         let mut t0 = 0;
         while t0 < a.n_tokens {
@@ -176,11 +231,15 @@ impl CudaBackend {
         n: usize,
     ) -> Result<()> {
         const OP: &str = "matmul";
-        let total: usize = rows.iter().sum();
-        let blocks = u32::try_from(total.div_ceil(MV_ROWS_PER_BLOCK))
-            .map_err(|_| shape_err(OP, format!("{total} rows are too many for one launch")))?;
+        // Packed kernels give each matrix its own blocks; the others number rows across all.
+        let grid = if family.packed() {
+            let per: usize = rows.iter().map(|r| r.div_ceil(PK_MV_ROWS_PER_BLOCK)).sum();
+            blocks(OP, per, 1)?
+        } else {
+            blocks(OP, rows.iter().sum(), MV_ROWS_PER_BLOCK)?
+        };
         let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
+            grid_dim: (grid, 1, 1),
             block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -229,11 +288,11 @@ impl CudaBackend {
             return Ok(false);
         }
         let mut xq = self.lock_xq();
-        let (q, ds) = (xq.buf.ptr(), xq.buf.ptr() + XQ_SCALES_AT as u64);
-        xq.holds = None;
+        let s = xq.take_for_write();
+        let (q, ds) = xq.slot(s);
         launch(q, ds)?;
         // Read after the launch: the op's own write retired older copies.
-        xq.holds = Some((x, cols, n, self.write_epoch.load(Ordering::Relaxed)));
+        xq.written(s, (x, cols, n, self.write_epoch.load(Ordering::Relaxed)));
         Ok(true)
     }
 
@@ -242,17 +301,19 @@ impl CudaBackend {
     /// kernels that read it before then, or another thread's rows could be queued over it.
     fn quantized_input(&self, x: u64, cols: usize, n: usize) -> Result<QuantizedInput<'_>> {
         let mut guard = self.lock_xq();
-        let (q, ds) = (guard.buf.ptr(), guard.buf.ptr() + XQ_SCALES_AT as u64);
         let key = (x, cols, n, self.write_epoch.load(Ordering::Relaxed));
-        if guard.holds != Some(key) {
-            self.quantize_q8(x, cols, n, q, ds)?;
-            guard.holds = Some(key);
-        }
-        Ok(QuantizedInput {
-            _guard: guard,
-            q,
-            ds,
-        })
+        let slot = match guard.holds.iter().position(|h| *h == Some(key)) {
+            Some(s) => s,
+            None => {
+                let s = guard.take_for_write();
+                let (q, ds) = guard.slot(s);
+                self.quantize_q8(x, cols, n, q, ds)?;
+                guard.written(s, key);
+                s
+            }
+        };
+        let (q, ds) = guard.slot(slot);
+        Ok(QuantizedInput { guard, slot, q, ds })
     }
 
     /// The fused decode kernels that take products of these weights (each with its type),
@@ -302,12 +363,23 @@ impl CudaBackend {
         out: u64,
     ) -> Result<()> {
         const OP: &str = "matmul";
-        let blocks = u32::try_from(rows.div_ceil(MV_ROWS_PER_BLOCK))
-            .map_err(|_| shape_err(OP, format!("{rows} rows are too many for one launch")))?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
-            shared_mem_bytes: 0,
+        let packed = family.packed();
+        let cfg = if packed {
+            LaunchConfig {
+                grid_dim: (blocks(OP, rows, PK_SWIGLU_ROWS_PER_BLOCK)?, 1, 1),
+                block_dim: (
+                    (32 * PK_SWIGLU_ROWS_PER_BLOCK / PK_ROWS_PER_WARP) as u32,
+                    1,
+                    1,
+                ),
+                shared_mem_bytes: 0,
+            }
+        } else {
+            LaunchConfig {
+                grid_dim: (blocks(OP, rows, MV_ROWS_PER_BLOCK)?, 1, 1),
+                block_dim: (32 * MV_ROWS_PER_BLOCK as u32, 1, 1),
+                shared_mem_bytes: 0,
+            }
         };
         let mut args = vec![
             Arg::Ptr(gate),
@@ -316,14 +388,32 @@ impl CudaBackend {
             int(OP, "cols", cols)?,
         ];
         // Held until the launch is queued (see `quantized_input`).
-        let xin = self.quantized_input(x, cols, n)?;
+        let mut xin = self.quantized_input(x, cols, n)?;
         args.extend([Arg::Ptr(xin.q), Arg::Ptr(xin.ds)]);
         args.extend([Arg::I32(n as i32), Arg::Ptr(out)]);
+        // The packed kernel also writes the 8-bit copy of whole 32-row blocks of its output
+        // for the down projection, into the slot its input does not use.
+        let out_slot = (packed && rows.is_multiple_of(32) && rows <= XQ_MAX_COLS)
+            .then(|| (xin.slot + 1) % XQ_SLOTS);
+        if packed {
+            let (oq, ods) = match out_slot {
+                Some(s) => {
+                    xin.guard.holds[s] = None;
+                    xin.guard.slot(s)
+                }
+                None => (0, 0),
+            };
+            args.extend([Arg::Ptr(oq), Arg::Ptr(ods)]);
+        }
         let width = n.next_power_of_two();
         let Fused { prefix, stem } = family;
-        let launched = self.launch_kernel(&format!("{prefix}_swiglu_{stem}_{width}"), cfg, &args);
+        self.launch_kernel(&format!("{prefix}_swiglu_{stem}_{width}"), cfg, &args)?;
+        if let Some(s) = out_slot {
+            let key = (out, rows, n, self.write_epoch.load(Ordering::Relaxed));
+            xin.guard.written(s, key);
+        }
         drop(xin);
-        launched
+        Ok(())
     }
 
     /// Quantizes `n` rows of `cols` f32 at `x` into 8-bit blocks at `q` with their scales
