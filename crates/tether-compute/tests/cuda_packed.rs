@@ -263,3 +263,53 @@ fn a_finished_weight_cannot_be_written_and_mixed_layouts_still_multiply() {
         assert!(e < 1e-2, "{what}: relative error {e}");
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn repeated_decode_steps_are_replayed_from_one_graph() {
+    // A layer's feed-forward as a recorded step, with an output-head-like norm and product
+    // between steps (outside the step, as the generator runs them): steps after the first
+    // must repeat their launches exactly, so that one captured graph replays them.
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(43);
+    let (ty, e, ff, vocab) = (GgmlType::Q4_0, 256usize, 512usize, 64usize);
+    let gate = finished(&g, &c, ty, &random_weights(&mut rng, ty, ff * e), e);
+    let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, ff * e), e);
+    let down = finished(&g, &c, ty, &random_weights(&mut rng, ty, e * ff), ff);
+    let head = finished(&g, &c, ty, &random_weights(&mut rng, ty, vocab * e), e);
+    assert!(gate.packed && down.packed && head.packed);
+    let norm = put(&g, &f32_bytes(&rng.f32s(e, 1.0)));
+    let start = f32_bytes(&rng.f32s(e, 1.0));
+    let mut hidden = put(&g, &start);
+    let (mut normed, mut act) = (zeros(&g, e), zeros(&g, ff));
+    let (mut t1, mut t2, mut logits) = (zeros(&g, ff), zeros(&g, ff), zeros(&g, vocab));
+    let mut replays = tether_compute::CudaReplays::default();
+    let mut results = Vec::new();
+    for _ in 0..5 {
+        g.upload(&mut hidden, 0, &start).unwrap();
+        g.replay(&mut replays, 1, || -> tether_compute::Result<()> {
+            g.rms_norm(&hidden, &norm, 1, e, 1e-5, &mut normed)?;
+            g.matmul_swiglu(
+                &gate.g, &up.g, ty, ff, e, &normed, 1, &mut act, &mut t1, &mut t2,
+            )?;
+            g.matmul_add(&down.g, ty, e, ff, &act, 1, &mut hidden, &mut normed)
+        })
+        .unwrap()
+        .unwrap();
+        g.rms_norm(&hidden, &norm, 1, e, 1e-5, &mut normed).unwrap();
+        g.matmul(&head.g, ty, vocab, e, &normed, 1, &mut logits)
+            .unwrap();
+        results.push((get(&g, &hidden, e), get(&g, &logits, vocab)));
+    }
+    assert_eq!(
+        replays.graphs(),
+        1,
+        "the repeated step is one captured graph"
+    );
+    for r in &results[1..] {
+        assert_eq!(
+            r, &results[0],
+            "a replayed step gives what the first one gave"
+        );
+    }
+}

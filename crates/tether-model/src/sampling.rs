@@ -99,6 +99,11 @@ impl Sampler {
     /// Non-finite logits are never chosen unless every logit is non-finite (then token 0).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = &self.params;
+        if p.temperature <= 0.0 && (p.repeat_penalty == 1.0 || p.repeat_last_n == 0) {
+            // Greedy without penalties: one pass over the logits, no candidate list (on a
+            // 128k vocabulary the list cost more host time per token than a decode kernel).
+            return greedy(logits);
+        }
         let c = &mut self.candidates;
         c.clear();
         c.extend(
@@ -172,6 +177,21 @@ impl Sampler {
     }
 }
 
+/// The highest non-NaN logit's id (the lowest id among equals; `total_cmp` order, so +inf
+/// wins and +0 beats -0), or 0 when every logit is NaN: what the candidate list gives.
+fn greedy(logits: &[f32]) -> u32 {
+    let mut best: Option<(u32, f32)> = None;
+    for (i, &l) in logits.iter().enumerate() {
+        if l.is_nan() {
+            continue;
+        }
+        if best.is_none_or(|(_, b)| l.total_cmp(&b).is_gt()) {
+            best = Some((i as u32, l));
+        }
+    }
+    best.map_or(0, |b| b.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,6 +213,45 @@ mod tests {
         let mut s = Sampler::new(params(0.0));
         assert_eq!(s.sample(&[0.1, 3.0, f32::NAN, 2.9], &[]), 1);
         assert_eq!(s.sample(&[f32::NAN, -1.0], &[]), 1);
+    }
+
+    #[test]
+    fn greedy_fast_path_matches_the_candidate_list() {
+        // A penalty over an empty window changes nothing but takes the candidate list.
+        let mut listed = params(0.0);
+        listed.repeat_penalty = 1.5;
+        listed.repeat_last_n = 8;
+        let (mut fast, mut slow) = (Sampler::new(params(0.0)), Sampler::new(listed));
+        let cases: [&[f32]; 6] = [
+            &[1.0, 7.0, 7.0, -2.0],
+            &[f32::NAN, f32::NAN],
+            &[-0.0, 0.0, -0.0],
+            &[f32::NEG_INFINITY, -1e30, f32::INFINITY, f32::INFINITY],
+            &[],
+            &[2.0, f32::NAN, 2.0],
+        ];
+        for logits in cases {
+            assert_eq!(
+                fast.sample(logits, &[]),
+                slow.sample(logits, &[]),
+                "{logits:?}"
+            );
+        }
+        let mut x = 0x2545_f491_u32;
+        let logits: Vec<f32> = (0..5000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x % 97) as f32 / 7.0
+            })
+            .collect();
+        assert_eq!(fast.sample(&logits, &[]), slow.sample(&logits, &[]));
+        assert_eq!(
+            fast.sample(&[1.0, 7.0, 7.0], &[]),
+            1,
+            "ties go to the lower id"
+        );
     }
 
     #[test]

@@ -61,12 +61,20 @@ impl Xq {
         Self {
             buf,
             holds: [None; XQ_SLOTS],
-            newest: 0,
+            newest: XQ_SLOTS - 1,
         }
     }
 
     pub(crate) fn bytes(&self) -> usize {
         crate::backend::DeviceBuffer::bytes(&self.buf)
+    }
+
+    /// Forgets what the slots hold and starts writing at slot 0 again: a decode step then
+    /// puts every 8-bit copy where it did last time, so its launches (and their addresses)
+    /// repeat and graph.rs can replay them.
+    pub(crate) fn restart(&mut self) {
+        self.holds = [None; XQ_SLOTS];
+        self.newest = XQ_SLOTS - 1;
     }
 
     /// (values, scales) addresses of slot `s`.

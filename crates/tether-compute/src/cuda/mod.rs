@@ -183,6 +183,7 @@ impl CudaBackend {
         // One step at a time records (the step staging area is shared); others wait.
         let _step = self.step.lock().unwrap_or_else(|p| p.into_inner());
         self.lock_staging().rewind_step()?;
+        self.lock_xq().restart();
         graph::replay(&self.device, &self.capture, replays, key, f)
     }
 
