@@ -179,17 +179,41 @@ impl Sampler {
 
 /// The highest non-NaN logit's id (the lowest id among equals; `total_cmp` order, so +inf
 /// wins and +0 beats -0), or 0 when every logit is NaN: what the candidate list gives.
+/// Built to vectorize: a comparison loop carrying the best (id, logit) ran at ~2.6 ns a
+/// logit, 0.3-0.4 ms a token on a 128k vocabulary; sixteen running maxima, then a search
+/// for the first equal value in blocks of 64, take ~11 us.
 fn greedy(logits: &[f32]) -> u32 {
-    let mut best: Option<(u32, f32)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l.is_nan() {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| l.total_cmp(&b).is_gt()) {
-            best = Some((i as u32, l));
+    // `l > m` is false for NaN, so NaN never becomes a maximum.
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = logits.chunks_exact(16);
+    for c in &mut chunks {
+        for (m, &l) in lanes.iter_mut().zip(c) {
+            *m = if l > *m { l } else { *m };
         }
     }
-    best.map_or(0, |b| b.0)
+    let max = chunks
+        .remainder()
+        .iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    // The first logit with exactly these bits (blocks that hold none are skipped whole).
+    let first = |want: f32| {
+        logits.chunks(64).enumerate().find_map(|(b, chunk)| {
+            let hit = chunk.iter().fold(false, |hit, &l| hit | (l == want));
+            if !hit {
+                return None;
+            }
+            let at = chunk.iter().position(|&l| l.to_bits() == want.to_bits())?;
+            Some(b * 64 + at)
+        })
+    };
+    let at = if max == 0.0 {
+        first(0.0).or_else(|| first(-0.0))
+    } else {
+        first(max)
+    };
+    // None: every logit is NaN (or there are none); -inf alone is still found above.
+    at.map_or(0, |i| i as u32)
 }
 
 #[cfg(test)]
@@ -222,13 +246,21 @@ mod tests {
         listed.repeat_penalty = 1.5;
         listed.repeat_last_n = 8;
         let (mut fast, mut slow) = (Sampler::new(params(0.0)), Sampler::new(listed));
-        let cases: [&[f32]; 6] = [
+        let mut zeros = vec![-0.0f32; 200];
+        zeros[150] = 0.0;
+        let mut tail = vec![1.0f32; 33];
+        tail[32] = 4.0;
+        let cases: [&[f32]; 10] = [
+            &tail,
             &[1.0, 7.0, 7.0, -2.0],
             &[f32::NAN, f32::NAN],
             &[-0.0, 0.0, -0.0],
             &[f32::NEG_INFINITY, -1e30, f32::INFINITY, f32::INFINITY],
             &[],
             &[2.0, f32::NAN, 2.0],
+            &[-f32::NAN, f32::NEG_INFINITY],
+            &[-3.0; 70],
+            &zeros,
         ];
         for logits in cases {
             assert_eq!(
