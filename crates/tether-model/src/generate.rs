@@ -198,13 +198,13 @@ impl<B: Backend> Generator<B> {
         let ctx = self.stage.spec().ctx_per_seq;
         let mut history = prompt.to_vec();
         let mut logits = vec![0.0f32; v];
-        let mut hidden = self.run(prompt, 0, prompt.len() - 1)?;
+        let hidden = self.run(prompt, 0, prompt.len() - 1)?;
+        self.stage.logits(&hidden, 1, &mut logits)?;
         let mut out = Vec::new();
         loop {
             if out.len() >= n_predict {
                 return Ok((out, StopReason::Limit));
             }
-            self.stage.logits(&hidden, 1, &mut logits)?;
             let tok = sampler.sample(&logits, &history);
             if eog.contains(&tok) {
                 return Ok((out, StopReason::EndOfGeneration));
@@ -218,7 +218,12 @@ impl<B: Backend> Generator<B> {
             if history.len() > ctx {
                 return Ok((out, StopReason::ContextFull));
             }
-            hidden = self.run(&[tok], (history.len() - 1) as u32, 0)?;
+            // Embedding, layers and head in one call: the hidden state stays on the device.
+            let at = BatchToken {
+                seq: 0,
+                pos: (history.len() - 1) as u32,
+            };
+            self.stage.decode_logits(&[tok], &[at], &mut logits)?;
         }
     }
 }

@@ -37,12 +37,7 @@ impl<B: Backend> Stage<B> {
             ModelError::FailedPrecondition("this stage does not hold the token embedding".into())
         })?;
         need_len("the hidden-state buffer", hidden_out.len(), ids.len() * e)?;
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.cfg.n_vocab) {
-            return Err(ModelError::InvalidArgument(format!(
-                "token id {bad} is outside the vocabulary of {} tokens",
-                self.cfg.n_vocab
-            )));
-        }
+        self.check_ids(ids)?;
         let w = &self.weights[table];
         for (ids, out) in ids
             .chunks(self.spec.ubatch)
@@ -57,6 +52,16 @@ impl<B: Backend> Stage<B> {
                 .map_err(compute("downloading embeddings"))?;
         }
         Ok(())
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<(), ModelError> {
+        match ids.iter().find(|&&id| id as usize >= self.cfg.n_vocab) {
+            Some(bad) => Err(ModelError::InvalidArgument(format!(
+                "token id {bad} is outside the vocabulary of {} tokens",
+                self.cfg.n_vocab
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Runs `hidden` (`[batch.len()][n_embd]`) through the stage's layers in place, writing
@@ -76,43 +81,46 @@ impl<B: Backend> Stage<B> {
         need_len("the hidden-state buffer", hidden.len(), batch.len() * e)?;
         let lens = self.kv.check_batch(batch)?;
         let ub = self.spec.ubatch;
-        let mut positions = Vec::with_capacity(ub);
-        let mut cells = Vec::with_capacity(ub);
-        let mut spans = Vec::with_capacity(ub);
         for (toks, h) in batch.chunks(ub).zip(hidden.chunks_mut(ub * e)) {
-            positions.clear();
-            cells.clear();
-            spans.clear();
-            for &t in toks {
-                let (cell, span) = self.kv.place(t);
-                positions.push(t.pos);
-                cells.push(cell);
-                spans.push(span);
-            }
             self.backend
                 .upload(&mut self.scratch.hidden, 0, as_bytes(h))
                 .map_err(compute("uploading hidden states"))?;
-            if toks.len() <= REPLAY_MAX_TOKENS {
-                // Decode steps repeat the same ops on the same buffers: let the backend
-                // replay them (CUDA graphs) instead of issuing each op.
-                let mut replays = std::mem::take(&mut self.replays);
-                let backend = self.backend.clone();
-                let step = backend.replay(&mut replays, toks.len() as u64, || {
-                    (0..self.layers.len())
-                        .try_for_each(|i| self.layer(i, &positions, &cells, &spans))
-                });
-                self.replays = replays;
-                step.map_err(compute("running a recorded decode step"))??;
-            } else {
-                for i in 0..self.layers.len() {
-                    self.layer(i, &positions, &cells, &spans)?;
-                }
-            }
+            self.layers_on_device(toks)?;
             self.backend
                 .download(&self.scratch.hidden, 0, as_bytes_mut(h))
                 .map_err(compute("downloading hidden states"))?;
         }
         self.kv.commit(lens);
+        Ok(())
+    }
+
+    /// Runs the tokens of one micro-batch, whose hidden states are in `scratch.hidden`,
+    /// through every layer, writing their keys and values into their cells.
+    fn layers_on_device(&mut self, toks: &[BatchToken]) -> Result<(), ModelError> {
+        let mut positions = Vec::with_capacity(toks.len());
+        let mut cells = Vec::with_capacity(toks.len());
+        let mut spans = Vec::with_capacity(toks.len());
+        for &t in toks {
+            let (cell, span) = self.kv.place(t);
+            positions.push(t.pos);
+            cells.push(cell);
+            spans.push(span);
+        }
+        if toks.len() <= REPLAY_MAX_TOKENS {
+            // Decode steps repeat the same ops on the same buffers: let the backend
+            // replay them (CUDA graphs) instead of issuing each op.
+            let mut replays = std::mem::take(&mut self.replays);
+            let backend = self.backend.clone();
+            let step = backend.replay(&mut replays, toks.len() as u64, || {
+                (0..self.layers.len()).try_for_each(|i| self.layer(i, &positions, &cells, &spans))
+            });
+            self.replays = replays;
+            step.map_err(compute("running a recorded decode step"))??;
+        } else {
+            for i in 0..self.layers.len() {
+                self.layer(i, &positions, &cells, &spans)?;
+            }
+        }
         Ok(())
     }
 
@@ -280,26 +288,89 @@ impl<B: Backend> Stage<B> {
         };
         need_len("the hidden-state buffer", hidden.len(), n_tokens * e)?;
         need_len("the logits buffer", out.len(), n_tokens * v)?;
+        let ub = self.spec.ubatch;
+        for (h, o) in hidden.chunks(ub * e).zip(out.chunks_mut(ub * v)) {
+            self.backend
+                .upload(&mut self.scratch.hidden, 0, as_bytes(h))
+                .map_err(compute("uploading hidden states"))?;
+            self.head_on_device(norm, head, h.len() / e, o)?;
+        }
+        Ok(())
+    }
+
+    /// The output head over the `n` hidden states in `scratch.hidden`, into `out`.
+    fn head_on_device(
+        &mut self,
+        norm: usize,
+        head: usize,
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let (e, v) = (self.cfg.n_embd, self.cfg.n_vocab);
         let s = &mut self.scratch;
         let (Some(normed), Some(logits)) = (s.normed.as_mut(), s.logits.as_mut()) else {
             return Err(ModelError::FailedPrecondition(
                 "head scratch missing".into(),
             ));
         };
-        let ub = self.spec.ubatch;
         let be = &*self.backend;
         let (nw, hw) = (&self.weights[norm], &self.weights[head]);
-        for (h, o) in hidden.chunks(ub * e).zip(out.chunks_mut(ub * v)) {
-            let n = h.len() / e;
-            be.upload(&mut s.hidden, 0, as_bytes(h))
-                .map_err(compute("uploading hidden states"))?;
-            be.rms_norm(&s.hidden, &nw.buf, n, e, self.cfg.rms_eps, normed)
-                .map_err(compute("output norm"))?;
-            be.matmul(&hw.buf, hw.ty, v, e, normed, n, logits)
-                .map_err(compute("output head"))?;
-            be.download(logits, 0, as_bytes_mut(o))
-                .map_err(compute("downloading logits"))?;
+        be.rms_norm(&s.hidden, &nw.buf, n, e, self.cfg.rms_eps, normed)
+            .map_err(compute("output norm"))?;
+        be.matmul(&hw.buf, hw.ty, v, e, normed, n, logits)
+            .map_err(compute("output head"))?;
+        be.download(logits, 0, as_bytes_mut(&mut out[..n * v]))
+            .map_err(compute("downloading logits"))
+    }
+
+    /// A decode step of a stage that holds the whole model: embeds `ids` (one per token of
+    /// `batch`, at most one replayed step's worth), runs every layer and the output head
+    /// with the hidden states kept on the device (no round trip through the host between
+    /// them), and writes the logits (`[batch.len()][n_vocab]`). On a bad token nothing
+    /// changes.
+    pub fn decode_logits(
+        &mut self,
+        ids: &[u32],
+        batch: &[BatchToken],
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let backend = self.backend.clone();
+        backend.scope(|| self.decode_logits_in_scope(ids, batch, out))
+    }
+
+    fn decode_logits_in_scope(
+        &mut self,
+        ids: &[u32],
+        batch: &[BatchToken],
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        self.check_loaded()?;
+        let (e, v) = (self.cfg.n_embd, self.cfg.n_vocab);
+        let (Some(table), Some(norm), Some(head)) = (self.embd, self.out_norm, self.output) else {
+            return Err(ModelError::FailedPrecondition(
+                "decode_logits needs a stage holding the embedding and the output head".into(),
+            ));
+        };
+        need_len("the token list", ids.len(), batch.len())?;
+        need_len("the logits buffer", out.len(), batch.len() * v)?;
+        if batch.len() > REPLAY_MAX_TOKENS.min(self.spec.ubatch) {
+            return Err(ModelError::InvalidArgument(format!(
+                "a decode step takes at most {} tokens, {} given",
+                REPLAY_MAX_TOKENS.min(self.spec.ubatch),
+                batch.len()
+            )));
         }
-        Ok(())
+        self.check_ids(ids)?;
+        let lens = self.kv.check_batch(batch)?;
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let w = &self.weights[table];
+        self.backend
+            .get_rows(&w.buf, w.ty, e, ids, &mut self.scratch.hidden)
+            .map_err(compute("embedding lookup"))?;
+        self.layers_on_device(batch)?;
+        self.kv.commit(lens);
+        self.head_on_device(norm, head, batch.len(), out)
     }
 }

@@ -52,6 +52,55 @@ fn two_half_stages_equal_one_stage() {
 }
 
 #[test]
+fn decode_logits_equals_embed_forward_and_logits() {
+    let m = model();
+    let (mut a, mut b) = (whole(&m.file, 2, 4), whole(&m.file, 2, 4));
+    let v = a.config().n_vocab;
+    // A prompt on both, then decode steps of one token and of two sequences at once.
+    let prompt = run(&mut a, &IDS[..4], &batch(0, 0..4));
+    assert_eq!(run(&mut b, &IDS[..4], &batch(0, 0..4)), prompt);
+    let steps: [(&[u32], Vec<BatchToken>); 3] = [
+        (&[7], batch(0, 4..5)),
+        (
+            &[9, 11],
+            vec![BatchToken { seq: 0, pos: 5 }, BatchToken { seq: 1, pos: 0 }],
+        ),
+        (&[300], batch(1, 1..2)),
+    ];
+    for (ids, toks) in &steps {
+        let want = run(&mut a, ids, toks);
+        let mut got = vec![0.0; ids.len() * v];
+        b.decode_logits(ids, toks, &mut got).unwrap();
+        assert_eq!(got, want, "{ids:?}");
+    }
+    // Bad input changes nothing: the next step still matches.
+    let mut out = vec![0.0; v];
+    let bad = [BatchToken { seq: 0, pos: 6 }];
+    assert!(
+        b.decode_logits(&[v as u32], &bad, &mut out).is_err(),
+        "id past the vocab"
+    );
+    assert!(
+        b.decode_logits(&[1, 2], &bad, &mut out).is_err(),
+        "ids and tokens differ"
+    );
+    let far = [BatchToken { seq: 0, pos: 9 }];
+    assert!(
+        b.decode_logits(&[1], &far, &mut out).is_err(),
+        "position past the end"
+    );
+    let many: Vec<BatchToken> = batch(0, 6..15);
+    let mut big = vec![0.0; many.len() * v];
+    assert!(
+        b.decode_logits(&[1; 9], &many, &mut big).is_err(),
+        "more than a step"
+    );
+    let want = run(&mut a, &[5], &bad);
+    b.decode_logits(&[5], &bad, &mut out).unwrap();
+    assert_eq!(out, want);
+}
+
+#[test]
 fn truncate_then_reforward_reproduces_logits() {
     let m = model();
     let mut stage = whole(&m.file, 1, 16);
