@@ -313,3 +313,66 @@ fn repeated_decode_steps_are_replayed_from_one_graph() {
         );
     }
 }
+
+/// `layers` feed-forward blocks over `hidden` (about three launches each).
+fn feed_forward_layers(
+    g: &CudaBackend,
+    w: [&<CudaBackend as Backend>::Buffer; 4],
+    (e, ff): (usize, usize),
+    hidden: &mut <CudaBackend as Backend>::Buffer,
+    s: &mut [<CudaBackend as Backend>::Buffer; 4],
+    layers: usize,
+) -> tether_compute::Result<()> {
+    let [gate, up, down, norm] = w;
+    let ty = GgmlType::Q8_0;
+    let [normed, act, t1, t2] = s;
+    for _ in 0..layers {
+        g.rms_norm(hidden, norm, 1, e, 1e-5, normed)?;
+        g.matmul_swiglu(gate, up, ty, ff, e, normed, 1, act, t1, t2)?;
+        g.matmul_add(down, ty, e, ff, act, 1, hidden, normed)?;
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_long_step_is_replayed_in_pieces_that_give_the_eager_results() {
+    // Enough launches that a recorded step is issued in several pieces, each captured on
+    // its own (graph.rs): every replayed step must give what the same ops give issued one
+    // by one, outside any step.
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(47);
+    let (ty, e, ff, layers) = (GgmlType::Q8_0, 256usize, 512usize, 30usize);
+    let gate = finished(&g, &c, ty, &random_weights(&mut rng, ty, ff * e), e);
+    let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, ff * e), e);
+    let down = finished(&g, &c, ty, &random_weights(&mut rng, ty, e * ff), ff);
+    assert!(gate.packed && down.packed);
+    let norm = put(&g, &f32_bytes(&rng.f32s(e, 1.0)));
+    let w = [&gate.g, &up.g, &down.g, &norm];
+    let start = f32_bytes(&rng.f32s(e, 1.0));
+    let mut hidden = put(&g, &start);
+    let mut s = [zeros(&g, e), zeros(&g, ff), zeros(&g, ff), zeros(&g, ff)];
+    feed_forward_layers(&g, w, (e, ff), &mut hidden, &mut s, layers).unwrap();
+    let eager = get(&g, &hidden, e);
+    assert!(eager.iter().all(|v| v.is_finite()), "eager run overflowed");
+    let mut replays = tether_compute::CudaReplays::default();
+    for step in 0..4 {
+        g.upload(&mut hidden, 0, &start).unwrap();
+        g.replay(&mut replays, 1, || {
+            feed_forward_layers(&g, w, (e, ff), &mut hidden, &mut s, layers)
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            get(&g, &hidden, e),
+            eager,
+            "step {step} differs from the same ops issued one by one"
+        );
+    }
+    // At least 90 launches: pieces of 12, 48, then up to 192, each its own graph.
+    let graphs = replays.graphs();
+    assert!(
+        (3..=4).contains(&graphs),
+        "{graphs} graphs: the step's pieces are not captured one by one"
+    );
+}

@@ -13,6 +13,11 @@
 //! operation that needs the stream in order (download, synchronize, a buffer's drop)
 //! first issues what was recorded and ends recording for that step.
 //!
+//! A step is issued in pieces as it is recorded (the first few commands, then four times as
+//! many, and so on), each compared and captured on its own: the GPU runs the first layers
+//! while the host records the rest, instead of idling through the whole recording (about
+//! 0.2 ms of a 2.7 ms step on an 8B model).
+//!
 //! Graphs belong to the caller's [`CudaReplays`] (a stage, so a session) and are destroyed
 //! with it.
 //!
@@ -28,8 +33,19 @@ use super::device::{Device, driver_err};
 use super::launch::{Arg, launch};
 use crate::backend::Result;
 
-/// Most keys (batch sizes) a stage keeps graphs for.
-const MAX_ENTRIES: usize = 8;
+/// Most pieces of steps (of every key) a stage keeps graphs for: 8 batch sizes of a few
+/// pieces each.
+const MAX_ENTRIES: usize = 48;
+/// Commands in a step's first piece: enough for about one layer, so the GPU starts soon.
+const FIRST_PIECE: usize = 12;
+/// Each piece holds this many times the commands of the one before: the GPU runs a piece
+/// while the host records the next, which costs far less per command than running it.
+const PIECE_GROWTH: usize = 4;
+
+/// Commands in piece `piece` of a step (pieces count from 0).
+fn piece_len(piece: u32) -> usize {
+    FIRST_PIECE.saturating_mul(PIECE_GROWTH.saturating_pow(piece))
+}
 
 /// One stream operation, as issued or as recorded.
 #[derive(Clone)]
@@ -120,9 +136,17 @@ impl Cmd {
 struct Recording {
     /// The device recorded for (ops of another backend on this thread issue directly).
     device: *const Device,
+    /// The commands of the current piece.
     cmds: Vec<Cmd>,
     /// Set when something forced the commands out early: the step then runs eagerly.
     flushed: bool,
+    /// The step's key, and the number of the current piece.
+    key: u64,
+    piece: u32,
+    /// The stage's graphs, moved here for the step (and back at its end).
+    replays: CudaReplays,
+    /// The side stream graphs are captured on.
+    capture: Arc<CudaStream>,
 }
 
 thread_local! {
@@ -136,10 +160,20 @@ impl Device {
         let cmd = RECORDING.with(|r| match r.borrow_mut().as_mut() {
             Some(rec) if rec.device == me && !rec.flushed => {
                 rec.cmds.push(cmd);
-                None
+                if rec.cmds.len() < piece_len(rec.piece) {
+                    return Ok(None);
+                }
+                // A whole piece: issue it now, so the GPU starts on it. Issuing and
+                // capturing touch only the driver, never this thread's recording.
+                let cmds = std::mem::take(&mut rec.cmds);
+                let piece = rec.piece;
+                rec.piece += 1;
+                let (key, capture) = (rec.key, rec.capture.clone());
+                issue_piece(self, &capture, &mut rec.replays, key, piece, cmds)?;
+                Ok(None)
             }
-            _ => Some(cmd),
-        });
+            _ => Ok(Some(cmd)),
+        })?;
         match cmd {
             Some(cmd) => {
                 self.bind()?;
@@ -186,6 +220,7 @@ pub struct CudaReplays {
 
 struct Entry {
     key: u64,
+    piece: u32,
     cmds: Vec<Cmd>,
     graph: Option<CudaGraph>,
 }
@@ -206,8 +241,8 @@ pub(crate) fn in_step() -> bool {
     RECORDING.with(|r| r.borrow().is_some())
 }
 
-/// Runs `f` recording its stream operations for `device`, then issues them: by replaying
-/// the graph captured for `key` when the same list was seen before, else directly.
+/// Runs `f` recording its stream operations for `device`, then issues them: each piece by
+/// replaying the graph captured for it when the same list was seen before, else directly.
 pub(crate) fn replay<R>(
     device: &Arc<Device>,
     capture: &Arc<CudaStream>,
@@ -218,34 +253,63 @@ pub(crate) fn replay<R>(
     RECORDING.with(|r| {
         *r.borrow_mut() = Some(Recording {
             device: Arc::as_ptr(device),
-            cmds: Vec::new(),
+            cmds: Vec::with_capacity(FIRST_PIECE),
             flushed: false,
+            key,
+            piece: 0,
+            replays: std::mem::take(replays),
+            capture: capture.clone(),
         })
     });
+    // Gives the graphs back to the stage even when `f` unwinds.
+    let restore = Restore { replays };
     let out = f();
     let rec = RECORDING.with(|r| r.borrow_mut().take());
-    let Some(rec) = rec else {
+    let Some(mut rec) = rec else {
         return Ok(out);
     };
+    *restore.replays = std::mem::take(&mut rec.replays);
     if rec.flushed {
         // Part ran eagerly; issue the rest the same way.
         device.bind()?;
         rec.cmds.iter().try_for_each(|c| c.issue(&device.stream))?;
         return Ok(out);
     }
-    issue_step(device, capture, replays, key, rec.cmds)?;
+    if !rec.cmds.is_empty() {
+        issue_piece(device, capture, restore.replays, key, rec.piece, rec.cmds)?;
+    }
     Ok(out)
 }
 
-fn issue_step(
-    device: &Arc<Device>,
+/// Puts a step's graphs back where they came from if the step did not.
+struct Restore<'a> {
+    replays: &'a mut CudaReplays,
+}
+
+impl Drop for Restore<'_> {
+    fn drop(&mut self) {
+        if let Some(rec) = RECORDING.with(|r| r.borrow_mut().take()) {
+            *self.replays = rec.replays;
+        }
+    }
+}
+
+/// Issues piece `piece` of the step `key`: through its graph when `cmds` equals what the
+/// piece held last time, else directly.
+fn issue_piece(
+    device: &Device,
     capture: &Arc<CudaStream>,
     replays: &mut CudaReplays,
     key: u64,
+    piece: u32,
     cmds: Vec<Cmd>,
 ) -> Result<()> {
     device.bind()?;
-    let at = match replays.entries.iter().position(|e| e.key == key) {
+    let at = match replays
+        .entries
+        .iter()
+        .position(|e| e.key == key && e.piece == piece)
+    {
         Some(i) => i,
         None => {
             if replays.entries.len() == MAX_ENTRIES {
@@ -253,6 +317,7 @@ fn issue_step(
             }
             replays.entries.push(Entry {
                 key,
+                piece,
                 cmds: Vec::new(),
                 graph: None,
             });
