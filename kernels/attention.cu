@@ -62,12 +62,6 @@ __device__ __forceinline__ float cache_at(int ty, const u8* row, int d) {
     return ty == TY_F16 ? h2f(((const u16*)row)[d]) : dequant_at(ty, row, d);
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 // Max (is_max) or sum of v over the block; `red` is ATT_WARPS floats of shared memory.
 __device__ float block_reduce(float v, bool is_max, float* red) {
     v = is_max ? warp_max(v) : warp_sum(v);

@@ -313,6 +313,70 @@ fn kv_store_and_attention_match_cpu_for_every_cache_type() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn tiled_prefill_attention_matches_cpu() {
+    // Prefill batches over an F16 cache with heads of 64 or 128 take the tiled kernel
+    // (attention_prefill.cu): two sequences in one batch, their tokens interleaved, causal
+    // spans that start off a tile boundary and cross many tiles, a token count that leaves
+    // the last block part empty, and grouped-query heads.
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(9);
+    for (n_heads, n_kv_heads, head_dim) in [(32usize, 8usize, 128usize), (6, 2, 64), (4, 4, 128)] {
+        let shape = AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        let kv_dim = n_kv_heads * head_dim;
+        let n_cells = 2000;
+        let (k, v) = filled_caches(&g, &c, &mut rng, GgmlType::F16, kv_dim, n_cells);
+        let spans: Vec<AttnSpan> = (0..75u32)
+            .map(|t| {
+                if t % 2 == 0 {
+                    AttnSpan {
+                        first_cell: 37,
+                        n_cells: 600 + t,
+                    }
+                } else {
+                    AttnSpan {
+                        first_cell: 1200,
+                        n_cells: 1 + 9 * t,
+                    }
+                }
+            })
+            .collect();
+        let n = spans.len() * n_heads * head_dim;
+        let q = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
+        let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        g.attention(
+            &q.g,
+            &k.g,
+            &v.g,
+            GgmlType::F16,
+            &spans,
+            shape,
+            scale,
+            &mut og,
+        )
+        .unwrap();
+        c.attention(
+            &q.c,
+            &k.c,
+            &v.c,
+            GgmlType::F16,
+            &spans,
+            shape,
+            scale,
+            &mut oc,
+        )
+        .unwrap();
+        let what = format!("tiled prefill attention {shape:?}");
+        assert_close(&what, &get(&g, &og, n), &get(&c, &oc, n), 1e-4);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn attention_over_spans_longer_than_one_block_takes_matches_cpu() {
     // 288 (token, head) blocks fill the GPU; spans of 9000+ cells still need splitting.
     let (g, c) = (gpu(), cpu());
@@ -348,17 +412,18 @@ fn attention_over_spans_longer_than_one_block_takes_matches_cpu() {
 fn long_prefill_attention_runs_in_groups_without_allocating() {
     let (g, c) = (gpu(), cpu());
     let mut rng = Rng(8);
+    // Heads of 32: the tiled prefill kernel (64 and 128 only) does not take them.
     let shape = AttnShape {
         n_heads: 32,
         n_kv_heads: 8,
-        head_dim: 64,
+        head_dim: 32,
     };
     let kv_dim = shape.n_kv_heads * shape.head_dim;
     let n_cells = 16_900;
     let (k, v) = filled_caches(&g, &c, &mut rng, GgmlType::F16, kv_dim, n_cells);
-    // Three splits of (64 + 2) floats per head: 25 KiB a token, so 700 tokens take two
+    // Three splits of (32 + 2) floats per head: 13 KiB a token, so 1300 tokens take two
     // groups of the 16 MiB scratch.
-    let spans: Vec<AttnSpan> = (0..700)
+    let spans: Vec<AttnSpan> = (0..1300)
         .map(|t| AttnSpan {
             first_cell: 7,
             n_cells: 16_400 + t % 400,

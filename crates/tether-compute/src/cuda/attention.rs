@@ -26,6 +26,24 @@ const MAX_CHUNK: usize = 8192;
 /// prefill batches only split past [`MAX_CHUNK`] cells.
 pub(super) const SCRATCH_BYTES: usize = 16 << 20;
 
+/// Query tokens one block of the tiled prefill kernel takes (AP_TQ in
+/// attention_prefill.cu).
+const PREFILL_TOKENS_PER_BLOCK: usize = 16;
+
+/// The tiled prefill kernel for a batch of `n_tokens` queries, when there is one: prefill
+/// batches over an F16 cache with heads of 64 or 128. Decode batches keep the per-token
+/// kernel, whose cell splits fill the GPU with few tokens.
+fn prefill_kernel(n_tokens: usize, cache_ty: GgmlType, head_dim: usize) -> Option<&'static str> {
+    if n_tokens <= DECODE_TOKENS || cache_ty != GgmlType::F16 {
+        return None;
+    }
+    match head_dim {
+        64 => Some("attention_prefill_64"),
+        128 => Some("attention_prefill_128"),
+        _ => None,
+    }
+}
+
 /// How many blocks share the cells of each (token, head): enough that `blocks` of them
 /// fill the GPU twice over (no fewer than [`MIN_CELLS_PER_SPLIT`] cells each), and enough
 /// that none takes more than [`MAX_CHUNK`] cells. Prefill batches fill the GPU by
@@ -88,6 +106,30 @@ impl CudaBackend {
             .iter()
             .flat_map(|s| [s.first_cell, s.n_cells])
             .collect();
+        if let Some(kernel) = prefill_kernel(spans.len(), cache_ty, shape.head_dim) {
+            let spans_at = self.lock_staging().stage_u32(&flat)?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    shape.n_heads as u32,
+                    spans.len().div_ceil(PREFILL_TOKENS_PER_BLOCK) as u32,
+                    1,
+                ),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let args = [
+                Arg::Ptr(qp),
+                Arg::Ptr(kp),
+                Arg::Ptr(vp),
+                Arg::Ptr(spans_at),
+                int(OP, "query tokens", spans.len())?,
+                int(OP, "n_heads", shape.n_heads)?,
+                int(OP, "n_kv_heads", shape.n_kv_heads)?,
+                Arg::F32(scale),
+                Arg::Ptr(op),
+            ];
+            return self.run(kernel, cfg, &args);
+        }
         let longest = spans.iter().map(|s| s.n_cells as usize).max().unwrap_or(1);
         // Decode-sized batches split as if their spans filled the cache, so the launch
         // shape does not change as the context grows and a recorded step can be replayed

@@ -148,6 +148,12 @@ const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "attention_prefill",
+        source: include_str!("../../../../kernels/attention_prefill.cu"),
+        dependent_launch: true,
+        entries: &["attention_prefill_64", "attention_prefill_128"],
+    },
+    KernelFile {
         name: "gemm",
         source: include_str!("../../../../kernels/gemm.cu"),
         dependent_launch: false,
