@@ -122,16 +122,34 @@ extern "C" __global__ void gemm_dequant_f16(const u8* __restrict__ w, int ty, u6
     }
 }
 
-// x [nt][cols] f32 -> out [nt][kp] f16, columns cols..kp zeroed. Grid-stride, one value
-// per thread (activations are small next to the weights).
+// x [nt][cols] f32 -> out [nt][kp] f16, columns cols..kp zeroed. Grid-stride over groups
+// of 8 values (kp is a multiple of 8), each one 16-byte store; with cols a multiple of 8
+// a group is whole or all padding and is read in two 16-byte loads.
 extern "C" __global__ void gemm_x_f16(const float* __restrict__ x, int cols, int kp, int nt,
                                       u16* __restrict__ out) {
-    u64 total = (u64)nt * kp;
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
-         i += (u64)gridDim.x * blockDim.x) {
-        u64 t = i / kp;
-        int c = (int)(i % kp);
-        out[i] = c < cols ? f2h(x[t * cols + c]) : (u16)0;
+    int groups_per_row = kp / 8;
+    u64 total = (u64)nt * groups_per_row;
+    bool whole = (cols & 7) == 0 && ((u64)x & 15) == 0;
+    for (u64 g = blockIdx.x * (u64)blockDim.x + threadIdx.x; g < total;
+         g += (u64)gridDim.x * blockDim.x) {
+        u64 t = g / groups_per_row;
+        int c0 = (int)(g % groups_per_row) * 8;
+        const float* row = x + t * cols;
+        float v[8];
+        if (whole && c0 < cols) {
+            float4 a = *(const float4*)(row + c0), b = *(const float4*)(row + c0 + 4);
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+            v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = c0 + j < cols ? row[c0 + j] : 0.0f;
+        }
+        uint4 h;
+        h.x = (u32)f2h(v[0]) | ((u32)f2h(v[1]) << 16);
+        h.y = (u32)f2h(v[2]) | ((u32)f2h(v[3]) << 16);
+        h.z = (u32)f2h(v[4]) | ((u32)f2h(v[5]) << 16);
+        h.w = (u32)f2h(v[6]) | ((u32)f2h(v[7]) << 16);
+        *(uint4*)(out + t * (u64)kp + c0) = h;
     }
 }
 
@@ -197,11 +215,13 @@ __device__ __forceinline__ void load_tile(u32 tile, const u16* src, int row0, in
 // (n); each computes 64 (m) x 128 / WARPS_N (n). Wider warp tiles read shared memory less
 // per mma but hold more registers.
 // Split-K: block z sums K tiles [z * k_tiles, (z + 1) * k_tiles) and writes its partial
-// at out + z * split_stride (gemm_reduce adds them); with one split that is the result.
+// at out + z * split_stride (gemm_reduce adds them); with one split that is the result,
+// added to what out holds when `accumulate` (a residual add with no pass of its own).
 template <int WARPS_N>
 __device__ __forceinline__ void gemm_block(const u16* __restrict__ a, const u16* __restrict__ b,
                                            int m_rows, int n_cols, int kp, int k_tiles,
-                                           float* __restrict__ out, int ldo, u64 split_stride) {
+                                           float* __restrict__ out, int ldo, u64 split_stride,
+                                           int accumulate) {
     constexpr int THREADS = 64 * WARPS_N;
     constexpr int WARP_N = GEMM_N / WARPS_N;
     constexpr int NI = WARP_N / 8;
@@ -293,35 +313,42 @@ __device__ __forceinline__ void gemm_block(const u16* __restrict__ a, const u16*
             for (int c = 0; c < 4; c++) {
                 int m = bm + wm + mi * 16 + gid + (c >= 2 ? 8 : 0);
                 int n = bn + wn + ni * 8 + tq * 2 + (c & 1);
-                if (m < m_rows && n < n_cols) out[(u64)n * ldo + m] = acc[mi][ni][c];
+                if (m < m_rows && n < n_cols) {
+                    float* o = out + (u64)n * ldo + m;
+                    *o = accumulate ? *o + acc[mi][ni][c] : acc[mi][ni][c];
+                }
             }
 }
 
 // gemm_block with 8 warps of 64 x 32: 256 threads, two blocks per multiprocessor.
 extern "C" __global__ void __launch_bounds__(256, 2)
     gemm_f16(const u16* __restrict__ a, const u16* __restrict__ b, int m_rows, int n_cols,
-             int kp, int k_tiles, float* __restrict__ out, int ldo, u64 split_stride) {
-    gemm_block<4>(a, b, m_rows, n_cols, kp, k_tiles, out, ldo, split_stride);
+             int kp, int k_tiles, float* __restrict__ out, int ldo, u64 split_stride,
+             int accumulate) {
+    gemm_block<4>(a, b, m_rows, n_cols, kp, k_tiles, out, ldo, split_stride, accumulate);
 }
 
 // gemm_block with 4 warps of 64 x 64: 128 threads, two blocks per multiprocessor.
 extern "C" __global__ void __launch_bounds__(128, 2)
     gemm_f16_wide(const u16* __restrict__ a, const u16* __restrict__ b, int m_rows, int n_cols,
-                  int kp, int k_tiles, float* __restrict__ out, int ldo, u64 split_stride) {
-    gemm_block<2>(a, b, m_rows, n_cols, kp, k_tiles, out, ldo, split_stride);
+                  int kp, int k_tiles, float* __restrict__ out, int ldo, u64 split_stride,
+                  int accumulate) {
+    gemm_block<2>(a, b, m_rows, n_cols, kp, k_tiles, out, ldo, split_stride, accumulate);
 }
 
 // out[t][r] (row stride ldo) = sum over z < splits of p[z][t][r], p holding splits partials
 // [nt][nr] of gemm_f16, split_stride = nt * nr apart. Summed in split order, so the result
-// does not depend on scheduling. Grid-stride over nt * nr values.
+// does not depend on scheduling; added to what out holds when `accumulate`. Grid-stride
+// over nt * nr values.
 extern "C" __global__ void gemm_reduce(const float* __restrict__ p, int splits,
                                        u64 split_stride, int nr, int nt,
-                                       float* __restrict__ out, int ldo) {
+                                       float* __restrict__ out, int ldo, int accumulate) {
     u64 total = (u64)nt * nr;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
          i += (u64)gridDim.x * blockDim.x) {
         float sum = 0.0f;
         for (int z = 0; z < splits; z++) sum += p[z * split_stride + i];
-        out[(i / nr) * ldo + i % nr] = sum;
+        float* o = out + (i / nr) * ldo + i % nr;
+        *o = accumulate ? *o + sum : sum;
     }
 }

@@ -526,8 +526,42 @@ fn process_memory_follows_allocations() {
     );
 }
 
-/// The residual add fused into the product (matvec batches) and done after it (GEMM
-/// batches) both equal the cpu's matmul-then-add.
+/// The residual add fused into the product (matvec batches) and into the GEMM's last
+/// store (GEMM batches) both equal the cpu's matmul-then-add.
+/// The GEMM's fused residual add gives exactly the bits of the product written out and
+/// added after, with one K split (added in the tile kernel's store) and with several
+/// (added in the split reduction).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_residual_add_equals_matmul_then_add_bit_for_bit() {
+    let g = gpu();
+    let mut rng = Rng(11);
+    // 2048 x 256 over 300 tokens fills the GPU unsplit; 67 x 512 over 20 splits K.
+    for (ty, rows, cols, n) in [
+        (GgmlType::Q8_0, 2048usize, 256usize, 300usize),
+        (GgmlType::Q4_0, 67, 512, 20),
+        (GgmlType::F16, 67, 512, 20),
+    ] {
+        let w = put(&g, &random_weights(&mut rng, ty, rows * cols));
+        let x = put(&g, &f32_bytes(&rng.f32s(n * cols, 1.0)));
+        let start = f32_bytes(&rng.f32s(n * rows, 1.0));
+        let (mut fused, mut apart) = (put(&g, &start), put(&g, &start));
+        let mut tmp = g.alloc(n * rows * 4).unwrap();
+        g.matmul_add(&w, ty, rows, cols, &x, n, &mut fused, &mut tmp)
+            .unwrap();
+        g.matmul(&w, ty, rows, cols, &x, n, &mut tmp).unwrap();
+        g.add(&mut apart, &tmp, n * rows).unwrap();
+        let (a, b) = (get(&g, &fused, n * rows), get(&g, &apart, n * rows));
+        let differ = a
+            .iter()
+            .zip(&b)
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{ty} {rows}x{cols} n={n}: outputs differ");
+        assert!(a.iter().all(|v| v.is_finite()), "{ty}: non-finite output");
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matmul_add_matches_cpu() {

@@ -102,6 +102,8 @@ pub(super) struct GemmArgs {
     pub(super) x: u64,
     pub(super) n_tokens: usize,
     pub(super) out: u64,
+    /// Add the product to what `out` holds instead of overwriting it.
+    pub(super) accumulate: bool,
 }
 
 /// Workspace row length: `cols` rounded up to the GEMM's K step, so the kernel has no K
@@ -190,7 +192,7 @@ impl CudaBackend {
                 Arg::I32(nt as i32),
                 Arg::Ptr(x16),
             ];
-            self.run("gemm_x_f16", grid_for(nt * kp, THREADS), &args)?;
+            self.run("gemm_x_f16", grid_for(nt * kp / 8, THREADS), &args)?;
             for r0 in (0..a.rows).step_by(row_chunk) {
                 let nr = (a.rows - r0).min(row_chunk);
                 let args = [
@@ -223,6 +225,7 @@ impl CudaBackend {
                     block_dim: (tile.threads, 1, 1),
                     shared_mem_bytes: 0,
                 };
+                let accumulate = Arg::I32(i32::from(a.accumulate));
                 let args = [
                     Arg::Ptr(w16),
                     Arg::Ptr(x16),
@@ -233,6 +236,8 @@ impl CudaBackend {
                     Arg::Ptr(dst),
                     dst_ld,
                     Arg::U64(stride),
+                    // Partials are written whole; their sum is what gets added.
+                    if splits == 1 { accumulate } else { Arg::I32(0) },
                 ];
                 self.run(tile.name, cfg, &args)?;
                 if splits > 1 {
@@ -244,6 +249,7 @@ impl CudaBackend {
                         Arg::I32(nt as i32),
                         Arg::Ptr(out),
                         ldo,
+                        accumulate,
                     ];
                     self.run("gemm_reduce", grid_for(nt * nr, THREADS), &args)?;
                 }
@@ -359,6 +365,7 @@ mod gpu_tests {
             x: x.ptr(),
             n_tokens: n,
             out: out.ptr(),
+            accumulate: false,
         };
         Case { w, x, out, args }
     }

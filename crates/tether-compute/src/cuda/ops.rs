@@ -233,6 +233,7 @@ impl Backend for CudaBackend {
                 x: xp,
                 n_tokens,
                 out: op,
+                accumulate: false,
             });
         }
         self.matvec(MatvecArgs {
@@ -321,13 +322,27 @@ impl Backend for CudaBackend {
         acc: &mut CudaBuffer,
         tmp: &mut CudaBuffer,
     ) -> Result<()> {
-        if n_tokens >= GEMM_MIN_TOKENS || cols == 0 {
+        if cols == 0 {
             self.matmul(w, ty, rows, cols, x, n_tokens, tmp)?;
             return self.add(acc, tmp, n_tokens * rows);
         }
         let (wp, xp, ap) = self.matmul_operands(w, ty, rows, cols, x, n_tokens, acc)?;
         if rows == 0 || n_tokens == 0 {
             return Ok(());
+        }
+        if n_tokens >= GEMM_MIN_TOKENS {
+            // The GEMM's last store adds into `acc`: no product in `tmp`, no add pass.
+            return self.gemm(&GemmArgs {
+                w: wp,
+                ty,
+                packed: w.packed,
+                rows,
+                cols,
+                x: xp,
+                n_tokens,
+                out: ap,
+                accumulate: true,
+            });
         }
         // The matvec kernels add into `acc` as they store: no pass over `tmp`.
         self.matvec(MatvecArgs {
