@@ -93,6 +93,16 @@ __device__ __forceinline__ void decode8(int ty, const u8* row, int e0, float* v)
     }
 }
 
+// v[0..8] as f16 in one 16-byte store at dst (16-byte aligned).
+__device__ __forceinline__ void store8_f16(u16* dst, const float* v) {
+    uint4 h;
+    h.x = (u32)f2h(v[0]) | ((u32)f2h(v[1]) << 16);
+    h.y = (u32)f2h(v[2]) | ((u32)f2h(v[3]) << 16);
+    h.z = (u32)f2h(v[4]) | ((u32)f2h(v[5]) << 16);
+    h.w = (u32)f2h(v[6]) | ((u32)f2h(v[7]) << 16);
+    *(uint4*)dst = h;
+}
+
 // Decodes rows [0, nr) of w (row_bytes apart, type ty, cols values each) into out
 // [nr][kp] f16, zeroing columns cols..kp. Grid-stride over groups of 8 values; kp is a
 // multiple of 8, so each group is one 16-byte store.
@@ -113,12 +123,7 @@ extern "C" __global__ void gemm_dequant_f16(const u8* __restrict__ w, int ty, u6
 #pragma unroll
             for (int j = 0; j < 8; j++) v[j] = e0 + j < cols ? dequant_at(ty, row, e0 + j) : 0.0f;
         }
-        uint4 packed;
-        packed.x = (u32)f2h(v[0]) | ((u32)f2h(v[1]) << 16);
-        packed.y = (u32)f2h(v[2]) | ((u32)f2h(v[3]) << 16);
-        packed.z = (u32)f2h(v[4]) | ((u32)f2h(v[5]) << 16);
-        packed.w = (u32)f2h(v[6]) | ((u32)f2h(v[7]) << 16);
-        *(uint4*)(out + r * (u64)kp + e0) = packed;
+        store8_f16(out + r * (u64)kp + e0, v);
     }
 }
 
@@ -144,12 +149,7 @@ extern "C" __global__ void gemm_x_f16(const float* __restrict__ x, int cols, int
 #pragma unroll
             for (int j = 0; j < 8; j++) v[j] = c0 + j < cols ? row[c0 + j] : 0.0f;
         }
-        uint4 h;
-        h.x = (u32)f2h(v[0]) | ((u32)f2h(v[1]) << 16);
-        h.y = (u32)f2h(v[2]) | ((u32)f2h(v[3]) << 16);
-        h.z = (u32)f2h(v[4]) | ((u32)f2h(v[5]) << 16);
-        h.w = (u32)f2h(v[6]) | ((u32)f2h(v[7]) << 16);
-        *(uint4*)(out + t * (u64)kp + c0) = h;
+        store8_f16(out + t * (u64)kp + c0, v);
     }
 }
 

@@ -8,11 +8,11 @@
 use std::sync::{Arc, MutexGuard};
 
 use cudarc::driver::LaunchConfig;
-use tether_gguf::GgmlType;
 
 use super::check::{row_bytes, shape_err};
 use super::device::Device;
 use super::launch::{Arg, grid_for, int};
+use super::matvec::MatmulArgs;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{DeviceBuffer, Result};
 
@@ -90,22 +90,6 @@ impl GemmWorkspace {
     }
 }
 
-/// One matmul as `Backend::matmul` receives it, with checked device addresses:
-/// `out[t][r] = Σ_c w[r][c] · x[t][c]`.
-pub(super) struct GemmArgs {
-    pub(super) w: u64,
-    pub(super) ty: GgmlType,
-    /// Whether the weights are in the packed layout (packed.rs).
-    pub(super) packed: bool,
-    pub(super) rows: usize,
-    pub(super) cols: usize,
-    pub(super) x: u64,
-    pub(super) n_tokens: usize,
-    pub(super) out: u64,
-    /// Add the product to what `out` holds instead of overwriting it.
-    pub(super) accumulate: bool,
-}
-
 /// Workspace row length: `cols` rounded up to the GEMM's K step, so the kernel has no K
 /// tail and every workspace row is 64-byte aligned.
 fn padded_cols(cols: usize) -> Result<usize> {
@@ -147,13 +131,13 @@ impl CudaBackend {
 
     /// The matmul of `a` on tensor cores; the caller has checked the buffers' sizes and
     /// that no dimension is zero.
-    pub(super) fn gemm(&self, a: &GemmArgs) -> Result<()> {
+    pub(super) fn gemm(&self, a: &MatmulArgs) -> Result<()> {
         self.gemm_with(a, TILE_KERNEL, BLOCKS_PER_SM)
     }
 
     /// The GEMM with tile kernel `tile`, splitting K until `blocks_per_sm` blocks per
     /// multiprocessor are busy.
-    fn gemm_with(&self, a: &GemmArgs, tile: TileKernel, blocks_per_sm: usize) -> Result<()> {
+    fn gemm_with(&self, a: &MatmulArgs, tile: TileKernel, blocks_per_sm: usize) -> Result<()> {
         let rb = row_bytes(OP, a.ty, a.cols)?;
         let kp = padded_cols(a.cols)?;
         let row_chunk = rows_per_chunk(kp);
@@ -313,6 +297,8 @@ mod tests {
 mod gpu_tests {
     use std::time::Instant;
 
+    use tether_gguf::GgmlType;
+
     use super::*;
     use crate::backend::Backend;
 
@@ -345,7 +331,7 @@ mod gpu_tests {
         w: CudaBuffer,
         x: CudaBuffer,
         out: CudaBuffer,
-        args: GemmArgs,
+        args: MatmulArgs,
     }
 
     fn case(g: &CudaBackend, ty: GgmlType, rows: usize, cols: usize, n: usize) -> Case {
@@ -356,7 +342,7 @@ mod gpu_tests {
         let mut x = g.alloc(xb.len()).unwrap();
         g.upload(&mut x, 0, &xb).unwrap();
         let out = g.alloc(n * rows * 4).unwrap();
-        let args = GemmArgs {
+        let args = MatmulArgs {
             w: w.ptr(),
             ty,
             packed: false,

@@ -104,8 +104,8 @@ struct QuantizedInput<'a> {
     ds: u64,
 }
 
-/// Device addresses and sizes of one checked matmul.
-pub(crate) struct MatvecArgs {
+/// Device addresses and sizes of one checked matmul, for the matvec kernels or the GEMM.
+pub(crate) struct MatmulArgs {
     pub w: u64,
     pub ty: GgmlType,
     /// Whether `w` is in the packed layout (packed.rs).
@@ -166,7 +166,7 @@ impl CudaBackend {
     }
 
     /// `out[t] = w · x[t]` for every token, in launches of at most [`MV_MAX_TOKENS`].
-    pub(super) fn matvec(&self, a: MatvecArgs) -> Result<()> {
+    pub(super) fn matvec(&self, a: MatmulArgs) -> Result<()> {
         const OP: &str = "matmul";
         let stem = stem(a.ty).ok_or_else(|| super::check::unsupported(OP, a.ty))?;
         let (rows_arg, cols_arg) = (int(OP, "rows", a.rows)?, int(OP, "cols", a.cols)?);

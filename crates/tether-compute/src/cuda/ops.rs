@@ -8,10 +8,10 @@ use super::check::{
     cache_type_supported, elems, f32s, need, row_bytes, shape_err, unsupported,
     weight_type_supported,
 };
-use super::gemm::{GEMM_MIN_TOKENS, GemmArgs};
+use super::gemm::GEMM_MIN_TOKENS;
 use super::graph::Cmd;
 use super::launch::{Arg, grid_for, int};
-use super::matvec::MatvecArgs;
+use super::matvec::MatmulArgs;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
 use crate::cuda::device::driver_err;
@@ -64,6 +64,36 @@ impl CudaBackend {
         f32s(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
         let (wp, xp) = (self.addr(OP, "weight", w)?, self.addr(OP, "input", x)?);
         Ok((wp, xp, self.addr(OP, "output", out)?))
+    }
+
+    /// `out = w·x`, or `out += w·x` with `accumulate`, for operands `matmul_operands`
+    /// checked: the GEMM for prefill-sized batches, the matvec kernels for decode-sized.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        w: &CudaBuffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        (wp, xp, op): (u64, u64, u64),
+        n_tokens: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let a = MatmulArgs {
+            w: wp,
+            ty,
+            packed: w.packed,
+            rows,
+            cols,
+            x: xp,
+            n_tokens,
+            out: op,
+            accumulate,
+        };
+        if n_tokens >= GEMM_MIN_TOKENS {
+            return self.gemm(&a);
+        }
+        self.matvec(a)
     }
 
     fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
@@ -223,30 +253,7 @@ impl Backend for CudaBackend {
         if cols == 0 {
             return self.zero(op, rows * n_tokens * 4);
         }
-        if n_tokens >= GEMM_MIN_TOKENS {
-            return self.gemm(&GemmArgs {
-                w: wp,
-                ty,
-                packed: w.packed,
-                rows,
-                cols,
-                x: xp,
-                n_tokens,
-                out: op,
-                accumulate: false,
-            });
-        }
-        self.matvec(MatvecArgs {
-            w: wp,
-            ty,
-            packed: w.packed,
-            rows,
-            cols,
-            x: xp,
-            n_tokens,
-            out: op,
-            accumulate: false,
-        })
+        self.product(w, ty, rows, cols, (wp, xp, op), n_tokens, false)
     }
 
     fn matmul3(
@@ -330,32 +337,9 @@ impl Backend for CudaBackend {
         if rows == 0 || n_tokens == 0 {
             return Ok(());
         }
-        if n_tokens >= GEMM_MIN_TOKENS {
-            // The GEMM's last store adds into `acc`: no product in `tmp`, no add pass.
-            return self.gemm(&GemmArgs {
-                w: wp,
-                ty,
-                packed: w.packed,
-                rows,
-                cols,
-                x: xp,
-                n_tokens,
-                out: ap,
-                accumulate: true,
-            });
-        }
-        // The matvec kernels add into `acc` as they store: no pass over `tmp`.
-        self.matvec(MatvecArgs {
-            w: wp,
-            ty,
-            packed: w.packed,
-            rows,
-            cols,
-            x: xp,
-            n_tokens,
-            out: ap,
-            accumulate: true,
-        })
+        // The matvec kernels and the GEMM's last store add into `acc`: no product in
+        // `tmp`, no add pass.
+        self.product(w, ty, rows, cols, (wp, xp, ap), n_tokens, true)
     }
 
     fn add_bias(
