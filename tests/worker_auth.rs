@@ -145,6 +145,7 @@ fn the_right_token_loads_and_serves_a_session() {
                 &[TokenPos { seq: 0, pos: 0 }],
                 &ForwardInput::TokenIds(vec![1]),
                 &[0],
+                false,
             )
             .await
             .expect("forward");

@@ -197,7 +197,7 @@ fn two_hundred_load_forward_close_cycles_return_every_byte() {
             client.commit(session.id(), txn).await.expect("commit");
             let tokens = [TokenPos { seq: 0, pos: 0 }, TokenPos { seq: 0, pos: 1 }];
             let out = client
-                .forward(session.id(), &tokens, &ForwardInput::TokenIds(vec![1, 2]), &[1])
+                .forward(session.id(), &tokens, &ForwardInput::TokenIds(vec![1, 2]), &[1], false)
                 .await
                 .expect("forward");
             let ForwardOutput::Logits(logits) = out else { panic!("asked for logits") };
@@ -217,5 +217,62 @@ fn two_hundred_load_forward_close_cycles_return_every_byte() {
         );
         assert!(rss_last <= rss_after_warmup + 8 * 1024, "RSS grew from {rss_after_warmup} kB to {rss_last} kB");
         assert_eq!(admin.status().await.expect("status").counters.closed, 200);
+    });
+}
+
+#[test]
+fn argmax_replies_carry_the_greedy_token_of_each_logits_row() {
+    // A real worker process: the arg-max it returns for each row is what greedy sampling
+    // picks from the logits it returns for the same batch, and asking for arg-max tokens
+    // with no logits rows is refused.
+    let model = TinyModel::new();
+    let worker = Worker::start(&[]);
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        let session = client
+            .attach(attach_options("argmax"))
+            .await
+            .expect("attach");
+        let (load, source, _) = full_load(&model.path, 32);
+        let txn = load.txn;
+        client
+            .prepare(session.id(), load, source)
+            .await
+            .expect("prepare");
+        client.commit(session.id(), txn).await.expect("commit");
+        let tokens = [
+            TokenPos { seq: 0, pos: 0 },
+            TokenPos { seq: 0, pos: 1 },
+            TokenPos { seq: 0, pos: 2 },
+        ];
+        let ids = ForwardInput::TokenIds(vec![1, 2, 3]);
+        // The same batch twice writes the same cells with the same values.
+        let out = client
+            .forward(session.id(), &tokens, &ids, &[0, 2], false)
+            .await
+            .expect("logits");
+        let ForwardOutput::Logits(logits) = out else {
+            panic!("asked for logits")
+        };
+        let vocab = logits.len() / 2;
+        let want: Vec<u32> = logits
+            .chunks(vocab)
+            .map(tether_model::sampling::greedy)
+            .collect();
+        let out = client
+            .forward(session.id(), &tokens, &ids, &[0, 2], true)
+            .await
+            .expect("argmax");
+        assert_eq!(out, ForwardOutput::ArgMax(want));
+        let err = client
+            .forward(session.id(), &tokens, &ids, &[], true)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+        assert!(err.to_string().contains("argmax"), "{err}");
+        let end = session.close().await;
+        assert_eq!(end.reason, EndReason::Closed);
     });
 }

@@ -114,6 +114,7 @@ fn metrics_follow_a_session_and_health_follows_drain() {
                 &tokens,
                 &ForwardInput::TokenIds(vec![1, 2]),
                 &[1],
+                false,
             )
             .await
             .expect("forward");

@@ -171,12 +171,12 @@ fn malformed_requests_get_clear_errors_and_change_nothing() {
         let hidden = ForwardInput::Hidden(vec![0.0; 8]);
 
         let err = client
-            .forward(SessionId::new_random(), &tokens, &hidden, &[])
+            .forward(SessionId::new_random(), &tokens, &hidden, &[], false)
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
         let err = client
-            .forward(session.id(), &tokens, &hidden, &[])
+            .forward(session.id(), &tokens, &hidden, &[], false)
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
@@ -190,7 +190,7 @@ fn malformed_requests_get_clear_errors_and_change_nothing() {
         assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
         let oversized = ForwardInput::Hidden(vec![0.0; 300_000]);
         let err = client
-            .forward(session.id(), &tokens, &oversized, &[])
+            .forward(session.id(), &tokens, &oversized, &[], false)
             .await
             .unwrap_err();
         println!("oversized message: {err}");
@@ -202,7 +202,7 @@ fn malformed_requests_get_clear_errors_and_change_nothing() {
             "{err}"
         );
         let err = client
-            .forward(session.id(), &[], &ForwardInput::Hidden(vec![]), &[])
+            .forward(session.id(), &[], &ForwardInput::Hidden(vec![]), &[], false)
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");

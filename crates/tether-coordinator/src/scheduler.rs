@@ -259,21 +259,31 @@ impl Scheduler {
                 stages.len(),
             );
             self.rotation = self.rotation.wrapping_add(1);
-            let groups = match chunks.len() {
+            let mut groups = match chunks.len() {
                 1 => split_batch(chunks.remove(0), stages.len()),
                 _ => chunks,
             };
+            for g in &mut groups {
+                // Greedy rows need no logits here: 4 bytes a row cross the network instead
+                // of 4 x n_vocab (512 KiB a token on a 128k vocabulary).
+                g.argmax = !g.logits_rows.is_empty()
+                    && g.sample_for.iter().all(|&i| {
+                        self.slots[i]
+                            .as_ref()
+                            .is_some_and(|s| s.sampler.is_greedy())
+                    });
+            }
             let results = tokio::select! {
                 () = stop.cancelled() => break Ended::Stopped,
                 reason = loaded.lost() => break Ended::Lost(reason),
                 reason = self.setup.workers_changed() => break Ended::Lost(reason),
                 r = run_pipeline(&stages, &groups) => r,
             };
-            let applied = results.and_then(|logits| {
+            let applied = results.and_then(|outputs| {
                 groups
                     .iter()
-                    .zip(logits)
-                    .try_for_each(|(b, l)| self.apply(b, &l))
+                    .zip(outputs)
+                    .try_for_each(|(b, out)| self.apply(b, &out))
             });
             if let Err(reason) = applied {
                 break Ended::Lost(reason);
@@ -289,15 +299,26 @@ impl Scheduler {
         ended
     }
 
-    /// Moves every sequence of `batch` forward and samples the rows that asked for logits.
-    fn apply(&mut self, batch: &Batch, logits: &[f32]) -> Result<(), String> {
+    /// Moves every sequence of `batch` forward and samples the rows that asked for logits
+    /// (or takes the worker's arg-max tokens for them).
+    fn apply(&mut self, batch: &Batch, out: &RowsOut) -> Result<(), String> {
         let v = self.model.config().n_vocab;
-        if logits.len() != batch.logits_rows.len() * v {
-            return Err(format!(
-                "the last worker returned {} logits for {} rows of {v}",
-                logits.len(),
-                batch.logits_rows.len()
-            ));
+        let rows = batch.logits_rows.len();
+        match out {
+            RowsOut::Logits(l) if l.len() != rows * v => {
+                return Err(format!(
+                    "the last worker returned {} logits for {rows} rows of {v}",
+                    l.len()
+                ));
+            }
+            RowsOut::ArgMax(ids) if ids.len() != rows || ids.iter().any(|&t| t as usize >= v) => {
+                return Err(format!(
+                    "the last worker returned {} arg-max tokens for {rows} rows of a \
+                     {v}-token vocabulary, or one outside it",
+                    ids.len()
+                ));
+            }
+            _ => {}
         }
         for &(i, take) in &batch.fed {
             if let Some(seq) = &mut self.slots[i] {
@@ -316,9 +337,10 @@ impl Scheduler {
             let Some(seq) = &mut self.slots[i] else {
                 continue;
             };
-            let token = seq
-                .sampler
-                .sample(&logits[row * v..(row + 1) * v], &seq.tokens);
+            let token = match out {
+                RowsOut::Logits(l) => seq.sampler.sample(&l[row * v..(row + 1) * v], &seq.tokens),
+                RowsOut::ArgMax(ids) => ids[row],
+            };
             let eog = tokenizer.is_eog(token);
             if !eog {
                 self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
@@ -428,11 +450,19 @@ async fn truncate_slots(
     Ok(())
 }
 
+/// What the last worker returned for a batch's logits rows.
+enum RowsOut {
+    /// `[rows][n_vocab]`, for the sequences' samplers.
+    Logits(Vec<f32>),
+    /// One greedy token per row.
+    ArgMax(Vec<u32>),
+}
+
 /// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
 /// groups in order (a later group of a sequence needs the cells of an earlier one) and
 /// passes each on as soon as it is done, so group k+1 runs on one worker while group k
-/// runs on the next. Returns each group's logits, in order.
-async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Vec<f32>>, String> {
+/// runs on the next. Returns each group's logits (or arg-max tokens), in order.
+async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<RowsOut>, String> {
     let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
     let mut workers = Vec::with_capacity(stages.len());
     let last = stages.len().saturating_sub(1);
@@ -444,9 +474,10 @@ async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Ve
             while let Some((k, x)) = input.recv().await {
                 let b = &groups[k];
                 let rows: &[u32] = if i == last { &b.logits_rows } else { &[] };
+                let argmax = i == last && b.argmax;
                 let out = st
                     .client
-                    .forward(st.session, &b.tokens, &x, rows)
+                    .forward(st.session, &b.tokens, &x, rows, argmax)
                     .await
                     .map_err(|e| e.to_string())?;
                 match out {
@@ -454,8 +485,15 @@ async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Ve
                         // The next worker gone means another worker failed; its error wins.
                         let _ = tx.send((k, ForwardInput::Hidden(h)));
                     }
-                    ForwardOutput::Logits(l) if i == last => logits.push(l),
-                    ForwardOutput::Hidden(_) if rows.is_empty() => logits.push(Vec::new()),
+                    ForwardOutput::Logits(l) if i == last && !argmax => {
+                        logits.push(RowsOut::Logits(l))
+                    }
+                    ForwardOutput::ArgMax(t) if i == last && argmax => {
+                        logits.push(RowsOut::ArgMax(t))
+                    }
+                    ForwardOutput::Hidden(_) if rows.is_empty() => {
+                        logits.push(RowsOut::Logits(Vec::new()))
+                    }
                     _ => {
                         return Err(format!(
                             "worker {} returned the wrong kind of output",

@@ -129,6 +129,8 @@ pub(crate) struct Batch {
     pub sample_for: Vec<usize>,
     /// `(slot index, tokens fed)` per sequence in the batch.
     pub fed: Vec<(usize, usize)>,
+    /// Every row samples greedily: the last worker returns arg-max tokens, not logits.
+    pub argmax: bool,
 }
 
 /// Makes the next step's batch from the sequences in `slots`, starting the rotation at

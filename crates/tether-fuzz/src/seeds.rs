@@ -227,6 +227,7 @@ fn forward_seeds(model: &TinyModel) -> Vec<Seed> {
             hidden,
             token_ids,
             logits_rows,
+            argmax: false,
         }
         .encode_to_vec()
     };

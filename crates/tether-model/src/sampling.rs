@@ -95,15 +95,23 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether every choice is the arg-max of the logits ([`greedy`]): temperature 0 and
+    /// no repeat penalty. Such a sampler keeps no state, so the arg-max may be taken where
+    /// the logits are (a worker) instead.
+    pub fn is_greedy(&self) -> bool {
+        let p = &self.params;
+        p.temperature <= 0.0 && (p.repeat_penalty == 1.0 || p.repeat_last_n == 0)
+    }
+
     /// The next token given `logits` (one per vocabulary entry) and the tokens so far.
     /// Non-finite logits are never chosen unless every logit is non-finite (then token 0).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let p = &self.params;
-        if p.temperature <= 0.0 && (p.repeat_penalty == 1.0 || p.repeat_last_n == 0) {
+        if self.is_greedy() {
             // Greedy without penalties: one pass over the logits, no candidate list (on a
             // 128k vocabulary the list cost more host time per token than a decode kernel).
             return greedy(logits);
         }
+        let p = &self.params;
         let c = &mut self.candidates;
         c.clear();
         c.extend(
@@ -182,7 +190,7 @@ impl Sampler {
 /// Built to vectorize: a comparison loop carrying the best (id, logit) ran at ~2.6 ns a
 /// logit, 0.3-0.4 ms a token on a 128k vocabulary; sixteen running maxima, then a search
 /// for the first equal value in blocks of 64, take ~11 us.
-fn greedy(logits: &[f32]) -> u32 {
+pub fn greedy(logits: &[f32]) -> u32 {
     // `l > m` is false for NaN, so NaN never becomes a maximum.
     let mut lanes = [f32::NEG_INFINITY; 16];
     let mut chunks = logits.chunks_exact(16);

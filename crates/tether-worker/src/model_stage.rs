@@ -193,6 +193,19 @@ impl<B: Backend> ServingStage for ModelStage<B> {
                 pos: t.pos,
             })
             .collect();
+        if let ForwardInput::TokenIds(ids) = &input {
+            let n = tokens.len();
+            let all_rows = logits_rows.iter().copied().eq(0..n as u32);
+            if n > 0 && all_rows && n <= self.stage.decode_step_tokens() {
+                // A decode step of a whole model: embedding, layers and head in one stage
+                // call, the hidden states never leaving the device.
+                let mut logits = vec![0.0; n * self.shape.n_vocab];
+                self.stage
+                    .decode_logits(ids, &batch, &mut logits)
+                    .map_err(|e| model_error("forward: decode step", e))?;
+                return Ok(ForwardOutput::Logits(logits));
+            }
+        }
         let mut hidden = match input {
             ForwardInput::Hidden(h) => h,
             ForwardInput::TokenIds(ids) => {

@@ -126,6 +126,7 @@ async fn load_forward_close_over_grpc_frees_everything() {
             &tokens,
             &ForwardInput::Hidden(vec![0.0; N_EMBD]),
             &[],
+            false,
         )
         .await
         .unwrap_err();
@@ -138,6 +139,7 @@ async fn load_forward_close_over_grpc_frees_everything() {
             &tokens,
             &ForwardInput::Hidden(vec![1.0; N_EMBD]),
             &[],
+            false,
         )
         .await
         .unwrap();
@@ -148,13 +150,20 @@ async fn load_forward_close_over_grpc_frees_everything() {
             &tokens,
             &ForwardInput::Hidden(vec![1.0; 3]),
             &[],
+            false,
         )
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     let oversized = vec![0.0f32; (1 << 20) / 4 + 16];
     let err = client
-        .forward(session.id(), &tokens, &ForwardInput::Hidden(oversized), &[])
+        .forward(
+            session.id(),
+            &tokens,
+            &ForwardInput::Hidden(oversized),
+            &[],
+            false,
+        )
         .await
         .unwrap_err();
     assert!(
@@ -170,7 +179,8 @@ async fn load_forward_close_over_grpc_frees_everything() {
                 session.id(),
                 &tokens,
                 &ForwardInput::Hidden(vec![1.0; N_EMBD]),
-                &[]
+                &[],
+                false,
             )
             .await
             .is_ok()

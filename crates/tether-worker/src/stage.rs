@@ -91,6 +91,9 @@ pub enum ForwardOutput {
     Hidden(Vec<f32>),
     /// Logits `[rows][n_vocab]` of the rows asked for.
     Logits(Vec<f32>),
+    /// The arg-max token of each row asked for, when the call asked for that instead of
+    /// logits (the registry makes it from a stage's logits).
+    ArgMax(Vec<u32>),
 }
 
 /// Builds layer blocks for one device.

@@ -32,7 +32,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// Instead, measure decode through the coordinator with these numbers of embedded
-    /// workers (e.g. `1,2`) and print each one's ratio to the first.
+    /// workers (e.g. `1,2`) and print each one's ratio to the first. The workers take the
+    /// GPUs `--device` names in turn (`cuda:0`: all on GPU 0; `cuda`: one per GPU), or the
+    /// cpu.
     #[arg(long, value_delimiter = ',')]
     pub pipeline: Option<Vec<usize>>,
 }

@@ -1,9 +1,11 @@
 //! `tether bench --pipeline 1,2`: the cost of splitting a model over workers — prompt and
 //! decode tokens/s through the coordinator with 1, 2, ... embedded workers (real gRPC on
-//! loopback), measured in one run so the rows compare as a ratio.
+//! loopback) on the device `--device` names, measured in one run so the rows compare as a
+//! ratio.
 
 use crate::cmd::bench::BenchArgs;
 use crate::cmd::local::DEMO_LABEL;
+use crate::device::gpus_named;
 use anyhow::{Context, Result, bail};
 use std::time::Instant;
 use tether_coordinator::api::{GenEvent, GenRequest, Generation};
@@ -81,10 +83,12 @@ async fn measure(
     model: &std::sync::Arc<ModelFile>,
     n: usize,
 ) -> Result<Vec<(f64, f64)>> {
+    // The workers share the GPUs `--device` names in turn (two on `cuda:0` both use GPU
+    // 0); with none named they are cpu workers.
     let options = LocalOptions {
         threads: args.device.threads,
         max_memory: None,
-        gpus: Vec::new(),
+        gpus: gpus_named(&args.device.device)?,
     };
     let workers = LocalWorkers::start(n, &options).await?;
     let config = CoordinatorConfig {

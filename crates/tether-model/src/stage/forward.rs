@@ -323,6 +323,16 @@ impl<B: Backend> Stage<B> {
             .map_err(compute("downloading logits"))
     }
 
+    /// Most tokens [`Stage::decode_logits`] takes in one call; 0 when this stage cannot run
+    /// it (it lacks the embedding table or the output head).
+    pub fn decode_step_tokens(&self) -> usize {
+        if self.embd.is_some() && self.out_norm.is_some() && self.output.is_some() {
+            REPLAY_MAX_TOKENS.min(self.spec.ubatch)
+        } else {
+            0
+        }
+    }
+
     /// A decode step of a stage that holds the whole model: embeds `ids` (one per token of
     /// `batch`, at most one replayed step's worth), runs every layer and the output head
     /// with the hidden states kept on the device (no round trip through the host between
@@ -353,10 +363,10 @@ impl<B: Backend> Stage<B> {
         };
         need_len("the token list", ids.len(), batch.len())?;
         need_len("the logits buffer", out.len(), batch.len() * v)?;
-        if batch.len() > REPLAY_MAX_TOKENS.min(self.spec.ubatch) {
+        let most = self.decode_step_tokens();
+        if batch.len() > most {
             return Err(ModelError::InvalidArgument(format!(
-                "a decode step takes at most {} tokens, {} given",
-                REPLAY_MAX_TOKENS.min(self.spec.ubatch),
+                "a decode step takes at most {most} tokens, {} given",
                 batch.len()
             )));
         }

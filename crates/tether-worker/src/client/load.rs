@@ -2,6 +2,7 @@
 //! Forward and KV operations.
 
 use super::{ClientError, WorkerClient};
+use crate::error::WorkerError;
 use crate::ids::{SessionId, TxnId};
 use crate::participant::{AbortCause, Outcome};
 use crate::service::convert::{f32s_from_le, f32s_to_le, spec_to_proto};
@@ -207,13 +208,15 @@ impl WorkerClient {
         self.decide("abort", session, txn).await
     }
 
-    /// Runs the session's block over a batch.
+    /// Runs the session's block over a batch; with `argmax`, the rows' arg-max tokens come
+    /// back instead of their logits.
     pub async fn forward(
         &self,
         session: SessionId,
         tokens: &[TokenPos],
         input: &ForwardInput,
         logits_rows: &[u32],
+        argmax: bool,
     ) -> Result<ForwardOutput, ClientError> {
         let (hidden, token_ids) = match input {
             ForwardInput::Hidden(h) => (f32s_to_le(h), Vec::new()),
@@ -231,6 +234,7 @@ impl WorkerClient {
             hidden,
             token_ids,
             logits_rows: logits_rows.to_vec(),
+            argmax,
         };
         let reply = self
             .rpc
@@ -245,6 +249,19 @@ impl WorkerClient {
         };
         if logits_rows.is_empty() {
             Ok(ForwardOutput::Hidden(decode(&reply.hidden)?))
+        } else if argmax {
+            if reply.argmax.len() != logits_rows.len() {
+                return Err(ClientError::domain(
+                    "forward",
+                    &self.addr,
+                    WorkerError::Internal(format!(
+                        "{} arg-max tokens for {} logits rows",
+                        reply.argmax.len(),
+                        logits_rows.len()
+                    )),
+                ));
+            }
+            Ok(ForwardOutput::ArgMax(reply.argmax))
         } else {
             Ok(ForwardOutput::Logits(decode(&reply.logits)?))
         }

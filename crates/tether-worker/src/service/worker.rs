@@ -244,6 +244,7 @@ impl pb::worker_server::Worker for WorkerService {
                 .collect(),
             input,
             logits_rows: req.logits_rows,
+            argmax: req.argmax,
         };
         let reply = match self
             .registry
@@ -253,11 +254,15 @@ impl pb::worker_server::Worker for WorkerService {
         {
             ForwardOutput::Hidden(h) => pb::ForwardReply {
                 hidden: f32s_to_le(&h),
-                logits: Vec::new(),
+                ..Default::default()
             },
             ForwardOutput::Logits(l) => pb::ForwardReply {
-                hidden: Vec::new(),
                 logits: f32s_to_le(&l),
+                ..Default::default()
+            },
+            ForwardOutput::ArgMax(ids) => pb::ForwardReply {
+                argmax: ids,
+                ..Default::default()
             },
         };
         Ok(Response::new(reply))
