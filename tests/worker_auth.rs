@@ -14,7 +14,7 @@ use support::{
 use tether_worker::client::{
     AttachOptions, ClientOptions, ErrorKind, Health, WorkerClient, check_health,
 };
-use tether_worker::{BearerToken, ForwardInput, ForwardOutput, Lease, TokenPos};
+use tether_worker::{BearerToken, ForwardInput, ForwardOutput, Lease, Rows, TokenPos};
 
 const TOKEN: &str = "worker-auth-test-7f3c9e";
 
@@ -145,7 +145,7 @@ fn the_right_token_loads_and_serves_a_session() {
                 &[TokenPos { seq: 0, pos: 0 }],
                 &ForwardInput::TokenIds(vec![1]),
                 &[0],
-                false,
+                Rows::Logits,
             )
             .await
             .expect("forward");

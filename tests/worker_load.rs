@@ -7,7 +7,7 @@ mod support;
 use std::time::{Duration, Instant};
 use support::{TinyModel, Worker, full_load, rss_kb};
 use tether_worker::client::{AdminClient, AttachOptions, ClientOptions, ErrorKind, WorkerClient};
-use tether_worker::{EndReason, ForwardInput, ForwardOutput, Lease, TokenPos};
+use tether_worker::{EndReason, ForwardInput, ForwardOutput, Lease, Rows, TokenPos};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -197,7 +197,7 @@ fn two_hundred_load_forward_close_cycles_return_every_byte() {
             client.commit(session.id(), txn).await.expect("commit");
             let tokens = [TokenPos { seq: 0, pos: 0 }, TokenPos { seq: 0, pos: 1 }];
             let out = client
-                .forward(session.id(), &tokens, &ForwardInput::TokenIds(vec![1, 2]), &[1], false)
+                .forward(session.id(), &tokens, &ForwardInput::TokenIds(vec![1, 2]), &[1], Rows::Logits)
                 .await
                 .expect("forward");
             let ForwardOutput::Logits(logits) = out else { panic!("asked for logits") };
@@ -221,10 +221,11 @@ fn two_hundred_load_forward_close_cycles_return_every_byte() {
 }
 
 #[test]
-fn argmax_replies_carry_the_greedy_token_of_each_logits_row() {
+fn argmax_and_top_k_replies_carry_what_the_samplers_take_from_each_logits_row() {
     // A real worker process: the arg-max it returns for each row is what greedy sampling
-    // picks from the logits it returns for the same batch, and asking for arg-max tokens
-    // with no logits rows is refused.
+    // picks from the logits it returns for the same batch, and its top candidates are the
+    // head of the sampler's candidate list; arg-max with no logits rows and top_k outside
+    // 1..=MAX_TOP_K are refused.
     let model = TinyModel::new();
     let worker = Worker::start(&[]);
     runtime().block_on(async {
@@ -250,7 +251,7 @@ fn argmax_replies_carry_the_greedy_token_of_each_logits_row() {
         let ids = ForwardInput::TokenIds(vec![1, 2, 3]);
         // The same batch twice writes the same cells with the same values.
         let out = client
-            .forward(session.id(), &tokens, &ids, &[0, 2], false)
+            .forward(session.id(), &tokens, &ids, &[0, 2], Rows::Logits)
             .await
             .expect("logits");
         let ForwardOutput::Logits(logits) = out else {
@@ -262,16 +263,38 @@ fn argmax_replies_carry_the_greedy_token_of_each_logits_row() {
             .map(tether_model::sampling::greedy)
             .collect();
         let out = client
-            .forward(session.id(), &tokens, &ids, &[0, 2], true)
+            .forward(session.id(), &tokens, &ids, &[0, 2], Rows::ArgMax)
             .await
             .expect("argmax");
         assert_eq!(out, ForwardOutput::ArgMax(want));
         let err = client
-            .forward(session.id(), &tokens, &ids, &[], true)
+            .forward(session.id(), &tokens, &ids, &[], Rows::ArgMax)
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
         assert!(err.to_string().contains("argmax"), "{err}");
+        // The top candidates of each row, as the sampler orders them.
+        let mut counts = Vec::new();
+        let mut candidates = Vec::new();
+        let mut row = Vec::new();
+        for l in logits.chunks(vocab) {
+            tether_model::sampling::top_candidates(l, 5, &mut row);
+            counts.push(row.len() as u32);
+            candidates.extend_from_slice(&row);
+        }
+        assert_eq!(counts, vec![5, 5]);
+        let out = client
+            .forward(session.id(), &tokens, &ids, &[0, 2], Rows::Top(5))
+            .await
+            .expect("top 5");
+        assert_eq!(out, ForwardOutput::Top { counts, candidates });
+        for bad in [0, tether_worker::MAX_TOP_K + 1] {
+            let err = client
+                .forward(session.id(), &tokens, &ids, &[0], Rows::Top(bad))
+                .await
+                .unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "top_k {bad}: {err}");
+        }
         let end = session.close().await;
         assert_eq!(end.reason, EndReason::Closed);
     });

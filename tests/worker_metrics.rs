@@ -9,7 +9,7 @@ use support::{TinyModel, Worker, full_load, metrics_addr, sample, scrape};
 use tether_worker::client::{
     AdminClient, AttachOptions, ClientOptions, Health, WorkerClient, check_health,
 };
-use tether_worker::{EndReason, ForwardInput, ForwardOutput, Lease, TokenPos};
+use tether_worker::{EndReason, ForwardInput, ForwardOutput, Lease, Rows, TokenPos};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -114,7 +114,7 @@ fn metrics_follow_a_session_and_health_follows_drain() {
                 &tokens,
                 &ForwardInput::TokenIds(vec![1, 2]),
                 &[1],
-                false,
+                Rows::Logits,
             )
             .await
             .expect("forward");

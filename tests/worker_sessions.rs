@@ -7,7 +7,7 @@ mod support;
 use std::time::{Duration, Instant};
 use support::{Attached, TinyModel, Worker, send_signal, sessions_and_bytes, tetherctl_json};
 use tether_worker::client::{AttachOptions, ClientOptions, ErrorKind, WorkerClient};
-use tether_worker::{ForwardInput, Lease, SessionId, TokenPos, TxnId};
+use tether_worker::{ForwardInput, Lease, Rows, SessionId, TokenPos, TxnId};
 
 #[test]
 fn kill_9_of_the_client_frees_its_session_within_a_second() {
@@ -171,12 +171,12 @@ fn malformed_requests_get_clear_errors_and_change_nothing() {
         let hidden = ForwardInput::Hidden(vec![0.0; 8]);
 
         let err = client
-            .forward(SessionId::new_random(), &tokens, &hidden, &[], false)
+            .forward(SessionId::new_random(), &tokens, &hidden, &[], Rows::Logits)
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
         let err = client
-            .forward(session.id(), &tokens, &hidden, &[], false)
+            .forward(session.id(), &tokens, &hidden, &[], Rows::Logits)
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
@@ -190,7 +190,7 @@ fn malformed_requests_get_clear_errors_and_change_nothing() {
         assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
         let oversized = ForwardInput::Hidden(vec![0.0; 300_000]);
         let err = client
-            .forward(session.id(), &tokens, &oversized, &[], false)
+            .forward(session.id(), &tokens, &oversized, &[], Rows::Logits)
             .await
             .unwrap_err();
         println!("oversized message: {err}");
@@ -202,7 +202,13 @@ fn malformed_requests_get_clear_errors_and_change_nothing() {
             "{err}"
         );
         let err = client
-            .forward(session.id(), &[], &ForwardInput::Hidden(vec![]), &[], false)
+            .forward(
+                session.id(),
+                &[],
+                &ForwardInput::Hidden(vec![]),
+                &[],
+                Rows::Logits,
+            )
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tether_model::Sampler;
-use tether_worker::{ForwardInput, ForwardOutput};
+use tether_worker::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -264,14 +264,7 @@ impl Scheduler {
                 _ => chunks,
             };
             for g in &mut groups {
-                // Greedy rows need no logits here: 4 bytes a row cross the network instead
-                // of 4 x n_vocab (512 KiB a token on a 128k vocabulary).
-                g.argmax = !g.logits_rows.is_empty()
-                    && g.sample_for.iter().all(|&i| {
-                        self.slots[i]
-                            .as_ref()
-                            .is_some_and(|s| s.sampler.is_greedy())
-                    });
+                g.rows = rows_wanted(&self.slots, g);
             }
             let results = tokio::select! {
                 () = stop.cancelled() => break Ended::Stopped,
@@ -318,6 +311,15 @@ impl Scheduler {
                     ids.len()
                 ));
             }
+            RowsOut::Top { starts, candidates }
+                if starts.len() != rows + 1 || candidates.iter().any(|c| c.0 as usize >= v) =>
+            {
+                return Err(format!(
+                    "the last worker returned candidates for {} rows where {rows} were asked \
+                     for, or one outside the {v}-token vocabulary",
+                    starts.len().saturating_sub(1)
+                ));
+            }
             _ => {}
         }
         for &(i, take) in &batch.fed {
@@ -340,6 +342,9 @@ impl Scheduler {
             let token = match out {
                 RowsOut::Logits(l) => seq.sampler.sample(&l[row * v..(row + 1) * v], &seq.tokens),
                 RowsOut::ArgMax(ids) => ids[row],
+                RowsOut::Top { starts, candidates } => seq
+                    .sampler
+                    .sample_top(&candidates[starts[row]..starts[row + 1]]),
             };
             let eog = tokenizer.is_eog(token);
             if !eog {
@@ -456,6 +461,33 @@ enum RowsOut {
     Logits(Vec<f32>),
     /// One greedy token per row.
     ArgMax(Vec<u32>),
+    /// Row r's most likely candidates are `candidates[starts[r]..starts[r + 1]]`.
+    Top {
+        starts: Vec<usize>,
+        candidates: Vec<(u32, f32)>,
+    },
+}
+
+/// What the last worker should return for `batch`'s logits rows: arg-max tokens when every
+/// row samples greedily, the top k candidates when every row's sampler needs no more than
+/// its k most likely tokens (k the largest of them), else every logit. A 128k vocabulary's
+/// logits are 512 KiB a row on the network; 40 candidates are 320 bytes.
+fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
+    if batch.logits_rows.is_empty() {
+        return Rows::Logits;
+    }
+    let samplers = || batch.sample_for.iter().map(|&i| slots[i].as_ref());
+    if samplers().all(|s| s.is_some_and(|s| s.sampler.is_greedy())) {
+        return Rows::ArgMax;
+    }
+    let mut k = 0;
+    for s in samplers() {
+        match s.and_then(|s| s.sampler.candidates_needed()) {
+            Some(n) if n as u64 <= u64::from(MAX_TOP_K) => k = k.max(n as u32),
+            _ => return Rows::Logits,
+        }
+    }
+    Rows::Top(k.max(1))
 }
 
 /// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
@@ -474,10 +506,10 @@ async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Ro
             while let Some((k, x)) = input.recv().await {
                 let b = &groups[k];
                 let rows: &[u32] = if i == last { &b.logits_rows } else { &[] };
-                let argmax = i == last && b.argmax;
+                let want = if i == last { b.rows } else { Rows::Logits };
                 let out = st
                     .client
-                    .forward(st.session, &b.tokens, &x, rows, argmax)
+                    .forward(st.session, &b.tokens, &x, rows, want)
                     .await
                     .map_err(|e| e.to_string())?;
                 match out {
@@ -485,11 +517,21 @@ async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Ro
                         // The next worker gone means another worker failed; its error wins.
                         let _ = tx.send((k, ForwardInput::Hidden(h)));
                     }
-                    ForwardOutput::Logits(l) if i == last && !argmax => {
+                    ForwardOutput::Logits(l) if i == last && want == Rows::Logits => {
                         logits.push(RowsOut::Logits(l))
                     }
-                    ForwardOutput::ArgMax(t) if i == last && argmax => {
+                    ForwardOutput::ArgMax(t) if i == last && want == Rows::ArgMax => {
                         logits.push(RowsOut::ArgMax(t))
+                    }
+                    ForwardOutput::Top { counts, candidates }
+                        if i == last && matches!(want, Rows::Top(_)) =>
+                    {
+                        let mut starts = Vec::with_capacity(counts.len() + 1);
+                        starts.push(0);
+                        for c in counts {
+                            starts.push(starts[starts.len() - 1] + c as usize);
+                        }
+                        logits.push(RowsOut::Top { starts, candidates })
                     }
                     ForwardOutput::Hidden(_) if rows.is_empty() => {
                         logits.push(RowsOut::Logits(Vec::new()))

@@ -129,8 +129,9 @@ pub(crate) struct Batch {
     pub sample_for: Vec<usize>,
     /// `(slot index, tokens fed)` per sequence in the batch.
     pub fed: Vec<(usize, usize)>,
-    /// Every row samples greedily: the last worker returns arg-max tokens, not logits.
-    pub argmax: bool,
+    /// What the last worker returns for the logits rows: every logit, or only what the
+    /// rows' samplers need (arg-max tokens, the top candidates).
+    pub rows: tether_worker::Rows,
 }
 
 /// Makes the next step's batch from the sequences in `slots`, starting the rotation at

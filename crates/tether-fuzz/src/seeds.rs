@@ -228,6 +228,7 @@ fn forward_seeds(model: &TinyModel) -> Vec<Seed> {
             token_ids,
             logits_rows,
             argmax: false,
+            top_k: 0,
         }
         .encode_to_vec()
     };

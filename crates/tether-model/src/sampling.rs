@@ -112,9 +112,8 @@ impl Sampler {
             return greedy(logits);
         }
         let p = &self.params;
-        let c = &mut self.candidates;
-        c.clear();
-        c.extend(
+        self.candidates.clear();
+        self.candidates.extend(
             logits
                 .iter()
                 .enumerate()
@@ -122,6 +121,7 @@ impl Sampler {
                 .map(|(i, &l)| (i as u32, l)),
         );
         if p.repeat_penalty != 1.0 && p.repeat_last_n > 0 {
+            let c = &mut self.candidates;
             let recent = &history[history.len().saturating_sub(p.repeat_last_n)..];
             let mut seen: Vec<u32> = recent.to_vec();
             seen.sort_unstable();
@@ -136,8 +136,39 @@ impl Sampler {
                 }
             }
         }
-        // Highest logit first; ties broken by the lower id so results are reproducible.
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        self.choose()
+    }
+
+    /// The number of most likely candidates (by [`top_candidates`]' order) every choice of
+    /// this sampler depends on, when that is fewer than the whole vocabulary: 1 for a
+    /// greedy sampler, `top_k` for one that keeps the top k and has no repeat penalty
+    /// (the penalty changes logits before top-k picks). `None`: it needs every logit.
+    pub fn candidates_needed(&self) -> Option<usize> {
+        let p = &self.params;
+        if self.is_greedy() {
+            return Some(1);
+        }
+        let penalty = p.repeat_penalty != 1.0 && p.repeat_last_n > 0;
+        (p.temperature > 0.0 && p.top_k > 0 && !penalty).then_some(p.top_k)
+    }
+
+    /// [`Sampler::sample`] given only the most likely candidates, as [`top_candidates`]
+    /// gives them for at least [`Sampler::candidates_needed`] (the same choice, and the
+    /// generator advances the same way).
+    pub fn sample_top(&mut self, candidates: &[(u32, f32)]) -> u32 {
+        if self.is_greedy() {
+            return candidates.first().map_or(0, |c| c.0);
+        }
+        self.candidates.clear();
+        self.candidates.extend_from_slice(candidates);
+        self.choose()
+    }
+
+    /// The rest of the chain (top-k, top-p, min-p, temperature, the draw) over
+    /// `self.candidates`, which hold every non-NaN logit after the penalty, or the top ones.
+    fn choose(&mut self) -> u32 {
+        let p = &self.params;
+        let c = &mut self.candidates;
         if p.temperature <= 0.0 {
             return c.iter().min_by(|a, b| by_logit(a, b)).map_or(0, |t| t.0);
         }
@@ -182,6 +213,55 @@ impl Sampler {
             r -= w;
         }
         c.last().map_or(best, |t| t.0)
+    }
+}
+
+/// Highest logit first, ties broken by the lower id so results are reproducible (the
+/// candidates' order in [`Sampler`]).
+fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// The `k` most likely non-NaN `(id, logit)` pairs of `logits` in `out`, in the sampler's
+/// order (highest first, `total_cmp`, ties to the lower id); fewer when fewer are not NaN.
+/// A worker sends these instead of every logit when the sampler needs no more
+/// ([`Sampler::candidates_needed`]). One pass: blocks of 64 whose largest value is below
+/// the k-th kept one are skipped after a vectorized maximum.
+pub fn top_candidates(logits: &[f32], k: usize, out: &mut Vec<(u32, f32)>) {
+    out.clear();
+    if k == 0 {
+        return;
+    }
+    for (b, chunk) in logits.chunks(64).enumerate() {
+        if out.len() == k {
+            let mut lanes = [f32::NEG_INFINITY; 16];
+            for part in chunk.chunks(16) {
+                for (m, &l) in lanes.iter_mut().zip(part) {
+                    *m = if l > *m { l } else { *m };
+                }
+            }
+            let max = lanes
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+            // Equal values still go through the exact comparison (+0 against -0).
+            if max < out[k - 1].1 {
+                continue;
+            }
+        }
+        for (i, &l) in chunk.iter().enumerate() {
+            if l.is_nan() {
+                continue;
+            }
+            let cand = ((b * 64 + i) as u32, l);
+            if out.len() == k {
+                if by_logit(&cand, &out[k - 1]) != std::cmp::Ordering::Less {
+                    continue;
+                }
+                out.pop();
+            }
+            let at = out.partition_point(|c| by_logit(c, &cand) == std::cmp::Ordering::Less);
+            out.insert(at, cand);
+        }
     }
 }
 
@@ -370,5 +450,101 @@ mod tests {
         assert_eq!(first, (0..4).map(|_| b.next_u64()).collect::<Vec<_>>());
         let mean: f64 = (0..10_000).map(|_| a.next_f64()).sum::<f64>() / 10_000.0;
         assert!((mean - 0.5).abs() < 0.02);
+    }
+
+    /// Logits with ties, NaN, both zeros and both infinities among random values.
+    fn awkward_logits(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| match rng.next_u64() % 40 {
+                0 => f32::NAN,
+                1 => 0.0,
+                2 => -0.0,
+                3 => f32::INFINITY,
+                4 => f32::NEG_INFINITY,
+                // Few distinct values: many ties.
+                5..=20 => (rng.next_u64() % 8) as f32 * 0.5,
+                _ => (rng.next_f64() * 20.0 - 10.0) as f32,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn top_candidates_are_the_head_of_the_sorted_candidate_list() {
+        let mut rng = SplitMix64::new(7);
+        let mut out = Vec::new();
+        for n in [0usize, 1, 5, 63, 64, 65, 1000, 5000] {
+            let logits = awkward_logits(&mut rng, n);
+            let mut all: Vec<(u32, f32)> = logits
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| !l.is_nan())
+                .map(|(i, &l)| (i as u32, l))
+                .collect();
+            all.sort_by(by_logit);
+            for k in [1usize, 2, 40, 300, 6000] {
+                top_candidates(&logits, k, &mut out);
+                let want = &all[..k.min(all.len())];
+                assert_eq!(out.len(), want.len(), "n={n} k={k}");
+                for (a, b) in out.iter().zip(want) {
+                    assert_eq!((a.0, a.1.to_bits()), (b.0, b.1.to_bits()), "n={n} k={k}");
+                }
+            }
+        }
+        top_candidates(&[1.0, 2.0], 0, &mut out);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn sampling_from_the_top_candidates_equals_sampling_from_every_logit() {
+        // Same seeds, 300 steps each: the worker's top candidates give the same tokens as
+        // the full logits, for every sampler that says it needs no more than them.
+        let chains = [
+            SamplingParams::default(),
+            SamplingParams {
+                temperature: 1.7,
+                top_k: 5,
+                top_p: 1.0,
+                min_p: 0.0,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                temperature: 0.3,
+                top_k: 200,
+                top_p: 0.5,
+                min_p: 0.2,
+                seed: 9,
+                ..SamplingParams::default()
+            },
+            SamplingParams::greedy(),
+        ];
+        let mut rng = SplitMix64::new(3);
+        let mut top = Vec::new();
+        for params in chains {
+            let mut full = Sampler::new(params.clone());
+            let mut part = Sampler::new(params.clone());
+            let k = part
+                .candidates_needed()
+                .expect("needs only the top candidates");
+            for step in 0..300 {
+                let logits = awkward_logits(&mut rng, 3000);
+                // A worker may send more candidates than this sampler needs.
+                top_candidates(&logits, k + step % 3, &mut top);
+                assert_eq!(
+                    part.sample_top(&top),
+                    full.sample(&logits, &[]),
+                    "{params:?} step {step}"
+                );
+            }
+        }
+        let penalised = Sampler::new(SamplingParams {
+            repeat_penalty: 1.1,
+            ..SamplingParams::default()
+        });
+        assert_eq!(penalised.candidates_needed(), None);
+        let every = Sampler::new(SamplingParams {
+            top_k: 0,
+            ..SamplingParams::default()
+        });
+        assert_eq!(every.candidates_needed(), None);
     }
 }

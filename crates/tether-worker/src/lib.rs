@@ -50,7 +50,7 @@ pub use model_dir::ModelDirs;
 pub use registry::{RegistryConfig, SessionRegistry};
 pub use serve::ForwardCall;
 pub use session::{EndReason, Lease, SessionEnd};
-pub use stage::{BlockSpec, ForwardInput, ForwardOutput, StageFactory, TokenPos};
+pub use stage::{BlockSpec, ForwardInput, ForwardOutput, MAX_TOP_K, Rows, StageFactory, TokenPos};
 pub use staging::TensorDigest;
 pub use status::{CounterValues, MemorySource, SessionSummary, WorkerStatus};
 pub use token::BearerToken;

@@ -105,7 +105,7 @@ async fn metrics_follow_a_session_through_load_forward_and_close() {
                 tokens: vec![TokenPos { seq: 0, pos: 0 }],
                 input: ForwardInput::Hidden(vec![0.0; N_EMBD]),
                 logits_rows: vec![],
-                argmax: false,
+                rows: crate::Rows::Logits,
             },
         )
         .await

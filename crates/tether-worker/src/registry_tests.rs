@@ -89,7 +89,7 @@ async fn close_after_load_returns_every_byte() {
                 tokens: vec![TokenPos { seq: 0, pos: 0 }],
                 input: ForwardInput::Hidden(vec![1.0; N_EMBD]),
                 logits_rows: vec![],
-                argmax: false,
+                rows: crate::Rows::Logits,
             },
         )
         .await
@@ -118,7 +118,7 @@ async fn forward_before_commit_and_unknown_session_are_refused() {
         tokens: vec![TokenPos { seq: 0, pos: 0 }],
         input: ForwardInput::Hidden(vec![0.0; N_EMBD]),
         logits_rows: vec![],
-        argmax: false,
+        rows: crate::Rows::Logits,
     };
     assert!(matches!(
         reg.forward(ticket.id, call.clone()).await,

@@ -5,7 +5,7 @@ use crate::error::{Result, WorkerError};
 use crate::ids::SessionId;
 use crate::registry::{SessionRegistry, unknown_session};
 use crate::session::{OwnedStage, ServingSlot, SessionState};
-use crate::stage::{ForwardInput, ForwardOutput, StageShape, TokenPos};
+use crate::stage::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows, StageShape, TokenPos};
 use std::sync::Arc;
 
 /// One forward pass request.
@@ -17,8 +17,8 @@ pub struct ForwardCall {
     pub input: ForwardInput,
     /// Rows whose logits to return; empty = return hidden states.
     pub logits_rows: Vec<u32>,
-    /// Return each logits row's arg-max token instead of its logits.
-    pub argmax: bool,
+    /// What to return for the logits rows.
+    pub rows: Rows,
 }
 
 impl SessionRegistry {
@@ -72,14 +72,15 @@ impl SessionRegistry {
                 let output = staged
                     .stage
                     .forward(&call.tokens, call.input, &call.logits_rows)?;
-                let output = match output {
+                let output = match (output, call.rows) {
                     // On the blocking thread: a 128k vocabulary takes ~11 us a row.
-                    ForwardOutput::Logits(l) if call.argmax => ForwardOutput::ArgMax(
+                    (ForwardOutput::Logits(l), Rows::ArgMax) => ForwardOutput::ArgMax(
                         l.chunks(shape.n_vocab.max(1))
                             .map(tether_model::sampling::greedy)
                             .collect(),
                     ),
-                    other => other,
+                    (ForwardOutput::Logits(l), Rows::Top(k)) => top_rows(&l, shape.n_vocab, k),
+                    (other, _) => other,
                 };
                 Ok((output, started.elapsed()))
             })
@@ -126,6 +127,19 @@ fn check_seq(shape: &StageShape, seq: u32) -> Result<()> {
 }
 
 /// Checks a forward request against the block's shape.
+/// Each row's `k` most likely candidates of `logits` (`[rows][n_vocab]`).
+fn top_rows(logits: &[f32], n_vocab: usize, k: u32) -> ForwardOutput {
+    let mut counts = Vec::new();
+    let mut candidates = Vec::new();
+    let mut row = Vec::with_capacity(k as usize);
+    for l in logits.chunks(n_vocab.max(1)) {
+        tether_model::sampling::top_candidates(l, k as usize, &mut row);
+        counts.push(row.len() as u32);
+        candidates.extend_from_slice(&row);
+    }
+    ForwardOutput::Top { counts, candidates }
+}
+
 pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()> {
     let n = call.tokens.len();
     let spec = &shape.spec;
@@ -144,11 +158,17 @@ pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()
             )));
         }
     }
-    if call.argmax && call.logits_rows.is_empty() {
+    if call.rows != Rows::Logits && call.logits_rows.is_empty() {
         return Err(WorkerError::InvalidArgument(
-            "forward: argmax asks for the arg-max of logits rows, and no logits rows were given"
-                .into(),
+            "forward: argmax and top_k reduce logits rows, and no logits rows were given".into(),
         ));
+    }
+    if let Rows::Top(k) = call.rows
+        && (k == 0 || k > MAX_TOP_K)
+    {
+        return Err(WorkerError::InvalidArgument(format!(
+            "forward: top_k {k} is outside 1..={MAX_TOP_K}"
+        )));
     }
     match &call.input {
         ForwardInput::Hidden(h) => {
@@ -232,7 +252,7 @@ mod tests {
             tokens: vec![TokenPos { seq: 0, pos: 0 }, TokenPos { seq: 0, pos: 1 }],
             input: ForwardInput::TokenIds(vec![1, 2]),
             logits_rows,
-            argmax: false,
+            rows: crate::Rows::Logits,
         }
     }
 

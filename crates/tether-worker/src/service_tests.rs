@@ -9,7 +9,7 @@ use crate::ids::TxnId;
 use crate::registry::{RegistryConfig, SessionRegistry};
 use crate::server::{ServerOptions, serve};
 use crate::session::{EndReason, Lease};
-use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, TokenPos};
+use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, Rows, TokenPos};
 use crate::testing::{FakeFactory, LAYER_TENSOR_BYTES, N_EMBD};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -126,7 +126,7 @@ async fn load_forward_close_over_grpc_frees_everything() {
             &tokens,
             &ForwardInput::Hidden(vec![0.0; N_EMBD]),
             &[],
-            false,
+            Rows::Logits,
         )
         .await
         .unwrap_err();
@@ -139,7 +139,7 @@ async fn load_forward_close_over_grpc_frees_everything() {
             &tokens,
             &ForwardInput::Hidden(vec![1.0; N_EMBD]),
             &[],
-            false,
+            Rows::Logits,
         )
         .await
         .unwrap();
@@ -150,7 +150,7 @@ async fn load_forward_close_over_grpc_frees_everything() {
             &tokens,
             &ForwardInput::Hidden(vec![1.0; 3]),
             &[],
-            false,
+            Rows::Logits,
         )
         .await
         .unwrap_err();
@@ -162,7 +162,7 @@ async fn load_forward_close_over_grpc_frees_everything() {
             &tokens,
             &ForwardInput::Hidden(oversized),
             &[],
-            false,
+            Rows::Logits,
         )
         .await
         .unwrap_err();
@@ -180,7 +180,7 @@ async fn load_forward_close_over_grpc_frees_everything() {
                 &tokens,
                 &ForwardInput::Hidden(vec![1.0; N_EMBD]),
                 &[],
-                false,
+                Rows::Logits,
             )
             .await
             .is_ok()

@@ -94,7 +94,31 @@ pub enum ForwardOutput {
     /// The arg-max token of each row asked for, when the call asked for that instead of
     /// logits (the registry makes it from a stage's logits).
     ArgMax(Vec<u32>),
+    /// The most likely `(id, logit)` candidates of each row asked for, highest first
+    /// (`counts[r]` of them for row r, one row after the other), when the call asked for
+    /// them instead of logits.
+    Top {
+        /// Candidates per row.
+        counts: Vec<u32>,
+        /// The candidates.
+        candidates: Vec<(u32, f32)>,
+    },
 }
+
+/// What a forward returns for its logits rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Rows {
+    /// Every logit.
+    #[default]
+    Logits,
+    /// Each row's arg-max token.
+    ArgMax,
+    /// Each row's `k` most likely candidates (1..=[`MAX_TOP_K`]).
+    Top(u32),
+}
+
+/// Most candidates a row may ask for.
+pub const MAX_TOP_K: u32 = 1024;
 
 /// Builds layer blocks for one device.
 pub trait StageFactory: Send + Sync + 'static {

@@ -6,7 +6,7 @@ use crate::error::WorkerError;
 use crate::ids::{SessionId, TxnId};
 use crate::participant::{AbortCause, Outcome};
 use crate::service::convert::{f32s_from_le, f32s_to_le, spec_to_proto};
-use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, TokenPos};
+use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, Rows, TokenPos};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -208,15 +208,15 @@ impl WorkerClient {
         self.decide("abort", session, txn).await
     }
 
-    /// Runs the session's block over a batch; with `argmax`, the rows' arg-max tokens come
-    /// back instead of their logits.
+    /// Runs the session's block over a batch; `rows` says what comes back for the logits
+    /// rows (every logit, the arg-max tokens, or the top candidates).
     pub async fn forward(
         &self,
         session: SessionId,
         tokens: &[TokenPos],
         input: &ForwardInput,
         logits_rows: &[u32],
-        argmax: bool,
+        rows: Rows,
     ) -> Result<ForwardOutput, ClientError> {
         let (hidden, token_ids) = match input {
             ForwardInput::Hidden(h) => (f32s_to_le(h), Vec::new()),
@@ -234,7 +234,11 @@ impl WorkerClient {
             hidden,
             token_ids,
             logits_rows: logits_rows.to_vec(),
-            argmax,
+            argmax: rows == Rows::ArgMax,
+            top_k: match rows {
+                Rows::Top(k) => k,
+                _ => 0,
+            },
         };
         let reply = self
             .rpc
@@ -249,7 +253,30 @@ impl WorkerClient {
         };
         if logits_rows.is_empty() {
             Ok(ForwardOutput::Hidden(decode(&reply.hidden)?))
-        } else if argmax {
+        } else if let Rows::Top(k) = rows {
+            let total: u64 = reply.top_counts.iter().map(|&c| u64::from(c)).sum();
+            let fits = reply.top_counts.len() == logits_rows.len()
+                && reply.top_counts.iter().all(|&c| c <= k)
+                && total == reply.top_ids.len() as u64
+                && total == reply.top_logits.len() as u64;
+            if !fits {
+                return Err(ClientError::domain(
+                    "forward",
+                    &self.addr,
+                    WorkerError::Internal(format!(
+                        "top-{k} reply for {} rows has counts {:?} for {} ids and {} logits",
+                        logits_rows.len(),
+                        reply.top_counts,
+                        reply.top_ids.len(),
+                        reply.top_logits.len()
+                    )),
+                ));
+            }
+            Ok(ForwardOutput::Top {
+                counts: reply.top_counts,
+                candidates: reply.top_ids.into_iter().zip(reply.top_logits).collect(),
+            })
+        } else if rows == Rows::ArgMax {
             if reply.argmax.len() != logits_rows.len() {
                 return Err(ClientError::domain(
                     "forward",

@@ -10,7 +10,7 @@ use crate::participant::Outcome;
 use crate::registry::SessionRegistry;
 use crate::serve::ForwardCall;
 use crate::session::Lease;
-use crate::stage::{ForwardInput, ForwardOutput, TokenPos};
+use crate::stage::{ForwardInput, ForwardOutput, Rows, TokenPos};
 use crate::staging::TensorDigest;
 use std::sync::Arc;
 use std::time::Duration;
@@ -244,7 +244,16 @@ impl pb::worker_server::Worker for WorkerService {
                 .collect(),
             input,
             logits_rows: req.logits_rows,
-            argmax: req.argmax,
+            rows: match (req.argmax, req.top_k) {
+                (false, 0) => Rows::Logits,
+                (true, 0) => Rows::ArgMax,
+                (false, k) => Rows::Top(k),
+                (true, _) => {
+                    return Err(Status::invalid_argument(
+                        "forward: ask for one of argmax and top_k, not both",
+                    ));
+                }
+            },
         };
         let reply = match self
             .registry
@@ -262,6 +271,12 @@ impl pb::worker_server::Worker for WorkerService {
             },
             ForwardOutput::ArgMax(ids) => pb::ForwardReply {
                 argmax: ids,
+                ..Default::default()
+            },
+            ForwardOutput::Top { counts, candidates } => pb::ForwardReply {
+                top_ids: candidates.iter().map(|c| c.0).collect(),
+                top_logits: candidates.iter().map(|c| c.1).collect(),
+                top_counts: counts,
                 ..Default::default()
             },
         };
