@@ -5,7 +5,7 @@
 mod support;
 
 use std::time::{Duration, Instant};
-use support::{TinyModel, Worker, full_load, rss_kb};
+use support::{TinyModel, Worker, committed_session, full_load, rss_kb};
 use tether_worker::client::{AdminClient, AttachOptions, ClientOptions, ErrorKind, WorkerClient};
 use tether_worker::{EndReason, ForwardInput, ForwardOutput, Lease, Rows, TokenPos};
 
@@ -190,11 +190,7 @@ fn two_hundred_load_forward_close_cycles_return_every_byte() {
         let mut rss_after_warmup = 0;
         let started = Instant::now();
         for cycle in 0..200 {
-            let session = client.attach(attach_options("cycle")).await.expect("attach");
-            let (load, source, _) = full_load(&model.path, 32);
-            let txn = load.txn;
-            let reserved = client.prepare(session.id(), load, source).await.expect("prepare");
-            client.commit(session.id(), txn).await.expect("commit");
+            let (session, reserved) = committed_session(&client, attach_options("cycle"), &model.path, 32).await;
             let tokens = [TokenPos { seq: 0, pos: 0 }, TokenPos { seq: 0, pos: 1 }];
             let out = client
                 .forward(session.id(), &tokens, &ForwardInput::TokenIds(vec![1, 2]), &[1], Rows::Logits)
@@ -232,17 +228,8 @@ fn argmax_and_top_k_replies_carry_what_the_samplers_take_from_each_logits_row() 
         let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
             .await
             .expect("connect");
-        let session = client
-            .attach(attach_options("argmax"))
-            .await
-            .expect("attach");
-        let (load, source, _) = full_load(&model.path, 32);
-        let txn = load.txn;
-        client
-            .prepare(session.id(), load, source)
-            .await
-            .expect("prepare");
-        client.commit(session.id(), txn).await.expect("commit");
+        let (session, _) =
+            committed_session(&client, attach_options("argmax"), &model.path, 32).await;
         let tokens = [
             TokenPos { seq: 0, pos: 0 },
             TokenPos { seq: 0, pos: 1 },

@@ -5,7 +5,7 @@
 mod support;
 
 use std::time::Duration;
-use support::{TinyModel, Worker, full_load, metrics_addr, sample, scrape};
+use support::{TinyModel, Worker, committed_session, metrics_addr, sample, scrape};
 use tether_worker::client::{
     AdminClient, AttachOptions, ClientOptions, Health, WorkerClient, check_health,
 };
@@ -87,18 +87,9 @@ fn metrics_follow_a_session_and_health_follows_drain() {
         let mut admin = AdminClient::connect(&worker.addr, None, &options)
             .await
             .expect("admin");
-        let session = client
-            .attach(attach_options("metrics-e2e"))
-            .await
-            .expect("attach");
         let ctx = 32;
-        let (load, source, _) = full_load(&model.path, ctx);
-        let txn = load.txn;
-        let reserved = client
-            .prepare(session.id(), load, source)
-            .await
-            .expect("prepare");
-        client.commit(session.id(), txn).await.expect("commit");
+        let (session, reserved) =
+            committed_session(&client, attach_options("metrics-e2e"), &model.path, ctx).await;
         let planned = planned_total(&model.path, ctx);
         assert_eq!(
             reserved, planned,

@@ -296,6 +296,25 @@ impl tether_worker::client::TensorSource for GgufSource {
     }
 }
 
+/// A session attached with `options`, serving every layer of `model` for `ctx` cells
+/// (`full_load`), committed; returns it and the bytes it reserved.
+pub async fn committed_session(
+    client: &tether_worker::client::WorkerClient,
+    options: tether_worker::client::AttachOptions,
+    model: &std::path::Path,
+    ctx: usize,
+) -> (tether_worker::client::Session, u64) {
+    let session = client.attach(options).await.expect("attach");
+    let (load, source, _) = full_load(model, ctx);
+    let txn = load.txn;
+    let reserved = client
+        .prepare(session.id(), load, source)
+        .await
+        .expect("prepare");
+    client.commit(session.id(), txn).await.expect("commit");
+    (session, reserved)
+}
+
 /// A Prepare of every layer of `model` (with embedding and head), and its tensor source.
 pub fn full_load(
     model: &std::path::Path,

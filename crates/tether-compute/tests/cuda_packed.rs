@@ -264,6 +264,66 @@ fn a_finished_weight_cannot_be_written_and_mixed_layouts_still_multiply() {
     }
 }
 
+type GpuBuffer = <CudaBackend as Backend>::Buffer;
+
+/// A feed-forward block's finished weights and scratch on the GPU, for recorded steps.
+struct FeedForward {
+    ty: GgmlType,
+    e: usize,
+    ff: usize,
+    gate: Finished,
+    up: Finished,
+    down: Finished,
+    norm: GpuBuffer,
+    /// normed, act and the two fallback products.
+    scratch: [GpuBuffer; 4],
+}
+
+impl FeedForward {
+    fn new(
+        g: &CudaBackend,
+        c: &CpuBackend,
+        rng: &mut Rng,
+        ty: GgmlType,
+        e: usize,
+        ff: usize,
+    ) -> Self {
+        let gate = finished(g, c, ty, &random_weights(rng, ty, ff * e), e);
+        let up = finished(g, c, ty, &random_weights(rng, ty, ff * e), e);
+        let down = finished(g, c, ty, &random_weights(rng, ty, e * ff), ff);
+        assert!(gate.packed && down.packed);
+        let norm = put(g, &f32_bytes(&rng.f32s(e, 1.0)));
+        let scratch = [zeros(g, e), zeros(g, ff), zeros(g, ff), zeros(g, ff)];
+        Self {
+            ty,
+            e,
+            ff,
+            gate,
+            up,
+            down,
+            norm,
+            scratch,
+        }
+    }
+
+    /// `layers` blocks over `hidden` (three launches each).
+    fn run(
+        &mut self,
+        g: &CudaBackend,
+        hidden: &mut GpuBuffer,
+        layers: usize,
+    ) -> tether_compute::Result<()> {
+        let (ty, e, ff) = (self.ty, self.e, self.ff);
+        let [normed, act, t1, t2] = &mut self.scratch;
+        for _ in 0..layers {
+            g.rms_norm(hidden, &self.norm, 1, e, 1e-5, normed)?;
+            g.matmul_swiglu(&self.gate.g, &self.up.g, ty, ff, e, normed, 1, act, t1, t2)?;
+            g.matmul_add(&self.down.g, ty, e, ff, act, 1, hidden, normed)?;
+        }
+        Ok(())
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn repeated_decode_steps_are_replayed_from_one_graph() {
@@ -273,30 +333,21 @@ fn repeated_decode_steps_are_replayed_from_one_graph() {
     let (g, c) = (gpu(), cpu());
     let mut rng = Rng(43);
     let (ty, e, ff, vocab) = (GgmlType::Q4_0, 256usize, 512usize, 64usize);
-    let gate = finished(&g, &c, ty, &random_weights(&mut rng, ty, ff * e), e);
-    let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, ff * e), e);
-    let down = finished(&g, &c, ty, &random_weights(&mut rng, ty, e * ff), ff);
+    let mut block = FeedForward::new(&g, &c, &mut rng, ty, e, ff);
     let head = finished(&g, &c, ty, &random_weights(&mut rng, ty, vocab * e), e);
-    assert!(gate.packed && down.packed && head.packed);
-    let norm = put(&g, &f32_bytes(&rng.f32s(e, 1.0)));
+    assert!(head.packed);
     let start = f32_bytes(&rng.f32s(e, 1.0));
     let mut hidden = put(&g, &start);
-    let (mut normed, mut act) = (zeros(&g, e), zeros(&g, ff));
-    let (mut t1, mut t2, mut logits) = (zeros(&g, ff), zeros(&g, ff), zeros(&g, vocab));
+    let (mut normed, mut logits) = (zeros(&g, e), zeros(&g, vocab));
     let mut replays = tether_compute::CudaReplays::default();
     let mut results = Vec::new();
     for _ in 0..5 {
         g.upload(&mut hidden, 0, &start).unwrap();
-        g.replay(&mut replays, 1, || -> tether_compute::Result<()> {
-            g.rms_norm(&hidden, &norm, 1, e, 1e-5, &mut normed)?;
-            g.matmul_swiglu(
-                &gate.g, &up.g, ty, ff, e, &normed, 1, &mut act, &mut t1, &mut t2,
-            )?;
-            g.matmul_add(&down.g, ty, e, ff, &act, 1, &mut hidden, &mut normed)
-        })
-        .unwrap()
-        .unwrap();
-        g.rms_norm(&hidden, &norm, 1, e, 1e-5, &mut normed).unwrap();
+        g.replay(&mut replays, 1, || block.run(&g, &mut hidden, 1))
+            .unwrap()
+            .unwrap();
+        g.rms_norm(&hidden, &block.norm, 1, e, 1e-5, &mut normed)
+            .unwrap();
         g.matmul(&head.g, ty, vocab, e, &normed, 1, &mut logits)
             .unwrap();
         results.push((get(&g, &hidden, e), get(&g, &logits, vocab)));
@@ -314,26 +365,6 @@ fn repeated_decode_steps_are_replayed_from_one_graph() {
     }
 }
 
-/// `layers` feed-forward blocks over `hidden` (about three launches each).
-fn feed_forward_layers(
-    g: &CudaBackend,
-    w: [&<CudaBackend as Backend>::Buffer; 4],
-    (e, ff): (usize, usize),
-    hidden: &mut <CudaBackend as Backend>::Buffer,
-    s: &mut [<CudaBackend as Backend>::Buffer; 4],
-    layers: usize,
-) -> tether_compute::Result<()> {
-    let [gate, up, down, norm] = w;
-    let ty = GgmlType::Q8_0;
-    let [normed, act, t1, t2] = s;
-    for _ in 0..layers {
-        g.rms_norm(hidden, norm, 1, e, 1e-5, normed)?;
-        g.matmul_swiglu(gate, up, ty, ff, e, normed, 1, act, t1, t2)?;
-        g.matmul_add(down, ty, e, ff, act, 1, hidden, normed)?;
-    }
-    Ok(())
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_long_step_is_replayed_in_pieces_that_give_the_eager_results() {
@@ -342,27 +373,19 @@ fn a_long_step_is_replayed_in_pieces_that_give_the_eager_results() {
     // by one, outside any step.
     let (g, c) = (gpu(), cpu());
     let mut rng = Rng(47);
-    let (ty, e, ff, layers) = (GgmlType::Q8_0, 256usize, 512usize, 30usize);
-    let gate = finished(&g, &c, ty, &random_weights(&mut rng, ty, ff * e), e);
-    let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, ff * e), e);
-    let down = finished(&g, &c, ty, &random_weights(&mut rng, ty, e * ff), ff);
-    assert!(gate.packed && down.packed);
-    let norm = put(&g, &f32_bytes(&rng.f32s(e, 1.0)));
-    let w = [&gate.g, &up.g, &down.g, &norm];
+    let (e, layers) = (256usize, 30usize);
+    let mut block = FeedForward::new(&g, &c, &mut rng, GgmlType::Q8_0, e, 512);
     let start = f32_bytes(&rng.f32s(e, 1.0));
     let mut hidden = put(&g, &start);
-    let mut s = [zeros(&g, e), zeros(&g, ff), zeros(&g, ff), zeros(&g, ff)];
-    feed_forward_layers(&g, w, (e, ff), &mut hidden, &mut s, layers).unwrap();
+    block.run(&g, &mut hidden, layers).unwrap();
     let eager = get(&g, &hidden, e);
     assert!(eager.iter().all(|v| v.is_finite()), "eager run overflowed");
     let mut replays = tether_compute::CudaReplays::default();
     for step in 0..4 {
         g.upload(&mut hidden, 0, &start).unwrap();
-        g.replay(&mut replays, 1, || {
-            feed_forward_layers(&g, w, (e, ff), &mut hidden, &mut s, layers)
-        })
-        .unwrap()
-        .unwrap();
+        g.replay(&mut replays, 1, || block.run(&g, &mut hidden, layers))
+            .unwrap()
+            .unwrap();
         assert_eq!(
             get(&g, &hidden, e),
             eager,

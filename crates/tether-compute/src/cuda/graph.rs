@@ -168,8 +168,7 @@ impl Device {
                 let cmds = std::mem::take(&mut rec.cmds);
                 let piece = rec.piece;
                 rec.piece += 1;
-                let (key, capture) = (rec.key, rec.capture.clone());
-                issue_piece(self, &capture, &mut rec.replays, key, piece, cmds)?;
+                issue_piece(self, &rec.capture, &mut rec.replays, rec.key, piece, cmds)?;
                 Ok(None)
             }
             _ => Ok(Some(cmd)),
