@@ -196,3 +196,37 @@ extern "C" __global__ void get_rows(const u8* table, int ty, u64 row_bytes, int 
     float* o = out + (u64)blockIdx.x * row_len;
     for (int e = threadIdx.x; e < row_len; e += blockDim.x) o[e] = dequant_at(ty, row, e);
 }
+
+// out[r] = the index of the largest non-NaN value of row r of x (n values) in IEEE total
+// order (+0 above -0, +inf above all), the lowest index among equals; 0 for a row of NaN.
+// Each value becomes a 64-bit key, its order-preserving bits above its inverted index, so
+// one unsigned max finds both. Launch: gridDim.x = rows, blockDim.x = 1024.
+extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* x, u64 n, u32* out) {
+    PDL_ENTRY();
+    const float* row = x + (u64)blockIdx.x * n;
+    // 0 is no key of a non-NaN value: -inf's is 0x007fffff above the index bits.
+    u64 best = 0;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = row[i];
+        if (v != v) continue;
+        const u32 b = __float_as_uint(v);
+        const u32 order = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+        const u64 key = ((u64)order << 32) | (u64)(~(u32)i);
+        best = key > best ? key : best;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+    }
+    __shared__ u64 warps[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warps[warp] = best;
+    __syncthreads();
+    if (warp != 0) return;
+    best = lane < (int)(blockDim.x >> 5) ? warps[lane] : 0;
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+    }
+    if (lane == 0) out[blockIdx.x] = best == 0 ? 0u : ~(u32)best;
+}

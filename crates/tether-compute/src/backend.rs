@@ -322,4 +322,27 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Copies the first `bytes` of `src` into `dst`.
     fn copy(&self, src: &Self::Buffer, dst: &mut Self::Buffer, bytes: usize) -> Result<()>;
+
+    /// `out[r]` = [`crate::argmax::greedy`] of row `r` of `x` (`[out.len()][n]` f32), waiting
+    /// for pending work first. `scratch` (at least `4 * out.len()` bytes) may be overwritten:
+    /// a device backend computes the ids there and downloads only them, not every value.
+    fn argmax_rows(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        scratch: &mut Self::Buffer,
+        out: &mut [u32],
+    ) -> Result<()> {
+        let _ = scratch;
+        let mut values = vec![0f32; out.len() * n];
+        // SAFETY: every byte pattern is a valid f32; the length covers exactly the values.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), values.len() * 4)
+        };
+        self.download(x, 0, bytes)?;
+        for (o, row) in out.iter_mut().zip(values.chunks(n.max(1))) {
+            *o = crate::argmax::greedy(row);
+        }
+        Ok(())
+    }
 }

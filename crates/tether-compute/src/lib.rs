@@ -2,6 +2,7 @@
 //!
 //! [`Backend`] is the one interface the model code drives; `cpu` is always present.
 
+pub mod argmax;
 pub mod backend;
 pub mod cpu;
 pub mod cuda;

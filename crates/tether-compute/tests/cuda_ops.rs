@@ -806,3 +806,62 @@ fn alloc_many_buffers_are_separate_and_freed_with_the_last() {
     drop(last);
     assert_eq!(g.allocated_bytes(), base, "freed with the last part");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn argmax_rows_picks_what_greedy_picks() {
+    use tether_compute::argmax::greedy;
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(11);
+    let n = 128_256;
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    // Random, then ties at the maximum (the lowest id wins), NaN everywhere but one value,
+    // every value NaN (id 0), +0 against -0 (+0 wins), +inf late, only -inf, and a maximum
+    // in the last, partial stride of the block.
+    rows.push(rng.f32s(n, 8.0));
+    let mut ties = rng.f32s(n, 1.0);
+    for at in [90_001, 7_777, 100_000] {
+        ties[at] = 5.0;
+    }
+    rows.push(ties);
+    let mut nan = vec![f32::NAN; n];
+    nan[4_242] = -3.0;
+    rows.push(nan);
+    rows.push(vec![f32::NAN; n]);
+    let mut zeros = vec![-1.0; n];
+    zeros[10] = -0.0;
+    zeros[20] = 0.0;
+    zeros[30] = -0.0;
+    rows.push(zeros);
+    let mut inf = rng.f32s(n, 1e30);
+    inf[n - 2] = f32::INFINITY;
+    inf[3] = f32::NAN;
+    rows.push(inf);
+    rows.push(vec![f32::NEG_INFINITY; n]);
+    let mut last = vec![0.5; n];
+    last[n - 1] = 0.75;
+    rows.push(last);
+    let flat: Vec<f32> = rows.concat();
+    let want: Vec<u32> = rows.iter().map(|r| greedy(r)).collect();
+    assert_eq!(want[1], 7_777, "the reference breaks ties to the lowest id");
+    assert_eq!(want[4], 20, "the reference puts +0 above -0");
+    let x = pair(&g, &c, &f32_bytes(&flat));
+    let (mut sg, mut sc) = (g.alloc(rows.len() * 4).unwrap(), c.alloc(4).unwrap());
+    let mut got = vec![u32::MAX; rows.len()];
+    g.argmax_rows(&x.g, n, &mut sg, &mut got).unwrap();
+    assert_eq!(got, want, "cuda");
+    let mut got = vec![u32::MAX; rows.len()];
+    c.argmax_rows(&x.c, n, &mut sc, &mut got).unwrap();
+    assert_eq!(got, want, "cpu");
+    // Sizes are checked before anything runs.
+    let mut small = g.alloc(4).unwrap();
+    assert!(
+        g.argmax_rows(&x.g, n, &mut small, &mut got).is_err(),
+        "scratch too small"
+    );
+    let mut too_many = vec![0; rows.len() + 1];
+    assert!(
+        g.argmax_rows(&x.g, n, &mut sg, &mut too_many).is_err(),
+        "rows past the input"
+    );
+}

@@ -10,7 +10,7 @@ use crate::config::ModelConfig;
 use crate::error::ModelError;
 use crate::kv::BatchToken;
 use crate::sampling::Sampler;
-use crate::stage::{Stage, StageSpec};
+use crate::stage::{Stage, StageSpec, StepInput, StepOutput};
 
 /// Bytes uploaded per `load_tensor` call, so a device backend never stages a whole tensor.
 const LOAD_CHUNK: usize = 64 << 20;
@@ -201,11 +201,17 @@ impl<B: Backend> Generator<B> {
         let hidden = self.run(prompt, 0, prompt.len() - 1)?;
         self.stage.logits(&hidden, 1, &mut logits)?;
         let mut out = Vec::new();
+        // A greedy sampler's next token is found on the device: one id is downloaded a step
+        // instead of every logit.
+        let mut chosen = None;
         loop {
             if out.len() >= n_predict {
                 return Ok((out, StopReason::Limit));
             }
-            let tok = sampler.sample(&logits, &history);
+            let tok = match chosen.take() {
+                Some(t) => t,
+                None => sampler.sample(&logits, &history),
+            };
             if eog.contains(&tok) {
                 return Ok((out, StopReason::EndOfGeneration));
             }
@@ -223,7 +229,15 @@ impl<B: Backend> Generator<B> {
                 seq: 0,
                 pos: (history.len() - 1) as u32,
             };
-            self.stage.decode_logits(&[tok], &[at], &mut logits)?;
+            if sampler.is_greedy() {
+                let mut id = [0];
+                let next = StepOutput::ArgMax(&mut id);
+                self.stage
+                    .decode_step(StepInput::Ids(&[tok]), &[at], next)?;
+                chosen = Some(id[0]);
+            } else {
+                self.stage.decode_logits(&[tok], &[at], &mut logits)?;
+            }
         }
     }
 }

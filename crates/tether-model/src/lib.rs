@@ -18,5 +18,7 @@ pub use generate::{Generator, StopReason, load_stage_from_file};
 pub use kv::BatchToken;
 pub use plan::{StagePlan, plan_stage};
 pub use sampling::{Sampler, SamplingParams};
-pub use stage::{KV_CACHE_TYPES, Stage, StageSpec, TensorSlot, check_cache_types};
+pub use stage::{
+    KV_CACHE_TYPES, Stage, StageSpec, StepInput, StepOutput, TensorSlot, check_cache_types,
+};
 pub use synth::{SynthShape, synthesize};

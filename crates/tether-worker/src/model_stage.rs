@@ -4,13 +4,16 @@
 
 use crate::error::{Result, WorkerError};
 use crate::stage::{
-    BlockSpec, ForwardInput, ForwardOutput, PlannedStage, ServingStage, StageFactory, StageShape,
-    TensorNeed, TokenPos,
+    BlockSpec, ForwardInput, ForwardOutput, PlannedStage, Rows, ServingStage, StageFactory,
+    StageShape, TensorNeed, TokenPos,
 };
 use std::sync::Arc;
 use tether_compute::{Backend, ComputeError, CpuBackend};
 use tether_gguf::GgufFile;
-use tether_model::{BatchToken, ModelConfig, ModelError, Stage, StageSpec, TensorSlot, plan_stage};
+use tether_model::{
+    BatchToken, ModelConfig, ModelError, Stage, StageSpec, StepInput, StepOutput, TensorSlot,
+    plan_stage,
+};
 
 /// The largest model file a Prepare may describe (1 TiB): bounds the header check below.
 const MAX_FILE_BYTES: u64 = 1 << 40;
@@ -162,6 +165,43 @@ struct ModelStage<B: Backend> {
     shape: StageShape,
 }
 
+impl<B: Backend> ModelStage<B> {
+    /// A decode step with the hidden states kept on the device from input to output: the
+    /// next stage's hidden states, every logit, or (greedy rows) arg-max tokens found on
+    /// the device.
+    fn decode_step(
+        &mut self,
+        batch: &[BatchToken],
+        input: &ForwardInput,
+        hidden_out: bool,
+        rows: Rows,
+    ) -> Result<ForwardOutput> {
+        let n = batch.len();
+        let input = match input {
+            ForwardInput::TokenIds(ids) => StepInput::Ids(ids),
+            ForwardInput::Hidden(h) => StepInput::Hidden(h),
+        };
+        let step = |stage: &mut Stage<B>, out| {
+            stage
+                .decode_step(input, batch, out)
+                .map_err(|e| model_error("forward: decode step", e))
+        };
+        if hidden_out {
+            let mut h = vec![0.0; n * self.shape.n_embd];
+            step(&mut self.stage, StepOutput::Hidden(&mut h))?;
+            Ok(ForwardOutput::Hidden(h))
+        } else if rows == Rows::ArgMax {
+            let mut ids = vec![0; n];
+            step(&mut self.stage, StepOutput::ArgMax(&mut ids))?;
+            Ok(ForwardOutput::ArgMax(ids))
+        } else {
+            let mut logits = vec![0.0; n * self.shape.n_vocab];
+            step(&mut self.stage, StepOutput::Logits(&mut logits))?;
+            Ok(ForwardOutput::Logits(logits))
+        }
+    }
+}
+
 impl<B: Backend> ServingStage for ModelStage<B> {
     fn shape(&self) -> StageShape {
         self.shape
@@ -184,6 +224,7 @@ impl<B: Backend> ServingStage for ModelStage<B> {
         tokens: &[TokenPos],
         input: ForwardInput,
         logits_rows: &[u32],
+        rows: Rows,
     ) -> Result<ForwardOutput> {
         let n_embd = self.shape.n_embd;
         let batch: Vec<BatchToken> = tokens
@@ -193,18 +234,10 @@ impl<B: Backend> ServingStage for ModelStage<B> {
                 pos: t.pos,
             })
             .collect();
-        if let ForwardInput::TokenIds(ids) = &input {
-            let n = tokens.len();
-            let all_rows = logits_rows.iter().copied().eq(0..n as u32);
-            if n > 0 && all_rows && n <= self.stage.decode_step_tokens() {
-                // A decode step of a whole model: embedding, layers and head in one stage
-                // call, the hidden states never leaving the device.
-                let mut logits = vec![0.0; n * self.shape.n_vocab];
-                self.stage
-                    .decode_logits(ids, &batch, &mut logits)
-                    .map_err(|e| model_error("forward: decode step", e))?;
-                return Ok(ForwardOutput::Logits(logits));
-            }
+        let n = tokens.len();
+        let all_rows = logits_rows.iter().copied().eq(0..n as u32);
+        if n > 0 && n <= self.stage.decode_step_tokens() && (all_rows || logits_rows.is_empty()) {
+            return self.decode_step(&batch, &input, logits_rows.is_empty(), rows);
         }
         let mut hidden = match input {
             ForwardInput::Hidden(h) => h,

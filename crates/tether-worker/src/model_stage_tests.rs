@@ -3,7 +3,7 @@
 //! computes, and frees everything when dropped.
 
 use crate::model_stage::ModelStageFactory;
-use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, StageFactory, TokenPos};
+use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, Rows, StageFactory, TokenPos};
 use crate::testing::TempDir;
 use std::sync::Arc;
 use tether_compute::CpuBackend;
@@ -61,7 +61,12 @@ fn a_block_loaded_from_header_and_chunks_matches_the_model_loader() {
     ];
     let ids = vec![1u32, 2, 3];
     let got = stage
-        .forward(&tokens, ForwardInput::TokenIds(ids.clone()), &[1, 2])
+        .forward(
+            &tokens,
+            ForwardInput::TokenIds(ids.clone()),
+            &[1, 2],
+            Rows::Logits,
+        )
         .unwrap();
 
     let reference_spec = StageSpec {

@@ -69,9 +69,10 @@ impl SessionRegistry {
                 let shape = staged.stage.shape();
                 check_forward(&shape, &call)?;
                 let started = std::time::Instant::now();
-                let output = staged
-                    .stage
-                    .forward(&call.tokens, call.input, &call.logits_rows)?;
+                let output =
+                    staged
+                        .stage
+                        .forward(&call.tokens, call.input, &call.logits_rows, call.rows)?;
                 let output = match (output, call.rows) {
                     // On the blocking thread: a 128k vocabulary takes ~11 us a row.
                     (ForwardOutput::Logits(l), Rows::ArgMax) => ForwardOutput::ArgMax(

@@ -175,11 +175,14 @@ pub trait ServingStage: Send + 'static {
     fn finish_load(&mut self) -> Result<()>;
 
     /// Runs the block over `tokens`. Inputs were checked against [`Self::shape`] already.
+    /// `rows` is what the caller wants for the logits rows; a block may return it directly
+    /// (arg-max tokens found on its device) or return every logit for the caller to reduce.
     fn forward(
         &mut self,
         tokens: &[TokenPos],
         input: ForwardInput,
         logits_rows: &[u32],
+        rows: Rows,
     ) -> Result<ForwardOutput>;
 
     /// Forgets every KV cell of `seq`.

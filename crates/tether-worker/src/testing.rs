@@ -3,8 +3,8 @@
 
 use crate::error::{Result, WorkerError};
 use crate::stage::{
-    BlockSpec, ForwardInput, ForwardOutput, PlannedStage, ServingStage, StageFactory, StageShape,
-    TensorNeed, TokenPos,
+    BlockSpec, ForwardInput, ForwardOutput, PlannedStage, Rows, ServingStage, StageFactory,
+    StageShape, TensorNeed, TokenPos,
 };
 
 /// Bytes of each fake layer tensor.
@@ -135,6 +135,7 @@ impl ServingStage for FakeStage {
         tokens: &[TokenPos],
         input: ForwardInput,
         _logits_rows: &[u32],
+        _rows: Rows,
     ) -> Result<ForwardOutput> {
         let ForwardInput::Hidden(mut h) = input else {
             return Err(WorkerError::InvalidArgument(

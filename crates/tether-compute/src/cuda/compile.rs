@@ -132,6 +132,7 @@ const FILES: &[KernelFile] = &[
             "rope",
             "rope_store_f16",
             "get_rows",
+            "argmax_rows",
         ],
     },
     KernelFile {

@@ -6,6 +6,7 @@
 //! op and copy runs on one stream per backend, which orders them without events; a buffer's
 //! `Drop` synchronizes that stream before freeing.
 
+mod argmax;
 mod attention;
 mod check;
 mod compile;

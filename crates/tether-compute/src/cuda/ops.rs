@@ -664,4 +664,14 @@ impl Backend for CudaBackend {
         unsafe { result::memcpy_dtod_async(d, s, bytes, self.device.stream.cu_stream()) }
             .map_err(|e| driver_err(&format!("copying {bytes} bytes on the device"), e))
     }
+
+    fn argmax_rows(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        scratch: &mut CudaBuffer,
+        out: &mut [u32],
+    ) -> Result<()> {
+        self.argmax_on_device(x, n, scratch, out)
+    }
 }

@@ -6,17 +6,17 @@ use super::Stage;
 use crate::error::{ModelError, compute, compute_in};
 use crate::kv::BatchToken;
 
-fn as_bytes(x: &[f32]) -> &[u8] {
+pub(super) fn as_bytes(x: &[f32]) -> &[u8] {
     // SAFETY: u8 has alignment 1 and the byte length covers exactly the f32s.
     unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
 }
 
-fn as_bytes_mut(x: &mut [f32]) -> &mut [u8] {
+pub(super) fn as_bytes_mut(x: &mut [f32]) -> &mut [u8] {
     // SAFETY: as in `as_bytes`; every byte pattern is a valid f32.
     unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
 }
 
-fn need_len(what: &str, got: usize, want: usize) -> Result<(), ModelError> {
+pub(super) fn need_len(what: &str, got: usize, want: usize) -> Result<(), ModelError> {
     if got == want {
         Ok(())
     } else {
@@ -27,7 +27,7 @@ fn need_len(what: &str, got: usize, want: usize) -> Result<(), ModelError> {
 }
 
 /// Batches of at most this many tokens run as replayable steps (see `Backend::replay`).
-const REPLAY_MAX_TOKENS: usize = 8;
+pub(super) const REPLAY_MAX_TOKENS: usize = 8;
 impl<B: Backend> Stage<B> {
     /// Looks up `ids` in the embedding table into `hidden_out` (`[ids.len()][n_embd]`).
     pub fn embed(&mut self, ids: &[u32], hidden_out: &mut [f32]) -> Result<(), ModelError> {
@@ -54,7 +54,7 @@ impl<B: Backend> Stage<B> {
         Ok(())
     }
 
-    fn check_ids(&self, ids: &[u32]) -> Result<(), ModelError> {
+    pub(super) fn check_ids(&self, ids: &[u32]) -> Result<(), ModelError> {
         match ids.iter().find(|&&id| id as usize >= self.cfg.n_vocab) {
             Some(bad) => Err(ModelError::InvalidArgument(format!(
                 "token id {bad} is outside the vocabulary of {} tokens",
@@ -96,7 +96,7 @@ impl<B: Backend> Stage<B> {
 
     /// Runs the tokens of one micro-batch, whose hidden states are in `scratch.hidden`,
     /// through every layer, writing their keys and values into their cells.
-    fn layers_on_device(&mut self, toks: &[BatchToken]) -> Result<(), ModelError> {
+    pub(super) fn layers_on_device(&mut self, toks: &[BatchToken]) -> Result<(), ModelError> {
         let mut positions = Vec::with_capacity(toks.len());
         let mut cells = Vec::with_capacity(toks.len());
         let mut spans = Vec::with_capacity(toks.len());
@@ -299,88 +299,47 @@ impl<B: Backend> Stage<B> {
     }
 
     /// The output head over the `n` hidden states in `scratch.hidden`, into `out`.
-    fn head_on_device(
+    pub(super) fn head_on_device(
         &mut self,
         norm: usize,
         head: usize,
         n: usize,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
+        let v = self.cfg.n_vocab;
+        self.head_into_scratch(norm, head, n)?;
+        let logits = self
+            .scratch
+            .logits
+            .as_ref()
+            .ok_or_else(head_scratch_missing)?;
+        self.backend
+            .download(logits, 0, as_bytes_mut(&mut out[..n * v]))
+            .map_err(compute("downloading logits"))
+    }
+
+    /// Runs the output head over the `n` hidden states in `scratch.hidden` into
+    /// `scratch.logits`.
+    pub(super) fn head_into_scratch(
+        &mut self,
+        norm: usize,
+        head: usize,
+        n: usize,
+    ) -> Result<(), ModelError> {
         let (e, v) = (self.cfg.n_embd, self.cfg.n_vocab);
         let s = &mut self.scratch;
         let (Some(normed), Some(logits)) = (s.normed.as_mut(), s.logits.as_mut()) else {
-            return Err(ModelError::FailedPrecondition(
-                "head scratch missing".into(),
-            ));
+            return Err(head_scratch_missing());
         };
         let be = &*self.backend;
         let (nw, hw) = (&self.weights[norm], &self.weights[head]);
         be.rms_norm(&s.hidden, &nw.buf, n, e, self.cfg.rms_eps, normed)
             .map_err(compute("output norm"))?;
         be.matmul(&hw.buf, hw.ty, v, e, normed, n, logits)
-            .map_err(compute("output head"))?;
-        be.download(logits, 0, as_bytes_mut(&mut out[..n * v]))
-            .map_err(compute("downloading logits"))
+            .map_err(compute("output head"))
     }
+}
 
-    /// Most tokens [`Stage::decode_logits`] takes in one call; 0 when this stage cannot run
-    /// it (it lacks the embedding table or the output head).
-    pub fn decode_step_tokens(&self) -> usize {
-        if self.embd.is_some() && self.out_norm.is_some() && self.output.is_some() {
-            REPLAY_MAX_TOKENS.min(self.spec.ubatch)
-        } else {
-            0
-        }
-    }
-
-    /// A decode step of a stage that holds the whole model: embeds `ids` (one per token of
-    /// `batch`, at most one replayed step's worth), runs every layer and the output head
-    /// with the hidden states kept on the device (no round trip through the host between
-    /// them), and writes the logits (`[batch.len()][n_vocab]`). On a bad token nothing
-    /// changes.
-    pub fn decode_logits(
-        &mut self,
-        ids: &[u32],
-        batch: &[BatchToken],
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        let backend = self.backend.clone();
-        backend.scope(|| self.decode_logits_in_scope(ids, batch, out))
-    }
-
-    fn decode_logits_in_scope(
-        &mut self,
-        ids: &[u32],
-        batch: &[BatchToken],
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
-        self.check_loaded()?;
-        let (e, v) = (self.cfg.n_embd, self.cfg.n_vocab);
-        let (Some(table), Some(norm), Some(head)) = (self.embd, self.out_norm, self.output) else {
-            return Err(ModelError::FailedPrecondition(
-                "decode_logits needs a stage holding the embedding and the output head".into(),
-            ));
-        };
-        need_len("the token list", ids.len(), batch.len())?;
-        need_len("the logits buffer", out.len(), batch.len() * v)?;
-        let most = self.decode_step_tokens();
-        if batch.len() > most {
-            return Err(ModelError::InvalidArgument(format!(
-                "a decode step takes at most {most} tokens, {} given",
-                batch.len()
-            )));
-        }
-        self.check_ids(ids)?;
-        let lens = self.kv.check_batch(batch)?;
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let w = &self.weights[table];
-        self.backend
-            .get_rows(&w.buf, w.ty, e, ids, &mut self.scratch.hidden)
-            .map_err(compute("embedding lookup"))?;
-        self.layers_on_device(batch)?;
-        self.kv.commit(lens);
-        self.head_on_device(norm, head, batch.len(), out)
-    }
+pub(super) fn head_scratch_missing() -> ModelError {
+    ModelError::FailedPrecondition("head scratch missing".into())
 }

@@ -4,6 +4,7 @@
 //! Every byte of device memory (weights, KV cache, scratch for one micro-batch) is
 //! allocated in [`Stage::new`]; loading and running allocate nothing more.
 
+mod decode;
 mod forward;
 mod load;
 
@@ -20,6 +21,7 @@ use crate::kv::KvState;
 use crate::plan::{kv_cache_bytes, scratch_sizes};
 
 pub use crate::kv::BatchToken;
+pub use decode::{StepInput, StepOutput};
 
 /// Which part of the model a stage holds and how much KV cache and scratch it gets.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -3,7 +3,8 @@
 use tether_compute::CpuBackend;
 use tether_gguf::GgmlType;
 use tether_model::{
-    BatchToken, ModelConfig, ModelError, Stage, SynthShape, load_stage_from_file, plan_stage,
+    BatchToken, ModelConfig, ModelError, Stage, StepInput, StepOutput, SynthShape,
+    load_stage_from_file, plan_stage,
 };
 use tether_model::{Generator, Sampler, SamplingParams, StopReason};
 
@@ -98,6 +99,72 @@ fn decode_logits_equals_embed_forward_and_logits() {
     let want = run(&mut a, &[5], &bad);
     b.decode_logits(&[5], &bad, &mut out).unwrap();
     assert_eq!(out, want);
+}
+
+#[test]
+fn decode_steps_across_two_stages_equal_the_whole_model() {
+    let m = model();
+    let mut one = whole(&m.file, 2, 4);
+    let mut a = load_stage_from_file(backend(), &m.file, spec(0, 1, true, false, 2, 4)).unwrap();
+    let mut b = load_stage_from_file(backend(), &m.file, spec(1, 2, false, true, 2, 4)).unwrap();
+    let (e, v) = (a.config().n_embd, a.config().n_vocab);
+    let greedy = tether_model::sampling::greedy;
+    let steps: [(&[u32], Vec<BatchToken>); 3] = [
+        (&IDS[..1], batch(0, 0..1)),
+        (
+            &[9, 11],
+            vec![BatchToken { seq: 0, pos: 1 }, BatchToken { seq: 1, pos: 0 }],
+        ),
+        (&[300], batch(1, 1..2)),
+    ];
+    for (ids, toks) in &steps {
+        let want = run(&mut one, ids, toks);
+        let mut h = vec![0.0; ids.len() * e];
+        a.decode_step(StepInput::Ids(ids), toks, StepOutput::Hidden(&mut h))
+            .unwrap();
+        // Stage b runs the step twice from the same cells: once for the logits, then
+        // (its cells of the step forgotten) once for the arg-max.
+        let mut logits = vec![0.0; ids.len() * v];
+        b.decode_step(StepInput::Hidden(&h), toks, StepOutput::Logits(&mut logits))
+            .unwrap();
+        assert!(max_rel_diff(&logits, &want) < 1e-6, "{ids:?}");
+        for t in toks {
+            b.kv_truncate(t.seq, t.pos).unwrap();
+        }
+        let mut top = vec![u32::MAX; ids.len()];
+        b.decode_step(StepInput::Hidden(&h), toks, StepOutput::ArgMax(&mut top))
+            .unwrap();
+        let want_top: Vec<u32> = logits.chunks(v).map(greedy).collect();
+        assert_eq!(top, want_top, "{ids:?}");
+    }
+    // What a stage lacks, or a bad size, fails before any cell is written.
+    let at = batch(0, 2..3);
+    let (len_a, len_b) = (a.seq_len(0).unwrap(), b.seq_len(0).unwrap());
+    let mut h = vec![0.0; e];
+    let mut ids = [0u32];
+    let refused = [
+        b.decode_step(StepInput::Ids(&[5]), &at, StepOutput::Hidden(&mut h)),
+        a.decode_step(StepInput::Ids(&[5]), &at, StepOutput::ArgMax(&mut ids)),
+        a.decode_step(StepInput::Ids(&[5, 6]), &at, StepOutput::Hidden(&mut h)),
+        b.decode_step(
+            StepInput::Hidden(&h[1..]),
+            &at,
+            StepOutput::ArgMax(&mut ids),
+        ),
+    ];
+    for (i, r) in refused.into_iter().enumerate() {
+        assert!(r.is_err(), "case {i} was accepted");
+    }
+    assert_eq!(
+        (a.seq_len(0).unwrap(), b.seq_len(0).unwrap()),
+        (len_a, len_b)
+    );
+    let want = run(&mut one, &[5], &at);
+    a.decode_step(StepInput::Ids(&[5]), &at, StepOutput::Hidden(&mut h))
+        .unwrap();
+    b.decode_step(StepInput::Hidden(&h), &at, StepOutput::ArgMax(&mut ids))
+        .unwrap();
+    assert_eq!(ids[0], greedy(&want));
 }
 
 #[test]

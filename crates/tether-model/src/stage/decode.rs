@@ -1,0 +1,168 @@
+//! Decode steps: a few tokens through the stage with the hidden states kept on the device
+//! from the input to the output, one transfer each way, and the layers replayed.
+
+use tether_compute::Backend;
+
+use super::Stage;
+use super::forward::{REPLAY_MAX_TOKENS, as_bytes, as_bytes_mut, head_scratch_missing, need_len};
+use crate::error::{ModelError, compute};
+use crate::kv::BatchToken;
+
+/// What a decode step starts from.
+#[derive(Clone, Copy, Debug)]
+pub enum StepInput<'a> {
+    /// One token id per token: the stage must hold the embedding table.
+    Ids(&'a [u32]),
+    /// `[tokens][n_embd]` hidden states from the stage before.
+    Hidden(&'a [f32]),
+}
+
+/// What a decode step writes, one row per token.
+#[derive(Debug)]
+pub enum StepOutput<'a> {
+    /// `[tokens][n_embd]` hidden states for the stage after.
+    Hidden(&'a mut [f32]),
+    /// `[tokens][n_vocab]` logits: the stage must hold the output head.
+    Logits(&'a mut [f32]),
+    /// Each token's arg-max logit ([`crate::sampling::greedy`]), found on the device so
+    /// that only the ids are downloaded: the stage must hold the output head.
+    ArgMax(&'a mut [u32]),
+}
+
+/// Where a step's input comes from, once checked.
+enum Source<'a> {
+    /// The embedding table (its weight index) and the ids to look up.
+    Table(usize, &'a [u32]),
+    Host(&'a [f32]),
+}
+
+/// Where a step's output goes, once checked; the head as (norm, output) weight indices.
+enum Sink<'a> {
+    Hidden(&'a mut [f32]),
+    Logits((usize, usize), &'a mut [f32]),
+    ArgMax((usize, usize), &'a mut [u32]),
+}
+
+impl<B: Backend> Stage<B> {
+    /// Most tokens [`Stage::decode_step`] takes in one call.
+    pub fn decode_step_tokens(&self) -> usize {
+        REPLAY_MAX_TOKENS.min(self.spec.ubatch)
+    }
+
+    /// A decode step: `input` (one row per token of `batch`, at most
+    /// [`Stage::decode_step_tokens`]) through every layer into `out`, each token's keys and
+    /// values written into its cells. Between the input's upload (or embedding lookup) and
+    /// the output's download nothing leaves the device. On bad input, or when the stage
+    /// lacks the embedding or head the step needs, nothing changes.
+    pub fn decode_step(
+        &mut self,
+        input: StepInput<'_>,
+        batch: &[BatchToken],
+        out: StepOutput<'_>,
+    ) -> Result<(), ModelError> {
+        let backend = self.backend.clone();
+        backend.scope(|| self.decode_step_in_scope(input, batch, out))
+    }
+
+    /// A decode step of a stage that holds the whole model, from token ids to logits.
+    pub fn decode_logits(
+        &mut self,
+        ids: &[u32],
+        batch: &[BatchToken],
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        self.decode_step(StepInput::Ids(ids), batch, StepOutput::Logits(out))
+    }
+
+    fn decode_step_in_scope(
+        &mut self,
+        input: StepInput<'_>,
+        batch: &[BatchToken],
+        out: StepOutput<'_>,
+    ) -> Result<(), ModelError> {
+        self.check_loaded()?;
+        let (e, v, n) = (self.cfg.n_embd, self.cfg.n_vocab, batch.len());
+        let most = self.decode_step_tokens();
+        if n > most {
+            return Err(ModelError::InvalidArgument(format!(
+                "a decode step takes at most {most} tokens, {n} given"
+            )));
+        }
+        // Every check before anything runs, so that a failed step changes nothing.
+        let source = match input {
+            StepInput::Ids(ids) => {
+                need_len("the token list", ids.len(), n)?;
+                self.check_ids(ids)?;
+                let table = self.embd.ok_or_else(|| {
+                    ModelError::FailedPrecondition(
+                        "this stage does not hold the token embedding".into(),
+                    )
+                })?;
+                Source::Table(table, ids)
+            }
+            StepInput::Hidden(h) => {
+                need_len("the hidden-state buffer", h.len(), n * e)?;
+                Source::Host(h)
+            }
+        };
+        let sink = match out {
+            StepOutput::Hidden(h) => {
+                need_len("the hidden-state output", h.len(), n * e)?;
+                Sink::Hidden(h)
+            }
+            StepOutput::Logits(l) => {
+                need_len("the logits buffer", l.len(), n * v)?;
+                Sink::Logits(self.head_weights()?, l)
+            }
+            StepOutput::ArgMax(ids) => {
+                need_len("the arg-max output", ids.len(), n)?;
+                Sink::ArgMax(self.head_weights()?, ids)
+            }
+        };
+        let lens = self.kv.check_batch(batch)?;
+        if n == 0 {
+            return Ok(());
+        }
+        match source {
+            Source::Table(t, ids) => {
+                let w = &self.weights[t];
+                self.backend
+                    .get_rows(&w.buf, w.ty, e, ids, &mut self.scratch.hidden)
+                    .map_err(compute("embedding lookup"))?;
+            }
+            Source::Host(h) => self
+                .backend
+                .upload(&mut self.scratch.hidden, 0, as_bytes(h))
+                .map_err(compute("uploading hidden states"))?,
+        }
+        self.layers_on_device(batch)?;
+        self.kv.commit(lens);
+        match sink {
+            Sink::Hidden(h) => self
+                .backend
+                .download(&self.scratch.hidden, 0, as_bytes_mut(h))
+                .map_err(compute("downloading hidden states")),
+            Sink::Logits((norm, head), l) => self.head_on_device(norm, head, n, l),
+            Sink::ArgMax((norm, head), ids) => {
+                self.head_into_scratch(norm, head, n)?;
+                let s = &mut self.scratch;
+                let logits = s.logits.as_ref().ok_or_else(head_scratch_missing)?;
+                // The hidden states are spent once the head has read them: their buffer
+                // takes the ids.
+                self.backend
+                    .argmax_rows(logits, v, &mut s.hidden, ids)
+                    .map_err(compute("arg-max of the logits"))
+            }
+        }
+    }
+
+    /// The output norm's and head's weight indices.
+    fn head_weights(&self) -> Result<(usize, usize), ModelError> {
+        match (self.out_norm, self.output) {
+            (Some(norm), Some(head)) => Ok((norm, head)),
+            _ => Err(ModelError::FailedPrecondition(
+                "this stage does not hold the output head".into(),
+            )),
+        }
+    }
+}
