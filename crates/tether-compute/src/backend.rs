@@ -332,17 +332,5 @@ pub trait Backend: Send + Sync + 'static {
         n: usize,
         scratch: &mut Self::Buffer,
         out: &mut [u32],
-    ) -> Result<()> {
-        let _ = scratch;
-        let mut values = vec![0f32; out.len() * n];
-        // SAFETY: every byte pattern is a valid f32; the length covers exactly the values.
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), values.len() * 4)
-        };
-        self.download(x, 0, bytes)?;
-        for (o, row) in out.iter_mut().zip(values.chunks(n.max(1))) {
-            *o = crate::argmax::greedy(row);
-        }
-        Ok(())
-    }
+    ) -> Result<()>;
 }

@@ -493,7 +493,7 @@ fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
 /// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
 /// groups in order (a later group of a sequence needs the cells of an earlier one) and
 /// passes each on as soon as it is done, so group k+1 runs on one worker while group k
-/// runs on the next. Returns each group's logits (or arg-max tokens), in order.
+/// runs on the next. Returns what each group's logits rows asked for, in order.
 async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<RowsOut>, String> {
     let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
     let mut workers = Vec::with_capacity(stages.len());

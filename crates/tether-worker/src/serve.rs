@@ -127,7 +127,6 @@ fn check_seq(shape: &StageShape, seq: u32) -> Result<()> {
     Ok(())
 }
 
-/// Checks a forward request against the block's shape.
 /// Each row's `k` most likely candidates of `logits` (`[rows][n_vocab]`).
 fn top_rows(logits: &[f32], n_vocab: usize, k: u32) -> ForwardOutput {
     let mut counts = Vec::new();
@@ -141,6 +140,7 @@ fn top_rows(logits: &[f32], n_vocab: usize, k: u32) -> ForwardOutput {
     ForwardOutput::Top { counts, candidates }
 }
 
+/// Checks a forward request against the block's shape.
 pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()> {
     let n = call.tokens.len();
     let spec = &shape.spec;

@@ -92,7 +92,7 @@ pub enum ForwardOutput {
     /// Logits `[rows][n_vocab]` of the rows asked for.
     Logits(Vec<f32>),
     /// The arg-max token of each row asked for, when the call asked for that instead of
-    /// logits (the registry makes it from a stage's logits).
+    /// logits (found on the stage's device, or by the registry from returned logits).
     ArgMax(Vec<u32>),
     /// The most likely `(id, logit)` candidates of each row asked for, highest first
     /// (`counts[r]` of them for row r, one row after the other), when the call asked for

@@ -329,3 +329,19 @@ fn kv_cache_and_attention_check_cells_spans_and_types() {
         &mut out
     )));
 }
+
+#[test]
+fn argmax_rows_reads_each_row_in_place_and_checks_sizes() {
+    let be = backend();
+    let x = upload_f32(&be, &[1.0, 3.0, 3.0, f32::NAN, -0.0, 0.0]);
+    let mut scratch = be.alloc(4).unwrap();
+    let mut out = [u32::MAX; 2];
+    be.argmax_rows(&x, 3, &mut scratch, &mut out).unwrap();
+    assert_eq!(
+        out,
+        [1, 2],
+        "ties to the lower id, NaN skipped, +0 above -0"
+    );
+    let mut too_many = [0u32; 3];
+    assert!(is_shape(be.argmax_rows(&x, 3, &mut scratch, &mut too_many)));
+}

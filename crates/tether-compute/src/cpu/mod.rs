@@ -324,4 +324,28 @@ impl Backend for CpuBackend {
         dst.as_bytes_mut()[..bytes].copy_from_slice(&src.as_bytes()[..bytes]);
         Ok(())
     }
+
+    fn argmax_rows(
+        &self,
+        x: &CpuBuffer,
+        n: usize,
+        _scratch: &mut CpuBuffer,
+        out: &mut [u32],
+    ) -> Result<()> {
+        let values = out.len().checked_mul(n);
+        need(
+            "argmax_rows",
+            "input",
+            x.bytes(),
+            values.and_then(|v| v.checked_mul(4)),
+        )?;
+        if n == 0 {
+            out.fill(0);
+            return Ok(());
+        }
+        for (o, row) in out.iter_mut().zip(x.as_f32().chunks(n)) {
+            *o = crate::argmax::greedy(row);
+        }
+        Ok(())
+    }
 }
