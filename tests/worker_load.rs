@@ -5,27 +5,9 @@
 mod support;
 
 use std::time::{Duration, Instant};
-use support::{TinyModel, Worker, committed_session, full_load, rss_kb};
-use tether_worker::client::{AdminClient, AttachOptions, ClientOptions, ErrorKind, WorkerClient};
-use tether_worker::{EndReason, ForwardInput, ForwardOutput, Lease, Rows, TokenPos};
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-fn attach_options(name: &str) -> AttachOptions {
-    AttachOptions {
-        client_name: name.into(),
-        lease: Lease {
-            heartbeat_interval: Duration::from_millis(200),
-            ttl: Duration::from_secs(5),
-        },
-        heartbeat: true,
-    }
-}
+use support::{TinyModel, Worker, attach_options, committed_session, full_load, rss_kb, runtime};
+use tether_worker::client::{AdminClient, ClientOptions, ErrorKind, WorkerClient};
+use tether_worker::{EndReason, ForwardInput, ForwardOutput, Rows, TokenPos};
 
 #[test]
 fn prepare_over_max_memory_is_refused_and_stages_nothing() {

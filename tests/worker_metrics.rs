@@ -4,30 +4,11 @@
 
 mod support;
 
-use std::time::Duration;
-use support::{TinyModel, Worker, committed_session, metrics_addr, sample, scrape};
-use tether_worker::client::{
-    AdminClient, AttachOptions, ClientOptions, Health, WorkerClient, check_health,
+use support::{
+    TinyModel, Worker, attach_options, committed_session, metrics_addr, runtime, sample, scrape,
 };
-use tether_worker::{EndReason, ForwardInput, ForwardOutput, Lease, Rows, TokenPos};
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-fn attach_options(name: &str) -> AttachOptions {
-    AttachOptions {
-        client_name: name.into(),
-        lease: Lease {
-            heartbeat_interval: Duration::from_millis(200),
-            ttl: Duration::from_secs(5),
-        },
-        heartbeat: true,
-    }
-}
+use tether_worker::client::{AdminClient, ClientOptions, Health, WorkerClient, check_health};
+use tether_worker::{EndReason, ForwardInput, ForwardOutput, Rows, TokenPos};
 
 fn value(text: &str, series: &str) -> f64 {
     sample(text, series).unwrap_or_else(|| panic!("no series {series} in:\n{text}"))

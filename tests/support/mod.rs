@@ -296,6 +296,26 @@ impl tether_worker::client::TensorSource for GgufSource {
     }
 }
 
+/// A single-threaded runtime for a test's client calls.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Attach options for client `name`: heartbeats every 200 ms, a 5 s lease.
+pub fn attach_options(name: &str) -> tether_worker::client::AttachOptions {
+    tether_worker::client::AttachOptions {
+        client_name: name.into(),
+        lease: tether_worker::Lease {
+            heartbeat_interval: Duration::from_millis(200),
+            ttl: Duration::from_secs(5),
+        },
+        heartbeat: true,
+    }
+}
+
 /// A session attached with `options`, serving every layer of `model` for `ctx` cells
 /// (`full_load`), committed; returns it and the bytes it reserved.
 pub async fn committed_session(

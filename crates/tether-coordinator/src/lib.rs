@@ -15,6 +15,7 @@ pub mod progress;
 mod scheduler;
 mod sequence;
 pub mod single;
+mod stage_call;
 
 pub use discovery::WorkerDns;
 pub use engine::{Coordinator, CoordinatorConfig, CoordinatorError};

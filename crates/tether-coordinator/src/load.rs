@@ -13,6 +13,7 @@ use std::time::Duration;
 use tether_worker::client::{
     AttachOptions, ClientError, ErrorKind, LoadRequest, Session, TensorSource, WorkerClient,
 };
+use tether_worker::data::DataLink;
 use tether_worker::{BlockSpec, Lease, SessionId, TxnId};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -37,6 +38,9 @@ pub struct LoadOptions {
     /// asked to read its tensors from there; one that refuses gets them streamed. `None`:
     /// stream to every worker.
     pub model_path_on_workers: Option<String>,
+    /// Run forward passes over each worker's data link where it serves one (see
+    /// `tether_worker::data`); `false` keeps them on gRPC.
+    pub data_links: bool,
 }
 
 impl Default for LoadOptions {
@@ -52,6 +56,7 @@ impl Default for LoadOptions {
             pause_before_commit: None,
             progress: None,
             model_path_on_workers: None,
+            data_links: true,
         }
     }
 }
@@ -127,6 +132,8 @@ pub struct LoadedStage {
     pub reserved: u64,
     /// How its tensor bytes got there.
     pub via: BytesVia,
+    /// Its data link, when the worker serves one and the load asked for links.
+    pub link: Option<Arc<DataLink>>,
 }
 
 /// One worker's vote in Prepare: the transaction it prepared (a fallback to streaming
@@ -257,6 +264,7 @@ impl Drop for LoadedModel {
 /// Watches `sessions`; on the first end, or on `close`, closes them all.
 async fn watch_sessions(
     mut sessions: Vec<(String, Session)>,
+    links: Vec<Arc<DataLink>>,
     lost: watch::Sender<Option<String>>,
     close: oneshot::Receiver<()>,
     close_wait: Duration,
@@ -277,7 +285,23 @@ async fn watch_sessions(
             _ = close => {}
         }
     }
+    // A forward blocked on a link to a lost worker returns now instead of waiting on TCP.
+    for link in &links {
+        link.shut();
+    }
     close_sessions(sessions, close_wait).await;
+}
+
+/// Opens a data link to `session` on `client`'s worker; `None` (forward passes stay on
+/// gRPC) when it serves none or the link fails, which costs speed, not correctness.
+async fn open_link(client: &WorkerClient, session: SessionId) -> Option<Arc<DataLink>> {
+    match client.open_data_link(session).await {
+        Ok(link) => link.map(Arc::new),
+        Err(e) => {
+            tracing::warn!(worker = %client.addr(), "no data link, forward passes use gRPC: {e}");
+            None
+        }
+    }
 }
 
 async fn close_sessions(sessions: Vec<(String, Session)>, wait: Duration) {
@@ -418,11 +442,23 @@ pub async fn load_plan(
         });
     }
 
-    let stages = picked
+    let links: Vec<Option<Arc<DataLink>>> = if options.data_links {
+        join_all(
+            picked
+                .iter()
+                .zip(&sessions)
+                .map(|((client, _), (_, s))| open_link(client, s.id())),
+        )
+        .await
+    } else {
+        vec![None; picked.len()]
+    };
+    let stages: Vec<LoadedStage> = picked
         .iter()
         .zip(&sessions)
         .zip(&votes)
-        .map(|(((client, a), (_, s)), v)| {
+        .zip(links)
+        .map(|((((client, a), (_, s)), v), link)| {
             let (reserved, via) = v.result.as_ref().map_or((0, BytesVia::Stream), |r| *r);
             LoadedStage {
                 client: client.clone(),
@@ -430,12 +466,16 @@ pub async fn load_plan(
                 spec: a.spec,
                 reserved,
                 via,
+                link,
             }
         })
         .collect();
+    let shut_links: Vec<Arc<DataLink>> = stages.iter().filter_map(|st| st.link.clone()).collect();
     let (lost_tx, lost) = watch::channel(None);
     let (close_tx, close_rx) = oneshot::channel();
-    let guard = tokio::spawn(watch_sessions(sessions, lost_tx, close_rx, close_wait));
+    let guard = tokio::spawn(watch_sessions(
+        sessions, shut_links, lost_tx, close_rx, close_wait,
+    ));
     Ok(LoadedModel {
         stages,
         lost,

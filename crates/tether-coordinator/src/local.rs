@@ -114,6 +114,11 @@ impl LocalWorker {
         self.registry.status()
     }
 
+    /// The time its forward passes took so far, in all.
+    pub fn forward_time(&self) -> std::time::Duration {
+        self.registry.forward_time()
+    }
+
     /// Shuts it down and waits until every session is freed.
     pub async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
@@ -163,6 +168,11 @@ impl LocalWorkers {
     /// Their addresses.
     pub fn addrs(&self) -> Vec<String> {
         self.workers.iter().map(|w| w.addr.clone()).collect()
+    }
+
+    /// The time their forward passes took so far, in all.
+    pub fn forward_time(&self) -> std::time::Duration {
+        self.workers.iter().map(LocalWorker::forward_time).sum()
     }
 
     /// Shuts every worker down and waits for each.

@@ -10,6 +10,7 @@ use crate::load::{LoadedModel, LoadedStage};
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
 use crate::sequence::{Batch, Events, Next, Sequence, build_step, split_batch};
+use crate::stage_call;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -498,6 +499,7 @@ async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Ro
     let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
     let mut workers = Vec::with_capacity(stages.len());
     let last = stages.len().saturating_sub(1);
+    let alone = groups.len() == 1;
     for (i, st) in stages.iter().enumerate() {
         let (tx, next) = mpsc::unbounded_channel();
         let mut input = std::mem::replace(&mut rx, next);
@@ -507,9 +509,7 @@ async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Ro
                 let b = &groups[k];
                 let rows: &[u32] = if i == last { &b.logits_rows } else { &[] };
                 let want = if i == last { b.rows } else { Rows::Logits };
-                let out = st
-                    .client
-                    .forward(st.session, &b.tokens, &x, rows, want)
+                let out = stage_call::forward(st, &b.tokens, x, rows, want, alone)
                     .await
                     .map_err(|e| e.to_string())?;
                 match out {

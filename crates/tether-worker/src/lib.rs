@@ -4,6 +4,7 @@
 //! client for coordinators and `tether attach`.
 
 pub mod client;
+pub mod data;
 pub mod error;
 pub mod heap;
 pub mod ids;

@@ -89,6 +89,11 @@ impl WorkerMetrics {
         self.forward.observe(took);
     }
 
+    /// The time every forward pass so far took in all.
+    pub fn forward_total(&self) -> Duration {
+        Duration::from_nanos(self.forward.sum_nanos.load(Ordering::Relaxed))
+    }
+
     /// Counts tensor bytes copied into a staged block from `source`.
     pub fn count_tensor_bytes(&self, source: TensorSourceKind, bytes: u64) {
         self.tensor_bytes[source as usize].fetch_add(bytes, Ordering::Relaxed);

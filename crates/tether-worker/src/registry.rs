@@ -134,6 +134,16 @@ impl SessionRegistry {
         self.factory.device_name()
     }
 
+    /// Whether the device's memory is this process's host memory (the cpu device).
+    pub fn holds_host_memory(&self) -> bool {
+        self.factory.holds_host_memory()
+    }
+
+    /// The time every forward pass so far took on the device, in all.
+    pub fn forward_time(&self) -> Duration {
+        self.metrics.forward_total()
+    }
+
     /// Bytes a new reservation may still take.
     pub fn available_bytes(&self) -> u64 {
         self.ledger.available()
@@ -142,6 +152,11 @@ impl SessionRegistry {
     /// Tracks the worker's blocking work; shutdown waits on it.
     pub fn tracker(&self) -> &TaskTracker {
         &self.tracker
+    }
+
+    /// Whether `session` is live.
+    pub(crate) fn holds(&self, session: SessionId) -> bool {
+        self.lock().sessions.contains_key(&session)
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {

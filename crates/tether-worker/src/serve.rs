@@ -7,6 +7,7 @@ use crate::registry::{SessionRegistry, unknown_session};
 use crate::session::{OwnedStage, ServingSlot, SessionState};
 use crate::stage::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows, StageShape, TokenPos};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// One forward pass request.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,8 +22,51 @@ pub struct ForwardCall {
     pub rows: Rows,
 }
 
+/// Runs `work` on the block in `slot`, on the calling thread.
+fn on_slot<T>(
+    slot: ServingSlot,
+    what: &str,
+    work: impl FnOnce(&mut OwnedStage) -> Result<T>,
+) -> Result<T> {
+    let result = match slot.lock() {
+        Ok(mut staged) => work(&mut staged),
+        Err(_) => Err(WorkerError::Internal(format!(
+            "{what}: an earlier operation on this session's block panicked; end the session and load again"
+        ))),
+    };
+    // A session that ended while this ran was freed by the registry before its block
+    // was: this reference kept it. Free it now and give the heap back, as the registry
+    // did for the rest of the session.
+    if Arc::strong_count(&slot) == 1 {
+        drop(slot);
+        crate::heap::return_freed_heap();
+    }
+    result
+}
+
+/// Checks `call` against the block and runs it; returns the output and how long it took.
+fn forward_on(staged: &mut OwnedStage, call: ForwardCall) -> Result<(ForwardOutput, Duration)> {
+    let shape = staged.stage.shape();
+    check_forward(&shape, &call)?;
+    let started = Instant::now();
+    let output = staged
+        .stage
+        .forward(&call.tokens, call.input, &call.logits_rows, call.rows)?;
+    let output = match (output, call.rows) {
+        // A 128k vocabulary takes ~11 us a row here.
+        (ForwardOutput::Logits(l), Rows::ArgMax) => ForwardOutput::ArgMax(
+            l.chunks(shape.n_vocab.max(1))
+                .map(tether_model::sampling::greedy)
+                .collect(),
+        ),
+        (ForwardOutput::Logits(l), Rows::Top(k)) => top_rows(&l, shape.n_vocab, k),
+        (other, _) => other,
+    };
+    Ok((output, started.elapsed()))
+}
+
 impl SessionRegistry {
-    fn serving_slot(&self, session: SessionId, what: &str) -> Result<ServingSlot> {
+    pub(crate) fn serving_slot(&self, session: SessionId, what: &str) -> Result<ServingSlot> {
         let inner = self.lock();
         let s = inner
             .sessions
@@ -43,50 +87,29 @@ impl SessionRegistry {
         work: impl FnOnce(&mut OwnedStage) -> Result<T> + Send + 'static,
     ) -> Result<T> {
         let slot = self.serving_slot(session, what)?;
-        self.run_blocking(what, move || {
-            let result = match slot.lock() {
-                Ok(mut staged) => work(&mut staged),
-                Err(_) => Err(WorkerError::Internal(format!(
-                    "{what}: an earlier operation on this session's block panicked; end the session and load again"
-                ))),
-            };
-            // A session that ended while this ran was freed by the registry before its
-            // block was: this reference kept it. Free it now and give the heap back, as
-            // the registry did for the rest of the session.
-            if std::sync::Arc::strong_count(&slot) == 1 {
-                drop(slot);
-                crate::heap::return_freed_heap();
-            }
-            result
-        })
-        .await
+        self.run_blocking(what, move || on_slot(slot, what, work))
+            .await
     }
 
     /// Runs the session's block over a batch.
     pub async fn forward(&self, session: SessionId, call: ForwardCall) -> Result<ForwardOutput> {
-        let output = self
-            .with_stage(session, "forward", move |staged| {
-                let shape = staged.stage.shape();
-                check_forward(&shape, &call)?;
-                let started = std::time::Instant::now();
-                let output =
-                    staged
-                        .stage
-                        .forward(&call.tokens, call.input, &call.logits_rows, call.rows)?;
-                let output = match (output, call.rows) {
-                    // On the blocking thread: a 128k vocabulary takes ~11 us a row.
-                    (ForwardOutput::Logits(l), Rows::ArgMax) => ForwardOutput::ArgMax(
-                        l.chunks(shape.n_vocab.max(1))
-                            .map(tether_model::sampling::greedy)
-                            .collect(),
-                    ),
-                    (ForwardOutput::Logits(l), Rows::Top(k)) => top_rows(&l, shape.n_vocab, k),
-                    (other, _) => other,
-                };
-                Ok((output, started.elapsed()))
-            })
-            .await;
-        let (output, took) = output?;
+        let (output, took) = self
+            .with_stage(session, "forward", move |staged| forward_on(staged, call))
+            .await?;
+        self.metrics.observe_forward(took);
+        Ok(output)
+    }
+
+    /// Runs the session's block over a batch on the calling thread (a data link's), counted
+    /// as in-flight work that shutdown waits for.
+    pub(crate) fn forward_here(
+        &self,
+        session: SessionId,
+        call: ForwardCall,
+    ) -> Result<ForwardOutput> {
+        let slot = self.serving_slot(session, "forward")?;
+        let _in_flight = self.tracker().token();
+        let (output, took) = on_slot(slot, "forward", |staged| forward_on(staged, call))?;
         self.metrics.observe_forward(took);
         Ok(output)
     }

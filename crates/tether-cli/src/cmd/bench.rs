@@ -37,6 +37,9 @@ pub struct BenchArgs {
     /// cpu.
     #[arg(long, value_delimiter = ',')]
     pub pipeline: Option<Vec<usize>>,
+    /// With --pipeline: send forward passes over gRPC instead of the workers' data links.
+    #[arg(long, requires = "pipeline")]
+    pub grpc_forward: bool,
 }
 
 /// Mean and standard deviation of tokens per second over the repetitions.

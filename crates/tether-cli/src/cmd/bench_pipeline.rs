@@ -36,14 +36,18 @@ pub fn run(args: &BenchArgs, counts: &[usize]) -> Result<()> {
         ctx(args),
         args.device.ubatch
     );
-    println!("| test | workers | t/s | ± | vs {} worker(s) |", counts[0]);
-    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "| test | workers | t/s | ± | vs {} worker(s) | ms/token in blocks | ms/token between |",
+        counts[0]
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     let mut rows = Vec::new();
     for &n in counts {
         let samples = runtime.block_on(measure(args, &model, n))?;
         let pp: Vec<f64> = samples.iter().map(|s| s.0).collect();
         let tg: Vec<f64> = samples.iter().map(|s| s.1).collect();
-        rows.push((n, pp, tg));
+        let inside = samples.iter().map(|s| s.2).sum::<f64>() / samples.len() as f64;
+        rows.push((n, pp, tg, inside));
     }
     let tables = [
         (format!("pp{}", args.n_prompt), 1, args.n_prompt > 0),
@@ -54,14 +58,22 @@ pub fn run(args: &BenchArgs, counts: &[usize]) -> Result<()> {
             continue;
         }
         let mut first = None;
-        for (n, pp, tg) in &rows {
+        for (n, pp, tg, inside) in &rows {
             let samples = if column == 1 { pp } else { tg };
             let mean = samples.iter().sum::<f64>() / samples.len() as f64;
             let var =
                 samples.iter().map(|s| (s - mean) * (s - mean)).sum::<f64>() / samples.len() as f64;
             let base = *first.get_or_insert(mean);
+            // Where a decode token's time goes: running the blocks, and everything else
+            // (sockets, threads, the coordinator).
+            let split = if column == 2 {
+                let per_token = 1e3 / mean;
+                format!("{inside:.3} | {:.3}", per_token - inside)
+            } else {
+                "| ".into()
+            };
             println!(
-                "| {name} | {n} | {mean:.2} | {:.2} | {:.3} |",
+                "| {name} | {n} | {mean:.2} | {:.2} | {:.3} | {split} |",
                 var.sqrt(),
                 mean / base
             );
@@ -82,7 +94,7 @@ async fn measure(
     args: &BenchArgs,
     model: &std::sync::Arc<ModelFile>,
     n: usize,
-) -> Result<Vec<(f64, f64)>> {
+) -> Result<Vec<(f64, f64, f64)>> {
     // The workers share the GPUs `--device` names in turn (two on `cuda:0` both use GPU
     // 0); with none named they are cpu workers.
     let options = LocalOptions {
@@ -91,7 +103,7 @@ async fn measure(
         gpus: gpus_named(&args.device.device)?,
     };
     let workers = LocalWorkers::start(n, &options).await?;
-    let config = CoordinatorConfig {
+    let mut config = CoordinatorConfig {
         ctx_per_seq: ctx(args),
         parallel: 1,
         ubatch: args.device.ubatch,
@@ -99,6 +111,7 @@ async fn measure(
         cache_v: args.cache.v(),
         ..CoordinatorConfig::new(model, workers.addrs())
     };
+    config.load.data_links = !args.grpc_forward;
     let coordinator = Coordinator::start(model.clone(), config).await?;
     let vocab = model.config().n_vocab.max(2) as u64;
     // Any ids work for timing; token 0 is avoided only because it is often padding.
@@ -114,11 +127,14 @@ async fn measure(
             sampling: SamplingParams::greedy(),
             deadline: None,
         })?;
-        let (mut first, mut tokens) = (None, 0usize);
+        let (mut first, mut tokens, mut inside_from) = (None, 0usize, workers.forward_time());
         loop {
             match events.recv().await {
                 Some(Ok(GenEvent::Token(_))) => {
-                    first.get_or_insert_with(Instant::now);
+                    if first.is_none() {
+                        first = Some(Instant::now());
+                        inside_from = workers.forward_time();
+                    }
                     tokens += 1;
                 }
                 Some(Ok(GenEvent::Done { .. })) => break,
@@ -136,7 +152,9 @@ async fn measure(
         }
         if i > 0 {
             let pp = prompt.len() as f64 / (first - submitted).as_secs_f64();
-            rates.push((pp, (tokens - 1) as f64 / first.elapsed().as_secs_f64()));
+            let decode = (tokens - 1) as f64;
+            let inside = (workers.forward_time() - inside_from).as_secs_f64() * 1e3 / decode;
+            rates.push((pp, decode / first.elapsed().as_secs_f64(), inside));
         }
     }
     coordinator.shutdown().await;

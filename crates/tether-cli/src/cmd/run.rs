@@ -159,6 +159,7 @@ async fn run_async(args: RunArgs) -> Result<()> {
     let progress = Arc::new(tether_coordinator::LoadProgress::default());
     config.load.progress = Some(Arc::clone(&progress));
     config.load.model_path_on_workers = args.path_on_workers.path();
+    config.load.data_links = !args.worker_link.grpc_forward;
     let bars = crate::load_bars::LoadBars::start(progress);
     let loaded = Coordinator::start(model, config).await;
     bars.finish().await;

@@ -188,6 +188,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
             },
             pause_before_commit: args.debug_pause_before_commit,
             model_path_on_workers: args.path_on_workers.path(),
+            data_links: !args.worker_link.grpc_forward,
             ..defaults.load.clone()
         },
         client,

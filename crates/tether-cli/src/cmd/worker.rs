@@ -91,6 +91,18 @@ pub struct WorkerArgs {
     /// symlinks and `..` are resolved first. Without it, every load streams its tensors.
     #[arg(long = "model-dir", value_name = "DIR")]
     pub model_dirs: Vec<std::path::PathBuf>,
+    /// Port of the data links on the --listen address (0 picks a free one; coordinators
+    /// learn it in Hello): forward passes over a framed socket per session, with fewer
+    /// thread hand-offs than gRPC. Never served with TLS, which they would bypass.
+    #[arg(long, default_value_t = 0)]
+    pub data_port: u16,
+    /// Serve no data links: every forward pass goes over gRPC.
+    #[arg(long)]
+    pub no_data_links: bool,
+    /// How long a data link's thread spins for its next request before it sleeps
+    /// (default: 10ms on a GPU, 0 on the cpu device, whose compute needs every core).
+    #[arg(long, value_parser = parse_duration)]
+    pub data_spin: Option<Duration>,
     #[command(flatten)]
     pub tls: ServeTlsArgs,
 }
@@ -158,6 +170,9 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         admin_token: args.admin_token.clone(),
         token: token.clone(),
         tls: tls.clone(),
+        data_links: !args.no_data_links,
+        data_port: args.data_port,
+        data_spin: args.data_spin,
     };
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics = match &args.metrics_listen {

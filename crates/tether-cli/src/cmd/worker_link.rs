@@ -14,6 +14,10 @@ pub struct WorkerLinkArgs {
     /// Token the --worker processes require (their --token), sent on every call to them.
     #[arg(long, env = "TETHER_WORKER_TOKEN", hide_env_values = true)]
     pub worker_token: Option<String>,
+    /// Send forward passes over gRPC even to workers that serve data links (the faster
+    /// framed socket beside gRPC, used by default).
+    #[arg(long)]
+    pub grpc_forward: bool,
     #[command(flatten)]
     pub tls: WorkerTlsArgs,
 }

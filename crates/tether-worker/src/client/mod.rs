@@ -12,7 +12,9 @@ pub use health::{Health, check_health};
 pub use load::{DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource};
 pub use session::{AttachOptions, Session};
 
+use crate::data::DataLink;
 use crate::error::WorkerError;
+use crate::ids::SessionId;
 use crate::tls::ClientTls;
 use crate::token::BearerToken;
 use diagnose::Link;
@@ -185,6 +187,8 @@ pub struct WorkerInfo {
     pub free_bytes: u64,
     /// Largest message it accepts.
     pub max_message_bytes: u64,
+    /// Its data-link port on the same host; 0 when it serves none.
+    pub data_port: u16,
 }
 
 /// The URI of `addr` ("host:port", or with a scheme that must agree with the TLS setting).
@@ -282,6 +286,9 @@ pub struct WorkerClient {
     pub(crate) addr: String,
     pub(crate) rpc: WorkerRpc,
     info: WorkerInfo,
+    token: Option<BearerToken>,
+    tls: bool,
+    connect_timeout: Duration,
 }
 
 impl WorkerClient {
@@ -309,12 +316,51 @@ impl WorkerClient {
             device: hello.device,
             free_bytes: hello.free_bytes,
             max_message_bytes: hello.max_message_bytes,
+            data_port: u16::try_from(hello.data_port).unwrap_or(0),
         };
         Ok(Self {
             addr: addr.to_string(),
             rpc,
             info,
+            token: options.token.clone(),
+            tls: options.tls.is_some(),
+            connect_timeout: options.connect_timeout,
         })
+    }
+
+    /// Opens a data link to `session` (see [`crate::data`]); `None` when the worker serves
+    /// none, or when this client speaks TLS, which a link would bypass.
+    pub async fn open_data_link(
+        &self,
+        session: SessionId,
+    ) -> Result<Option<DataLink>, ClientError> {
+        if self.tls || self.info.data_port == 0 {
+            return Ok(None);
+        }
+        let host = data_host(&self.addr);
+        let at = tokio::net::lookup_host((host, self.info.data_port))
+            .await
+            .map_err(|e| ClientError::Connect {
+                addr: self.addr.clone(),
+                detail: format!("resolving {host} for its data link: {e}"),
+            })?
+            .next()
+            .ok_or_else(|| ClientError::Connect {
+                addr: self.addr.clone(),
+                detail: format!("{host} resolves to no address"),
+            })?;
+        let (addr, token, limit, timeout) = (
+            self.addr.clone(),
+            self.token.clone(),
+            usize::try_from(self.info.max_message_bytes).unwrap_or(usize::MAX),
+            self.connect_timeout,
+        );
+        tokio::task::spawn_blocking(move || {
+            DataLink::open(&addr, at, session, token.as_ref(), limit, timeout)
+        })
+        .await
+        .map_err(|e| ClientError::protocol("data link", &self.addr, e.to_string()))?
+        .map(Some)
     }
 
     /// The worker's address.
@@ -328,9 +374,25 @@ impl WorkerClient {
     }
 }
 
+/// The host part of a worker address ("host:port", "[v6]:port", with or without a scheme).
+fn data_host(addr: &str) -> &str {
+    let bare = addr.split_once("://").map_or(addr, |(_, rest)| rest);
+    let bare = bare.split('/').next().unwrap_or(bare);
+    let host = bare.rsplit_once(':').map_or(bare, |(host, _)| host);
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
 #[cfg(test)]
 mod tests {
-    use super::endpoint_uri;
+    use super::{data_host, endpoint_uri};
+
+    #[test]
+    fn the_data_link_host_is_the_grpc_host() {
+        assert_eq!(data_host("10.0.0.2:50061"), "10.0.0.2");
+        assert_eq!(data_host("http://gpu-3.lan:50061"), "gpu-3.lan");
+        assert_eq!(data_host("[::1]:50061"), "::1");
+        assert_eq!(data_host("http://[fe80::2]:7/"), "fe80::2");
+    }
 
     #[test]
     fn the_scheme_follows_the_tls_setting() {

@@ -27,6 +27,7 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct WorkerService {
     registry: Arc<SessionRegistry>,
     max_message_bytes: usize,
+    data_port: u16,
 }
 
 impl WorkerService {
@@ -35,7 +36,14 @@ impl WorkerService {
         Self {
             registry,
             max_message_bytes,
+            data_port: 0,
         }
+    }
+
+    /// Advertises a data-link port in Hello (0: none).
+    pub fn with_data_port(mut self, port: u16) -> Self {
+        self.data_port = port;
+        self
     }
 }
 
@@ -74,6 +82,7 @@ impl pb::worker_server::Worker for WorkerService {
             device: self.registry.device_name(),
             free_bytes: self.registry.available_bytes(),
             max_message_bytes: self.max_message_bytes as u64,
+            data_port: u32::from(self.data_port),
         }))
     }
 

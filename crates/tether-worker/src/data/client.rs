@@ -1,0 +1,228 @@
+//! The coordinator's end of a data link: one socket to one worker's session, one blocking
+//! request at a time. Forward calls go here instead of gRPC because each gRPC call crosses
+//! several threads on both ends (about 0.3 ms a call on a server CPU), where a link's
+//! request and reply are one write and one read each.
+
+use super::frame::{self, Refusal, Status};
+use super::wire::{FrameError, WaitEnd, read_frame, wait_for_frame};
+use crate::client::{ClientError, ErrorKind};
+use crate::error::WorkerError;
+use crate::ids::SessionId;
+use crate::serve::ForwardCall;
+use crate::stage::{ForwardOutput, Rows};
+use crate::token::BearerToken;
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// How long a reply's rest may take once its first byte came.
+const FRAME_WITHIN: Duration = Duration::from_secs(30);
+
+/// A data link to one session on one worker.
+pub struct DataLink {
+    worker: String,
+    stream: Mutex<TcpStream>,
+    // A second handle on the socket, so that `shut` can wake a call blocked on the first.
+    control: TcpStream,
+    shut: AtomicBool,
+    // Set when the socket failed: the link cannot tell whether the call ran, so that call
+    // fails, and later calls go over gRPC.
+    broken: AtomicBool,
+    spin: Duration,
+    max_frame_bytes: usize,
+}
+
+impl std::fmt::Debug for DataLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataLink")
+            .field("worker", &self.worker)
+            .field("spin", &self.spin)
+            .finish()
+    }
+}
+
+fn kind_of(status: Status) -> ErrorKind {
+    match status {
+        Status::NotFound => ErrorKind::NotFound,
+        Status::InvalidArgument => ErrorKind::InvalidArgument,
+        Status::FailedPrecondition => ErrorKind::FailedPrecondition,
+        Status::ResourceExhausted => ErrorKind::ResourceExhausted,
+        Status::Unavailable => ErrorKind::Unavailable,
+        Status::Aborted => ErrorKind::Aborted,
+        Status::Unauthenticated => ErrorKind::Unauthenticated,
+        Status::Ok | Status::Internal => ErrorKind::Internal,
+    }
+}
+
+impl DataLink {
+    /// Connects to `at` (worker `worker`'s data port) and opens a link to `session`.
+    /// Blocking.
+    pub fn open(
+        worker: &str,
+        at: SocketAddr,
+        session: SessionId,
+        token: Option<&BearerToken>,
+        max_frame_bytes: usize,
+        connect_timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let op = "data link";
+        let io = |e: std::io::Error| ClientError::protocol(op, worker, e.to_string());
+        let mut stream =
+            TcpStream::connect_timeout(&at, connect_timeout).map_err(|e| ClientError::Connect {
+                addr: at.to_string(),
+                detail: format!("data link of worker {worker}: {e}"),
+            })?;
+        stream.set_nodelay(true).map_err(io)?;
+        let token = token.map(|t| t.expose().as_bytes()).unwrap_or_default();
+        stream
+            .write_all(&frame::encode_hello(session, token))
+            .map_err(io)?;
+        let body = read_frame(&mut stream, 64 * 1024, connect_timeout).map_err(|e| match e {
+            FrameError::TooLong(n) => {
+                ClientError::protocol(op, worker, format!("a {n}-byte welcome"))
+            }
+            FrameError::Io(e) => io(e),
+        })?;
+        let spin = match frame::decode_welcome(&body) {
+            Ok(Ok(spin)) => spin,
+            Ok(Err(refusal)) => return Err(refused(op, worker, refusal)),
+            Err(e) => return Err(ClientError::domain(op, worker, e)),
+        };
+        let control = stream.try_clone().map_err(io)?;
+        Ok(Self {
+            worker: worker.to_string(),
+            stream: Mutex::new(stream),
+            control,
+            shut: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+            spin,
+            max_frame_bytes,
+        })
+    }
+
+    /// Whether the worker's end spins for requests (a GPU worker): then a reply is worth
+    /// waiting for on the calling thread.
+    pub fn spins(&self) -> bool {
+        !self.spin.is_zero()
+    }
+
+    /// Whether calls may still go over the link: not closed, and its socket has not failed.
+    pub fn usable(&self) -> bool {
+        !self.shut.load(Ordering::SeqCst) && !self.broken.load(Ordering::SeqCst)
+    }
+
+    /// Closes the link; a call blocked on it returns an error at once.
+    pub fn shut(&self) {
+        self.shut.store(true, Ordering::SeqCst);
+        let _ = self.control.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Runs `call` on the session's block. Blocking: the reply is awaited on this thread.
+    pub fn forward(&self, call: &ForwardCall) -> Result<ForwardOutput, ClientError> {
+        let op = "forward";
+        let worker = self.worker.as_str();
+        let io = |e: std::io::Error| {
+            self.broken.store(true, Ordering::SeqCst);
+            ClientError::Connect {
+                addr: worker.to_string(),
+                detail: format!("data link: {e}"),
+            }
+        };
+        let request = frame::encode_forward(call);
+        if request.len() - 4 > self.max_frame_bytes {
+            return Err(ClientError::domain(
+                op,
+                worker,
+                WorkerError::InvalidArgument(format!(
+                    "a {}-byte request is over the worker's {}-byte limit",
+                    request.len() - 4,
+                    self.max_frame_bytes
+                )),
+            ));
+        }
+        let mut stream = match self.stream.lock() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
+        };
+        if self.shut.load(Ordering::SeqCst) {
+            return Err(ClientError::protocol(
+                op,
+                worker,
+                "the data link was closed",
+            ));
+        }
+        stream.write_all(&request).map_err(io)?;
+        wait_for_frame(&stream, self.spin, || self.shut.load(Ordering::SeqCst)).map_err(
+            |e| match e {
+                WaitEnd::Closed => io(std::io::ErrorKind::UnexpectedEof.into()),
+                WaitEnd::GaveUp => ClientError::protocol(op, worker, "the data link was closed"),
+                WaitEnd::Io(e) => io(e),
+            },
+        )?;
+        // Replies are bounded by what was asked, far below this.
+        let body = read_frame(&mut stream, usize::MAX >> 1, FRAME_WITHIN).map_err(|e| match e {
+            FrameError::TooLong(n) => {
+                self.broken.store(true, Ordering::SeqCst);
+                ClientError::protocol(op, worker, format!("a {n}-byte reply"))
+            }
+            FrameError::Io(e) => io(e),
+        })?;
+        drop(stream);
+        let out = match frame::decode_output(&body) {
+            Ok(Ok(out)) => out,
+            Ok(Err(refusal)) => return Err(refused(op, worker, refusal)),
+            Err(e) => return Err(ClientError::domain(op, worker, e)),
+        };
+        check_reply(call, out).map_err(|e| ClientError::domain(op, worker, e))
+    }
+}
+
+fn refused(op: &'static str, worker: &str, r: Refusal) -> ClientError {
+    ClientError::Rpc {
+        op,
+        addr: worker.to_string(),
+        kind: kind_of(r.status),
+        message: r.message,
+    }
+}
+
+/// Checks that a reply is what `call` asked for: its kind, and one arg-max token or one
+/// candidate count (within k) per logits row.
+pub(crate) fn check_reply(
+    call: &ForwardCall,
+    out: ForwardOutput,
+) -> Result<ForwardOutput, WorkerError> {
+    let rows = call.logits_rows.len();
+    let bad = |what: String| Err(WorkerError::Internal(format!("the worker returned {what}")));
+    match (&out, call.rows) {
+        (ForwardOutput::Hidden(_), _) if rows == 0 => Ok(out),
+        (ForwardOutput::Logits(_), Rows::Logits) if rows > 0 => Ok(out),
+        (ForwardOutput::ArgMax(ids), Rows::ArgMax) => {
+            if ids.len() == rows {
+                Ok(out)
+            } else {
+                bad(format!(
+                    "{} arg-max tokens for {rows} logits rows",
+                    ids.len()
+                ))
+            }
+        }
+        (ForwardOutput::Top { counts, candidates }, Rows::Top(k)) => {
+            let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+            if counts.len() == rows
+                && counts.iter().all(|&c| c <= k)
+                && total == candidates.len() as u64
+            {
+                Ok(out)
+            } else {
+                bad(format!(
+                    "top-{k} counts {counts:?} for {rows} rows and {} candidates",
+                    candidates.len()
+                ))
+            }
+        }
+        _ => bad("the wrong kind of output for the request".into()),
+    }
+}

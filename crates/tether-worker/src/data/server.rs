@@ -1,0 +1,262 @@
+//! The worker's end of data links: a listener thread, and one thread per link that reads a
+//! request, runs it on the session's block and writes the reply, with no hand-off between
+//! threads in between.
+//!
+//! A link owns nothing: each request looks its session up in the registry and holds the
+//! block only while it runs, exactly as a gRPC Forward does. A link whose session has ended
+//! (closed, reaped, killed, shut down) answers NOT_FOUND once and closes; an idle one
+//! notices within [`super::wire::POLL`] and closes.
+
+use super::frame::{self, Status};
+use super::wire::{FrameError, WaitEnd, read_frame, wait_for_frame};
+use crate::error::WorkerError;
+use crate::ids::SessionId;
+use crate::registry::SessionRegistry;
+use crate::token::BearerToken;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Most links open at once; a connection beyond it is closed unanswered.
+const MAX_LINKS: usize = 1024;
+/// How long a new connection has to send its hello.
+const HELLO_WITHIN: Duration = Duration::from_secs(5);
+/// How long the rest of a frame may take once its first byte came.
+const FRAME_WITHIN: Duration = Duration::from_secs(30);
+
+/// How data links are served.
+#[derive(Clone, Debug)]
+pub struct DataOptions {
+    /// The token a hello must carry (the worker's `--token`); `None` for open workers.
+    pub token: Option<BearerToken>,
+    /// Largest request frame, in bytes (the gRPC message limit).
+    pub max_frame_bytes: usize,
+    /// How long a link's thread spins for its next request before it blocks; zero for
+    /// workers whose compute shares the CPU with it.
+    pub spin: Duration,
+}
+
+/// A listening data-link endpoint; dropping it stops the listener, and each link's thread
+/// ends within [`super::wire::POLL`].
+pub struct DataPlane {
+    port: u16,
+    wake: SocketAddr,
+    stop: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl DataPlane {
+    /// Listens on `ip:port` (port 0 picks a free one) for links to `registry`'s sessions.
+    pub fn start(
+        ip: IpAddr,
+        port: u16,
+        registry: Arc<SessionRegistry>,
+        options: DataOptions,
+    ) -> io::Result<Self> {
+        let listener = TcpListener::bind((ip, port))?;
+        let port = listener.local_addr()?.port();
+        let wake_ip = match ip {
+            IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(v6) if v6.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            other => other,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let accept = {
+            let stop = Arc::clone(&stop);
+            std::thread::Builder::new()
+                .name("tether-data-accept".into())
+                .spawn(move || accept_links(listener, registry, options, stop))?
+        };
+        Ok(Self {
+            port,
+            wake: SocketAddr::new(wake_ip, port),
+            stop,
+            accept: Some(accept),
+        })
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wakes the accept call so that the thread sees the stop.
+        let _ = TcpStream::connect_timeout(&self.wake, Duration::from_secs(1));
+        if let Some(accept) = self.accept.take() {
+            let _ = accept.join();
+        }
+    }
+}
+
+fn accept_links(
+    listener: TcpListener,
+    registry: Arc<SessionRegistry>,
+    options: DataOptions,
+    stop: Arc<AtomicBool>,
+) {
+    let live = Arc::new(AtomicUsize::new(0));
+    for conn in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "data link accept failed");
+                // Out of descriptors, say: let links end before trying again.
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+        };
+        if live.fetch_add(1, Ordering::SeqCst) >= MAX_LINKS {
+            live.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!("{MAX_LINKS} data links are open; refused another");
+            continue;
+        }
+        let link = Link {
+            registry: Arc::clone(&registry),
+            options: options.clone(),
+            stop: Arc::clone(&stop),
+            live: Arc::clone(&live),
+        };
+        let spawned = std::thread::Builder::new()
+            .name("tether-data-link".into())
+            .spawn(move || link.serve(stream));
+        if let Err(e) = spawned {
+            live.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!(error = %e, "could not start a data link thread");
+        }
+    }
+}
+
+/// One link's thread.
+struct Link {
+    registry: Arc<SessionRegistry>,
+    options: DataOptions,
+    stop: Arc<AtomicBool>,
+    live: Arc<AtomicUsize>,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Link {
+    fn serve(self, mut stream: TcpStream) {
+        let _ = stream.set_nodelay(true);
+        let session = match self.welcome(&mut stream) {
+            Some(s) => s,
+            None => return,
+        };
+        tracing::debug!(session = %session, "data link open");
+        loop {
+            let waited = wait_for_frame(&stream, self.options.spin, || {
+                self.stop.load(Ordering::SeqCst) || !self.registry.holds(session)
+            });
+            match waited {
+                Ok(()) => {}
+                Err(WaitEnd::Io(e)) => {
+                    tracing::debug!(session = %session, error = %e, "data link failed");
+                    return;
+                }
+                Err(WaitEnd::Closed | WaitEnd::GaveUp) => return,
+            }
+            let body = match read_frame(&mut stream, self.options.max_frame_bytes, FRAME_WITHIN) {
+                Ok(b) => b,
+                Err(FrameError::TooLong(n)) => {
+                    let e = WorkerError::InvalidArgument(format!(
+                        "data link: a {n}-byte request is over the worker's {}-byte limit (--max-message-bytes)",
+                        self.options.max_frame_bytes
+                    ));
+                    return refuse_and_close(stream, &frame::encode_output(&Err(e)));
+                }
+                Err(FrameError::Io(_)) => return,
+            };
+            let result = frame::decode_forward(&body)
+                .and_then(|call| self.registry.forward_here(session, call));
+            let gone = matches!(result, Err(WorkerError::NotFound(_)));
+            if stream.write_all(&frame::encode_output(&result)).is_err() || gone {
+                return;
+            }
+        }
+    }
+
+    /// Reads the hello and answers it; the session, when the link may serve it.
+    fn welcome(&self, stream: &mut TcpStream) -> Option<SessionId> {
+        let body = match read_frame(stream, 64 + 4096, HELLO_WITHIN) {
+            Ok(body) => body,
+            Err(FrameError::TooLong(_)) => {
+                // An HTTP request, say: its first four bytes read as a huge length.
+                let refusal = frame::encode_welcome(Err((
+                    Status::InvalidArgument,
+                    "this port serves tether data links, which open with a hello; not a tether data link".into(),
+                )));
+                refuse_and_close(stream.try_clone().ok()?, &refusal);
+                return None;
+            }
+            Err(FrameError::Io(_)) => return None,
+        };
+        let verdict = frame::decode_hello(&body)
+            .map_err(|e| (Status::InvalidArgument, e.to_string()))
+            .and_then(|hello| {
+                let token_ok = self.options.token.as_ref().is_none_or(|t| {
+                    std::str::from_utf8(&hello.token).is_ok_and(|given| t.matches(given))
+                });
+                if !token_ok {
+                    return Err((
+                        Status::Unauthenticated,
+                        "data link: the worker's token is missing or wrong".to_string(),
+                    ));
+                }
+                if !self.registry.holds(hello.session) {
+                    return Err((
+                        Status::NotFound,
+                        format!("data link: no session {}", hello.session),
+                    ));
+                }
+                Ok(hello.session)
+            });
+        match verdict {
+            Ok(session) => {
+                stream
+                    .write_all(&frame::encode_welcome(Ok(self.options.spin)))
+                    .ok()?;
+                Some(session)
+            }
+            Err((status, message)) => {
+                tracing::info!("refused a data link: {message}");
+                let refusal = frame::encode_welcome(Err((status, message)));
+                refuse_and_close(stream.try_clone().ok()?, &refusal);
+                None
+            }
+        }
+    }
+}
+
+/// Sends a last reply and closes. What the peer sent beyond what was read is drained
+/// first (a little of it, briefly): closing with unread bytes resets the connection, and
+/// the peer could lose the reply that says why.
+fn refuse_and_close(mut stream: TcpStream, reply: &[u8]) {
+    if stream.write_all(reply).is_err() {
+        return;
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut sink = [0u8; 16 << 10];
+    let mut drained = 0usize;
+    while drained < (8 << 20) {
+        match stream.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n,
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! Blocking socket reads shared by both ends of a data link: waiting for the next frame
+//! (spinning first, where the peer answers within a GPU step) and reading one whole frame.
+
+use std::io::{self, Read};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// How often a blocked wait looks at whether it should give up.
+pub(crate) const POLL: Duration = Duration::from_millis(50);
+
+/// Why no frame was read.
+#[derive(Debug)]
+pub(crate) enum WaitEnd {
+    /// The peer closed the connection.
+    Closed,
+    /// `give_up` said so.
+    GaveUp,
+    /// The socket failed.
+    Io(io::Error),
+}
+
+/// Waits until a frame's first byte is there. Spins (non-blocking peeks) for `spin`,
+/// because waking a parked thread costs tens of microseconds on a server CPU, a
+/// noticeable part of a 2 ms decode step; then blocks, asking `give_up` every [`POLL`].
+pub(crate) fn wait_for_frame(
+    stream: &TcpStream,
+    spin: Duration,
+    mut give_up: impl FnMut() -> bool,
+) -> Result<(), WaitEnd> {
+    let mut probe = [0u8; 1];
+    if !spin.is_zero() {
+        stream.set_nonblocking(true).map_err(WaitEnd::Io)?;
+        let started = Instant::now();
+        let seen = loop {
+            match stream.peek(&mut probe) {
+                Ok(0) => break Some(Err(WaitEnd::Closed)),
+                Ok(_) => break Some(Ok(())),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if started.elapsed() >= spin {
+                        break None;
+                    }
+                    std::hint::spin_loop();
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => break Some(Err(WaitEnd::Io(e))),
+            }
+        };
+        stream.set_nonblocking(false).map_err(WaitEnd::Io)?;
+        if let Some(seen) = seen {
+            return seen;
+        }
+    }
+    stream.set_read_timeout(Some(POLL)).map_err(WaitEnd::Io)?;
+    loop {
+        match stream.peek(&mut probe) {
+            Ok(0) => return Err(WaitEnd::Closed),
+            Ok(_) => return Ok(()),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) =>
+            {
+                if give_up() {
+                    return Err(WaitEnd::GaveUp);
+                }
+            }
+            Err(e) => return Err(WaitEnd::Io(e)),
+        }
+    }
+}
+
+/// Why a frame could not be read.
+#[derive(Debug)]
+pub(crate) enum FrameError {
+    /// Longer than the limit; its body was not read, so the link cannot go on.
+    TooLong(usize),
+    /// The socket failed or closed mid-frame, or `within` passed.
+    Io(io::Error),
+}
+
+/// Reads one frame's body, refusing one over `max` bytes. The peer sends each frame with a
+/// single write, so `within` only trips on a peer that stopped mid-frame.
+pub(crate) fn read_frame(
+    stream: &mut TcpStream,
+    max: usize,
+    within: Duration,
+) -> Result<Vec<u8>, FrameError> {
+    stream
+        .set_read_timeout(Some(within))
+        .map_err(FrameError::Io)?;
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).map_err(FrameError::Io)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(FrameError::TooLong(len));
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).map_err(FrameError::Io)?;
+    Ok(body)
+}

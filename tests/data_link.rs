@@ -1,0 +1,274 @@
+//! Data links against a real `tether worker` process and a real model: a link's forward
+//! passes equal gRPC's, bad requests are refused without closing the link or touching the
+//! cache, a link needs the worker's token and a live session, dies with its session, and
+//! keeps nothing alive: the worker frees the session and exits on SIGTERM as without one.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+use support::{TinyModel, Worker, attach_options, committed_session, runtime, sessions_and_bytes};
+use tether_worker::client::{ClientOptions, ErrorKind, WorkerClient};
+use tether_worker::data::DataLink;
+use tether_worker::{
+    BearerToken, EndReason, ForwardCall, ForwardInput, ForwardOutput, Rows, SessionId, TokenPos,
+};
+
+fn call(ids: Vec<u32>, rows: &[u32], want: Rows) -> ForwardCall {
+    ForwardCall {
+        tokens: (0..ids.len() as u32)
+            .map(|pos| TokenPos { seq: 0, pos })
+            .collect(),
+        input: ForwardInput::TokenIds(ids),
+        logits_rows: rows.to_vec(),
+        rows: want,
+    }
+}
+
+fn data_addr(client: &WorkerClient) -> SocketAddr {
+    let port = client.info().data_port;
+    assert_ne!(port, 0, "the worker advertises a data port in Hello");
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+fn open(client: &WorkerClient, session: SessionId, token: Option<&str>) -> DataLink {
+    let token = BearerToken::parse(token).expect("token");
+    DataLink::open(
+        client.addr(),
+        data_addr(client),
+        session,
+        token.as_ref(),
+        1 << 20,
+        Duration::from_secs(5),
+    )
+    .expect("open the data link")
+}
+
+#[test]
+fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
+    let model = TinyModel::new();
+    let worker = Worker::start(&[]);
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        let (session, _) =
+            committed_session(&client, attach_options("link"), &model.path, 32).await;
+        let link = client
+            .open_data_link(session.id())
+            .await
+            .expect("open")
+            .expect("a plaintext worker serves links");
+        assert!(!link.spins(), "a cpu worker's link does not spin");
+        for (rows, want) in [
+            (vec![], Rows::Logits),
+            (vec![0, 2], Rows::Logits),
+            (vec![1, 2], Rows::ArgMax),
+            (vec![2], Rows::Top(7)),
+        ] {
+            let c = call(vec![1, 2, 3], &rows, want);
+            // Each pass writes the same cells with the same values, so order is free.
+            let by_link = link.forward(&c).expect("link forward");
+            let by_grpc = client
+                .forward(session.id(), &c.tokens, &c.input, &rows, want)
+                .await
+                .expect("grpc forward");
+            assert_eq!(by_link, by_grpc, "rows {rows:?} {want:?}");
+            if rows.is_empty() {
+                assert!(matches!(by_link, ForwardOutput::Hidden(ref h) if !h.is_empty()));
+            }
+        }
+        let reference = link
+            .forward(&call(vec![1, 2, 3], &[2], Rows::Logits))
+            .expect("logits");
+        let bad = [
+            call(vec![1, 2, 1 << 30], &[2], Rows::Logits),
+            call(vec![1, 2, 3], &[], Rows::ArgMax),
+            call(vec![1, 2, 3], &[2], Rows::Top(0)),
+            ForwardCall {
+                input: ForwardInput::Hidden(vec![0.5; 3]),
+                ..call(vec![1, 2, 3], &[2], Rows::Logits)
+            },
+            call(vec![1; 9], &[], Rows::Logits),
+        ];
+        for c in &bad {
+            let e = link.forward(c).expect_err("a bad request");
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{c:?}: {e}");
+        }
+        // A fourth token after the three: a cell the bad requests would have written.
+        let next = ForwardCall {
+            tokens: vec![TokenPos { seq: 0, pos: 3 }],
+            input: ForwardInput::TokenIds(vec![4]),
+            logits_rows: vec![0],
+            rows: Rows::Logits,
+        };
+        let after = link.forward(&next).expect("the link still serves");
+        let again = link
+            .forward(&call(vec![1, 2, 3], &[2], Rows::Logits))
+            .expect("logits");
+        assert_eq!(again, reference, "the refused requests changed no cell");
+        assert_eq!(
+            link.forward(&next).expect("again"),
+            after,
+            "the same step on the same cells gives the same logits"
+        );
+        let end = session.close().await;
+        assert_eq!(end.reason, EndReason::Closed);
+        let e = link.forward(&next).expect_err("the session is gone");
+        assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+        let e = link
+            .forward(&next)
+            .expect_err("the link closed with its session");
+        assert_ne!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    });
+    let (sessions, bytes) = sessions_and_bytes(&worker.status());
+    assert_eq!((sessions, bytes), (0, 0), "{}", worker.log());
+}
+
+#[test]
+fn a_link_needs_the_token_and_a_live_session() {
+    const TOKEN: &str = "data-link-secret";
+    let model = TinyModel::new();
+    let worker = Worker::start(&["--token", TOKEN]);
+    runtime().block_on(async {
+        let options = ClientOptions {
+            token: BearerToken::parse(Some(TOKEN)).expect("token"),
+            ..ClientOptions::default()
+        };
+        let client = WorkerClient::connect(&worker.addr, &options)
+            .await
+            .expect("connect");
+        let (session, _) =
+            committed_session(&client, attach_options("auth"), &model.path, 16).await;
+        for token in [None, Some("wrong")] {
+            let token = BearerToken::parse(token).expect("token");
+            let e = DataLink::open(
+                client.addr(),
+                data_addr(&client),
+                session.id(),
+                token.as_ref(),
+                1 << 20,
+                Duration::from_secs(5),
+            )
+            .expect_err("a link without the token");
+            assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{e}");
+        }
+        let stranger = DataLink::open(
+            client.addr(),
+            data_addr(&client),
+            SessionId::new_random(),
+            BearerToken::parse(Some(TOKEN)).expect("token").as_ref(),
+            1 << 20,
+            Duration::from_secs(5),
+        )
+        .expect_err("a session nobody opened");
+        assert_eq!(stranger.kind(), ErrorKind::NotFound, "{stranger}");
+        let link = client
+            .open_data_link(session.id())
+            .await
+            .expect("open")
+            .expect("link");
+        link.forward(&call(vec![1], &[0], Rows::ArgMax))
+            .expect("with the token");
+        session.close().await;
+    });
+}
+
+#[test]
+fn garbage_on_the_data_port_is_refused_and_the_worker_goes_on() {
+    let model = TinyModel::new();
+    let worker = Worker::start(&["--max-message-bytes", "256K"]);
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        let at = data_addr(&client);
+        // An HTTP request where a hello belongs: refused with a reason, then closed.
+        let mut raw = TcpStream::connect(at).expect("connect");
+        raw.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .expect("write");
+        let mut reply = Vec::new();
+        raw.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        raw.read_to_end(&mut reply)
+            .expect("the worker answers and closes");
+        let text = String::from_utf8_lossy(&reply);
+        assert!(text.contains("not a tether data link"), "{text:?}");
+
+        // A request frame over the worker's message limit: refused, the link closed.
+        let (session, _) = committed_session(&client, attach_options("big"), &model.path, 16).await;
+        let link = open(&client, session.id(), None);
+        let big = ForwardCall {
+            tokens: vec![TokenPos { seq: 0, pos: 0 }],
+            input: ForwardInput::Hidden(vec![0.0; 100_000]),
+            logits_rows: vec![],
+            rows: Rows::Logits,
+        };
+        let e = link.forward(&big).expect_err("400 KB over a 256 KiB limit");
+        assert!(e.to_string().contains("limit"), "{e}");
+        assert!(link.usable(), "a refusal is an answer, not a failed socket");
+        let e = link
+            .forward(&call(vec![5], &[0], Rows::ArgMax))
+            .expect_err("closed by the worker");
+        assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+        assert!(!link.usable(), "a failed socket sends later calls to gRPC");
+        // The worker still serves the session, over gRPC and over a new link.
+        let fresh = open(&client, session.id(), None);
+        let c = call(vec![5, 6], &[1], Rows::ArgMax);
+        let by_grpc = client
+            .forward(session.id(), &c.tokens, &c.input, &c.logits_rows, c.rows)
+            .await
+            .expect("grpc");
+        assert_eq!(fresh.forward(&c).expect("fresh link"), by_grpc);
+        session.close().await;
+    });
+}
+
+#[test]
+fn links_hold_nothing_a_killed_session_or_a_sigterm_must_wait_for() {
+    let model = TinyModel::new();
+    let mut worker = Worker::start(&[]);
+    let links = runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        let (killed, _) =
+            committed_session(&client, attach_options("killed"), &model.path, 16).await;
+        let (kept, _) = committed_session(&client, attach_options("kept"), &model.path, 16).await;
+        let a = open(&client, killed.id(), None);
+        let b = open(&client, kept.id(), None);
+        a.forward(&call(vec![1, 2], &[1], Rows::ArgMax)).expect("a");
+        b.forward(&call(vec![1, 2], &[1], Rows::ArgMax)).expect("b");
+        let out = support::tetherctl_json(&worker.addr, &["kill", &killed.id().to_string()]);
+        assert!(out.is_object(), "{out}");
+        let e = a
+            .forward(&call(vec![3], &[0], Rows::ArgMax))
+            .expect_err("killed");
+        assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+        b.forward(&call(vec![3], &[0], Rows::ArgMax))
+            .expect("the other session serves");
+        // Both stay open across the SIGTERM below; the kept session's link is idle in it.
+        std::mem::forget(killed);
+        (b, kept)
+    });
+    let started = Instant::now();
+    support::send_signal(worker.pid(), 15);
+    let status = loop {
+        if let Some(s) = worker.child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the worker did not exit with a link open; log:\n{}",
+            worker.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "exit {status:?}; log:\n{}", worker.log());
+    let e = links
+        .0
+        .forward(&call(vec![4], &[0], Rows::ArgMax))
+        .expect_err("the worker is gone");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+}
