@@ -48,7 +48,58 @@ pub fn seeds(target: Target, model: &TinyModel) -> Result<Vec<Seed>, String> {
             ("kill_fresh", kill(SESSION_PLACEHOLDER)),
             ("kill_unknown", kill("6f7a7a00-0000-4000-8000-0000000000aa")),
         ],
+        Target::DataLink => data_link_seeds(model),
     })
+}
+
+/// Request bodies as a coordinator's link sends them (the serving session is implied by
+/// the link), and a hello.
+fn data_link_seeds(model: &TinyModel) -> Vec<Seed> {
+    use tether_worker::{ForwardCall, ForwardInput, Rows, TokenPos};
+    let tokens = |n: u32| {
+        (0..n)
+            .map(|pos| TokenPos { seq: 0, pos })
+            .collect::<Vec<_>>()
+    };
+    let call = |n, input, logits_rows: Vec<u32>, rows| {
+        tether_worker::data::request_body(&ForwardCall {
+            tokens: tokens(n),
+            input,
+            logits_rows,
+            rows,
+        })
+    };
+    let hidden = (0..2 * model.config.n_embd)
+        .map(|i| (i % 13) as f32 * 0.1 - 0.6)
+        .collect();
+    let id = tether_worker::SessionId(uuid::Uuid::from_u128(
+        0x6f7a7a00_0000_4000_8000_0000000000bb,
+    ));
+    vec![
+        (
+            "ids_to_argmax",
+            call(
+                3,
+                ForwardInput::TokenIds(vec![1, 2, 3]),
+                vec![2],
+                Rows::ArgMax,
+            ),
+        ),
+        (
+            "hidden_to_hidden",
+            call(2, ForwardInput::Hidden(hidden), vec![], Rows::Logits),
+        ),
+        (
+            "ids_to_top5",
+            call(
+                2,
+                ForwardInput::TokenIds(vec![4, 5]),
+                vec![0, 1],
+                Rows::Top(5),
+            ),
+        ),
+        ("hello", tether_worker::data::hello_body(id, b"token")),
+    ]
 }
 
 /// Writes every target's seeds to `dir/<target>/<seed>`. Other files there (inputs that

@@ -27,11 +27,13 @@ pub enum Target {
     KvTruncate,
     /// `Admin.KillSession` request, then `Status` and `ListSessions`.
     Admin,
+    /// A data link's frame body: a forward request on the serving session, and a hello.
+    DataLink,
 }
 
 impl Target {
     /// Every target.
-    pub const ALL: [Target; 10] = [
+    pub const ALL: [Target; 11] = [
         Target::Gguf,
         Target::Hello,
         Target::Attach,
@@ -42,6 +44,7 @@ impl Target {
         Target::KvClear,
         Target::KvTruncate,
         Target::Admin,
+        Target::DataLink,
     ];
 
     /// The target's name: its cargo-fuzz binary and its corpus directory.
@@ -57,6 +60,7 @@ impl Target {
             Target::KvClear => "kv_clear",
             Target::KvTruncate => "kv_truncate",
             Target::Admin => "admin",
+            Target::DataLink => "data_link",
         }
     }
 
@@ -74,6 +78,7 @@ impl Target {
             Target::KvClear => worker_targets::kv_clear(data),
             Target::KvTruncate => worker_targets::kv_truncate(data),
             Target::Admin => worker_targets::admin(data),
+            Target::DataLink => worker_targets::data_link(data),
         }
     }
 

@@ -195,3 +195,28 @@ pub fn admin(data: &[u8]) -> Result<(), Finding> {
     rig.end(session);
     outcome?
 }
+
+/// A data link's frame body, served on the serving session as a link's thread serves it:
+/// the reply must be a well-formed frame, and hidden states or logits must be sized for
+/// the request. The same bytes as a hello must decode or be refused, never panic.
+pub fn data_link(data: &[u8]) -> Result<(), Finding> {
+    let _ = tether_worker::data::hello_session(data);
+    let rig = Rig::get();
+    let reply = tether_worker::data::serve_request(&rig.registry, rig.serving(), data)
+        .map_err(|e| Finding(format!("data link: a malformed reply: {e}")))?;
+    let Ok(out) = reply else {
+        return Ok(());
+    };
+    let config = &rig.model.config;
+    let (got, width) = match &out {
+        tether_worker::ForwardOutput::Hidden(h) => (h.len(), config.n_embd),
+        tether_worker::ForwardOutput::Logits(l) => (l.len(), config.n_vocab),
+        _ => return Ok(()),
+    };
+    if width == 0 || got % width != 0 || got == 0 {
+        return Err(Finding(format!(
+            "data link: {got} values answered, not whole rows of {width}"
+        )));
+    }
+    Ok(())
+}

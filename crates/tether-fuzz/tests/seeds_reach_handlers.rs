@@ -62,6 +62,28 @@ fn valid_forward_seeds_are_served() {
 }
 
 #[test]
+fn valid_data_link_seeds_are_served() {
+    use tether_worker::ForwardOutput;
+    let _serial = serial();
+    let rig = Rig::get();
+    let serve = |name| {
+        tether_worker::data::serve_request(
+            &rig.registry,
+            rig.serving(),
+            &seed(Target::DataLink, name),
+        )
+        .unwrap()
+        .unwrap_or_else(|refused| panic!("seed {name} refused: {refused}"))
+    };
+    assert!(matches!(serve("ids_to_argmax"), ForwardOutput::ArgMax(ids) if ids.len() == 1));
+    let n_embd = rig.model.config.n_embd;
+    assert!(matches!(serve("hidden_to_hidden"), ForwardOutput::Hidden(h) if h.len() == 2 * n_embd));
+    assert!(matches!(serve("ids_to_top5"), ForwardOutput::Top { counts, .. } if counts == [5, 5]));
+    let hello = tether_worker::data::hello_session(&seed(Target::DataLink, "hello"));
+    assert!(hello.is_ok(), "{hello:?}");
+}
+
+#[test]
 fn the_complete_prepare_seed_loads_and_commits() {
     let _serial = serial();
     let rig = Rig::get();

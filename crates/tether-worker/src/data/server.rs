@@ -95,6 +95,18 @@ impl Drop for DataPlane {
     }
 }
 
+/// One request as a link's thread serves it: the reply frame to `body` (a request frame's
+/// body) on `session`, and whether the session is gone.
+pub(crate) fn answer(
+    registry: &SessionRegistry,
+    session: SessionId,
+    body: &[u8],
+) -> (Vec<u8>, bool) {
+    let result = frame::decode_forward(body).and_then(|call| registry.forward_here(session, call));
+    let gone = matches!(result, Err(WorkerError::NotFound(_)));
+    (frame::encode_output(&result), gone)
+}
+
 fn accept_links(
     listener: TcpListener,
     registry: Arc<SessionRegistry>,
@@ -181,10 +193,8 @@ impl Link {
                 }
                 Err(FrameError::Io(_)) => return,
             };
-            let result = frame::decode_forward(&body)
-                .and_then(|call| self.registry.forward_here(session, call));
-            let gone = matches!(result, Err(WorkerError::NotFound(_)));
-            if stream.write_all(&frame::encode_output(&result)).is_err() || gone {
+            let (reply, gone) = answer(&self.registry, session, &body);
+            if stream.write_all(&reply).is_err() || gone {
                 return;
             }
         }
