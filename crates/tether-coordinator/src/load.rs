@@ -471,6 +471,11 @@ pub async fn load_plan(
         })
         .collect();
     let shut_links: Vec<Arc<DataLink>> = stages.iter().filter_map(|st| st.link.clone()).collect();
+    tracing::info!(
+        "forward passes go over data links to {} of {} workers, over gRPC to the rest",
+        shut_links.len(),
+        stages.len()
+    );
     let (lost_tx, lost) = watch::channel(None);
     let (close_tx, close_rx) = oneshot::channel();
     let guard = tokio::spawn(watch_sessions(
