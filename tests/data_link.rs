@@ -61,6 +61,20 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
             .expect("open")
             .expect("a plaintext worker serves links");
         assert!(!link.spins(), "a cpu worker's link does not spin");
+        assert!(
+            link.same_host(),
+            "a loopback worker is reached through its Unix socket"
+        );
+        let tcp = DataLink::open_tcp(
+            client.addr(),
+            data_addr(&client),
+            session.id(),
+            None,
+            1 << 20,
+            Duration::from_secs(5),
+        )
+        .expect("a link over TCP");
+        assert!(!tcp.same_host());
         for (rows, want) in [
             (vec![], Rows::Logits),
             (vec![0, 2], Rows::Logits),
@@ -70,6 +84,7 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
             let c = call(vec![1, 2, 3], &rows, want);
             // Each pass writes the same cells with the same values, so order is free.
             let by_link = link.forward(&c).expect("link forward");
+            assert_eq!(tcp.forward(&c).expect("tcp link forward"), by_link);
             let by_grpc = client
                 .forward(session.id(), &c.tokens, &c.input, &rows, want)
                 .await

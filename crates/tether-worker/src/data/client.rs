@@ -3,6 +3,7 @@
 //! several threads on both ends (about 0.3 ms a call on a server CPU), where a link's
 //! request and reply are one write and one read each.
 
+use super::conn::{Conn, unix_name};
 use super::frame::{self, Refusal, Status};
 use super::wire::{FrameError, WaitEnd, read_frame, wait_for_frame};
 use crate::client::{ClientError, ErrorKind};
@@ -13,6 +14,7 @@ use crate::stage::{ForwardOutput, Rows};
 use crate::token::BearerToken;
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -23,9 +25,9 @@ const FRAME_WITHIN: Duration = Duration::from_secs(30);
 /// A data link to one session on one worker.
 pub struct DataLink {
     worker: String,
-    stream: Mutex<TcpStream>,
+    stream: Mutex<Conn>,
     // A second handle on the socket, so that `shut` can wake a call blocked on the first.
-    control: TcpStream,
+    control: Conn,
     shut: AtomicBool,
     // Set when the socket failed: the link cannot tell whether the call ran, so that call
     // fails, and later calls go over gRPC.
@@ -57,7 +59,8 @@ fn kind_of(status: Status) -> ErrorKind {
 }
 
 impl DataLink {
-    /// Connects to `at` (worker `worker`'s data port) and opens a link to `session`.
+    /// Connects to `at` (worker `worker`'s data port) and opens a link to `session`; when
+    /// `at` is a loopback address, through the worker's same-host Unix socket first.
     /// Blocking.
     pub fn open(
         worker: &str,
@@ -67,39 +70,90 @@ impl DataLink {
         max_frame_bytes: usize,
         connect_timeout: Duration,
     ) -> Result<Self, ClientError> {
-        let op = "data link";
-        let io = |e: std::io::Error| ClientError::protocol(op, worker, e.to_string());
-        let mut stream =
+        if at.ip().is_loopback()
+            && let Ok(unix) = UnixStream::connect_addr(&unix_name(at.port()))
+        {
+            // Another worker may hold the name (one bound to another address with the
+            // same port): its refusal of our session sends us to TCP.
+            let unix = Self::hello(worker, Conn::Unix(unix), session, token, connect_timeout);
+            match unix {
+                Ok((conn, spin)) => return Self::new(worker, conn, spin, max_frame_bytes),
+                Err(e) => tracing::debug!(worker, "same-host data link refused, trying TCP: {e}"),
+            }
+        }
+        Self::open_tcp(worker, at, session, token, max_frame_bytes, connect_timeout)
+    }
+
+    /// As [`DataLink::open`], always over TCP.
+    pub fn open_tcp(
+        worker: &str,
+        at: SocketAddr,
+        session: SessionId,
+        token: Option<&BearerToken>,
+        max_frame_bytes: usize,
+        connect_timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let stream =
             TcpStream::connect_timeout(&at, connect_timeout).map_err(|e| ClientError::Connect {
                 addr: at.to_string(),
                 detail: format!("data link of worker {worker}: {e}"),
             })?;
-        stream.set_nodelay(true).map_err(io)?;
-        let token = token.map(|t| t.expose().as_bytes()).unwrap_or_default();
         stream
-            .write_all(&frame::encode_hello(session, token))
+            .set_nodelay(true)
+            .map_err(|e| ClientError::protocol("data link", worker, e.to_string()))?;
+        let (conn, spin) = Self::hello(worker, Conn::Tcp(stream), session, token, connect_timeout)?;
+        Self::new(worker, conn, spin, max_frame_bytes)
+    }
+
+    /// Says hello on `conn`; the worker's spin when it welcomes the link.
+    fn hello(
+        worker: &str,
+        mut conn: Conn,
+        session: SessionId,
+        token: Option<&BearerToken>,
+        within: Duration,
+    ) -> Result<(Conn, Duration), ClientError> {
+        let op = "data link";
+        let io = |e: std::io::Error| ClientError::protocol(op, worker, e.to_string());
+        let token = token.map(|t| t.expose().as_bytes()).unwrap_or_default();
+        conn.write_all(&frame::encode_hello(session, token))
             .map_err(io)?;
-        let body = read_frame(&mut stream, 64 * 1024, connect_timeout).map_err(|e| match e {
+        let body = read_frame(&mut conn, 64 * 1024, within).map_err(|e| match e {
             FrameError::TooLong(n) => {
                 ClientError::protocol(op, worker, format!("a {n}-byte welcome"))
             }
             FrameError::Io(e) => io(e),
         })?;
-        let spin = match frame::decode_welcome(&body) {
-            Ok(Ok(spin)) => spin,
-            Ok(Err(refusal)) => return Err(refused(op, worker, refusal)),
-            Err(e) => return Err(ClientError::domain(op, worker, e)),
-        };
-        let control = stream.try_clone().map_err(io)?;
+        match frame::decode_welcome(&body) {
+            Ok(Ok(spin)) => Ok((conn, spin)),
+            Ok(Err(refusal)) => Err(refused(op, worker, refusal)),
+            Err(e) => Err(ClientError::domain(op, worker, e)),
+        }
+    }
+
+    fn new(
+        worker: &str,
+        conn: Conn,
+        spin: Duration,
+        max_frame_bytes: usize,
+    ) -> Result<Self, ClientError> {
+        let control = conn
+            .try_clone()
+            .map_err(|e| ClientError::protocol("data link", worker, e.to_string()))?;
         Ok(Self {
             worker: worker.to_string(),
-            stream: Mutex::new(stream),
+            stream: Mutex::new(conn),
             control,
             shut: AtomicBool::new(false),
             broken: AtomicBool::new(false),
             spin,
             max_frame_bytes,
         })
+    }
+
+    /// Whether the link goes through the worker's same-host Unix socket.
+    pub fn same_host(&self) -> bool {
+        self.control.is_unix()
     }
 
     /// Whether the worker's end spins for requests (a GPU worker): then a reply is worth

@@ -4,6 +4,7 @@
 //! that gRPC opened, holds nothing of it, and dies with it.
 
 mod client;
+mod conn;
 mod frame;
 mod server;
 mod wire;

@@ -7,6 +7,7 @@
 //! (closed, reaped, killed, shut down) answers NOT_FOUND once and closes; an idle one
 //! notices within [`super::wire::POLL`] and closes.
 
+use super::conn::{Conn, unix_name};
 use super::frame::{self, Status};
 use super::wire::{FrameError, WaitEnd, read_frame, wait_for_frame};
 use crate::error::WorkerError;
@@ -15,6 +16,7 @@ use crate::registry::SessionRegistry;
 use crate::token::BearerToken;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -44,12 +46,15 @@ pub struct DataOptions {
 pub struct DataPlane {
     port: u16,
     wake: SocketAddr,
+    unix: bool,
     stop: Arc<AtomicBool>,
-    accept: Option<JoinHandle<()>>,
+    accepts: Vec<JoinHandle<()>>,
 }
 
 impl DataPlane {
-    /// Listens on `ip:port` (port 0 picks a free one) for links to `registry`'s sessions.
+    /// Listens on `ip:port` (port 0 picks a free one) for links to `registry`'s sessions,
+    /// and on the abstract Unix socket named after the port for clients on this host
+    /// (skipped when another process holds that name).
     pub fn start(
         ip: IpAddr,
         port: u16,
@@ -64,17 +69,43 @@ impl DataPlane {
             other => other,
         };
         let stop = Arc::new(AtomicBool::new(false));
-        let accept = {
-            let stop = Arc::clone(&stop);
+        let live = Arc::new(AtomicUsize::new(0));
+        let acceptor = Acceptor {
+            registry,
+            options,
+            stop: Arc::clone(&stop),
+            live,
+        };
+        let mut accepts = Vec::new();
+        let tcp = acceptor.clone();
+        accepts.push(
             std::thread::Builder::new()
                 .name("tether-data-accept".into())
-                .spawn(move || accept_links(listener, registry, options, stop))?
+                .spawn(move || tcp.run(|| listener.accept().map(|(s, _)| Conn::Tcp(s))))?,
+        );
+        let unix = match UnixListener::bind_addr(&unix_name(port)) {
+            Ok(listener) => {
+                let unix = acceptor.clone();
+                accepts.push(
+                    std::thread::Builder::new()
+                        .name("tether-data-accept-unix".into())
+                        .spawn(move || {
+                            unix.run(|| listener.accept().map(|(s, _)| Conn::Unix(s)))
+                        })?,
+                );
+                true
+            }
+            Err(e) => {
+                tracing::info!(error = %e, "no same-host data links (abstract socket tether-data-{port})");
+                false
+            }
         };
         Ok(Self {
             port,
             wake: SocketAddr::new(wake_ip, port),
+            unix,
             stop,
-            accept: Some(accept),
+            accepts,
         })
     }
 
@@ -87,9 +118,12 @@ impl DataPlane {
 impl Drop for DataPlane {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        // Wakes the accept call so that the thread sees the stop.
+        // Wakes the accept calls so that their threads see the stop.
         let _ = TcpStream::connect_timeout(&self.wake, Duration::from_secs(1));
-        if let Some(accept) = self.accept.take() {
+        if self.unix {
+            let _ = UnixStream::connect_addr(&unix_name(self.port));
+        }
+        for accept in self.accepts.drain(..) {
             let _ = accept.join();
         }
     }
@@ -107,43 +141,49 @@ pub(crate) fn answer(
     (frame::encode_output(&result), gone)
 }
 
-fn accept_links(
-    listener: TcpListener,
+/// What an accept thread needs to start links.
+#[derive(Clone)]
+struct Acceptor {
     registry: Arc<SessionRegistry>,
     options: DataOptions,
     stop: Arc<AtomicBool>,
-) {
-    let live = Arc::new(AtomicUsize::new(0));
-    for conn in listener.incoming() {
-        if stop.load(Ordering::SeqCst) {
-            return;
-        }
-        let stream = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "data link accept failed");
-                // Out of descriptors, say: let links end before trying again.
-                std::thread::sleep(Duration::from_millis(20));
+    live: Arc<AtomicUsize>,
+}
+
+impl Acceptor {
+    fn run(self, mut accept: impl FnMut() -> io::Result<Conn>) {
+        loop {
+            let conn = accept();
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            let stream = match conn {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "data link accept failed");
+                    // Out of descriptors, say: let links end before trying again.
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            };
+            if self.live.fetch_add(1, Ordering::SeqCst) >= MAX_LINKS {
+                self.live.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!("{MAX_LINKS} data links are open; refused another");
                 continue;
             }
-        };
-        if live.fetch_add(1, Ordering::SeqCst) >= MAX_LINKS {
-            live.fetch_sub(1, Ordering::SeqCst);
-            tracing::warn!("{MAX_LINKS} data links are open; refused another");
-            continue;
-        }
-        let link = Link {
-            registry: Arc::clone(&registry),
-            options: options.clone(),
-            stop: Arc::clone(&stop),
-            live: Arc::clone(&live),
-        };
-        let spawned = std::thread::Builder::new()
-            .name("tether-data-link".into())
-            .spawn(move || link.serve(stream));
-        if let Err(e) = spawned {
-            live.fetch_sub(1, Ordering::SeqCst);
-            tracing::warn!(error = %e, "could not start a data link thread");
+            let link = Link {
+                registry: Arc::clone(&self.registry),
+                options: self.options.clone(),
+                stop: Arc::clone(&self.stop),
+                live: Arc::clone(&self.live),
+            };
+            let spawned = std::thread::Builder::new()
+                .name("tether-data-link".into())
+                .spawn(move || link.serve(stream));
+            if let Err(e) = spawned {
+                self.live.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!(error = %e, "could not start a data link thread");
+            }
         }
     }
 }
@@ -163,8 +203,10 @@ impl Drop for Link {
 }
 
 impl Link {
-    fn serve(self, mut stream: TcpStream) {
-        let _ = stream.set_nodelay(true);
+    fn serve(self, mut stream: Conn) {
+        if let Conn::Tcp(s) = &stream {
+            let _ = s.set_nodelay(true);
+        }
         let session = match self.welcome(&mut stream) {
             Some(s) => s,
             None => return,
@@ -201,7 +243,7 @@ impl Link {
     }
 
     /// Reads the hello and answers it; the session, when the link may serve it.
-    fn welcome(&self, stream: &mut TcpStream) -> Option<SessionId> {
+    fn welcome(&self, stream: &mut Conn) -> Option<SessionId> {
         let body = match read_frame(stream, 64 + 4096, HELLO_WITHIN) {
             Ok(body) => body,
             Err(FrameError::TooLong(_)) => {
@@ -255,7 +297,7 @@ impl Link {
 /// Sends a last reply and closes. What the peer sent beyond what was read is drained
 /// first (a little of it, briefly): closing with unread bytes resets the connection, and
 /// the peer could lose the reply that says why.
-fn refuse_and_close(mut stream: TcpStream, reply: &[u8]) {
+fn refuse_and_close(mut stream: Conn, reply: &[u8]) {
     if stream.write_all(reply).is_err() {
         return;
     }

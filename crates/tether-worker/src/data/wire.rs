@@ -1,8 +1,8 @@
 //! Blocking socket reads shared by both ends of a data link: waiting for the next frame
 //! (spinning first, where the peer answers within a GPU step) and reading one whole frame.
 
+use super::conn::Conn;
 use std::io::{self, Read};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 /// How often a blocked wait looks at whether it should give up.
@@ -23,7 +23,7 @@ pub(crate) enum WaitEnd {
 /// because waking a parked thread costs tens of microseconds on a server CPU, a
 /// noticeable part of a 2 ms decode step; then blocks, asking `give_up` every [`POLL`].
 pub(crate) fn wait_for_frame(
-    stream: &TcpStream,
+    stream: &Conn,
     spin: Duration,
     mut give_up: impl FnMut() -> bool,
 ) -> Result<(), WaitEnd> {
@@ -84,7 +84,7 @@ pub(crate) enum FrameError {
 /// Reads one frame's body, refusing one over `max` bytes. The peer sends each frame with a
 /// single write, so `within` only trips on a peer that stopped mid-frame.
 pub(crate) fn read_frame(
-    stream: &mut TcpStream,
+    stream: &mut Conn,
     max: usize,
     within: Duration,
 ) -> Result<Vec<u8>, FrameError> {

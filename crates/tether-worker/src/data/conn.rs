@@ -1,0 +1,105 @@
+//! A link's socket: TCP, or a Unix socket in the abstract namespace when coordinator and
+//! worker share a host (a Unix socket skips the TCP/IP stack: a 16 KiB hidden state costs
+//! one copy instead of a loopback segment's processing on each end).
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
+use std::time::Duration;
+
+/// The abstract Unix socket name of the data links on TCP port `port` (Linux; per network
+/// namespace, as loopback is).
+pub(crate) fn unix_name(port: u16) -> UnixAddr {
+    // A name of 17 bytes or so never exceeds the 107 the address holds.
+    UnixAddr::from_abstract_name(format!("tether-data-{port}").as_bytes())
+        .unwrap_or_else(|_| unreachable!("a short abstract socket name"))
+}
+
+/// One end of a link.
+#[derive(Debug)]
+pub(crate) enum Conn {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Conn {
+    pub(crate) fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.set_read_timeout(t),
+            Self::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+
+    pub(crate) fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.set_nonblocking(on),
+            Self::Unix(s) => s.set_nonblocking(on),
+        }
+    }
+
+    pub(crate) fn try_clone(&self) -> io::Result<Self> {
+        Ok(match self {
+            Self::Tcp(s) => Self::Tcp(s.try_clone()?),
+            Self::Unix(s) => Self::Unix(s.try_clone()?),
+        })
+    }
+
+    pub(crate) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.shutdown(how),
+            Self::Unix(s) => s.shutdown(how),
+        }
+    }
+
+    /// Looks at the next byte without taking it; honours the socket's mode and timeout.
+    pub(crate) fn peek(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.peek(buf),
+            Self::Unix(s) => {
+                // SAFETY: the descriptor is the live socket `s` borrows; `buf` outlives
+                // the call and is `buf.len()` bytes long.
+                let n = unsafe {
+                    libc::recv(
+                        s.as_raw_fd(),
+                        buf.as_mut_ptr().cast(),
+                        buf.len(),
+                        libc::MSG_PEEK,
+                    )
+                };
+                usize::try_from(n).map_err(|_| io::Error::last_os_error())
+            }
+        }
+    }
+
+    /// Whether this is the same-host kind.
+    pub(crate) fn is_unix(&self) -> bool {
+        matches!(self, Self::Unix(_))
+    }
+}
+
+impl Read for Conn {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.read(buf),
+            Self::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Conn {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.write(buf),
+            Self::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.flush(),
+            Self::Unix(s) => s.flush(),
+        }
+    }
+}
