@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 use support::{TinyModel, Worker, attach_options, committed_session, runtime, sessions_and_bytes};
 use tether_worker::client::{ClientOptions, ErrorKind, WorkerClient};
-use tether_worker::data::DataLink;
+use tether_worker::data::{DataLink, LinkTarget};
 use tether_worker::{
     BearerToken, EndReason, ForwardCall, ForwardInput, ForwardOutput, Rows, SessionId, TokenPos,
 };
@@ -32,17 +32,20 @@ fn data_addr(client: &WorkerClient) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
 
+/// The worker's data links as its Hello describes them.
+fn target(client: &WorkerClient) -> LinkTarget {
+    LinkTarget {
+        worker: client.addr().to_string(),
+        at: data_addr(client),
+        pid: client.info().pid,
+        max_frame_bytes: 1 << 20,
+        connect_timeout: Duration::from_secs(5),
+    }
+}
+
 fn open(client: &WorkerClient, session: SessionId, token: Option<&str>) -> DataLink {
     let token = BearerToken::parse(token).expect("token");
-    DataLink::open(
-        client.addr(),
-        data_addr(client),
-        session,
-        token.as_ref(),
-        1 << 20,
-        Duration::from_secs(5),
-    )
-    .expect("open the data link")
+    DataLink::open(&target(client), session, token.as_ref()).expect("open the data link")
 }
 
 #[test]
@@ -65,15 +68,8 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
             link.same_host(),
             "a loopback worker is reached through its Unix socket"
         );
-        let tcp = DataLink::open_tcp(
-            client.addr(),
-            data_addr(&client),
-            session.id(),
-            None,
-            1 << 20,
-            Duration::from_secs(5),
-        )
-        .expect("a link over TCP");
+        let tcp =
+            DataLink::open_tcp(&target(&client), session.id(), None).expect("a link over TCP");
         assert!(!tcp.same_host());
         for (rows, want) in [
             (vec![], Rows::Logits),
@@ -158,24 +154,14 @@ fn a_link_needs_the_token_and_a_live_session() {
             committed_session(&client, attach_options("auth"), &model.path, 16).await;
         for token in [None, Some("wrong")] {
             let token = BearerToken::parse(token).expect("token");
-            let e = DataLink::open(
-                client.addr(),
-                data_addr(&client),
-                session.id(),
-                token.as_ref(),
-                1 << 20,
-                Duration::from_secs(5),
-            )
-            .expect_err("a link without the token");
+            let e = DataLink::open(&target(&client), session.id(), token.as_ref())
+                .expect_err("a link without the token");
             assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{e}");
         }
         let stranger = DataLink::open(
-            client.addr(),
-            data_addr(&client),
+            &target(&client),
             SessionId::new_random(),
             BearerToken::parse(Some(TOKEN)).expect("token").as_ref(),
-            1 << 20,
-            Duration::from_secs(5),
         )
         .expect_err("a session nobody opened");
         assert_eq!(stranger.kind(), ErrorKind::NotFound, "{stranger}");
@@ -286,4 +272,57 @@ fn links_hold_nothing_a_killed_session_or_a_sigterm_must_wait_for() {
         .forward(&call(vec![4], &[0], Rows::ArgMax))
         .expect_err("the worker is gone");
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+}
+
+#[test]
+fn a_same_host_socket_of_another_process_is_not_trusted() {
+    // Any local user can bind an abstract socket name. Here this test process takes the
+    // name before the worker starts: the worker serves links over TCP only, and a client
+    // that finds the squatter checks the process at the other end against the worker's
+    // Hello and goes over TCP instead of saying hello to it.
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let name = UnixAddr::from_abstract_name(format!("tether-data-{port}")).expect("name");
+    let squatter = UnixListener::bind_addr(&name).expect("squat the name");
+    squatter.set_nonblocking(true).expect("non-blocking");
+    let model = TinyModel::new();
+    let worker = Worker::start(&["--data-port", &port.to_string()]);
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        assert_eq!(client.info().data_port, port);
+        assert_ne!(client.info().pid, std::process::id());
+        let (session, _) = committed_session(&client, attach_options("pid"), &model.path, 16).await;
+        let link = client
+            .open_data_link(session.id())
+            .await
+            .expect("open")
+            .expect("link");
+        assert!(!link.same_host(), "the squatter's socket was used");
+        let c = call(vec![2, 3], &[1], Rows::ArgMax);
+        let by_grpc = client
+            .forward(session.id(), &c.tokens, &c.input, &c.logits_rows, c.rows)
+            .await
+            .expect("grpc");
+        assert_eq!(link.forward(&c).expect("tcp"), by_grpc);
+        session.close().await;
+    });
+    // The squatter was reached (the client looked) but never heard a hello.
+    match squatter.accept() {
+        Ok((mut conn, _)) => {
+            conn.set_nonblocking(true).expect("non-blocking");
+            let mut buf = [0u8; 64];
+            let heard = conn.read(&mut buf);
+            assert!(
+                !matches!(heard, Ok(n) if n > 0),
+                "the client sent {heard:?} to a stranger"
+            );
+        }
+        Err(e) => panic!("the client never looked at the same-host socket: {e}"),
+    }
 }

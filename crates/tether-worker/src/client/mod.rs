@@ -12,7 +12,7 @@ pub use health::{Health, check_health};
 pub use load::{DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource};
 pub use session::{AttachOptions, Session};
 
-use crate::data::DataLink;
+use crate::data::{DataLink, LinkTarget};
 use crate::error::WorkerError;
 use crate::ids::SessionId;
 use crate::tls::ClientTls;
@@ -189,6 +189,8 @@ pub struct WorkerInfo {
     pub max_message_bytes: u64,
     /// Its data-link port on the same host; 0 when it serves none.
     pub data_port: u16,
+    /// Its process id (0 when it did not say).
+    pub pid: u32,
 }
 
 /// The URI of `addr` ("host:port", or with a scheme that must agree with the TLS setting).
@@ -317,6 +319,7 @@ impl WorkerClient {
             free_bytes: hello.free_bytes,
             max_message_bytes: hello.max_message_bytes,
             data_port: u16::try_from(hello.data_port).unwrap_or(0),
+            pid: hello.worker_pid,
         };
         Ok(Self {
             addr: addr.to_string(),
@@ -349,18 +352,18 @@ impl WorkerClient {
                 addr: self.addr.clone(),
                 detail: format!("{host} resolves to no address"),
             })?;
-        let (addr, token, limit, timeout) = (
-            self.addr.clone(),
-            self.token.clone(),
-            usize::try_from(self.info.max_message_bytes).unwrap_or(usize::MAX),
-            self.connect_timeout,
-        );
-        tokio::task::spawn_blocking(move || {
-            DataLink::open(&addr, at, session, token.as_ref(), limit, timeout)
-        })
-        .await
-        .map_err(|e| ClientError::protocol("data link", &self.addr, e.to_string()))?
-        .map(Some)
+        let to = LinkTarget {
+            worker: self.addr.clone(),
+            at,
+            pid: self.info.pid,
+            max_frame_bytes: usize::try_from(self.info.max_message_bytes).unwrap_or(usize::MAX),
+            connect_timeout: self.connect_timeout,
+        };
+        let token = self.token.clone();
+        tokio::task::spawn_blocking(move || DataLink::open(&to, session, token.as_ref()))
+            .await
+            .map_err(|e| ClientError::protocol("data link", &self.addr, e.to_string()))?
+            .map(Some)
     }
 
     /// The worker's address.

@@ -58,51 +58,81 @@ fn kind_of(status: Status) -> ErrorKind {
     }
 }
 
+/// Where a data link goes.
+#[derive(Clone, Debug)]
+pub struct LinkTarget {
+    /// The worker's gRPC address, for messages.
+    pub worker: String,
+    /// Its data port.
+    pub at: SocketAddr,
+    /// Its process id, as its Hello said (0: unknown). A same-host socket is used only when
+    /// the process at its other end is this one: any local user can bind an abstract name.
+    pub pid: u32,
+    /// Largest request frame it takes.
+    pub max_frame_bytes: usize,
+    /// How long connecting and the hello may take.
+    pub connect_timeout: Duration,
+}
+
 impl DataLink {
-    /// Connects to `at` (worker `worker`'s data port) and opens a link to `session`; when
-    /// `at` is a loopback address, through the worker's same-host Unix socket first.
-    /// Blocking.
+    /// Opens a link to `session` on `to`; when `to.at` is a loopback address, through the
+    /// worker's same-host Unix socket first. Blocking.
     pub fn open(
-        worker: &str,
-        at: SocketAddr,
+        to: &LinkTarget,
         session: SessionId,
         token: Option<&BearerToken>,
-        max_frame_bytes: usize,
-        connect_timeout: Duration,
     ) -> Result<Self, ClientError> {
-        if at.ip().is_loopback()
-            && let Ok(unix) = UnixStream::connect_addr(&unix_name(at.port()))
+        if to.at.ip().is_loopback()
+            && to.pid != 0
+            && let Ok(unix) = UnixStream::connect_addr(&unix_name(to.at.port()))
         {
-            // Another worker may hold the name (one bound to another address with the
-            // same port): its refusal of our session sends us to TCP.
-            let unix = Self::hello(worker, Conn::Unix(unix), session, token, connect_timeout);
-            match unix {
-                Ok((conn, spin)) => return Self::new(worker, conn, spin, max_frame_bytes),
-                Err(e) => tracing::debug!(worker, "same-host data link refused, trying TCP: {e}"),
+            let conn = Conn::Unix(unix);
+            match conn.peer_pid() {
+                Ok(pid) if pid == to.pid => {
+                    // Another worker of this process (embedded workers) may hold the
+                    // name: its refusal of our session sends us to TCP.
+                    match Self::hello(&to.worker, conn, session, token, to.connect_timeout) {
+                        Ok((conn, spin)) => return Self::new(to, conn, spin),
+                        Err(e) => tracing::debug!(
+                            worker = %to.worker,
+                            "same-host data link refused, trying TCP: {e}"
+                        ),
+                    }
+                }
+                other => tracing::debug!(
+                    worker = %to.worker,
+                    "the same-host socket belongs to {other:?}, not the worker's process {}; using TCP",
+                    to.pid
+                ),
             }
         }
-        Self::open_tcp(worker, at, session, token, max_frame_bytes, connect_timeout)
+        Self::open_tcp(to, session, token)
     }
 
     /// As [`DataLink::open`], always over TCP.
     pub fn open_tcp(
-        worker: &str,
-        at: SocketAddr,
+        to: &LinkTarget,
         session: SessionId,
         token: Option<&BearerToken>,
-        max_frame_bytes: usize,
-        connect_timeout: Duration,
     ) -> Result<Self, ClientError> {
-        let stream =
-            TcpStream::connect_timeout(&at, connect_timeout).map_err(|e| ClientError::Connect {
-                addr: at.to_string(),
+        let worker = to.worker.as_str();
+        let stream = TcpStream::connect_timeout(&to.at, to.connect_timeout).map_err(|e| {
+            ClientError::Connect {
+                addr: to.at.to_string(),
                 detail: format!("data link of worker {worker}: {e}"),
-            })?;
+            }
+        })?;
         stream
             .set_nodelay(true)
             .map_err(|e| ClientError::protocol("data link", worker, e.to_string()))?;
-        let (conn, spin) = Self::hello(worker, Conn::Tcp(stream), session, token, connect_timeout)?;
-        Self::new(worker, conn, spin, max_frame_bytes)
+        let (conn, spin) = Self::hello(
+            worker,
+            Conn::Tcp(stream),
+            session,
+            token,
+            to.connect_timeout,
+        )?;
+        Self::new(to, conn, spin)
     }
 
     /// Says hello on `conn`; the worker's spin when it welcomes the link.
@@ -131,23 +161,18 @@ impl DataLink {
         }
     }
 
-    fn new(
-        worker: &str,
-        conn: Conn,
-        spin: Duration,
-        max_frame_bytes: usize,
-    ) -> Result<Self, ClientError> {
+    fn new(to: &LinkTarget, conn: Conn, spin: Duration) -> Result<Self, ClientError> {
         let control = conn
             .try_clone()
-            .map_err(|e| ClientError::protocol("data link", worker, e.to_string()))?;
+            .map_err(|e| ClientError::protocol("data link", &to.worker, e.to_string()))?;
         Ok(Self {
-            worker: worker.to_string(),
+            worker: to.worker.clone(),
             stream: Mutex::new(conn),
             control,
             shut: AtomicBool::new(false),
             broken: AtomicBool::new(false),
             spin,
-            max_frame_bytes,
+            max_frame_bytes: to.max_frame_bytes,
         })
     }
 

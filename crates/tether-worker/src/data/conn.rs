@@ -73,6 +73,35 @@ impl Conn {
         }
     }
 
+    /// The process id at the other end of a Unix socket, as the kernel recorded it when
+    /// the connection was made (SO_PEERCRED).
+    pub(crate) fn peer_pid(&self) -> io::Result<u32> {
+        let Self::Unix(s) = self else {
+            return Err(io::Error::other("a TCP socket has no peer process"));
+        };
+        let mut cred = libc::ucred {
+            pid: 0,
+            uid: 0,
+            gid: 0,
+        };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: the descriptor is the live socket `s` borrows; `cred` and `len` are
+        // valid for writes of the sizes given and outlive the call.
+        let r = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&mut cred as *mut libc::ucred).cast(),
+                &mut len,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        u32::try_from(cred.pid).map_err(|_| io::Error::other("no peer process id"))
+    }
+
     /// Whether this is the same-host kind.
     pub(crate) fn is_unix(&self) -> bool {
         matches!(self, Self::Unix(_))

@@ -9,7 +9,7 @@ mod frame;
 mod server;
 mod wire;
 
-pub use client::DataLink;
+pub use client::{DataLink, LinkTarget};
 pub use server::{DataOptions, DataPlane};
 
 use crate::error::WorkerError;

@@ -83,6 +83,7 @@ impl pb::worker_server::Worker for WorkerService {
             free_bytes: self.registry.available_bytes(),
             max_message_bytes: self.max_message_bytes as u64,
             data_port: u32::from(self.data_port),
+            worker_pid: std::process::id(),
         }))
     }
 
