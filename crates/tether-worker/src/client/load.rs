@@ -251,47 +251,31 @@ impl WorkerClient {
             f32s_from_le(b, "forward reply")
                 .map_err(|e| ClientError::domain("forward", &self.addr, e))
         };
-        if logits_rows.is_empty() {
-            Ok(ForwardOutput::Hidden(decode(&reply.hidden)?))
-        } else if let Rows::Top(k) = rows {
-            let total: u64 = reply.top_counts.iter().map(|&c| u64::from(c)).sum();
-            let fits = reply.top_counts.len() == logits_rows.len()
-                && reply.top_counts.iter().all(|&c| c <= k)
-                && total == reply.top_ids.len() as u64
-                && total == reply.top_logits.len() as u64;
-            if !fits {
+        let out = if logits_rows.is_empty() {
+            ForwardOutput::Hidden(decode(&reply.hidden)?)
+        } else if let Rows::Top(_) = rows {
+            if reply.top_ids.len() != reply.top_logits.len() {
                 return Err(ClientError::domain(
                     "forward",
                     &self.addr,
                     WorkerError::Internal(format!(
-                        "top-{k} reply for {} rows has counts {:?} for {} ids and {} logits",
-                        logits_rows.len(),
-                        reply.top_counts,
+                        "the worker returned {} candidate ids and {} logits",
                         reply.top_ids.len(),
                         reply.top_logits.len()
                     )),
                 ));
             }
-            Ok(ForwardOutput::Top {
+            ForwardOutput::Top {
                 counts: reply.top_counts,
                 candidates: reply.top_ids.into_iter().zip(reply.top_logits).collect(),
-            })
-        } else if rows == Rows::ArgMax {
-            if reply.argmax.len() != logits_rows.len() {
-                return Err(ClientError::domain(
-                    "forward",
-                    &self.addr,
-                    WorkerError::Internal(format!(
-                        "{} arg-max tokens for {} logits rows",
-                        reply.argmax.len(),
-                        logits_rows.len()
-                    )),
-                ));
             }
-            Ok(ForwardOutput::ArgMax(reply.argmax))
+        } else if rows == Rows::ArgMax {
+            ForwardOutput::ArgMax(reply.argmax)
         } else {
-            Ok(ForwardOutput::Logits(decode(&reply.logits)?))
-        }
+            ForwardOutput::Logits(decode(&reply.logits)?)
+        };
+        check_reply(logits_rows.len(), rows, out)
+            .map_err(|e| ClientError::domain("forward", &self.addr, e))
     }
 
     /// Forgets every KV cell of `seq`.
@@ -326,5 +310,39 @@ impl WorkerClient {
             .await
             .map_err(|s| ClientError::rpc("kv truncate", &self.addr, &s))?;
         Ok(())
+    }
+}
+
+/// Checks that a forward reply is what was asked for (`rows` for `logits_rows` rows): its
+/// kind, and one arg-max token or one candidate count (within k) per logits row.
+pub(crate) fn check_reply(
+    logits_rows: usize,
+    rows: Rows,
+    out: ForwardOutput,
+) -> Result<ForwardOutput, WorkerError> {
+    let n = logits_rows;
+    let bad = |what: String| Err(WorkerError::Internal(format!("the worker returned {what}")));
+    match (&out, rows) {
+        (ForwardOutput::Hidden(_), _) if n == 0 => Ok(out),
+        (ForwardOutput::Logits(_), Rows::Logits) if n > 0 => Ok(out),
+        (ForwardOutput::ArgMax(ids), Rows::ArgMax) if ids.len() == n => Ok(out),
+        (ForwardOutput::ArgMax(ids), Rows::ArgMax) => {
+            bad(format!("{} arg-max tokens for {n} logits rows", ids.len()))
+        }
+        (ForwardOutput::Top { counts, candidates }, Rows::Top(k)) => {
+            let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+            if counts.len() == n
+                && counts.iter().all(|&c| c <= k)
+                && total == candidates.len() as u64
+            {
+                Ok(out)
+            } else {
+                bad(format!(
+                    "top-{k} counts {counts:?} for {n} rows and {} candidates",
+                    candidates.len()
+                ))
+            }
+        }
+        _ => bad("the wrong kind of output for the request".into()),
     }
 }

@@ -9,6 +9,7 @@ mod session;
 
 pub use admin::AdminClient;
 pub use health::{Health, check_health};
+pub(crate) use load::check_reply;
 pub use load::{DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource};
 pub use session::{AttachOptions, Session};
 

@@ -6,11 +6,12 @@
 use super::conn::{Conn, unix_name};
 use super::frame::{self, Refusal, Status};
 use super::wire::{FrameError, WaitEnd, read_frame, wait_for_frame};
-use crate::client::{ClientError, ErrorKind};
+
+use crate::client::{ClientError, ErrorKind, check_reply};
 use crate::error::WorkerError;
 use crate::ids::SessionId;
 use crate::serve::ForwardCall;
-use crate::stage::{ForwardOutput, Rows};
+use crate::stage::ForwardOutput;
 use crate::token::BearerToken;
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
@@ -254,7 +255,8 @@ impl DataLink {
             Ok(Err(refusal)) => return Err(refused(op, worker, refusal)),
             Err(e) => return Err(ClientError::domain(op, worker, e)),
         };
-        check_reply(call, out).map_err(|e| ClientError::domain(op, worker, e))
+        check_reply(call.logits_rows.len(), call.rows, out)
+            .map_err(|e| ClientError::domain(op, worker, e))
     }
 }
 
@@ -264,44 +266,5 @@ fn refused(op: &'static str, worker: &str, r: Refusal) -> ClientError {
         addr: worker.to_string(),
         kind: kind_of(r.status),
         message: r.message,
-    }
-}
-
-/// Checks that a reply is what `call` asked for: its kind, and one arg-max token or one
-/// candidate count (within k) per logits row.
-pub(crate) fn check_reply(
-    call: &ForwardCall,
-    out: ForwardOutput,
-) -> Result<ForwardOutput, WorkerError> {
-    let rows = call.logits_rows.len();
-    let bad = |what: String| Err(WorkerError::Internal(format!("the worker returned {what}")));
-    match (&out, call.rows) {
-        (ForwardOutput::Hidden(_), _) if rows == 0 => Ok(out),
-        (ForwardOutput::Logits(_), Rows::Logits) if rows > 0 => Ok(out),
-        (ForwardOutput::ArgMax(ids), Rows::ArgMax) => {
-            if ids.len() == rows {
-                Ok(out)
-            } else {
-                bad(format!(
-                    "{} arg-max tokens for {rows} logits rows",
-                    ids.len()
-                ))
-            }
-        }
-        (ForwardOutput::Top { counts, candidates }, Rows::Top(k)) => {
-            let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
-            if counts.len() == rows
-                && counts.iter().all(|&c| c <= k)
-                && total == candidates.len() as u64
-            {
-                Ok(out)
-            } else {
-                bad(format!(
-                    "top-{k} counts {counts:?} for {rows} rows and {} candidates",
-                    candidates.len()
-                ))
-            }
-        }
-        _ => bad("the wrong kind of output for the request".into()),
     }
 }
