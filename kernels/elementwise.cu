@@ -188,6 +188,20 @@ extern "C" __global__ void rope_store_f16(float* q, float* k, const float* v, in
     }
 }
 
+// dst[0..bytes) = src[0..bytes), src being pinned host memory mapped into the device's
+// address space. Recorded decode steps copy their inputs with this kernel rather than a copy
+// node: the driver takes the host far longer to launch a graph that holds copy nodes.
+// src and dst are 16-byte aligned. Launch: any grid of 256-thread blocks.
+extern "C" __global__ void copy_in(const uint4* src, uint4* dst, u64 bytes) {
+    PDL_ENTRY();
+    const u64 at = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    const u64 words = bytes / 16;
+    for (u64 i = at; i < words; i += stride) dst[i] = src[i];
+    const u64 tail = words * 16 + at;
+    if (tail < bytes) ((u8*)dst)[tail] = ((const u8*)src)[tail];
+}
+
 // out[t] = dequant(table row ids[t]). Launch: gridDim.x = n_ids, blockDim.x = 256.
 extern "C" __global__ void get_rows(const u8* table, int ty, u64 row_bytes, int row_len,
                                     const u32* ids, float* out) {

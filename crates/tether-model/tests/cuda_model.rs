@@ -11,7 +11,10 @@ use std::sync::Arc;
 
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::{GgmlType, GgufFile};
-use tether_model::{Generator, ModelConfig, Sampler, SamplingParams, SynthShape, synthesize};
+use tether_model::{
+    BatchToken, Generator, ModelConfig, Sampler, SamplingParams, StageSpec, StepInput, StepOutput,
+    SynthShape, load_stage_from_file, synthesize,
+};
 
 #[path = "forward/reference_model.rs"]
 mod reference_model;
@@ -235,4 +238,62 @@ fn stories260k_matches_the_reference() {
         )
     });
     check_against_reference(&file, "stories260K", false);
+}
+
+fn stage_spec(first: usize, last: usize, embed: bool, head: bool) -> StageSpec {
+    StageSpec {
+        first_layer: first,
+        last_layer: last,
+        has_embed: embed,
+        has_head: head,
+        ctx_per_seq: CTX,
+        n_seq: 1,
+        ubatch: UBATCH,
+        cache_k: GgmlType::F16,
+        cache_v: GgmlType::F16,
+    }
+}
+
+/// Decode steps through two stages, each on its own backend as on two workers (the hidden
+/// states crossing on the host), give the whole model's logits on every step: the recorded
+/// steps' staged inputs and pinned downloads carry the right values once replayed, not
+/// only on the steps that run eagerly.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_steps_split_over_two_backends_equal_one_stage() {
+    let (_tmp, file) = synth(SynthShape::Tiny, GgmlType::Q4K);
+    let n = ModelConfig::from_gguf(&file).unwrap().n_layer;
+    let mid = n / 2;
+    assert!(
+        mid > 0 && mid < n,
+        "the tiny model needs two layers or more"
+    );
+    let mut whole = load_stage_from_file(gpu(), &file, stage_spec(0, n, true, true)).unwrap();
+    let mut a = load_stage_from_file(gpu(), &file, stage_spec(0, mid, true, false)).unwrap();
+    let mut b = load_stage_from_file(gpu(), &file, stage_spec(mid, n, false, true)).unwrap();
+    let (e, v) = (whole.config().n_embd, whole.config().n_vocab);
+    let mut id = 7u32;
+    for pos in 0..24u32 {
+        let toks = [BatchToken { seq: 0, pos }];
+        let mut want = vec![0.0; v];
+        whole.decode_logits(&[id], &toks, &mut want).unwrap();
+        let mut h = vec![0.0; e];
+        a.decode_step(StepInput::Ids(&[id]), &toks, StepOutput::Hidden(&mut h))
+            .unwrap();
+        let mut got = vec![0.0; v];
+        b.decode_step(StepInput::Hidden(&h), &toks, StepOutput::Logits(&mut got))
+            .unwrap();
+        let err = worst_row_error(&got, &want, v);
+        assert!(
+            err < 1e-6,
+            "step {pos}: split logits {err} from the whole model's"
+        );
+        let next = tether_model::sampling::greedy(&want);
+        assert_ne!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            vec![0; v],
+            "step {pos}: no logits came back"
+        );
+        id = next;
+    }
 }

@@ -133,6 +133,7 @@ const FILES: &[KernelFile] = &[
             "rope_store_f16",
             "get_rows",
             "argmax_rows",
+            "copy_in",
         ],
     },
     KernelFile {

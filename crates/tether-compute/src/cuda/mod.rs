@@ -43,6 +43,8 @@ pub struct CudaBackend {
     /// Index staging; held for the whole of an op, from staging to launch, so no other
     /// thread can recycle the slot in between.
     staging: Mutex<Staging>,
+    /// Where small downloads land (staging.rs); never locked with `staging`.
+    bounce: Mutex<staging::Bounce>,
     /// Partial results of split attention, of a fixed size (attention.rs); locked after
     /// `staging`.
     scratch: Mutex<CudaBuffer>,
@@ -130,7 +132,13 @@ impl CudaBackend {
         })?;
         let nvml = nvml::pci_bus_id(ctx.cu_device()).and_then(|bus| nvml::Nvml::open(&bus));
         let device = Arc::new(Device::new(ctx, stream, format!("cuda:{ordinal} {gpu}")));
-        let staging = Mutex::new(Staging::new(&device)?);
+        let dependent_launches =
+            cc.0 >= 9 && std::env::var_os("TETHER_PDL").is_none_or(|v| v != "0");
+        let copy_in = kernels
+            .get("copy_in")
+            .ok()
+            .map(|k| (k.function.clone(), k.dependent_launch && dependent_launches));
+        let staging = Mutex::new(Staging::new(&device, staging::Copier::new(copy_in))?);
         let xq = Mutex::new(matvec::Xq::new(device.alloc(matvec::XQ_BYTES)?));
         let gemm_ws = Mutex::new(GemmWorkspace::new(&device)?);
         let scratch = Mutex::new(device.alloc(attention::SCRATCH_BYTES)?);
@@ -138,14 +146,14 @@ impl CudaBackend {
             device,
             kernels,
             staging,
+            bounce: Mutex::default(),
             scratch,
             xq,
             capture,
             step: Mutex::new(()),
             write_epoch: AtomicU64::new(0),
             sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
-            dependent_launches: cc.0 >= 9
-                && std::env::var_os("TETHER_PDL").is_none_or(|v| v != "0"),
+            dependent_launches,
             gemm_ws,
             nvml,
         })

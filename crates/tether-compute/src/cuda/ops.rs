@@ -12,6 +12,7 @@ use super::gemm::GEMM_MIN_TOKENS;
 use super::graph::Cmd;
 use super::launch::{Arg, grid_for, int};
 use super::matvec::MatmulArgs;
+use super::staging;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
 use crate::cuda::device::driver_err;
@@ -146,7 +147,6 @@ impl Backend for CudaBackend {
             ));
         }
         self.wrote();
-        self.device.flush_recorded()?;
         need(
             "upload",
             "destination buffer",
@@ -157,6 +157,10 @@ impl Backend for CudaBackend {
         if src.is_empty() {
             return Ok(());
         }
+        if self.lock_staging().record_upload(at, src)? {
+            return Ok(());
+        }
+        self.device.flush_recorded()?;
         self.device.bind()?;
         // SAFETY: the range is inside `dst` (checked). For pageable host memory the driver
         // has copied `src` into its own staging before returning, so `src` may go after.
@@ -177,6 +181,10 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.device.bind()?;
+        if dst.len() <= staging::BOUNCE_MAX {
+            let mut bounce = self.bounce.lock().unwrap_or_else(|p| p.into_inner());
+            return bounce.download(&self.device, at, dst);
+        }
         // SAFETY: the range is inside `src` (checked); the stream is synchronized below
         // before `dst` is handed back.
         unsafe { result::memcpy_dtoh_async(dst, at, self.device.stream.cu_stream()) }

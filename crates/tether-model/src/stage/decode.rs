@@ -4,7 +4,7 @@
 use tether_compute::Backend;
 
 use super::Stage;
-use super::forward::{REPLAY_MAX_TOKENS, as_bytes, as_bytes_mut, head_scratch_missing, need_len};
+use super::forward::{REPLAY_MAX_TOKENS, as_bytes_mut, head_scratch_missing, need_len};
 use crate::error::{ModelError, compute};
 use crate::kv::BatchToken;
 
@@ -123,19 +123,16 @@ impl<B: Backend> Stage<B> {
         if n == 0 {
             return Ok(());
         }
-        match source {
+        self.layers_on_device(batch, |stage| match source {
             Source::Table(t, ids) => {
-                let w = &self.weights[t];
-                self.backend
-                    .get_rows(&w.buf, w.ty, e, ids, &mut self.scratch.hidden)
-                    .map_err(compute("embedding lookup"))?;
+                let w = &stage.weights[t];
+                stage
+                    .backend
+                    .get_rows(&w.buf, w.ty, e, ids, &mut stage.scratch.hidden)
+                    .map_err(compute("embedding lookup"))
             }
-            Source::Host(h) => self
-                .backend
-                .upload(&mut self.scratch.hidden, 0, as_bytes(h))
-                .map_err(compute("uploading hidden states"))?,
-        }
-        self.layers_on_device(batch)?;
+            Source::Host(h) => stage.upload_hidden(h),
+        })?;
         self.kv.commit(lens);
         match sink {
             Sink::Hidden(h) => self

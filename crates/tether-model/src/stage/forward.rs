@@ -82,10 +82,7 @@ impl<B: Backend> Stage<B> {
         let lens = self.kv.check_batch(batch)?;
         let ub = self.spec.ubatch;
         for (toks, h) in batch.chunks(ub).zip(hidden.chunks_mut(ub * e)) {
-            self.backend
-                .upload(&mut self.scratch.hidden, 0, as_bytes(h))
-                .map_err(compute("uploading hidden states"))?;
-            self.layers_on_device(toks)?;
+            self.layers_on_device(toks, |stage| stage.upload_hidden(h))?;
             self.backend
                 .download(&self.scratch.hidden, 0, as_bytes_mut(h))
                 .map_err(compute("downloading hidden states"))?;
@@ -94,9 +91,22 @@ impl<B: Backend> Stage<B> {
         Ok(())
     }
 
-    /// Runs the tokens of one micro-batch, whose hidden states are in `scratch.hidden`,
-    /// through every layer, writing their keys and values into their cells.
-    pub(super) fn layers_on_device(&mut self, toks: &[BatchToken]) -> Result<(), ModelError> {
+    /// Copies `h` into `scratch.hidden`.
+    pub(super) fn upload_hidden(&mut self, h: &[f32]) -> Result<(), ModelError> {
+        self.backend
+            .upload(&mut self.scratch.hidden, 0, as_bytes(h))
+            .map_err(compute("uploading hidden states"))
+    }
+
+    /// Runs `input`, which puts the hidden states of one micro-batch in `scratch.hidden`,
+    /// then the tokens through every layer, writing their keys and values into their cells.
+    /// A replayed step holds the input too, so the GPU starts on it with the step's first
+    /// piece instead of the host waiting for it alone.
+    pub(super) fn layers_on_device(
+        &mut self,
+        toks: &[BatchToken],
+        input: impl FnOnce(&mut Self) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
         let mut positions = Vec::with_capacity(toks.len());
         let mut cells = Vec::with_capacity(toks.len());
         let mut spans = Vec::with_capacity(toks.len());
@@ -112,11 +122,13 @@ impl<B: Backend> Stage<B> {
             let mut replays = std::mem::take(&mut self.replays);
             let backend = self.backend.clone();
             let step = backend.replay(&mut replays, toks.len() as u64, || {
+                input(self)?;
                 (0..self.layers.len()).try_for_each(|i| self.layer(i, &positions, &cells, &spans))
             });
             self.replays = replays;
             step.map_err(compute("running a recorded decode step"))??;
         } else {
+            input(self)?;
             for i in 0..self.layers.len() {
                 self.layer(i, &positions, &cells, &spans)?;
             }
