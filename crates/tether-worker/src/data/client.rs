@@ -149,12 +149,13 @@ impl DataLink {
         let token = token.map(|t| t.expose().as_bytes()).unwrap_or_default();
         conn.write_all(&frame::encode_hello(session, token))
             .map_err(io)?;
-        let body = read_frame(&mut conn, 64 * 1024, within).map_err(|e| match e {
-            FrameError::TooLong(n) => {
-                ClientError::protocol(op, worker, format!("a {n}-byte welcome"))
-            }
-            FrameError::Io(e) => io(e),
-        })?;
+        let body =
+            read_frame(&mut conn, 64 * 1024, within, Duration::ZERO).map_err(|e| match e {
+                FrameError::TooLong(n) => {
+                    ClientError::protocol(op, worker, format!("a {n}-byte welcome"))
+                }
+                FrameError::Io(e) => io(e),
+            })?;
         match frame::decode_welcome(&body) {
             Ok(Ok(spin)) => Ok((conn, spin)),
             Ok(Err(refusal)) => Err(refused(op, worker, refusal)),
@@ -242,13 +243,15 @@ impl DataLink {
             },
         )?;
         // Replies are bounded by what was asked, far below this.
-        let body = read_frame(&mut stream, usize::MAX >> 1, FRAME_WITHIN).map_err(|e| match e {
-            FrameError::TooLong(n) => {
-                self.broken.store(true, Ordering::SeqCst);
-                ClientError::protocol(op, worker, format!("a {n}-byte reply"))
-            }
-            FrameError::Io(e) => io(e),
-        })?;
+        let body = read_frame(&mut stream, usize::MAX >> 1, FRAME_WITHIN, self.spin).map_err(
+            |e| match e {
+                FrameError::TooLong(n) => {
+                    self.broken.store(true, Ordering::SeqCst);
+                    ClientError::protocol(op, worker, format!("a {n}-byte reply"))
+                }
+                FrameError::Io(e) => io(e),
+            },
+        )?;
         drop(stream);
         let out = match frame::decode_output(&body) {
             Ok(Ok(out)) => out,

@@ -32,13 +32,6 @@ impl Conn {
         }
     }
 
-    pub(crate) fn set_nonblocking(&self, on: bool) -> io::Result<()> {
-        match self {
-            Self::Tcp(s) => s.set_nonblocking(on),
-            Self::Unix(s) => s.set_nonblocking(on),
-        }
-    }
-
     pub(crate) fn try_clone(&self) -> io::Result<Self> {
         Ok(match self {
             Self::Tcp(s) => Self::Tcp(s.try_clone()?),
@@ -75,6 +68,19 @@ impl Conn {
 
     /// The process id at the other end of a Unix socket, as the kernel recorded it when
     /// the connection was made (SO_PEERCRED).
+    /// One `recv` that never blocks (`WouldBlock` when nothing is there); with `peek` the
+    /// bytes stay queued. Spinning waits use it, so the socket's mode never changes.
+    pub(crate) fn recv_now(&self, buf: &mut [u8], peek: bool) -> io::Result<usize> {
+        let fd = match self {
+            Self::Tcp(s) => s.as_raw_fd(),
+            Self::Unix(s) => s.as_raw_fd(),
+        };
+        let flags = libc::MSG_DONTWAIT | if peek { libc::MSG_PEEK } else { 0 };
+        // SAFETY: `buf` is valid for `buf.len()` bytes of writes for the call's duration.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), flags) };
+        usize::try_from(n).map_err(|_| io::Error::last_os_error())
+    }
+
     pub(crate) fn peer_pid(&self) -> io::Result<u32> {
         let Self::Unix(s) = self else {
             return Err(io::Error::other("a TCP socket has no peer process"));

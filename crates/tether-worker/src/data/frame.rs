@@ -80,7 +80,15 @@ pub(crate) struct Writer(Vec<u8>);
 
 impl Writer {
     pub(crate) fn new() -> Self {
-        Self(vec![0; 4])
+        Self::with_room(0)
+    }
+
+    /// A writer with room for `bytes` of body, so a frame of hidden states is written
+    /// without growing its buffer.
+    fn with_room(bytes: usize) -> Self {
+        let mut v = Vec::with_capacity(bytes + 64);
+        v.extend_from_slice(&[0; 4]);
+        Self(v)
     }
 
     fn u8(&mut self, v: u8) -> &mut Self {
@@ -108,9 +116,8 @@ impl Writer {
 
     fn f32s(&mut self, v: &[f32]) -> &mut Self {
         self.len_of(v.len());
-        for x in v {
-            self.0.extend_from_slice(&x.to_le_bytes());
-        }
+        self.0.reserve(v.len() * 4);
+        self.0.extend(v.iter().flat_map(|x| x.to_le_bytes()));
         self
     }
 
@@ -183,7 +190,11 @@ impl<'a> Reader<'a> {
     }
 
     fn f32s(&mut self) -> Result<Vec<f32>, WorkerError> {
-        Ok(self.u32s()?.into_iter().map(f32::from_bits).collect())
+        let n = self.count(4)?;
+        let b = self.take(n * 4)?;
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
 
     fn text(&mut self) -> String {
@@ -295,7 +306,11 @@ pub(crate) fn decode_welcome(body: &[u8]) -> Result<Result<Duration, Refusal>, W
 }
 
 pub(crate) fn encode_forward(call: &ForwardCall) -> Vec<u8> {
-    let mut w = Writer::new();
+    let input = match &call.input {
+        ForwardInput::TokenIds(ids) => ids.len(),
+        ForwardInput::Hidden(h) => h.len(),
+    };
+    let mut w = Writer::with_room(4 * (input + call.logits_rows.len() + 2 * call.tokens.len()));
     w.u8(OP_FORWARD).len_of(call.tokens.len());
     for t in &call.tokens {
         w.u32(t.seq).u32(t.pos);
@@ -360,7 +375,13 @@ pub(crate) fn decode_forward(body: &[u8]) -> Result<ForwardCall, WorkerError> {
 }
 
 pub(crate) fn encode_output(result: &Result<ForwardOutput, WorkerError>) -> Vec<u8> {
-    let mut w = Writer::new();
+    let values = match result {
+        Ok(ForwardOutput::Hidden(v) | ForwardOutput::Logits(v)) => v.len(),
+        Ok(ForwardOutput::ArgMax(ids)) => ids.len(),
+        Ok(ForwardOutput::Top { counts, candidates }) => counts.len() + 2 * candidates.len(),
+        Err(_) => 0,
+    };
+    let mut w = Writer::with_room(4 * values);
     match result {
         Ok(ForwardOutput::Hidden(h)) => w.u8(Status::Ok as u8).u8(OUT_HIDDEN).f32s(h),
         Ok(ForwardOutput::Logits(l)) => w.u8(Status::Ok as u8).u8(OUT_LOGITS).f32s(l),

@@ -224,7 +224,13 @@ impl Link {
                 }
                 Err(WaitEnd::Closed | WaitEnd::GaveUp) => return,
             }
-            let body = match read_frame(&mut stream, self.options.max_frame_bytes, FRAME_WITHIN) {
+            let read = read_frame(
+                &mut stream,
+                self.options.max_frame_bytes,
+                FRAME_WITHIN,
+                self.options.spin,
+            );
+            let body = match read {
                 Ok(b) => b,
                 Err(FrameError::TooLong(n)) => {
                     let e = WorkerError::InvalidArgument(format!(
@@ -244,7 +250,7 @@ impl Link {
 
     /// Reads the hello and answers it; the session, when the link may serve it.
     fn welcome(&self, stream: &mut Conn) -> Option<SessionId> {
-        let body = match read_frame(stream, 64 + 4096, HELLO_WITHIN) {
+        let body = match read_frame(stream, 64 + 4096, HELLO_WITHIN, Duration::ZERO) {
             Ok(body) => body,
             Err(FrameError::TooLong(_)) => {
                 // An HTTP request, say: its first four bytes read as a huge length.

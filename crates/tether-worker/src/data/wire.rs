@@ -29,25 +29,20 @@ pub(crate) fn wait_for_frame(
 ) -> Result<(), WaitEnd> {
     let mut probe = [0u8; 1];
     if !spin.is_zero() {
-        stream.set_nonblocking(true).map_err(WaitEnd::Io)?;
         let started = Instant::now();
-        let seen = loop {
-            match stream.peek(&mut probe) {
-                Ok(0) => break Some(Err(WaitEnd::Closed)),
-                Ok(_) => break Some(Ok(())),
+        loop {
+            match stream.recv_now(&mut probe, true) {
+                Ok(0) => return Err(WaitEnd::Closed),
+                Ok(_) => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     if started.elapsed() >= spin {
-                        break None;
+                        break;
                     }
                     std::hint::spin_loop();
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => break Some(Err(WaitEnd::Io(e))),
+                Err(e) => return Err(WaitEnd::Io(e)),
             }
-        };
-        stream.set_nonblocking(false).map_err(WaitEnd::Io)?;
-        if let Some(seen) = seen {
-            return seen;
         }
     }
     stream.set_read_timeout(Some(POLL)).map_err(WaitEnd::Io)?;
@@ -81,23 +76,54 @@ pub(crate) enum FrameError {
     Io(io::Error),
 }
 
+/// Longest a reader spins for the rest of a frame that has begun to arrive.
+const MID_FRAME_SPIN: Duration = Duration::from_millis(1);
+
 /// Reads one frame's body, refusing one over `max` bytes. The peer sends each frame with a
-/// single write, so `within` only trips on a peer that stopped mid-frame.
+/// single write, so `within` only trips on a peer that stopped mid-frame. With a non-zero
+/// `spin` the rest of a frame that has begun to arrive is awaited spinning (for at most
+/// [`MID_FRAME_SPIN`]): a frame of hidden states arrives in pieces, and a thread put to
+/// sleep between them costs more than the whole transfer.
 pub(crate) fn read_frame(
     stream: &mut Conn,
     max: usize,
     within: Duration,
+    spin: Duration,
 ) -> Result<Vec<u8>, FrameError> {
-    stream
-        .set_read_timeout(Some(within))
-        .map_err(FrameError::Io)?;
+    let spin = spin.min(MID_FRAME_SPIN);
     let mut len = [0u8; 4];
-    stream.read_exact(&mut len).map_err(FrameError::Io)?;
+    fill(stream, &mut len, within, spin).map_err(FrameError::Io)?;
     let len = u32::from_le_bytes(len) as usize;
     if len > max {
         return Err(FrameError::TooLong(len));
     }
     let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).map_err(FrameError::Io)?;
+    fill(stream, &mut body, within, spin).map_err(FrameError::Io)?;
     Ok(body)
+}
+
+/// Fills `buf`: non-blocking reads while `spin` lasts, then blocking ones that give up after
+/// `within`.
+fn fill(stream: &mut Conn, buf: &mut [u8], within: Duration, spin: Duration) -> io::Result<()> {
+    let started = Instant::now();
+    let mut got = 0;
+    while got < buf.len() && !spin.is_zero() {
+        match stream.recv_now(&mut buf[got..], false) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if started.elapsed() >= spin {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if got < buf.len() {
+        stream.set_read_timeout(Some(within))?;
+        stream.read_exact(&mut buf[got..])?;
+    }
+    Ok(())
 }
