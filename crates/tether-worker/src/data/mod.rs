@@ -56,3 +56,5 @@ pub fn hello_body(session: SessionId, token: &[u8]) -> Vec<u8> {
 
 #[cfg(test)]
 mod frame_tests;
+#[cfg(test)]
+mod wire_tests;
