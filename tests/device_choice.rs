@@ -1,5 +1,6 @@
 //! `--device` on a machine without a CUDA GPU (CI): `auto` (the default) runs on the cpu,
-//! and naming a GPU exits non-zero with a message, never a panic.
+//! and naming a GPU exits non-zero with a message, never a panic; `bench --pipeline` on the
+//! cpu gives a row per worker count.
 
 mod support;
 
@@ -64,5 +65,58 @@ fn without_a_gpu_auto_uses_the_cpu_and_cuda_is_a_clear_error() {
     assert!(
         !ok && text.contains("unknown device"),
         "bench --device gpu:\n{text}"
+    );
+}
+
+/// The cells of the `| tgN | workers | ...` row of a `bench --pipeline` table.
+fn tg_row(text: &str, workers: &str) -> Vec<String> {
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("| tg4 |") && l.split('|').nth(2).map(str::trim) == Some(workers))
+        .unwrap_or_else(|| panic!("no tg4 row for {workers} worker(s) in:\n{text}"));
+    row.split('|').map(|c| c.trim().to_string()).collect()
+}
+
+#[test]
+fn bench_pipeline_gives_every_worker_count_a_row_against_the_first() {
+    if tether_compute::cuda::device_count() > 0 {
+        // On a GPU machine `auto` picks the GPU; the GPU scripts run this bench there.
+        return;
+    }
+    let model = TinyModel::new();
+    let bench = [
+        "bench",
+        "--model",
+        model.arg(),
+        "--pipeline",
+        "1,2",
+        "-p",
+        "4",
+        "-n",
+        "4",
+        "-r",
+        "2",
+    ];
+    let (ok, text) = tether(&bench);
+    assert!(ok, "bench --pipeline 1,2 failed:\n{text}");
+    let number = |cell: &str| -> f64 {
+        cell.parse()
+            .unwrap_or_else(|_| panic!("{cell:?} is not a number in:\n{text}"))
+    };
+    let one = tg_row(&text, "1");
+    let two = tg_row(&text, "2");
+    // Cells: "", test, workers, t/s, ±, ratio, ms in blocks, ms between, "".
+    assert_eq!(one[5], "1.000", "the first count is the reference:\n{text}");
+    for row in [&one, &two] {
+        let (rate, ratio, inside) = (number(&row[3]), number(&row[5]), number(&row[6]));
+        assert!(rate > 0.0 && rate.is_finite(), "{row:?}");
+        assert!(ratio > 0.0 && ratio.is_finite(), "{row:?}");
+        assert!(inside > 0.0 && inside.is_finite(), "{row:?}");
+    }
+    let ratio = number(&two[5]);
+    let expected = number(&two[3]) / number(&one[3]);
+    assert!(
+        (ratio - expected).abs() < 2e-3,
+        "the ratio {ratio} is not the rates' {expected}:\n{text}"
     );
 }

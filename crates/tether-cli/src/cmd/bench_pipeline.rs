@@ -1,7 +1,7 @@
 //! `tether bench --pipeline 1,2`: the cost of splitting a model over workers — prompt and
 //! decode tokens/s through the coordinator with 1, 2, ... embedded workers (real gRPC on
-//! loopback) on the device `--device` names, measured in one run so the rows compare as a
-//! ratio.
+//! loopback) on the device `--device` names, measured in one run, the counts taking turns
+//! repetition by repetition, so the rows compare as a ratio.
 
 use crate::cmd::bench::BenchArgs;
 use crate::cmd::local::DEMO_LABEL;
@@ -41,14 +41,17 @@ pub fn run(args: &BenchArgs, counts: &[usize]) -> Result<()> {
         counts[0]
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    let mut rows = Vec::new();
-    for &n in counts {
-        let samples = runtime.block_on(measure(args, &model, n))?;
-        let pp: Vec<f64> = samples.iter().map(|s| s.0).collect();
-        let tg: Vec<f64> = samples.iter().map(|s| s.1).collect();
-        let inside = samples.iter().map(|s| s.2).sum::<f64>() / samples.len() as f64;
-        rows.push((n, pp, tg, inside));
-    }
+    let samples = runtime.block_on(measure_interleaved(args, &model, counts))?;
+    let rows: Vec<_> = counts
+        .iter()
+        .zip(samples)
+        .map(|(&n, samples)| {
+            let pp: Vec<f64> = samples.iter().map(|s| s.0).collect();
+            let tg: Vec<f64> = samples.iter().map(|s| s.1).collect();
+            let inside = samples.iter().map(|s| s.2).sum::<f64>() / samples.len().max(1) as f64;
+            (n, pp, tg, inside)
+        })
+        .collect();
     let tables = [
         (format!("pp{}", args.n_prompt), 1, args.n_prompt > 0),
         (format!("tg{}", args.n_gen), 2, true),
@@ -87,46 +90,94 @@ fn ctx(args: &BenchArgs) -> usize {
     args.n_prompt + args.n_gen + 2
 }
 
-/// Prompt rates (prompt tokens over the time to the first token) and decode rates (tokens/s
-/// after the first token) of `repetitions` greedy generations through `n` embedded workers,
-/// after one warm-up.
-async fn measure(
+/// Prompt rates (prompt tokens over the time to the first token), decode rates (tokens/s
+/// after the first token) and ms a token inside the blocks, of `repetitions` greedy
+/// generations through each count of embedded workers, after one warm-up each. Every
+/// count's workers stay loaded and the repetitions take turns (1, 2, 1, 2, ...), so a
+/// machine that drifts during the run moves every row alike instead of the last one.
+async fn measure_interleaved(
     args: &BenchArgs,
     model: &std::sync::Arc<ModelFile>,
-    n: usize,
-) -> Result<Vec<(f64, f64, f64)>> {
-    // The workers share the GPUs `--device` names in turn (two on `cuda:0` both use GPU
-    // 0); with none named they are cpu workers.
-    let options = LocalOptions {
-        threads: args.device.threads,
-        max_memory: None,
-        gpus: gpus_named(&args.device.device)?,
-    };
-    let workers = LocalWorkers::start(n, &options).await?;
-    let mut config = CoordinatorConfig {
-        ctx_per_seq: ctx(args),
-        parallel: 1,
-        ubatch: args.device.ubatch,
-        cache_k: args.cache.k(),
-        cache_v: args.cache.v(),
-        ..CoordinatorConfig::new(model, workers.addrs())
-    };
-    config.load.data_links = !args.grpc_forward;
-    let coordinator = Coordinator::start(model.clone(), config).await?;
+    counts: &[usize],
+) -> Result<Vec<Vec<(f64, f64, f64)>>> {
+    let mut setups = Vec::with_capacity(counts.len());
+    for &n in counts {
+        setups.push(Setup::start(args, model, n).await?);
+    }
     let vocab = model.config().n_vocab.max(2) as u64;
     // Any ids work for timing; token 0 is avoided only because it is often padding.
     let prompt: Vec<u32> = (0..args.n_prompt.max(1) as u64)
         .map(|i| (1 + i * 7919 % (vocab - 1)) as u32)
         .collect();
-    let mut rates = Vec::new();
-    for i in 0..=args.repetitions {
+    let mut rates = vec![Vec::new(); setups.len()];
+    let mut failed = None;
+    'runs: for i in 0..=args.repetitions {
+        for (setup, rates) in setups.iter().zip(rates.iter_mut()) {
+            match setup.generate(args, &prompt).await {
+                // The first round warms every setup up.
+                Ok(sample) if i > 0 => rates.push(sample),
+                Ok(_) => {}
+                Err(e) => {
+                    failed = Some(e);
+                    break 'runs;
+                }
+            }
+        }
+    }
+    for setup in setups {
+        setup.shutdown().await;
+    }
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(rates),
+    }
+}
+
+/// `n` embedded workers and a coordinator that has loaded the model over them.
+struct Setup {
+    n: usize,
+    workers: LocalWorkers,
+    coordinator: Coordinator,
+}
+
+impl Setup {
+    async fn start(args: &BenchArgs, model: &std::sync::Arc<ModelFile>, n: usize) -> Result<Self> {
+        // The workers share the GPUs `--device` names in turn (two on `cuda:0` both use
+        // GPU 0); with none named they are cpu workers.
+        let options = LocalOptions {
+            threads: args.device.threads,
+            max_memory: None,
+            gpus: gpus_named(&args.device.device)?,
+        };
+        let workers = LocalWorkers::start(n, &options).await?;
+        let mut config = CoordinatorConfig {
+            ctx_per_seq: ctx(args),
+            parallel: 1,
+            ubatch: args.device.ubatch,
+            cache_k: args.cache.k(),
+            cache_v: args.cache.v(),
+            ..CoordinatorConfig::new(model, workers.addrs())
+        };
+        config.load.data_links = !args.grpc_forward;
+        let coordinator = Coordinator::start(model.clone(), config).await?;
+        Ok(Self {
+            n,
+            workers,
+            coordinator,
+        })
+    }
+
+    /// One greedy generation: its prompt rate, decode rate and ms a token in the blocks.
+    async fn generate(&self, args: &BenchArgs, prompt: &[u32]) -> Result<(f64, f64, f64)> {
+        let n = self.n;
         let submitted = Instant::now();
-        let mut events = coordinator.submit(GenRequest {
-            prompt: prompt.clone(),
+        let mut events = self.coordinator.submit(GenRequest {
+            prompt: prompt.to_vec(),
             max_tokens: args.n_gen,
             sampling: SamplingParams::greedy(),
             deadline: None,
         })?;
+        let workers = &self.workers;
         let (mut first, mut tokens, mut inside_from) = (None, 0usize, workers.forward_time());
         loop {
             match events.recv().await {
@@ -150,14 +201,14 @@ async fn measure(
                 "generation ended after {tokens} token(s); use a model that does not stop at once"
             );
         }
-        if i > 0 {
-            let pp = prompt.len() as f64 / (first - submitted).as_secs_f64();
-            let decode = (tokens - 1) as f64;
-            let inside = (workers.forward_time() - inside_from).as_secs_f64() * 1e3 / decode;
-            rates.push((pp, decode / first.elapsed().as_secs_f64(), inside));
-        }
+        let pp = prompt.len() as f64 / (first - submitted).as_secs_f64();
+        let decode = (tokens - 1) as f64;
+        let inside = (workers.forward_time() - inside_from).as_secs_f64() * 1e3 / decode;
+        Ok((pp, decode / first.elapsed().as_secs_f64(), inside))
     }
-    coordinator.shutdown().await;
-    workers.shutdown().await;
-    Ok(rates)
+
+    async fn shutdown(self) {
+        self.coordinator.shutdown().await;
+        self.workers.shutdown().await;
+    }
 }
