@@ -26,6 +26,14 @@ fn call(ids: Vec<u32>, rows: &[u32], want: Rows) -> ForwardCall {
     }
 }
 
+/// `c` over gRPC, the reference a link's answer must equal.
+async fn by_grpc(client: &WorkerClient, session: SessionId, c: &ForwardCall) -> ForwardOutput {
+    client
+        .forward(session, &c.tokens, &c.input, &c.logits_rows, c.rows)
+        .await
+        .expect("grpc forward")
+}
+
 fn data_addr(client: &WorkerClient) -> SocketAddr {
     let port = client.info().data_port;
     assert_ne!(port, 0, "the worker advertises a data port in Hello");
@@ -81,10 +89,7 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
             // Each pass writes the same cells with the same values, so order is free.
             let by_link = link.forward(&c).expect("link forward");
             assert_eq!(tcp.forward(&c).expect("tcp link forward"), by_link);
-            let by_grpc = client
-                .forward(session.id(), &c.tokens, &c.input, &rows, want)
-                .await
-                .expect("grpc forward");
+            let by_grpc = by_grpc(&client, session.id(), &c).await;
             assert_eq!(by_link, by_grpc, "rows {rows:?} {want:?}");
             if rows.is_empty() {
                 assert!(matches!(by_link, ForwardOutput::Hidden(ref h) if !h.is_empty()));
@@ -217,11 +222,10 @@ fn garbage_on_the_data_port_is_refused_and_the_worker_goes_on() {
         // The worker still serves the session, over gRPC and over a new link.
         let fresh = open(&client, session.id(), None);
         let c = call(vec![5, 6], &[1], Rows::ArgMax);
-        let by_grpc = client
-            .forward(session.id(), &c.tokens, &c.input, &c.logits_rows, c.rows)
-            .await
-            .expect("grpc");
-        assert_eq!(fresh.forward(&c).expect("fresh link"), by_grpc);
+        assert_eq!(
+            fresh.forward(&c).expect("fresh link"),
+            by_grpc(&client, session.id(), &c).await
+        );
         session.close().await;
     });
 }
@@ -305,11 +309,10 @@ fn a_same_host_socket_of_another_process_is_not_trusted() {
             .expect("link");
         assert!(!link.same_host(), "the squatter's socket was used");
         let c = call(vec![2, 3], &[1], Rows::ArgMax);
-        let by_grpc = client
-            .forward(session.id(), &c.tokens, &c.input, &c.logits_rows, c.rows)
-            .await
-            .expect("grpc");
-        assert_eq!(link.forward(&c).expect("tcp"), by_grpc);
+        assert_eq!(
+            link.forward(&c).expect("tcp"),
+            by_grpc(&client, session.id(), &c).await
+        );
         session.close().await;
     });
     // The squatter was reached (the client looked) but never heard a hello.

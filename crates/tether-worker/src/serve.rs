@@ -66,7 +66,7 @@ fn forward_on(staged: &mut OwnedStage, call: ForwardCall) -> Result<(ForwardOutp
 }
 
 impl SessionRegistry {
-    pub(crate) fn serving_slot(&self, session: SessionId, what: &str) -> Result<ServingSlot> {
+    fn serving_slot(&self, session: SessionId, what: &str) -> Result<ServingSlot> {
         let inner = self.lock();
         let s = inner
             .sessions

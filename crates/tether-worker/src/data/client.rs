@@ -4,10 +4,10 @@
 //! request and reply are one write and one read each.
 
 use super::conn::{Conn, unix_name};
-use super::frame::{self, Refusal, Status};
-use super::wire::{FrameError, WaitEnd, read_frame, wait_for_frame};
+use super::frame::{self, Refusal};
+use super::wire::{FRAME_WITHIN, FrameError, WaitEnd, read_frame, wait_for_frame};
 
-use crate::client::{ClientError, ErrorKind, check_reply};
+use crate::client::{ClientError, check_reply};
 use crate::error::WorkerError;
 use crate::ids::SessionId;
 use crate::serve::ForwardCall;
@@ -19,9 +19,6 @@ use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
-
-/// How long a reply's rest may take once its first byte came.
-const FRAME_WITHIN: Duration = Duration::from_secs(30);
 
 /// A data link to one session on one worker.
 pub struct DataLink {
@@ -43,19 +40,6 @@ impl std::fmt::Debug for DataLink {
             .field("worker", &self.worker)
             .field("spin", &self.spin)
             .finish()
-    }
-}
-
-fn kind_of(status: Status) -> ErrorKind {
-    match status {
-        Status::NotFound => ErrorKind::NotFound,
-        Status::InvalidArgument => ErrorKind::InvalidArgument,
-        Status::FailedPrecondition => ErrorKind::FailedPrecondition,
-        Status::ResourceExhausted => ErrorKind::ResourceExhausted,
-        Status::Unavailable => ErrorKind::Unavailable,
-        Status::Aborted => ErrorKind::Aborted,
-        Status::Unauthenticated => ErrorKind::Unauthenticated,
-        Status::Ok | Status::Internal => ErrorKind::Internal,
     }
 }
 
@@ -264,10 +248,5 @@ impl DataLink {
 }
 
 fn refused(op: &'static str, worker: &str, r: Refusal) -> ClientError {
-    ClientError::Rpc {
-        op,
-        addr: worker.to_string(),
-        kind: kind_of(r.status),
-        message: r.message,
-    }
+    ClientError::rpc(op, worker, &r.into_status())
 }

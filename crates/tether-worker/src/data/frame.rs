@@ -1,6 +1,8 @@
 //! The data link's wire format. Every frame is a little-endian `u32` body length and the
 //! body. The client opens with a hello (magic, session id, token) and the worker answers
-//! with a status; after that each request frame gets exactly one reply frame.
+//! with a status; after that each request frame gets exactly one reply frame. A status is a
+//! gRPC code in one byte (0 is success), so an error reaches the client with the kind a
+//! gRPC call would give it.
 //!
 //! Decoding checks every count against the bytes that remain before it allocates, so a
 //! hostile frame costs at most its own length.
@@ -8,12 +10,14 @@
 use crate::error::WorkerError;
 use crate::ids::SessionId;
 use crate::serve::ForwardCall;
+use crate::service::convert::code_of;
 use crate::stage::{ForwardInput, ForwardOutput, Rows, TokenPos};
 use std::time::Duration;
+use tonic::Code;
 use uuid::Uuid;
 
 /// First bytes of a hello; the digit is the link's protocol version.
-pub(crate) const MAGIC: &[u8; 4] = b"TTD1";
+pub(crate) const MAGIC: &[u8; 4] = b"TTD2";
 /// Longest token a hello may carry.
 const MAX_TOKEN_BYTES: usize = 4096;
 
@@ -27,53 +31,6 @@ const OUT_HIDDEN: u8 = 0;
 const OUT_LOGITS: u8 = 1;
 const OUT_ARGMAX: u8 = 2;
 const OUT_TOP: u8 = 3;
-
-/// A status byte: 0 is success, the rest say which kind of error follows as text.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Status {
-    Ok = 0,
-    NotFound = 1,
-    InvalidArgument = 2,
-    FailedPrecondition = 3,
-    ResourceExhausted = 4,
-    Unavailable = 5,
-    Aborted = 6,
-    Internal = 7,
-    Unauthenticated = 8,
-}
-
-impl Status {
-    fn from_byte(b: u8) -> Option<Self> {
-        Some(match b {
-            0 => Self::Ok,
-            1 => Self::NotFound,
-            2 => Self::InvalidArgument,
-            3 => Self::FailedPrecondition,
-            4 => Self::ResourceExhausted,
-            5 => Self::Unavailable,
-            6 => Self::Aborted,
-            7 => Self::Internal,
-            8 => Self::Unauthenticated,
-            _ => return None,
-        })
-    }
-
-    pub(crate) fn of(e: &WorkerError) -> Self {
-        match e {
-            WorkerError::NotFound(_) => Self::NotFound,
-            WorkerError::InvalidArgument(_) => Self::InvalidArgument,
-            WorkerError::FailedPrecondition(_) | WorkerError::LocalFile(_) => {
-                Self::FailedPrecondition
-            }
-            WorkerError::ResourceExhausted { .. } | WorkerError::OverLimit(_) => {
-                Self::ResourceExhausted
-            }
-            WorkerError::Unavailable(_) => Self::Unavailable,
-            WorkerError::Aborted(_) => Self::Aborted,
-            WorkerError::Internal(_) => Self::Internal,
-        }
-    }
-}
 
 /// A frame's body, built in place behind room for its length.
 pub(crate) struct Writer(Vec<u8>);
@@ -257,22 +214,29 @@ pub(crate) fn decode_hello(body: &[u8]) -> Result<Hello, WorkerError> {
 
 /// The worker's answer to a hello: how long its side spins for the next request (the
 /// client spins as long for replies), or why the link is refused.
-pub(crate) fn encode_welcome(result: Result<Duration, (Status, String)>) -> Vec<u8> {
+pub(crate) fn encode_welcome(result: Result<Duration, (Code, String)>) -> Vec<u8> {
     let mut w = Writer::new();
     match result {
         Ok(spin) => w
-            .u8(Status::Ok as u8)
+            .u8(Code::Ok as u8)
             .u32(u32::try_from(spin.as_micros()).unwrap_or(u32::MAX)),
-        Err((status, message)) => w.u8(status as u8).bytes(message.as_bytes()),
+        Err((code, message)) => w.u8(code as u8).bytes(message.as_bytes()),
     };
     w.finish()
 }
 
-/// An error a worker sent, with its status.
+/// An error a worker sent, with its code.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Refusal {
-    pub status: Status,
+    pub code: Code,
     pub message: String,
+}
+
+impl Refusal {
+    /// As the gRPC status a Forward call would have failed with.
+    pub(crate) fn into_status(self) -> tonic::Status {
+        tonic::Status::new(self.code, self.message)
+    }
 }
 
 /// Decodes a reply's status: `Ok(Ok(reader))` for success with the rest to read,
@@ -283,13 +247,17 @@ fn status<'a>(
 ) -> Result<Result<Reader<'a>, Refusal>, WorkerError> {
     let mut r = Reader::new(body, what);
     let b = r.u8()?;
-    let status = Status::from_byte(b)
-        .ok_or_else(|| WorkerError::InvalidArgument(format!("{what}: unknown status {b}")))?;
-    if status == Status::Ok {
+    let code = Code::from(i32::from(b));
+    if code == Code::Unknown && b != Code::Unknown as u8 {
+        return Err(WorkerError::InvalidArgument(format!(
+            "{what}: unknown status {b}"
+        )));
+    }
+    if code == Code::Ok {
         return Ok(Ok(r));
     }
     Ok(Err(Refusal {
-        status,
+        code,
         message: r.text(),
     }))
 }
@@ -383,18 +351,18 @@ pub(crate) fn encode_output(result: &Result<ForwardOutput, WorkerError>) -> Vec<
     };
     let mut w = Writer::with_room(4 * values);
     match result {
-        Ok(ForwardOutput::Hidden(h)) => w.u8(Status::Ok as u8).u8(OUT_HIDDEN).f32s(h),
-        Ok(ForwardOutput::Logits(l)) => w.u8(Status::Ok as u8).u8(OUT_LOGITS).f32s(l),
-        Ok(ForwardOutput::ArgMax(ids)) => w.u8(Status::Ok as u8).u8(OUT_ARGMAX).u32s(ids),
+        Ok(ForwardOutput::Hidden(h)) => w.u8(Code::Ok as u8).u8(OUT_HIDDEN).f32s(h),
+        Ok(ForwardOutput::Logits(l)) => w.u8(Code::Ok as u8).u8(OUT_LOGITS).f32s(l),
+        Ok(ForwardOutput::ArgMax(ids)) => w.u8(Code::Ok as u8).u8(OUT_ARGMAX).u32s(ids),
         Ok(ForwardOutput::Top { counts, candidates }) => {
-            w.u8(Status::Ok as u8).u8(OUT_TOP).u32s(counts);
+            w.u8(Code::Ok as u8).u8(OUT_TOP).u32s(counts);
             w.len_of(candidates.len());
             for (id, logit) in candidates {
                 w.u32(*id).u32(logit.to_bits());
             }
             &mut w
         }
-        Err(e) => w.u8(Status::of(e) as u8).bytes(e.to_string().as_bytes()),
+        Err(e) => w.u8(code_of(e) as u8).bytes(e.to_string().as_bytes()),
     };
     w.finish()
 }

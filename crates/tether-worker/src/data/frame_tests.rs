@@ -4,6 +4,7 @@ use crate::ids::SessionId;
 use crate::serve::ForwardCall;
 use crate::stage::{ForwardInput, ForwardOutput, Rows, TokenPos};
 use std::time::Duration;
+use tonic::Code;
 
 fn body(frame: &[u8]) -> &[u8] {
     let len = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]) as usize;
@@ -67,37 +68,31 @@ fn requests_and_replies_survive_the_round_trip() {
 #[test]
 fn worker_errors_keep_their_kind_and_message() {
     let cases = [
-        (
-            WorkerError::NotFound("no session x".into()),
-            Status::NotFound,
-        ),
+        (WorkerError::NotFound("no session x".into()), Code::NotFound),
         (
             WorkerError::InvalidArgument("bad".into()),
-            Status::InvalidArgument,
+            Code::InvalidArgument,
         ),
         (
             WorkerError::LocalFile("no dir".into()),
-            Status::FailedPrecondition,
+            Code::FailedPrecondition,
         ),
         (
             WorkerError::OverLimit("too many".into()),
-            Status::ResourceExhausted,
+            Code::ResourceExhausted,
         ),
         (
             WorkerError::Unavailable("leaving".into()),
-            Status::Unavailable,
+            Code::Unavailable,
         ),
-        (
-            WorkerError::Internal("cuda said no".into()),
-            Status::Internal,
-        ),
+        (WorkerError::Internal("cuda said no".into()), Code::Internal),
     ];
-    for (e, status) in cases {
+    for (e, code) in cases {
         let f = encode_output(&Err(e.clone()));
         assert_eq!(
             decode_output(body(&f)),
             Ok(Err(Refusal {
-                status,
+                code,
                 message: e.to_string()
             }))
         );
@@ -117,11 +112,11 @@ fn hellos_and_welcomes_round_trip() {
     );
     let f = encode_welcome(Ok(Duration::from_millis(10)));
     assert_eq!(decode_welcome(body(&f)), Ok(Ok(Duration::from_millis(10))));
-    let f = encode_welcome(Err((Status::Unauthenticated, "wrong token".into())));
+    let f = encode_welcome(Err((Code::Unauthenticated, "wrong token".into())));
     assert_eq!(
         decode_welcome(body(&f)),
         Ok(Err(Refusal {
-            status: Status::Unauthenticated,
+            code: Code::Unauthenticated,
             message: "wrong token".into()
         }))
     );

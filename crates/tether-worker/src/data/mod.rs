@@ -36,7 +36,7 @@ pub fn serve_request(
             reply.len()
         )));
     }
-    Ok(frame::decode_output(&reply[4..])?.map_err(|r| format!("{:?}: {}", r.status, r.message)))
+    Ok(frame::decode_output(&reply[4..])?.map_err(|r| format!("{:?}: {}", r.code, r.message)))
 }
 
 /// The session a hello frame's body names, or why it is refused; for the fuzz targets.

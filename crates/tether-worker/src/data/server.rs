@@ -8,8 +8,8 @@
 //! notices within [`super::wire::POLL`] and closes.
 
 use super::conn::{Conn, unix_name};
-use super::frame::{self, Status};
-use super::wire::{FrameError, WaitEnd, read_frame, wait_for_frame};
+use super::frame;
+use super::wire::{FRAME_WITHIN, FrameError, WaitEnd, read_frame, wait_for_frame};
 use crate::error::WorkerError;
 use crate::ids::SessionId;
 use crate::registry::SessionRegistry;
@@ -21,13 +21,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
+use tonic::Code;
 
 /// Most links open at once; a connection beyond it is closed unanswered.
 const MAX_LINKS: usize = 1024;
 /// How long a new connection has to send its hello.
 const HELLO_WITHIN: Duration = Duration::from_secs(5);
-/// How long the rest of a frame may take once its first byte came.
-const FRAME_WITHIN: Duration = Duration::from_secs(30);
 
 /// How data links are served.
 #[derive(Clone, Debug)]
@@ -255,7 +254,7 @@ impl Link {
             Err(FrameError::TooLong(_)) => {
                 // An HTTP request, say: its first four bytes read as a huge length.
                 let refusal = frame::encode_welcome(Err((
-                    Status::InvalidArgument,
+                    Code::InvalidArgument,
                     "this port serves tether data links, which open with a hello; not a tether data link".into(),
                 )));
                 refuse_and_close(stream.try_clone().ok()?, &refusal);
@@ -264,20 +263,20 @@ impl Link {
             Err(FrameError::Io(_)) => return None,
         };
         let verdict = frame::decode_hello(&body)
-            .map_err(|e| (Status::InvalidArgument, e.to_string()))
+            .map_err(|e| (Code::InvalidArgument, e.to_string()))
             .and_then(|hello| {
                 let token_ok = self.options.token.as_ref().is_none_or(|t| {
                     std::str::from_utf8(&hello.token).is_ok_and(|given| t.matches(given))
                 });
                 if !token_ok {
                     return Err((
-                        Status::Unauthenticated,
+                        Code::Unauthenticated,
                         "data link: the worker's token is missing or wrong".to_string(),
                     ));
                 }
                 if !self.registry.holds(hello.session) {
                     return Err((
-                        Status::NotFound,
+                        Code::NotFound,
                         format!("data link: no session {}", hello.session),
                     ));
                 }

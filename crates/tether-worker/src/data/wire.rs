@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 /// How often a blocked wait looks at whether it should give up.
 pub(crate) const POLL: Duration = Duration::from_millis(50);
+/// How long the rest of a request or reply may take once its first byte came.
+pub(crate) const FRAME_WITHIN: Duration = Duration::from_secs(30);
 
 /// Why no frame was read.
 #[derive(Debug)]

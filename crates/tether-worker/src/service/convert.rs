@@ -15,10 +15,9 @@ pub const REFUSED_KEY: &str = "tether-refused";
 /// The value of [`REFUSED_KEY`] for a refused local read.
 pub const REFUSED_LOCAL_FILE: &str = "local-file";
 
-/// The gRPC status for a domain error.
-pub fn to_status(e: WorkerError) -> Status {
-    let local_file = matches!(e, WorkerError::LocalFile(_));
-    let code = match &e {
+/// The gRPC code for a domain error (data links send it too).
+pub fn code_of(e: &WorkerError) -> Code {
+    match e {
         WorkerError::NotFound(_) => Code::NotFound,
         WorkerError::InvalidArgument(_) => Code::InvalidArgument,
         WorkerError::FailedPrecondition(_) | WorkerError::LocalFile(_) => Code::FailedPrecondition,
@@ -28,8 +27,13 @@ pub fn to_status(e: WorkerError) -> Status {
         WorkerError::Unavailable(_) => Code::Unavailable,
         WorkerError::Aborted(_) => Code::Aborted,
         WorkerError::Internal(_) => Code::Internal,
-    };
-    let mut status = Status::new(code, e.to_string());
+    }
+}
+
+/// The gRPC status for a domain error.
+pub fn to_status(e: WorkerError) -> Status {
+    let local_file = matches!(e, WorkerError::LocalFile(_));
+    let mut status = Status::new(code_of(&e), e.to_string());
     if local_file {
         status.metadata_mut().insert(
             REFUSED_KEY,
