@@ -345,7 +345,7 @@ impl Scheduler {
                 RowsOut::ArgMax(ids) => ids[row],
                 RowsOut::Top { starts, candidates } => seq
                     .sampler
-                    .sample_top(&candidates[starts[row]..starts[row + 1]]),
+                    .sample_top(&candidates[starts[row]..starts[row + 1]], &seq.tokens),
             };
             let eog = tokenizer.is_eog(token);
             if !eog {
@@ -483,7 +483,7 @@ fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
     }
     let mut k = 0;
     for s in samplers() {
-        match s.and_then(|s| s.sampler.candidates_needed()) {
+        match s.and_then(|s| s.sampler.candidates_needed(&s.tokens)) {
             Some(n) if n as u64 <= u64::from(MAX_TOP_K) => k = k.max(n as u32),
             _ => return Rows::Logits,
         }

@@ -4,9 +4,9 @@
 mod support;
 
 use support::{TempDir, cluster, generate, prompt, reference, stories260k, tiny_model};
-use tether_coordinator::api::{FinishReason, GenError, Generation};
+use tether_coordinator::api::{FinishReason, GenError, GenRequest, Generation};
 use tether_gguf::GgmlType;
-use tether_model::SynthShape;
+use tether_model::{SamplingParams, SynthShape};
 
 async fn check_through_workers(path: &std::path::Path, text: &str, n_tokens: usize) {
     let prompt = prompt(path, text);
@@ -68,6 +68,46 @@ async fn quantized_kv_caches_through_two_workers_equal_the_generator() {
         c.coordinator.shutdown().await;
         c.workers.shutdown().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_tokens_equal_the_generator_with_and_without_a_repeat_penalty() {
+    // The last worker sends only the top candidates (k, plus the penalty window's distinct
+    // tokens when there is a penalty); the generator samples from every logit.
+    let dir = TempDir::new("sampled");
+    let path = tiny_model(&dir, 16);
+    let prompt = prompt(&path, "Once upon a time there was a little robot who");
+    let penalized = |repeat_penalty, repeat_last_n, top_k, seed| SamplingParams {
+        temperature: 1.2,
+        top_k,
+        repeat_penalty,
+        repeat_last_n,
+        seed,
+        ..SamplingParams::default()
+    };
+    let chains = [
+        SamplingParams::default(),
+        penalized(1.1, 64, 40, 3),
+        penalized(4.0, 16, 3, 4),
+        SamplingParams {
+            temperature: 0.0,
+            ..penalized(2.0, 8, 40, 5)
+        },
+    ];
+    let c = cluster(&path, 2, |_| {}).await;
+    for params in chains {
+        let expected =
+            support::reference_sampled(&path, &prompt, 32, 256, GgmlType::F16, params.clone());
+        let request = GenRequest {
+            sampling: params.clone(),
+            ..support::greedy(&prompt, 32)
+        };
+        let (tokens, end) = support::collect(c.coordinator.submit(request).expect("submit")).await;
+        end.expect("no error");
+        assert_eq!(tokens, expected, "{params:?}");
+    }
+    c.coordinator.shutdown().await;
+    c.workers.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

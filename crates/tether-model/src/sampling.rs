@@ -120,47 +120,45 @@ impl Sampler {
                 .filter(|(_, l)| !l.is_nan())
                 .map(|(i, &l)| (i as u32, l)),
         );
-        if p.repeat_penalty != 1.0 && p.repeat_last_n > 0 {
-            let c = &mut self.candidates;
-            let recent = &history[history.len().saturating_sub(p.repeat_last_n)..];
-            let mut seen: Vec<u32> = recent.to_vec();
-            seen.sort_unstable();
-            seen.dedup();
-            for cand in c.iter_mut() {
-                if seen.binary_search(&cand.0).is_ok() {
-                    cand.1 = if cand.1 > 0.0 {
-                        cand.1 / p.repeat_penalty
-                    } else {
-                        cand.1 * p.repeat_penalty
-                    };
-                }
-            }
-        }
+        penalize(&mut self.candidates, p, history);
         self.choose()
     }
 
-    /// The number of most likely candidates (by [`top_candidates`]' order) every choice of
-    /// this sampler depends on, when that is fewer than the whole vocabulary: 1 for a
-    /// greedy sampler, `top_k` for one that keeps the top k and has no repeat penalty
-    /// (the penalty changes logits before top-k picks). `None`: it needs every logit.
-    pub fn candidates_needed(&self) -> Option<usize> {
+    /// The number of most likely candidates (by [`top_candidates`]' order) the next
+    /// choice after `history` depends on, when that is fewer than the whole vocabulary: 1
+    /// for a greedy sampler, `top_k` for one that keeps the top k. A penalty (>= 1) only
+    /// lowers the logits of the `w` distinct tokens in its window, so the k best after it
+    /// are among the `k + w` best before it: at least k of those are not penalized, and
+    /// they still come before any token outside them. `None`: it needs every logit.
+    pub fn candidates_needed(&self, history: &[u32]) -> Option<usize> {
         let p = &self.params;
         if self.is_greedy() {
             return Some(1);
         }
-        let penalty = p.repeat_penalty != 1.0 && p.repeat_last_n > 0;
-        (p.temperature > 0.0 && p.top_k > 0 && !penalty).then_some(p.top_k)
+        let keep = if p.temperature <= 0.0 {
+            1
+        } else if p.top_k > 0 {
+            p.top_k
+        } else {
+            return None;
+        };
+        if !penalizes(p) {
+            return Some(keep);
+        }
+        // A penalty below 1 raises logits; NaN is no penalty to reason about.
+        (p.repeat_penalty >= 1.0).then(|| keep + window(p, history).len())
     }
 
     /// [`Sampler::sample`] given only the most likely candidates, as [`top_candidates`]
-    /// gives them for at least [`Sampler::candidates_needed`] (the same choice, and the
-    /// generator advances the same way).
-    pub fn sample_top(&mut self, candidates: &[(u32, f32)]) -> u32 {
+    /// gives them for at least [`Sampler::candidates_needed`] of the same `history` (the
+    /// same choice, and the generator advances the same way).
+    pub fn sample_top(&mut self, candidates: &[(u32, f32)], history: &[u32]) -> u32 {
         if self.is_greedy() {
             return candidates.first().map_or(0, |c| c.0);
         }
         self.candidates.clear();
         self.candidates.extend_from_slice(candidates);
+        penalize(&mut self.candidates, &self.params, history);
         self.choose()
     }
 
@@ -213,6 +211,38 @@ impl Sampler {
             r -= w;
         }
         c.last().map_or(best, |t| t.0)
+    }
+}
+
+/// Whether `p` has a repeat penalty that changes anything.
+fn penalizes(p: &SamplingParams) -> bool {
+    p.repeat_penalty != 1.0 && p.repeat_last_n > 0
+}
+
+/// The distinct tokens of the penalty's window (the last `repeat_last_n` of `history`),
+/// sorted.
+fn window(p: &SamplingParams, history: &[u32]) -> Vec<u32> {
+    let mut seen = history[history.len().saturating_sub(p.repeat_last_n)..].to_vec();
+    seen.sort_unstable();
+    seen.dedup();
+    seen
+}
+
+/// Divides the positive logits (multiplies the negative ones) of `candidates` whose token
+/// is in the penalty's window by the penalty.
+fn penalize(candidates: &mut [(u32, f32)], p: &SamplingParams, history: &[u32]) {
+    if !penalizes(p) {
+        return;
+    }
+    let seen = window(p, history);
+    for cand in candidates.iter_mut() {
+        if seen.binary_search(&cand.0).is_ok() {
+            cand.1 = if cand.1 > 0.0 {
+                cand.1 / p.repeat_penalty
+            } else {
+                cand.1 * p.repeat_penalty
+            };
+        }
     }
 }
 
@@ -460,7 +490,16 @@ mod tests {
     #[test]
     fn sampling_from_the_top_candidates_equals_sampling_from_every_logit() {
         // Same seeds, 300 steps each: the worker's top candidates give the same tokens as
-        // the full logits, for every sampler that says it needs no more than them.
+        // the full logits, for every sampler that says it needs no more than them, with
+        // penalized windows of tokens drawn from the ones most likely to be chosen.
+        let penalized = |repeat_penalty, repeat_last_n, temperature, top_k| SamplingParams {
+            repeat_penalty,
+            repeat_last_n,
+            temperature,
+            top_k,
+            seed: 5,
+            ..SamplingParams::default()
+        };
         let chains = [
             SamplingParams::default(),
             SamplingParams {
@@ -479,35 +518,68 @@ mod tests {
                 ..SamplingParams::default()
             },
             SamplingParams::greedy(),
+            penalized(1.1, 64, 0.8, 40),
+            penalized(3.0, 16, 1.5, 3),
+            penalized(f32::INFINITY, 8, 0.8, 10),
+            penalized(1.3, 32, 0.0, 40),
         ];
         let mut rng = SplitMix64::new(3);
         let mut top = Vec::new();
+        let mut sorted = Vec::new();
         for params in chains {
             let mut full = Sampler::new(params.clone());
             let mut part = Sampler::new(params.clone());
-            let k = part
-                .candidates_needed()
-                .expect("needs only the top candidates");
+            let mut history: Vec<u32> = Vec::new();
+            let penalty = params.repeat_penalty != 1.0;
             for step in 0..300 {
-                let logits = awkward_logits(&mut rng, 3000);
+                let mut logits = awkward_logits(&mut rng, 3000);
+                if penalty {
+                    // Infinities fill the head of the list and no penalty moves them.
+                    logits
+                        .iter_mut()
+                        .filter(|l| l.is_infinite())
+                        .for_each(|l| *l = 9.5);
+                }
+                // The window holds some of this step's best tokens, so the penalty moves
+                // the head of the list, and some others.
+                top_candidates(&logits, 60, &mut sorted);
+                for _ in 0..4 {
+                    let pick = (rng.next_u64() % 70) as usize;
+                    history.push(sorted.get(pick).map_or(pick as u32 * 37, |c| c.0));
+                }
+                let k = part
+                    .candidates_needed(&history)
+                    .expect("needs only the top candidates");
                 // A worker may send more candidates than this sampler needs.
                 top_candidates(&logits, k + step % 3, &mut top);
+                let chosen = full.sample(&logits, &history);
                 assert_eq!(
-                    part.sample_top(&top),
-                    full.sample(&logits, &[]),
+                    part.sample_top(&top, &history),
+                    chosen,
                     "{params:?} step {step}"
                 );
+                history.push(chosen);
             }
         }
-        let penalised = Sampler::new(SamplingParams {
-            repeat_penalty: 1.1,
-            ..SamplingParams::default()
-        });
-        assert_eq!(penalised.candidates_needed(), None);
+        let history = [1, 2, 2, 3];
+        let window = Sampler::new(penalized(1.1, 3, 0.8, 40));
+        assert_eq!(
+            window.candidates_needed(&history),
+            Some(42),
+            "{{2, 3}} in the window"
+        );
+        let boost = Sampler::new(penalized(0.9, 64, 0.8, 40));
+        assert_eq!(
+            boost.candidates_needed(&history),
+            None,
+            "a boost raises logits"
+        );
+        let nan = Sampler::new(penalized(f32::NAN, 64, 0.8, 40));
+        assert_eq!(nan.candidates_needed(&history), None);
         let every = Sampler::new(SamplingParams {
             top_k: 0,
             ..SamplingParams::default()
         });
-        assert_eq!(every.candidates_needed(), None);
+        assert_eq!(every.candidates_needed(&history), None);
     }
 }

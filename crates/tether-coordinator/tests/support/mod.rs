@@ -91,6 +91,18 @@ pub fn reference_with_cache(
     ctx: usize,
     cache: GgmlType,
 ) -> Vec<u32> {
+    reference_sampled(path, prompt, n, ctx, cache, SamplingParams::greedy())
+}
+
+/// As [`reference_with_cache`], sampling with `params`.
+pub fn reference_sampled(
+    path: &Path,
+    prompt: &[u32],
+    n: usize,
+    ctx: usize,
+    cache: GgmlType,
+    params: SamplingParams,
+) -> Vec<u32> {
     let file = GgufFile::open(path).expect("open model");
     let tok = Tokenizer::from_gguf(&file).expect("tokenizer");
     let eog: Vec<u32> = (0..tok.vocab_size() as u32)
@@ -99,7 +111,7 @@ pub fn reference_with_cache(
     let backend = Arc::new(CpuBackend::new(Some(1)).expect("cpu backend"));
     let mut g =
         Generator::from_file_with_cache(backend, &file, ctx, 512, cache, cache).expect("generator");
-    let mut sampler = Sampler::new(SamplingParams::greedy());
+    let mut sampler = Sampler::new(params);
     let (tokens, _) = g
         .generate(prompt, n, &mut sampler, &eog, |_| true)
         .expect("generate");
