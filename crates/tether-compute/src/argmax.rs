@@ -1,5 +1,6 @@
-//! The arg-max of a row of logits, as greedy sampling defines it. It lives here so that a
-//! backend computing it on its device and the host sampler agree on every tie and NaN.
+//! The arg-max and the top candidates of a row of logits, as the sampler defines them. They
+//! live here so that a backend computing them on its device and the host sampler agree on
+//! every tie and NaN.
 
 /// The highest non-NaN logit's id (the lowest id among equals; `total_cmp` order, so +inf
 /// wins and +0 beats -0), or 0 when every logit is NaN: what the candidate list gives.
@@ -38,4 +39,53 @@ pub fn greedy(logits: &[f32]) -> u32 {
     };
     // None: every logit is NaN (or there are none); -inf alone is still found above.
     at.map_or(0, |i| i as u32)
+}
+
+/// The `k` most likely non-NaN `(id, logit)` pairs of `logits` in `out`, in the sampler's
+/// order (highest first, `total_cmp`, ties to the lower id); fewer when fewer are not NaN.
+/// A worker sends these instead of every logit when the sampler needs no more
+/// (the sampler's `candidates_needed`). One pass: blocks of 64 whose largest value is below
+/// the k-th kept one are skipped after a vectorized maximum.
+pub fn top_candidates(logits: &[f32], k: usize, out: &mut Vec<(u32, f32)>) {
+    out.clear();
+    if k == 0 {
+        return;
+    }
+    for (b, chunk) in logits.chunks(64).enumerate() {
+        if out.len() == k {
+            let mut lanes = [f32::NEG_INFINITY; 16];
+            for part in chunk.chunks(16) {
+                for (m, &l) in lanes.iter_mut().zip(part) {
+                    *m = if l > *m { l } else { *m };
+                }
+            }
+            let max = lanes
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+            // Equal values still go through the exact comparison (+0 against -0).
+            if max < out[k - 1].1 {
+                continue;
+            }
+        }
+        for (i, &l) in chunk.iter().enumerate() {
+            if l.is_nan() {
+                continue;
+            }
+            let cand = ((b * 64 + i) as u32, l);
+            if out.len() == k {
+                if by_logit(&cand, &out[k - 1]) != std::cmp::Ordering::Less {
+                    continue;
+                }
+                out.pop();
+            }
+            let at = out.partition_point(|c| by_logit(c, &cand) == std::cmp::Ordering::Less);
+            out.insert(at, cand);
+        }
+    }
+}
+
+/// Highest logit first, ties broken by the lower id so results are reproducible (the
+/// candidates' order in [`Sampler`]).
+pub fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
 }

@@ -333,4 +333,26 @@ pub trait Backend: Send + Sync + 'static {
         scratch: &mut Self::Buffer,
         out: &mut [u32],
     ) -> Result<()>;
+
+    /// `out[r]` = [`crate::argmax::top_candidates`] of row `r` of `x` (`[out.len()][n]`
+    /// f32) for `k` (at least 1), waiting for pending work first. `scratch` (at least
+    /// [`top_rows_scratch`] bytes) may be overwritten: a device backend selects there and
+    /// downloads only the candidates.
+    fn top_rows(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        k: usize,
+        scratch: &mut Self::Buffer,
+        out: &mut [Vec<(u32, f32)>],
+    ) -> Result<()>;
+}
+
+/// Scratch bytes [`Backend::top_rows`] needs for `rows` rows of `k` candidates: a count a
+/// row and `k` (id, value) pairs a row. `None` on overflow.
+pub fn top_rows_scratch(rows: usize, k: usize) -> Option<usize> {
+    k.checked_mul(2)?
+        .checked_add(1)?
+        .checked_mul(rows)?
+        .checked_mul(4)
 }

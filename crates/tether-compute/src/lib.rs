@@ -9,7 +9,9 @@ pub mod cuda;
 pub mod error;
 mod shape_check;
 
-pub use backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
+pub use backend::{
+    AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams, top_rows_scratch,
+};
 pub use cpu::{CpuBackend, CpuBuffer};
 pub use cuda::{CudaBackend, CudaBuffer, CudaReplays};
 pub use error::ComputeError;

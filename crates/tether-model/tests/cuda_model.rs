@@ -257,7 +257,8 @@ fn stage_spec(first: usize, last: usize, embed: bool, head: bool) -> StageSpec {
 /// Decode steps through two stages, each on its own backend as on two workers (the hidden
 /// states crossing on the host), give the whole model's logits on every step: the recorded
 /// steps' staged inputs and pinned downloads carry the right values once replayed, not
-/// only on the steps that run eagerly.
+/// only on the steps that run eagerly. The last stage's candidates selected on the device
+/// are those of its logits.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_steps_split_over_two_backends_equal_one_stage() {
@@ -287,6 +288,18 @@ fn decode_steps_split_over_two_backends_equal_one_stage() {
         assert!(
             err < 1e-6,
             "step {pos}: split logits {err} from the whole model's"
+        );
+        // The same step again, selecting 40 candidates on the device instead.
+        let mut top = vec![Vec::new()];
+        b.decode_step(StepInput::Hidden(&h), &toks, StepOutput::Top(40, &mut top))
+            .unwrap();
+        let mut from_logits = Vec::new();
+        tether_model::sampling::top_candidates(&got, 40, &mut from_logits);
+        let bits = |c: &[(u32, f32)]| c.iter().map(|c| (c.0, c.1.to_bits())).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&top[0]),
+            bits(&from_logits),
+            "step {pos}: device candidates"
         );
         let next = tether_model::sampling::greedy(&want);
         assert_ne!(

@@ -167,8 +167,8 @@ struct ModelStage<B: Backend> {
 
 impl<B: Backend> ModelStage<B> {
     /// A decode step with the hidden states kept on the device from input to output: the
-    /// next stage's hidden states, every logit, or (greedy rows) arg-max tokens found on
-    /// the device.
+    /// next stage's hidden states, every logit, or arg-max tokens (greedy rows) or top
+    /// candidates (sampled rows) found on the device.
     fn decode_step(
         &mut self,
         batch: &[BatchToken],
@@ -194,6 +194,13 @@ impl<B: Backend> ModelStage<B> {
             let mut ids = vec![0; n];
             step(&mut self.stage, StepOutput::ArgMax(&mut ids))?;
             Ok(ForwardOutput::ArgMax(ids))
+        } else if let Rows::Top(k) = rows {
+            let mut top = vec![Vec::new(); n];
+            step(&mut self.stage, StepOutput::Top(k as usize, &mut top))?;
+            Ok(ForwardOutput::Top {
+                counts: top.iter().map(|r| r.len() as u32).collect(),
+                candidates: top.concat(),
+            })
         } else {
             let mut logits = vec![0.0; n * self.shape.n_vocab];
             step(&mut self.stage, StepOutput::Logits(&mut logits))?;

@@ -345,3 +345,29 @@ fn argmax_rows_reads_each_row_in_place_and_checks_sizes() {
     let mut too_many = [0u32; 3];
     assert!(is_shape(be.argmax_rows(&x, 3, &mut scratch, &mut too_many)));
 }
+
+#[test]
+fn top_rows_give_each_rows_candidates_in_the_samplers_order() {
+    let be = backend();
+    let x = upload_f32(&be, &[1.0, 3.0, 3.0, f32::NAN, -0.0, 0.0, f32::NAN, 2.0]);
+    let mut scratch = be.alloc(4).unwrap();
+    let mut out = vec![Vec::new(); 2];
+    be.top_rows(&x, 4, 3, &mut scratch, &mut out).unwrap();
+    assert_eq!(
+        out[0],
+        [(1, 3.0), (2, 3.0), (0, 1.0)],
+        "ties to the lower id"
+    );
+    let bits: Vec<_> = out[1].iter().map(|c| (c.0, c.1.to_bits())).collect();
+    assert_eq!(
+        bits,
+        [
+            (3, 2.0f32.to_bits()),
+            (1, 0.0f32.to_bits()),
+            (0, (-0.0f32).to_bits())
+        ],
+        "NaN skipped, +0 above -0"
+    );
+    let mut too_many = vec![Vec::new(); 3];
+    assert!(is_shape(be.top_rows(&x, 4, 3, &mut scratch, &mut too_many)));
+}

@@ -348,4 +348,29 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+
+    fn top_rows(
+        &self,
+        x: &CpuBuffer,
+        n: usize,
+        k: usize,
+        _scratch: &mut CpuBuffer,
+        out: &mut [Vec<(u32, f32)>],
+    ) -> Result<()> {
+        let values = out.len().checked_mul(n);
+        need(
+            "top_rows",
+            "input",
+            x.bytes(),
+            values.and_then(|v| v.checked_mul(4)),
+        )?;
+        if n == 0 {
+            out.iter_mut().for_each(Vec::clear);
+            return Ok(());
+        }
+        for (o, row) in out.iter_mut().zip(x.as_f32().chunks(n)) {
+            crate::argmax::top_candidates(row, k, o);
+        }
+        Ok(())
+    }
 }

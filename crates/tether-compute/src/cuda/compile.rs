@@ -137,6 +137,12 @@ const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "select",
+        source: include_str!("../../../../kernels/select.cu"),
+        dependent_launch: true,
+        entries: &["top_rows"],
+    },
+    KernelFile {
         name: "attention",
         source: include_str!("../../../../kernels/attention.cu"),
         dependent_launch: true,

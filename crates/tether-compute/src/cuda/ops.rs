@@ -682,4 +682,15 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.argmax_on_device(x, n, scratch, out)
     }
+
+    fn top_rows(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        k: usize,
+        scratch: &mut CudaBuffer,
+        out: &mut [Vec<(u32, f32)>],
+    ) -> Result<()> {
+        self.top_on_device(x, n, k, scratch, out)
+    }
 }

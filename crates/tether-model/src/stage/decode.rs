@@ -1,7 +1,8 @@
 //! Decode steps: a few tokens through the stage with the hidden states kept on the device
 //! from the input to the output, one transfer each way, and the layers replayed.
 
-use tether_compute::Backend;
+use tether_compute::argmax::top_candidates;
+use tether_compute::{Backend, DeviceBuffer, top_rows_scratch};
 
 use super::Stage;
 use super::forward::{REPLAY_MAX_TOKENS, as_bytes_mut, head_scratch_missing, need_len};
@@ -27,6 +28,10 @@ pub enum StepOutput<'a> {
     /// Each token's arg-max logit ([`crate::sampling::greedy`]), found on the device so
     /// that only the ids are downloaded: the stage must hold the output head.
     ArgMax(&'a mut [u32]),
+    /// Each token's `k` most likely candidates ([`crate::sampling::top_candidates`]),
+    /// selected on the device so that only they are downloaded: the stage must hold the
+    /// output head.
+    Top(usize, &'a mut [Vec<(u32, f32)>]),
 }
 
 /// Where a step's input comes from, once checked.
@@ -41,6 +46,7 @@ enum Sink<'a> {
     Hidden(&'a mut [f32]),
     Logits((usize, usize), &'a mut [f32]),
     ArgMax((usize, usize), &'a mut [u32]),
+    Top((usize, usize), usize, &'a mut [Vec<(u32, f32)>]),
 }
 
 impl<B: Backend> Stage<B> {
@@ -118,6 +124,15 @@ impl<B: Backend> Stage<B> {
                 need_len("the arg-max output", ids.len(), n)?;
                 Sink::ArgMax(self.head_weights()?, ids)
             }
+            StepOutput::Top(k, rows) => {
+                need_len("the candidate rows", rows.len(), n)?;
+                if k == 0 {
+                    return Err(ModelError::InvalidArgument(
+                        "top candidates: k must be at least 1".into(),
+                    ));
+                }
+                Sink::Top(self.head_weights()?, k, rows)
+            }
         };
         let lens = self.kv.check_batch(batch)?;
         if n == 0 {
@@ -149,6 +164,27 @@ impl<B: Backend> Stage<B> {
                 self.backend
                     .argmax_rows(logits, v, &mut s.hidden, ids)
                     .map_err(compute("arg-max of the logits"))
+            }
+            Sink::Top((norm, head), k, rows) => {
+                self.head_into_scratch(norm, head, n)?;
+                let s = &mut self.scratch;
+                let logits = s.logits.as_ref().ok_or_else(head_scratch_missing)?;
+                if top_rows_scratch(n, k).is_some_and(|b| b <= s.hidden.bytes()) {
+                    return self
+                        .backend
+                        .top_rows(logits, v, k, &mut s.hidden, rows)
+                        .map_err(compute("top candidates of the logits"));
+                }
+                // A model this narrow has too little scratch for k candidates a row: its
+                // logits are few, and the host selects.
+                let mut all = vec![0.0f32; n * v];
+                self.backend
+                    .download(logits, 0, as_bytes_mut(&mut all))
+                    .map_err(compute("downloading logits"))?;
+                for (row, out) in all.chunks(v.max(1)).zip(rows.iter_mut()) {
+                    top_candidates(row, k, out);
+                }
+                Ok(())
             }
         }
     }
