@@ -77,6 +77,8 @@ pub struct Sampler {
     rng: SplitMix64,
     /// Reused between calls: `(token, logit)` candidates.
     candidates: Vec<(u32, f32)>,
+    /// Reused between calls: each candidate's `exp(logit - max)`.
+    mass: Vec<f64>,
 }
 
 impl Sampler {
@@ -87,6 +89,7 @@ impl Sampler {
             params,
             rng,
             candidates: Vec::new(),
+            mass: Vec::new(),
         }
     }
 
@@ -170,7 +173,10 @@ impl Sampler {
         if p.temperature <= 0.0 {
             return c.iter().min_by(|a, b| by_logit(a, b)).map_or(0, |t| t.0);
         }
-        if p.top_k > 0 && p.top_k < c.len() {
+        if p.top_k == 0 {
+            return self.choose_from_all();
+        }
+        if p.top_k < c.len() {
             c.select_nth_unstable_by(p.top_k - 1, by_logit);
             c.truncate(p.top_k);
         }
@@ -181,14 +187,66 @@ impl Sampler {
         if !max.is_finite() {
             return best;
         }
-        let mut probs: Vec<f64> = c.iter().map(|t| f64::from(t.1 - max).exp()).collect();
-        let sum: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|q| *q /= sum);
-        let mut keep = probs.len();
+        self.mass.clear();
+        self.mass
+            .extend(c.iter().map(|t| f64::from(t.1 - max).exp()));
+        let sum: f64 = self.mass.iter().sum();
+        self.cut_and_draw(best, max, sum)
+    }
+
+    /// [`Sampler::choose`] without top-k, over every logit: the softmax's sum runs over
+    /// the candidates in the order they came (by id), so only those min-p keeps need
+    /// sorting, not the whole vocabulary (a 128k sort took ~8 ms a token).
+    fn choose_from_all(&mut self) -> u32 {
+        let p = &self.params;
+        let c = &mut self.candidates;
+        let Some(&(best, max)) = c.iter().min_by(|a, b| by_logit(a, b)) else {
+            return 0;
+        };
+        if !max.is_finite() {
+            return best;
+        }
+        self.mass.clear();
+        self.mass
+            .extend(c.iter().map(|t| f64::from(t.1 - max).exp()));
+        let sum: f64 = self.mass.iter().sum();
+        if p.min_p > 0.0 {
+            // The kept ones are a prefix of the sorted list (probabilities rise with the
+            // logit), so dropping the rest first changes nothing; the best always stays.
+            let floor = f64::from(p.min_p) * (1.0 / sum);
+            let mut at = 0;
+            for i in 0..c.len() {
+                if self.mass[i] / sum >= floor || c[i].0 == best {
+                    c[at] = c[i];
+                    self.mass[at] = self.mass[i];
+                    at += 1;
+                }
+            }
+            c.truncate(at);
+            self.mass.truncate(at);
+        }
+        let mut order: Vec<((u32, f32), f64)> =
+            c.iter().copied().zip(self.mass.iter().copied()).collect();
+        order.sort_unstable_by(|a, b| by_logit(&a.0, &b.0));
+        c.clear();
+        self.mass.clear();
+        for (cand, m) in order {
+            c.push(cand);
+            self.mass.push(m);
+        }
+        self.cut_and_draw(best, max, sum)
+    }
+
+    /// Top-p, then min-p, over `self.candidates` sorted best first (`self.mass` their
+    /// `exp(logit - max)`, `sum` the softmax's sum), then the draw at the temperature.
+    fn cut_and_draw(&mut self, best: u32, max: f32, sum: f64) -> u32 {
+        let p = &self.params;
+        let c = &mut self.candidates;
+        let mut keep = c.len();
         if p.top_p < 1.0 {
             let mut acc = 0.0;
-            for (i, q) in probs.iter().enumerate() {
-                acc += q;
+            for (i, m) in self.mass.iter().enumerate() {
+                acc += m / sum;
                 if acc >= f64::from(p.top_p) {
                     keep = i + 1;
                     break;
@@ -196,8 +254,9 @@ impl Sampler {
             }
         }
         if p.min_p > 0.0 {
-            let floor = f64::from(p.min_p) * probs[0];
-            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+            let floor = f64::from(p.min_p) * (1.0 / sum);
+            let kept = self.mass.iter().take_while(|&&m| m / sum >= floor).count();
+            keep = keep.min(kept.max(1));
         }
         c.truncate(keep);
         let t = f64::from(p.temperature);
@@ -437,6 +496,85 @@ mod tests {
         }
         top_candidates(&[1.0, 2.0], 0, &mut out);
         assert!(out.is_empty());
+    }
+
+    /// The chain without top-k as written out: every candidate sorted, the softmax's sum
+    /// taken in id order, top-p, min-p, the draw.
+    fn every_logit_oracle(p: &SamplingParams, logits: &[f32], rng: &mut SplitMix64) -> u32 {
+        let mut c: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.is_nan())
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        let sum: f64 = match c.iter().min_by(|a, b| by_logit(a, b)) {
+            Some(&(best, max)) if !max.is_finite() => return best,
+            Some(&(_, max)) => c.iter().map(|t| f64::from(t.1 - max).exp()).sum(),
+            None => return 0,
+        };
+        c.sort_by(by_logit);
+        let max = c[0].1;
+        let probs: Vec<f64> = c.iter().map(|t| f64::from(t.1 - max).exp() / sum).collect();
+        let mut keep = c.len();
+        let mut acc = 0.0;
+        for (i, q) in probs.iter().enumerate() {
+            acc += q;
+            if p.top_p < 1.0 && acc >= f64::from(p.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = f64::from(p.min_p) * probs[0];
+            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+        }
+        let t = f64::from(p.temperature);
+        let weights: Vec<f64> = c[..keep]
+            .iter()
+            .map(|x| (f64::from(x.1 - max) / t).exp())
+            .collect();
+        let mut r = rng.next_f64() * weights.iter().sum::<f64>();
+        for (cand, w) in c.iter().zip(&weights) {
+            if r < *w {
+                return cand.0;
+            }
+            r -= w;
+        }
+        c[keep - 1].0
+    }
+
+    #[test]
+    fn without_top_k_the_draw_follows_the_chain_over_every_logit() {
+        // Sorting only what min-p keeps must draw what sorting everything draws.
+        let chains = [(0.95, 0.05), (0.5, 0.0), (1.0, 0.2), (1.0, 0.0), (0.9, 2.0)];
+        let mut rng = SplitMix64::new(8);
+        for (top_p, min_p) in chains {
+            let params = SamplingParams {
+                temperature: 0.9,
+                top_k: 0,
+                top_p,
+                min_p,
+                seed: 4,
+                ..SamplingParams::default()
+            };
+            let mut sampler = Sampler::new(params.clone());
+            let mut oracle = SplitMix64::new(params.seed);
+            for step in 0..200 {
+                let mut logits = awkward_logits(&mut rng, 3000);
+                if step % 2 == 0 {
+                    // Without infinities, so the softmax is not decided by them alone.
+                    logits
+                        .iter_mut()
+                        .filter(|l| l.is_infinite())
+                        .for_each(|l| *l = 1.0);
+                }
+                assert_eq!(
+                    sampler.sample(&logits, &[]),
+                    every_logit_oracle(&params, &logits, &mut oracle),
+                    "{params:?} step {step}"
+                );
+            }
+        }
     }
 
     #[test]
