@@ -71,9 +71,9 @@ async fn quantized_kv_caches_through_two_workers_equal_the_generator() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sampled_tokens_equal_the_generator_with_and_without_a_repeat_penalty() {
+async fn sampled_tokens_equal_the_generator_with_and_without_penalties() {
     // The last worker sends only the top candidates (k, plus the penalty window's distinct
-    // tokens when there is a penalty); the generator samples from every logit.
+    // tokens when there are penalties); the generator samples from every logit.
     let dir = TempDir::new("sampled");
     let path = tiny_model(&dir, 16);
     let prompt = prompt(&path, "Once upon a time there was a little robot who");
@@ -92,6 +92,11 @@ async fn sampled_tokens_equal_the_generator_with_and_without_a_repeat_penalty() 
         SamplingParams {
             temperature: 0.0,
             ..penalized(2.0, 8, 40, 5)
+        },
+        SamplingParams {
+            frequency_penalty: 1.5,
+            presence_penalty: 0.5,
+            ..penalized(1.0, 32, 10, 6)
         },
     ];
     let c = cluster(&path, 2, |_| {}).await;

@@ -1,5 +1,5 @@
-//! Token sampling in llama.cpp's order: repetition penalty → top-k → top-p → min-p →
-//! temperature → a draw from a seeded, deterministic generator.
+//! Token sampling in llama.cpp's order: penalties (repetition, then frequency and presence)
+//! → top-k → top-p → min-p → temperature → a draw from a seeded, deterministic generator.
 
 /// How to pick the next token from logits.
 #[derive(Clone, Debug, PartialEq)]
@@ -14,8 +14,14 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Divide positive (multiply negative) logits of recently seen tokens; `1.0` is off.
     pub repeat_penalty: f32,
-    /// How many of the last tokens the penalty looks at; `0` is off.
+    /// How many of the last tokens the penalties look at; `0` is off.
     pub repeat_last_n: usize,
+    /// Subtracted from a recent token's logit once per time it occurs in the window
+    /// (OpenAI's `frequency_penalty`); `0` is off.
+    pub frequency_penalty: f32,
+    /// Subtracted from the logit of every token in the window (OpenAI's
+    /// `presence_penalty`); `0` is off.
+    pub presence_penalty: f32,
     /// Seed of the random generator.
     pub seed: u64,
 }
@@ -30,6 +36,8 @@ impl Default for SamplingParams {
             min_p: 0.05,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: 0,
         }
     }
@@ -99,11 +107,10 @@ impl Sampler {
     }
 
     /// Whether every choice is the arg-max of the logits ([`greedy`]): temperature 0 and
-    /// no repeat penalty. Such a sampler keeps no state, so the arg-max may be taken where
-    /// the logits are (a worker) instead.
+    /// no penalty. Such a sampler keeps no state, so the arg-max may be taken where the
+    /// logits are (a worker) instead.
     pub fn is_greedy(&self) -> bool {
-        let p = &self.params;
-        p.temperature <= 0.0 && (p.repeat_penalty == 1.0 || p.repeat_last_n == 0)
+        self.params.temperature <= 0.0 && !penalizes(&self.params)
     }
 
     /// The next token given `logits` (one per vocabulary entry) and the tokens so far.
@@ -129,10 +136,11 @@ impl Sampler {
 
     /// The number of most likely candidates (by [`top_candidates`]' order) the next
     /// choice after `history` depends on, when that is fewer than the whole vocabulary: 1
-    /// for a greedy sampler, `top_k` for one that keeps the top k. A penalty (>= 1) only
-    /// lowers the logits of the `w` distinct tokens in its window, so the k best after it
-    /// are among the `k + w` best before it: at least k of those are not penalized, and
-    /// they still come before any token outside them. `None`: it needs every logit.
+    /// for a greedy sampler, `top_k` for one that keeps the top k. Penalties that only
+    /// lower logits (a repeat penalty of at least 1, frequency and presence penalties of
+    /// at least 0) touch the `w` distinct tokens of their window, so the k best after them
+    /// are among the `k + w` best before: at least k of those are not penalized, and they
+    /// still come before any token outside them. `None`: it needs every logit.
     pub fn candidates_needed(&self, history: &[u32]) -> Option<usize> {
         let p = &self.params;
         if self.is_greedy() {
@@ -148,8 +156,10 @@ impl Sampler {
         if !penalizes(p) {
             return Some(keep);
         }
-        // A penalty below 1 raises logits; NaN is no penalty to reason about.
-        (p.repeat_penalty >= 1.0).then(|| keep + window(p, history).len())
+        // A penalty that raises logits may lift any token; NaN is none to reason about.
+        let lowers =
+            p.repeat_penalty >= 1.0 && p.frequency_penalty >= 0.0 && p.presence_penalty >= 0.0;
+        lowers.then(|| keep + window(p, history).len())
     }
 
     /// [`Sampler::sample`] given only the most likely candidates, as [`top_candidates`]
@@ -273,35 +283,47 @@ impl Sampler {
     }
 }
 
-/// Whether `p` has a repeat penalty that changes anything.
+/// Whether `p` has a penalty that changes anything.
 fn penalizes(p: &SamplingParams) -> bool {
-    p.repeat_penalty != 1.0 && p.repeat_last_n > 0
+    let any = p.repeat_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
+    any && p.repeat_last_n > 0
 }
 
-/// The distinct tokens of the penalty's window (the last `repeat_last_n` of `history`),
-/// sorted.
-fn window(p: &SamplingParams, history: &[u32]) -> Vec<u32> {
+/// The distinct tokens of the penalties' window (the last `repeat_last_n` of `history`),
+/// sorted, each with how often it occurs there.
+fn window(p: &SamplingParams, history: &[u32]) -> Vec<(u32, u32)> {
     let mut seen = history[history.len().saturating_sub(p.repeat_last_n)..].to_vec();
     seen.sort_unstable();
-    seen.dedup();
-    seen
+    let mut counted: Vec<(u32, u32)> = Vec::with_capacity(seen.len());
+    for t in seen {
+        match counted.last_mut() {
+            Some((last, n)) if *last == t => *n += 1,
+            _ => counted.push((t, 1)),
+        }
+    }
+    counted
 }
 
-/// Divides the positive logits (multiplies the negative ones) of `candidates` whose token
-/// is in the penalty's window by the penalty.
+/// Applies the penalties to the candidates whose token is in the window, as llama.cpp
+/// does: the positive logits are divided (the others multiplied) by the repeat penalty,
+/// then the frequency penalty times the token's count and the presence penalty are
+/// subtracted.
 fn penalize(candidates: &mut [(u32, f32)], p: &SamplingParams, history: &[u32]) {
     if !penalizes(p) {
         return;
     }
     let seen = window(p, history);
     for cand in candidates.iter_mut() {
-        if seen.binary_search(&cand.0).is_ok() {
-            cand.1 = if cand.1 > 0.0 {
-                cand.1 / p.repeat_penalty
-            } else {
-                cand.1 * p.repeat_penalty
-            };
-        }
+        let Ok(at) = seen.binary_search_by_key(&cand.0, |&(t, _)| t) else {
+            continue;
+        };
+        let count = seen[at].1 as f32;
+        let repeated = if cand.1 > 0.0 {
+            cand.1 / p.repeat_penalty
+        } else {
+            cand.1 * p.repeat_penalty
+        };
+        cand.1 = repeated - count * p.frequency_penalty - p.presence_penalty;
     }
 }
 

@@ -10,6 +10,8 @@ fn params(temperature: f32) -> SamplingParams {
         min_p: 0.0,
         repeat_penalty: 1.0,
         repeat_last_n: 0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
         seed: 7,
     }
 }
@@ -84,6 +86,27 @@ fn penalty_can_change_the_greedy_choice() {
         s.sample(&[-1.0, -1.5], &[0]),
         1,
         "negative logits are multiplied"
+    );
+}
+
+#[test]
+fn frequency_and_presence_penalties_subtract_after_the_repeat_penalty() {
+    let mut p = params(0.0);
+    p.repeat_last_n = 8;
+    p.repeat_penalty = 2.0;
+    p.frequency_penalty = 0.5;
+    p.presence_penalty = 0.25;
+    let mut s = Sampler::new(p);
+    // Token 0: 4.0 / 2 - 3 * 0.5 - 0.25 = 0.25; token 1 (unseen) stays at 0.3.
+    assert_eq!(s.sample(&[4.0, 0.3], &[0, 0, 0]), 1);
+    // Token 0 twice: 4.0 / 2 - 2 * 0.5 - 0.25 = 0.75 beats 0.3.
+    assert_eq!(s.sample(&[4.0, 0.3], &[0, 0]), 0);
+    // Negative logits: -0.1 * 2 - 0.5 - 0.25 = -0.95 loses to -0.9.
+    assert_eq!(s.sample(&[-0.1, -0.9], &[0]), 1);
+    // Only the window counts: three old 0s are outside the last 8 tokens.
+    assert_eq!(
+        s.sample(&[4.0, 0.3], &[0, 0, 0, 5, 5, 5, 5, 5, 5, 5, 0, 0]),
+        0
     );
 }
 
@@ -302,6 +325,19 @@ fn sampling_from_the_top_candidates_equals_sampling_from_every_logit() {
         penalized(3.0, 16, 1.5, 3),
         penalized(f32::INFINITY, 8, 0.8, 10),
         penalized(1.3, 32, 0.0, 40),
+        SamplingParams {
+            frequency_penalty: 0.7,
+            presence_penalty: 0.4,
+            ..penalized(1.0, 64, 0.8, 40)
+        },
+        SamplingParams {
+            frequency_penalty: 2.0,
+            ..penalized(1.2, 24, 1.3, 5)
+        },
+        SamplingParams {
+            presence_penalty: 1.5,
+            ..penalized(1.0, 16, 0.0, 40)
+        },
     ];
     let mut rng = SplitMix64::new(3);
     let mut top = Vec::new();
@@ -310,7 +346,7 @@ fn sampling_from_the_top_candidates_equals_sampling_from_every_logit() {
         let mut full = Sampler::new(params.clone());
         let mut part = Sampler::new(params.clone());
         let mut history: Vec<u32> = Vec::new();
-        let penalty = params.repeat_penalty != 1.0;
+        let penalty = !Sampler::new(params.clone()).is_greedy() && params.repeat_last_n > 0;
         for step in 0..300 {
             let mut logits = awkward_logits(&mut rng, 3000);
             if penalty {
@@ -356,6 +392,23 @@ fn sampling_from_the_top_candidates_equals_sampling_from_every_logit() {
     );
     let nan = Sampler::new(penalized(f32::NAN, 64, 0.8, 40));
     assert_eq!(nan.candidates_needed(&history), None);
+    for (frequency_penalty, presence_penalty) in [(-0.5, 0.0), (0.0, -0.1), (f32::NAN, 0.0)] {
+        let raising = Sampler::new(SamplingParams {
+            frequency_penalty,
+            presence_penalty,
+            ..penalized(1.0, 64, 0.8, 40)
+        });
+        assert_eq!(
+            raising.candidates_needed(&history),
+            None,
+            "frequency {frequency_penalty}, presence {presence_penalty}"
+        );
+    }
+    let presence = Sampler::new(SamplingParams {
+        presence_penalty: 0.5,
+        ..penalized(1.0, 3, 0.8, 40)
+    });
+    assert_eq!(presence.candidates_needed(&history), Some(42));
     let every = Sampler::new(SamplingParams {
         top_k: 0,
         ..SamplingParams::default()

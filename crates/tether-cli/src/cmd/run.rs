@@ -74,9 +74,15 @@ pub struct SamplingArgs {
     /// Repetition penalty (1.0 is off).
     #[arg(long, default_value_t = 1.0)]
     pub repeat_penalty: f32,
-    /// Tokens the repetition penalty looks back over.
+    /// Tokens the penalties look back over.
     #[arg(long, default_value_t = 64)]
     pub repeat_last_n: usize,
+    /// Subtracted from a recent token's logit per occurrence (0 is off; -2..=2).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Subtracted from every recent token's logit (0 is off; -2..=2).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
     /// Random seed.
     #[arg(long, short = 's', default_value_t = 0)]
     pub seed: u64,
@@ -94,6 +100,10 @@ impl SamplingArgs {
         {
             bail!("--min-p must be within 0..=1 and --repeat-penalty above 0");
         }
+        let openai = |x: f32| (-2.0..=2.0).contains(&x);
+        if !openai(self.frequency_penalty) || !openai(self.presence_penalty) {
+            bail!("--frequency-penalty and --presence-penalty must be within -2..=2");
+        }
         Ok(SamplingParams {
             temperature: self.temp,
             top_k: self.top_k,
@@ -101,6 +111,8 @@ impl SamplingArgs {
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
             seed: self.seed,
         })
     }

@@ -223,6 +223,20 @@ fn sampling(p: &CommonParams) -> Result<SamplingParams, ApiError> {
         "between 0 and 1",
     )?;
     check("repeat_penalty", p.repeat_penalty, |x| x > 0.0, "above 0")?;
+    // OpenAI's range for both.
+    let openai = |x: f32| (-2.0..=2.0).contains(&x);
+    check(
+        "frequency_penalty",
+        p.frequency_penalty,
+        openai,
+        "between -2 and 2",
+    )?;
+    check(
+        "presence_penalty",
+        p.presence_penalty,
+        openai,
+        "between -2 and 2",
+    )?;
     Ok(SamplingParams {
         temperature: p.temperature.unwrap_or(d.temperature),
         top_k: p.top_k.unwrap_or(d.top_k),
@@ -230,6 +244,8 @@ fn sampling(p: &CommonParams) -> Result<SamplingParams, ApiError> {
         min_p: p.min_p.unwrap_or(d.min_p),
         repeat_penalty: p.repeat_penalty.unwrap_or(d.repeat_penalty),
         repeat_last_n: p.repeat_last_n.unwrap_or(d.repeat_last_n),
+        frequency_penalty: p.frequency_penalty.unwrap_or(d.frequency_penalty),
+        presence_penalty: p.presence_penalty.unwrap_or(d.presence_penalty),
         seed: p.seed.unwrap_or_else(fresh_seed),
     })
 }
@@ -263,6 +279,18 @@ mod tests {
         assert_eq!(s.temperature, 0.0);
         assert_eq!(s.seed, 9);
         assert_eq!((s.top_k, s.top_p, s.min_p), (d.top_k, d.top_p, d.min_p));
+        assert_eq!((s.frequency_penalty, s.presence_penalty), (0.0, 0.0));
+        let penalties = CommonParams {
+            frequency_penalty: Some(0.5),
+            presence_penalty: Some(-0.25),
+            repeat_last_n: Some(16),
+            ..CommonParams::default()
+        };
+        let s = sampling(&penalties).expect("valid");
+        assert_eq!(
+            (s.frequency_penalty, s.presence_penalty, s.repeat_last_n),
+            (0.5, -0.25, 16)
+        );
     }
 
     #[test]
@@ -282,6 +310,14 @@ mod tests {
             },
             CommonParams {
                 repeat_penalty: Some(0.0),
+                ..Default::default()
+            },
+            CommonParams {
+                frequency_penalty: Some(2.5),
+                ..Default::default()
+            },
+            CommonParams {
+                presence_penalty: Some(f32::NEG_INFINITY),
                 ..Default::default()
             },
         ] {

@@ -60,8 +60,12 @@ pub struct CommonParams {
     pub min_p: Option<f32>,
     /// Repetition penalty (llama.cpp extension).
     pub repeat_penalty: Option<f32>,
-    /// Tokens the repetition penalty looks back at (llama.cpp extension).
+    /// Tokens the penalties look back at (llama.cpp extension).
     pub repeat_last_n: Option<usize>,
+    /// Subtracted from a recent token's logit per occurrence.
+    pub frequency_penalty: Option<f32>,
+    /// Subtracted from every recent token's logit.
+    pub presence_penalty: Option<f32>,
     /// Random seed.
     pub seed: Option<u64>,
     /// Stop strings.
