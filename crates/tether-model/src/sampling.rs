@@ -205,8 +205,10 @@ impl Sampler {
     }
 
     /// [`Sampler::choose`] without top-k, over every logit: the softmax's sum runs over
-    /// the candidates in the order they came (by id), so only those min-p keeps need
-    /// sorting, not the whole vocabulary (a 128k sort took ~8 ms a token).
+    /// the candidates in the order they came (by id), so no sort is needed for it; only
+    /// what min-p keeps is sorted, and of that only as far as top-p's cut (a 128k sort
+    /// took ~8 ms a token). With no cut at all the draw walks the candidates by id, as
+    /// llama.cpp's does when no sampler before it sorted them.
     fn choose_from_all(&mut self) -> u32 {
         let p = &self.params;
         let c = &mut self.candidates;
@@ -220,24 +222,21 @@ impl Sampler {
         self.mass
             .extend(c.iter().map(|t| f64::from(t.1 - max).exp()));
         let sum: f64 = self.mass.iter().sum();
-        if p.min_p > 0.0 {
-            // The kept ones are a prefix of the sorted list (probabilities rise with the
-            // logit), so dropping the rest first changes nothing; the best always stays.
-            let floor = f64::from(p.min_p) * (1.0 / sum);
-            let mut at = 0;
-            for i in 0..c.len() {
-                if self.mass[i] / sum >= floor || c[i].0 == best {
-                    c[at] = c[i];
-                    self.mass[at] = self.mass[i];
-                    at += 1;
-                }
-            }
-            c.truncate(at);
-            self.mass.truncate(at);
+        // The kept ones are a prefix of the sorted list (probabilities rise with the
+        // logit), so dropping the rest first changes nothing; the best always stays.
+        let floor = f64::from(p.min_p) * (1.0 / sum);
+        let mut order: Vec<((u32, f32), f64)> = c
+            .iter()
+            .copied()
+            .zip(self.mass.iter().copied())
+            .filter(|&(cand, m)| p.min_p <= 0.0 || m / sum >= floor || cand.0 == best)
+            .collect();
+        if p.top_p < 1.0 {
+            let keep = sort_to_top_p(&mut order, p.top_p, sum);
+            order.truncate(keep);
+        } else if p.min_p > 0.0 {
+            order.sort_unstable_by(|a, b| by_logit(&a.0, &b.0));
         }
-        let mut order: Vec<((u32, f32), f64)> =
-            c.iter().copied().zip(self.mass.iter().copied()).collect();
-        order.sort_unstable_by(|a, b| by_logit(&a.0, &b.0));
         c.clear();
         self.mass.clear();
         for (cand, m) in order {
@@ -281,6 +280,31 @@ impl Sampler {
         }
         c.last().map_or(best, |t| t.0)
     }
+}
+
+/// Sorts `order` (candidates with their `exp(logit - max)`) best first as far as top-p's
+/// cut, a growing chunk at a time, and returns how many it keeps: the same cut, by the
+/// same sums, as sorting everything, in time that follows the cut rather than the
+/// vocabulary.
+fn sort_to_top_p(order: &mut [((u32, f32), f64)], top_p: f32, sum: f64) -> usize {
+    let by = |a: &((u32, f32), f64), b: &((u32, f32), f64)| by_logit(&a.0, &b.0);
+    let (mut done, mut acc, mut chunk) = (0, 0.0f64, 64usize);
+    while done < order.len() {
+        let end = (done + chunk).min(order.len());
+        if end < order.len() {
+            order[done..].select_nth_unstable_by(end - done - 1, by);
+        }
+        order[done..end].sort_unstable_by(by);
+        for (i, x) in order[done..end].iter().enumerate() {
+            acc += x.1 / sum;
+            if acc >= f64::from(top_p) {
+                return done + i + 1;
+            }
+        }
+        done = end;
+        chunk = chunk.saturating_mul(4);
+    }
+    order.len()
 }
 
 /// Whether `p` has a penalty that changes anything.

@@ -212,7 +212,7 @@ fn top_candidates_are_the_head_of_the_sorted_candidate_list() {
 }
 
 /// The chain without top-k as written out: every candidate sorted, the softmax's sum
-/// taken in id order, top-p, min-p, the draw.
+/// taken in id order, top-p, min-p, the draw (by id when nothing was cut).
 fn every_logit_oracle(p: &SamplingParams, logits: &[f32], rng: &mut SplitMix64) -> u32 {
     let mut c: Vec<(u32, f32)> = logits
         .iter()
@@ -241,6 +241,10 @@ fn every_logit_oracle(p: &SamplingParams, logits: &[f32], rng: &mut SplitMix64) 
         let floor = f64::from(p.min_p) * probs[0];
         keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
     }
+    if p.top_p >= 1.0 && p.min_p <= 0.0 {
+        // Nothing cut: the draw walks the candidates by id.
+        c.sort_by_key(|t| t.0);
+    }
     let t = f64::from(p.temperature);
     let weights: Vec<f64> = c[..keep]
         .iter()
@@ -258,8 +262,17 @@ fn every_logit_oracle(p: &SamplingParams, logits: &[f32], rng: &mut SplitMix64) 
 
 #[test]
 fn without_top_k_the_draw_follows_the_chain_over_every_logit() {
-    // Sorting only what min-p keeps must draw what sorting everything draws.
-    let chains = [(0.95, 0.05), (0.5, 0.0), (1.0, 0.2), (1.0, 0.0), (0.9, 2.0)];
+    // Sorting only what min-p keeps, as far as top-p's cut, must draw what sorting
+    // everything draws; top-p alone cuts at 0.5 to 0.999 of the mass.
+    let chains = [
+        (0.95, 0.05),
+        (0.5, 0.0),
+        (0.9, 0.0),
+        (0.999, 0.0),
+        (1.0, 0.2),
+        (1.0, 0.0),
+        (0.9, 2.0),
+    ];
     let mut rng = SplitMix64::new(8);
     for (top_p, min_p) in chains {
         let params = SamplingParams {
