@@ -197,10 +197,7 @@ impl Sampler {
         if !max.is_finite() {
             return best;
         }
-        self.mass.clear();
-        self.mass
-            .extend(c.iter().map(|t| f64::from(t.1 - max).exp()));
-        let sum: f64 = self.mass.iter().sum();
+        let sum = self.weigh(max);
         self.cut_and_draw(best, max, sum)
     }
 
@@ -210,21 +207,17 @@ impl Sampler {
     /// took ~8 ms a token). With no cut at all the draw walks the candidates by id, as
     /// llama.cpp's does when no sampler before it sorted them.
     fn choose_from_all(&mut self) -> u32 {
-        let p = &self.params;
-        let c = &mut self.candidates;
-        let Some(&(best, max)) = c.iter().min_by(|a, b| by_logit(a, b)) else {
+        let Some(&(best, max)) = self.candidates.iter().min_by(|a, b| by_logit(a, b)) else {
             return 0;
         };
         if !max.is_finite() {
             return best;
         }
-        self.mass.clear();
-        self.mass
-            .extend(c.iter().map(|t| f64::from(t.1 - max).exp()));
-        let sum: f64 = self.mass.iter().sum();
+        let sum = self.weigh(max);
+        let (p, c) = (&self.params, &mut self.candidates);
         // The kept ones are a prefix of the sorted list (probabilities rise with the
         // logit), so dropping the rest first changes nothing; the best always stays.
-        let floor = f64::from(p.min_p) * (1.0 / sum);
+        let floor = min_p_floor(p, sum);
         let mut order: Vec<((u32, f32), f64)> = c
             .iter()
             .copied()
@@ -246,6 +239,15 @@ impl Sampler {
         self.cut_and_draw(best, max, sum)
     }
 
+    /// Fills `self.mass` with each candidate's `exp(logit - max)`, in the candidates'
+    /// order, and returns their sum (the softmax's denominator).
+    fn weigh(&mut self, max: f32) -> f64 {
+        self.mass.clear();
+        self.mass
+            .extend(self.candidates.iter().map(|t| f64::from(t.1 - max).exp()));
+        self.mass.iter().sum()
+    }
+
     /// Top-p, then min-p, over `self.candidates` sorted best first (`self.mass` their
     /// `exp(logit - max)`, `sum` the softmax's sum), then the draw at the temperature.
     fn cut_and_draw(&mut self, best: u32, max: f32, sum: f64) -> u32 {
@@ -263,7 +265,7 @@ impl Sampler {
             }
         }
         if p.min_p > 0.0 {
-            let floor = f64::from(p.min_p) * (1.0 / sum);
+            let floor = min_p_floor(p, sum);
             let kept = self.mass.iter().take_while(|&&m| m / sum >= floor).count();
             keep = keep.min(kept.max(1));
         }
@@ -280,6 +282,11 @@ impl Sampler {
         }
         c.last().map_or(best, |t| t.0)
     }
+}
+
+/// The smallest `exp(logit - max) / sum` min-p keeps: `min_p` times the best one's.
+fn min_p_floor(p: &SamplingParams, sum: f64) -> f64 {
+    f64::from(p.min_p) * (1.0 / sum)
 }
 
 /// Sorts `order` (candidates with their `exp(logit - max)`) best first as far as top-p's

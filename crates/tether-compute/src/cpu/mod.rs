@@ -332,18 +332,11 @@ impl Backend for CpuBackend {
         _scratch: &mut CpuBuffer,
         out: &mut [u32],
     ) -> Result<()> {
-        let values = out.len().checked_mul(n);
-        need(
-            "argmax_rows",
-            "input",
-            x.bytes(),
-            values.and_then(|v| v.checked_mul(4)),
-        )?;
-        if n == 0 {
+        let Some(rows) = logit_rows("argmax_rows", x, n, out.len())? else {
             out.fill(0);
             return Ok(());
-        }
-        for (o, row) in out.iter_mut().zip(x.as_f32().chunks(n)) {
+        };
+        for (o, row) in out.iter_mut().zip(rows) {
             *o = crate::argmax::greedy(row);
         }
         Ok(())
@@ -357,20 +350,26 @@ impl Backend for CpuBackend {
         _scratch: &mut CpuBuffer,
         out: &mut [Vec<(u32, f32)>],
     ) -> Result<()> {
-        let values = out.len().checked_mul(n);
-        need(
-            "top_rows",
-            "input",
-            x.bytes(),
-            values.and_then(|v| v.checked_mul(4)),
-        )?;
-        if n == 0 {
+        let Some(rows) = logit_rows("top_rows", x, n, out.len())? else {
             out.iter_mut().for_each(Vec::clear);
             return Ok(());
-        }
-        for (o, row) in out.iter_mut().zip(x.as_f32().chunks(n)) {
+        };
+        for (o, row) in out.iter_mut().zip(rows) {
             crate::argmax::top_candidates(row, k, o);
         }
         Ok(())
     }
+}
+
+/// The `rows` rows of `n` f32 a row reduction reads from `x`, after checking `x` holds
+/// them; `None` when the rows are empty.
+fn logit_rows<'a>(
+    op: &'static str,
+    x: &'a CpuBuffer,
+    n: usize,
+    rows: usize,
+) -> Result<Option<std::slice::Chunks<'a, f32>>> {
+    let bytes = rows.checked_mul(n).and_then(|v| v.checked_mul(4));
+    need(op, "input", x.bytes(), bytes)?;
+    Ok((n > 0).then(|| x.as_f32().chunks(n)))
 }

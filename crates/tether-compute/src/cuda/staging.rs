@@ -258,9 +258,6 @@ impl Staging {
         };
         area.bytes_mut(at + size)[at..at + src.len()].copy_from_slice(src);
         self.uploads_next += size;
-        let Some(area) = self.uploads.as_ref() else {
-            return Ok(false);
-        };
         self.device
             .submit(self.copier.copy(dst, area, at, src.len()))?;
         Ok(true)

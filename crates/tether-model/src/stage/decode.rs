@@ -166,25 +166,22 @@ impl<B: Backend> Stage<B> {
                     .map_err(compute("arg-max of the logits"))
             }
             Sink::Top((norm, head), k, rows) => {
+                if top_rows_scratch(n, k).is_none_or(|b| b > self.scratch.hidden.bytes()) {
+                    // Too little scratch for k candidates a row (a narrow model, whose
+                    // logits are few): the host selects from every logit.
+                    let mut all = vec![0.0f32; n * v];
+                    self.head_on_device(norm, head, n, &mut all)?;
+                    for (row, out) in all.chunks(v.max(1)).zip(rows.iter_mut()) {
+                        top_candidates(row, k, out);
+                    }
+                    return Ok(());
+                }
                 self.head_into_scratch(norm, head, n)?;
                 let s = &mut self.scratch;
                 let logits = s.logits.as_ref().ok_or_else(head_scratch_missing)?;
-                if top_rows_scratch(n, k).is_some_and(|b| b <= s.hidden.bytes()) {
-                    return self
-                        .backend
-                        .top_rows(logits, v, k, &mut s.hidden, rows)
-                        .map_err(compute("top candidates of the logits"));
-                }
-                // A model this narrow has too little scratch for k candidates a row: its
-                // logits are few, and the host selects.
-                let mut all = vec![0.0f32; n * v];
                 self.backend
-                    .download(logits, 0, as_bytes_mut(&mut all))
-                    .map_err(compute("downloading logits"))?;
-                for (row, out) in all.chunks(v.max(1)).zip(rows.iter_mut()) {
-                    top_candidates(row, k, out);
-                }
-                Ok(())
+                    .top_rows(logits, v, k, &mut s.hidden, rows)
+                    .map_err(compute("top candidates of the logits"))
             }
         }
     }
