@@ -5,7 +5,7 @@ use tether_compute::argmax::top_candidates;
 use tether_compute::{Backend, DeviceBuffer, top_rows_scratch};
 
 use super::Stage;
-use super::forward::{REPLAY_MAX_TOKENS, as_bytes_mut, head_scratch_missing, need_len};
+use super::forward::{as_bytes_mut, head_scratch_missing, need_len};
 use crate::error::{ModelError, compute};
 use crate::kv::BatchToken;
 
@@ -50,9 +50,12 @@ enum Sink<'a> {
 }
 
 impl<B: Backend> Stage<B> {
-    /// Most tokens [`Stage::decode_step`] takes in one call.
+    /// Most tokens [`Stage::decode_step`] takes in one call: a micro-batch. Steps of up to
+    /// 8 tokens replay from recorded graphs; larger ones (many sequences decoding at once)
+    /// are issued op by op, and still keep their hidden states, logits and selection on
+    /// the device.
     pub fn decode_step_tokens(&self) -> usize {
-        REPLAY_MAX_TOKENS.min(self.spec.ubatch)
+        self.spec.ubatch
     }
 
     /// A decode step: `input` (one row per token of `batch`, at most

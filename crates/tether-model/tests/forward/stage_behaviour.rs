@@ -102,6 +102,67 @@ fn decode_logits_equals_embed_forward_and_logits() {
 }
 
 #[test]
+fn decode_steps_past_the_replay_size_equal_embed_forward_and_logits() {
+    // Twelve tokens of three sequences in one step: more than a replayed step holds, as
+    // when many sequences decode at once. Every output a worker asks for comes from the
+    // device path and must equal the host's forward, logits and selection.
+    let m = model();
+    let (mut a, mut b) = (whole(&m.file, 3, 16), whole(&m.file, 3, 16));
+    let v = a.config().n_vocab;
+    for seq in [0, 2] {
+        let prompt = run(&mut a, &IDS[..4], &batch(seq, 0..4));
+        assert_eq!(run(&mut b, &IDS[..4], &batch(seq, 0..4)), prompt);
+    }
+    let starts = [4u32, 0, 4];
+    let toks: Vec<BatchToken> = (0..4u32)
+        .flat_map(|i| (0..3u32).map(move |seq| (seq, i)))
+        .map(|(seq, i)| BatchToken {
+            seq,
+            pos: starts[seq as usize] + i,
+        })
+        .collect();
+    let ids: Vec<u32> = (0..toks.len())
+        .map(|i| IDS[i % IDS.len()] + i as u32)
+        .collect();
+    assert!(toks.len() > 8 && toks.len() <= b.decode_step_tokens());
+    let want = run(&mut a, &ids, &toks);
+    let rewind = |s: &mut Stage<CpuBackend>| {
+        for (seq, &len) in starts.iter().enumerate() {
+            s.kv_truncate(seq as u32, len).unwrap();
+        }
+    };
+    let mut got = vec![0.0; toks.len() * v];
+    b.decode_logits(&ids, &toks, &mut got).unwrap();
+    assert_eq!(got, want);
+    rewind(&mut b);
+    let mut argmax = vec![0; toks.len()];
+    b.decode_step(StepInput::Ids(&ids), &toks, StepOutput::ArgMax(&mut argmax))
+        .unwrap();
+    let greedy: Vec<u32> = want.chunks(v).map(tether_model::sampling::greedy).collect();
+    assert_eq!(argmax, greedy);
+    rewind(&mut b);
+    let mut top = vec![Vec::new(); toks.len()];
+    b.decode_step(StepInput::Ids(&ids), &toks, StepOutput::Top(5, &mut top))
+        .unwrap();
+    for (row, got) in want.chunks(v).zip(&top) {
+        let mut expect = Vec::new();
+        tether_model::sampling::top_candidates(row, 5, &mut expect);
+        assert_eq!(got, &expect);
+    }
+    // The cells hold what the host path wrote: the next step of each sequence matches.
+    let next: Vec<BatchToken> = (0..3u32)
+        .map(|seq| BatchToken {
+            seq,
+            pos: starts[seq as usize] + 4,
+        })
+        .collect();
+    let want = run(&mut a, &[3, 4, 5], &next);
+    let mut got = vec![0.0; 3 * v];
+    b.decode_logits(&[3, 4, 5], &next, &mut got).unwrap();
+    assert_eq!(got, want);
+}
+
+#[test]
 fn decode_steps_across_two_stages_equal_the_whole_model() {
     let m = model();
     let mut one = whole(&m.file, 2, 4);
