@@ -7,7 +7,9 @@
 #
 # TETHER=path/to/tether (default .gpu/tether), MODELS=folder for the synthesized files
 # (default /tmp/tether-models; kept between runs on the same machine), BENCH_ARGS= extra
-# arguments for `tether bench` (default: -p 512 -n 128 -r 3).
+# arguments for `tether bench` (default: -p 512 -n 128 -r 3), PARALLEL=1,4,8,16,32,64 also
+# runs `tether bench --parallel` with those counts of sequences (PARALLEL_ARGS, default
+# -p 128 -n 128 -r 2: llama-batched-bench's -npp 128 -ntg 128).
 set -u
 
 tether=${TETHER:-.gpu/tether}
@@ -30,5 +32,10 @@ for ty in "${types[@]}"; do
     fi
     # shellcheck disable=SC2086
     "$tether" bench --model "$file" --device cuda:0 $args || failed=1
+    if [ -n "${PARALLEL:-}" ]; then
+        # shellcheck disable=SC2086
+        "$tether" bench --model "$file" --device cuda:0 --parallel "$PARALLEL" \
+            ${PARALLEL_ARGS:--p 128 -n 128 -r 2} || failed=1
+    fi
 done
 exit "$failed"

@@ -1,6 +1,6 @@
 //! `--device` on a machine without a CUDA GPU (CI): `auto` (the default) runs on the cpu,
 //! and naming a GPU exits non-zero with a message, never a panic; `bench --pipeline` on the
-//! cpu gives a row per worker count.
+//! cpu gives a row per worker count, and `bench --parallel` a row per count of sequences.
 
 mod support;
 
@@ -119,4 +119,64 @@ fn bench_pipeline_gives_every_worker_count_a_row_against_the_first() {
         (ratio - expected).abs() < 2e-3,
         "the ratio {ratio} is not the rates' {expected}:\n{text}"
     );
+}
+
+#[test]
+fn bench_parallel_gives_every_count_of_sequences_a_row() {
+    if tether_compute::cuda::device_count() > 0 {
+        // On a GPU machine `auto` picks the GPU; the GPU scripts run this bench there.
+        return;
+    }
+    let model = TinyModel::new();
+    let bench = [
+        "bench",
+        "--model",
+        model.arg(),
+        "-p",
+        "4",
+        "-n",
+        "3",
+        "-r",
+        "1",
+    ];
+    // 12 sequences decode in steps larger than a replayed step (8 tokens).
+    let (ok, text) = tether(&[&bench[..], &["--parallel", "1,3,12"]].concat());
+    assert!(ok, "bench --parallel 1,3,12 failed:\n{text}");
+    let number = |cell: &str| -> f64 {
+        cell.parse()
+            .unwrap_or_else(|_| panic!("{cell:?} is not a number in:\n{text}"))
+    };
+    for n in ["1", "3", "12"] {
+        let row: Vec<&str> = text
+            .lines()
+            .find(|l| l.split('|').nth(1).map(str::trim) == Some(n))
+            .unwrap_or_else(|| panic!("no row for {n} sequences in:\n{text}"))
+            .split('|')
+            .map(str::trim)
+            .collect();
+        // Cells: "", sequences, pp t/s, tg t/s, ±, t/s a sequence, "".
+        let (pp, tg, each) = (number(row[2]), number(row[3]), number(row[5]));
+        assert!(pp > 0.0 && pp.is_finite(), "{row:?}");
+        assert!(tg > 0.0 && tg.is_finite(), "{row:?}");
+        let expected = tg / number(n);
+        assert!(
+            (each - expected).abs() <= 0.01 * expected.max(1.0),
+            "{row:?}"
+        );
+    }
+    for (bad, says) in [
+        (&["--parallel", "0,2"][..], "at least 1"),
+        (
+            &["--parallel", "8", "--ubatch", "4"][..],
+            "smaller than 8 sequences",
+        ),
+        (
+            &["--parallel", "2", "--pipeline", "1"][..],
+            "cannot be used with",
+        ),
+    ] {
+        let (ok, text) = tether(&[&bench[..], bad].concat());
+        assert!(!ok && text.contains(says), "bench {bad:?}:\n{text}");
+        assert!(!text.contains("panicked"), "bench {bad:?}:\n{text}");
+    }
 }

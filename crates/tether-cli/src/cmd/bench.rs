@@ -37,18 +37,25 @@ pub struct BenchArgs {
     /// cpu.
     #[arg(long, value_delimiter = ',')]
     pub pipeline: Option<Vec<usize>>,
+    /// Instead, measure these numbers of sequences decoding at once in this process (e.g.
+    /// `1,4,16,64`), as llama-batched-bench does: each sequence takes a prompt of `-p`
+    /// tokens, then `-n` decode steps take one token of every sequence; rows give the
+    /// aggregate tokens/s.
+    #[arg(long, value_delimiter = ',', conflicts_with = "pipeline")]
+    pub parallel: Option<Vec<usize>>,
     /// With --pipeline: send forward passes over gRPC instead of the workers' data links.
     #[arg(long, requires = "pipeline")]
     pub grpc_forward: bool,
 }
 
 /// Mean and standard deviation of tokens per second over the repetitions.
-struct Rate {
-    mean: f64,
-    stddev: f64,
+pub(crate) struct Rate {
+    pub(crate) mean: f64,
+    pub(crate) stddev: f64,
 }
 
-fn rate(samples: &[f64], tokens: usize) -> Rate {
+/// The rate of `tokens` in each of `samples` seconds.
+pub(crate) fn rate(samples: &[f64], tokens: usize) -> Rate {
     let tps: Vec<f64> = samples.iter().map(|s| tokens as f64 / s).collect();
     let mean = tps.iter().sum::<f64>() / tps.len() as f64;
     let var = tps.iter().map(|t| (t - mean) * (t - mean)).sum::<f64>() / tps.len() as f64;
@@ -65,6 +72,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     if let Some(counts) = &args.pipeline {
         return crate::cmd::bench_pipeline::run(&args, counts);
+    }
+    if let Some(counts) = &args.parallel {
+        return crate::cmd::bench_parallel::run(&args, counts);
     }
     let need = args.n_prompt.max(args.n_gen + 1).max(1);
     let mut dev = args.device.clone();

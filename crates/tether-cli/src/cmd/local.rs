@@ -11,7 +11,7 @@ use std::sync::Arc;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_coordinator::{LocalOptions, LocalWorkers};
 use tether_gguf::GgufFile;
-use tether_model::{Generator, ModelConfig};
+use tether_model::{Generator, ModelConfig, Stage, StageSpec, load_stage_from_file};
 
 /// Where and how a model runs in this process.
 #[derive(Args, Debug, Clone)]
@@ -69,21 +69,47 @@ pub fn load<B: Backend>(
     cache: CacheArgs,
     min_ctx: usize,
 ) -> Result<Loaded<B>> {
-    let model = model.resolve()?;
-    let file =
-        GgufFile::open(&model.path).with_context(|| format!("reading {}", model.path.display()))?;
-    let cfg = tether_model::ModelConfig::from_gguf(&file)
-        .with_context(|| format!("reading the hyper-parameters of {}", model.path.display()))?;
-    let ctx = context_size(dev, &cfg, min_ctx)?;
+    let (model, file, stage, ctx) = load_stage(backend, model, dev, cache, min_ctx, 1)?;
     let generator =
-        Generator::from_file_with_cache(backend, &file, ctx, dev.ubatch, cache.k(), cache.v())
-            .with_context(|| format!("loading {}", model.path.display()))?;
+        Generator::new(stage).with_context(|| format!("loading {}", model.path.display()))?;
     Ok(Loaded {
         model,
         file,
         generator,
         ctx,
     })
+}
+
+/// Opens the model and loads every layer, the embedding and the head into one stage with
+/// `n_seq` sequences of cells; returns it with the context size per sequence.
+pub fn load_stage<B: Backend>(
+    backend: Arc<B>,
+    model: &ModelArgs,
+    dev: &DeviceArgs,
+    cache: CacheArgs,
+    min_ctx: usize,
+    n_seq: usize,
+) -> Result<(ResolvedModel, GgufFile, Stage<B>, usize)> {
+    let model = model.resolve()?;
+    let file =
+        GgufFile::open(&model.path).with_context(|| format!("reading {}", model.path.display()))?;
+    let cfg = tether_model::ModelConfig::from_gguf(&file)
+        .with_context(|| format!("reading the hyper-parameters of {}", model.path.display()))?;
+    let ctx = context_size(dev, &cfg, min_ctx)?;
+    let spec = StageSpec {
+        first_layer: 0,
+        last_layer: cfg.n_layer,
+        has_embed: true,
+        has_head: true,
+        ctx_per_seq: ctx,
+        n_seq,
+        ubatch: dev.ubatch,
+        cache_k: cache.k(),
+        cache_v: cache.v(),
+    };
+    let stage = load_stage_from_file(backend, &file, spec)
+        .with_context(|| format!("loading {}", model.path.display()))?;
+    Ok((model, file, stage, ctx))
 }
 
 /// The context size a command uses: `--ctx`, else the model's training context capped at

@@ -2,6 +2,7 @@
 
 pub mod attach;
 pub mod bench;
+pub mod bench_parallel;
 pub mod bench_pipeline;
 pub mod cache_args;
 pub mod context_shift;
