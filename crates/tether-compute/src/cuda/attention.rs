@@ -29,6 +29,8 @@ pub(super) const SCRATCH_BYTES: usize = 16 << 20;
 /// Query tokens one block of the tiled prefill kernel takes (AP_TQ in
 /// attention_prefill.cu).
 const PREFILL_TOKENS_PER_BLOCK: usize = 16;
+/// Cells one tile of the tiled prefill kernel holds (AP_TC in attention_prefill.cu).
+const PREFILL_TILE_CELLS: u64 = 64;
 
 /// The tiled prefill kernel for a batch of `n_tokens` queries, when there is one: prefill
 /// batches over an F16 cache with heads of 64 or 128. Decode batches keep the per-token
@@ -106,36 +108,91 @@ impl CudaBackend {
             .iter()
             .flat_map(|s| [s.first_cell, s.n_cells])
             .collect();
-        if let Some(kernel) = prefill_kernel(spans.len(), cache_ty, shape.head_dim) {
-            let spans_at = self.lock_staging().stage_u32(&flat)?;
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    shape.n_heads as u32,
-                    spans.len().div_ceil(PREFILL_TOKENS_PER_BLOCK) as u32,
-                    1,
-                ),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let args = [
-                Arg::Ptr(qp),
-                Arg::Ptr(kp),
-                Arg::Ptr(vp),
-                Arg::Ptr(spans_at),
-                int(OP, "query tokens", spans.len())?,
-                int(OP, "n_heads", shape.n_heads)?,
-                int(OP, "n_kv_heads", shape.n_kv_heads)?,
-                Arg::F32(scale),
-                Arg::Ptr(op),
-            ];
-            return self.run(kernel, cfg, &args);
+        let at = Operands {
+            q: qp,
+            k: kp,
+            v: vp,
+            out: op,
+            cache_ty,
+            head_bytes,
+            n_cells,
+            n_tokens: spans.len(),
+            shape,
+            scale,
+        };
+        // Held until the last launch, so no other thread recycles the spans' slot.
+        let mut staging = self.lock_staging();
+        let spans_at = staging.stage_u32(&flat)?;
+        let Some(kernel) = prefill_kernel(spans.len(), cache_ty, shape.head_dim) else {
+            return self.attention_per_token(&at, spans, 0, spans_at);
+        };
+        // Query groups whose spans overlap take the tiled kernel; groups of tokens of
+        // different sequences (many sequences decoding at once) would make it walk every
+        // cell between their spans, and take the per-token kernel instead.
+        for (range, tiled) in tiled_ranges(spans) {
+            let first = range.start;
+            if tiled {
+                self.attention_tiled(kernel, &at, range.len(), first, spans_at)?;
+            } else {
+                self.attention_per_token(&at, &spans[range], first, spans_at)?;
+            }
         }
+        Ok(())
+    }
+
+    /// The tiled prefill kernel over `n_tokens` queries from token `first` on.
+    fn attention_tiled(
+        &self,
+        kernel: &str,
+        at: &Operands,
+        n_tokens: usize,
+        first: usize,
+        spans_at: u64,
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        let shape = at.shape;
+        let row = (shape.n_heads * shape.head_dim * 4) as u64;
+        let first = first as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                shape.n_heads as u32,
+                n_tokens.div_ceil(PREFILL_TOKENS_PER_BLOCK) as u32,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::Ptr(at.q + first * row),
+            Arg::Ptr(at.k),
+            Arg::Ptr(at.v),
+            Arg::Ptr(spans_at + first * 8),
+            int(OP, "query tokens", n_tokens)?,
+            int(OP, "n_heads", shape.n_heads)?,
+            int(OP, "n_kv_heads", shape.n_kv_heads)?,
+            Arg::F32(at.scale),
+            Arg::Ptr(at.out + first * row),
+        ];
+        self.run(kernel, cfg, &args)
+    }
+
+    /// The per-token kernel (each token's cells split over blocks when they are few, then
+    /// merged) over `spans`, the queries from token `first` on.
+    fn attention_per_token(
+        &self,
+        at: &Operands,
+        spans: &[AttnSpan],
+        first: usize,
+        spans_at: u64,
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        let (shape, cache_ty) = (at.shape, at.cache_ty);
         let longest = spans.iter().map(|s| s.n_cells as usize).max().unwrap_or(1);
         // Decode-sized batches split as if their spans filled the cache, so the launch
         // shape does not change as the context grows and a recorded step can be replayed
         // (see graph.rs); each split then takes its share of the actual span.
         let max_cells = if spans.len() <= DECODE_TOKENS {
-            n_cells.max(longest)
+            at.n_cells.max(longest)
         } else {
             longest
         };
@@ -163,8 +220,6 @@ impl CudaBackend {
                 ),
             ));
         }
-        let mut staging = self.lock_staging();
-        let spans_at = staging.stage_u32(&flat)?;
         let scratch = self.lock_scratch();
         let partial = if splits > 1 { scratch.ptr() } else { 0 };
         // Heads of 8..256 elements in whole 16-byte loads take the vectorised f16 kernel.
@@ -182,25 +237,25 @@ impl CudaBackend {
         for start in (0..spans.len()).step_by(group) {
             // At most 65535 (checked above), so it fits a grid's y.
             let t = group.min(spans.len() - start) as u32;
-            let first = start as u64;
+            let token = (first + start) as u64;
             let cfg = LaunchConfig {
                 grid_dim: (shape.n_heads as u32, t, splits as u32),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: (chunk * 4) as u32,
             };
             let args = [
-                Arg::Ptr(qp + first * row),
-                Arg::Ptr(kp),
-                Arg::Ptr(vp),
+                Arg::Ptr(at.q + token * row),
+                Arg::Ptr(at.k),
+                Arg::Ptr(at.v),
                 Arg::I32(cache_ty.id() as i32),
-                Arg::Ptr(spans_at + first * 8),
+                Arg::Ptr(spans_at + token * 8),
                 int(OP, "n_heads", shape.n_heads)?,
                 int(OP, "n_kv_heads", shape.n_kv_heads)?,
                 int(OP, "head_dim", shape.head_dim)?,
-                Arg::U64(head_bytes as u64),
-                Arg::F32(scale),
+                Arg::U64(at.head_bytes as u64),
+                Arg::F32(at.scale),
                 Arg::I32(chunk as i32),
-                Arg::Ptr(op + first * row),
+                Arg::Ptr(at.out + token * row),
                 Arg::Ptr(partial),
             ];
             self.run(kernel, cfg, &args)?;
@@ -217,18 +272,23 @@ impl CudaBackend {
                 Arg::I32(splits as i32),
                 int(OP, "n_heads", shape.n_heads)?,
                 int(OP, "head_dim", shape.head_dim)?,
-                Arg::Ptr(op + first * row),
+                Arg::Ptr(at.out + token * row),
             ];
             // A decode batch's merged rows are also quantized for the output projection
             // (matvec.rs), which then skips its own pass over them.
-            let whole = t as usize == spans.len();
+            let whole = first == 0 && t as usize == at.n_tokens;
             let fused = whole
                 && shape.head_dim.is_multiple_of(32)
-                && self.writing_xq(op, shape.n_heads * shape.head_dim, spans.len(), |q, ds| {
-                    let mut with_q = args.to_vec();
-                    with_q.extend([Arg::Ptr(q), Arg::Ptr(ds)]);
-                    self.run("attention_merge_q8", cfg, &with_q)
-                })?;
+                && self.writing_xq(
+                    at.out,
+                    shape.n_heads * shape.head_dim,
+                    spans.len(),
+                    |q, ds| {
+                        let mut with_q = args.to_vec();
+                        with_q.extend([Arg::Ptr(q), Arg::Ptr(ds)]);
+                        self.run("attention_merge_q8", cfg, &with_q)
+                    },
+                )?;
             if !fused {
                 self.run("attention_merge", cfg, &args)?;
             }
@@ -237,9 +297,78 @@ impl CudaBackend {
     }
 }
 
+/// What an attention call reads and writes, checked: device addresses, the cache's type,
+/// bytes of one head's row, cells, the call's query tokens, the heads and the score scale.
+struct Operands {
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    cache_ty: GgmlType,
+    head_bytes: usize,
+    n_cells: usize,
+    /// Query tokens of the whole call.
+    n_tokens: usize,
+    shape: AttnShape,
+    scale: f32,
+}
+
+/// The tokens of a prefill-sized batch in runs of whole query groups of the tiled kernel
+/// ([`PREFILL_TOKENS_PER_BLOCK`]), each run marked for the tiled kernel when every group
+/// in it is tight: the cells between its first and last cell are at most one tile more
+/// than its longest span (a prompt's tokens all start at their sequence's first cell).
+/// Groups of tokens of different sequences are not, and their run is marked false.
+fn tiled_ranges(spans: &[AttnSpan]) -> Vec<(std::ops::Range<usize>, bool)> {
+    let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
+    for (g, group) in spans.chunks(PREFILL_TOKENS_PER_BLOCK).enumerate() {
+        let used = group.iter().filter(|s| s.n_cells > 0);
+        let lo = used.clone().map(|s| s.first_cell as u64).min().unwrap_or(0);
+        let hi = used
+            .clone()
+            .map(|s| s.first_cell as u64 + s.n_cells as u64)
+            .max();
+        let longest = used.map(|s| s.n_cells as u64).max().unwrap_or(0);
+        let tight = hi.is_none_or(|hi| hi - lo <= longest + PREFILL_TILE_CELLS);
+        let start = g * PREFILL_TOKENS_PER_BLOCK;
+        let range = start..start + group.len();
+        match runs.last_mut() {
+            Some((last, kind)) if *kind == tight => last.end = range.end,
+            _ => runs.push((range, tight)),
+        }
+    }
+    runs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn span(first_cell: u32, n_cells: u32) -> AttnSpan {
+        AttnSpan {
+            first_cell,
+            n_cells,
+        }
+    }
+
+    #[test]
+    fn groups_of_one_prompt_are_tiled_and_groups_of_many_sequences_are_not() {
+        // A 40-token prompt of the sequence at cell 512.
+        let prompt: Vec<AttnSpan> = (0..40).map(|t| span(512, 100 + t)).collect();
+        assert_eq!(tiled_ranges(&prompt), vec![(0..40, true)]);
+        // 20 sequences decoding at once, 256 cells apart: every group spans them all.
+        let decode: Vec<AttnSpan> = (0..20).map(|s| span(256 * s, 130)).collect();
+        assert_eq!(tiled_ranges(&decode), vec![(0..20, false)]);
+        // A prompt, then decode tokens of other sequences: the group they share with the
+        // prompt's last tokens is loose too.
+        let mixed: Vec<AttnSpan> = prompt.iter().copied().chain(decode).collect();
+        assert_eq!(tiled_ranges(&mixed), vec![(0..32, true), (32..60, false)]);
+        // Two sequences a tile apart or less still share their tiles; empty spans and a
+        // group of them alone do not count.
+        let near: Vec<AttnSpan> = (0..16).map(|t| span(64 * (t % 2), 64 + t)).collect();
+        assert_eq!(tiled_ranges(&near), vec![(0..16, true)]);
+        let empty = vec![span(0, 0), span(9000, 0), span(100, 5)];
+        assert_eq!(tiled_ranges(&empty), vec![(0..3, true)]);
+    }
 
     #[test]
     fn decode_attention_is_split_and_prefill_is_not() {
