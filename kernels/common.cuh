@@ -67,6 +67,15 @@ __device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) <
 // A little-endian u16 at a 2-byte aligned address (every ggml block size is even).
 __device__ __forceinline__ u16 ld16(const u8* p) { return *(const u16*)p; }
 
+// 16 bytes of weights that are read once: past L1, which keeps the activations.
+__device__ __forceinline__ uint4 ld_stream(const u8* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

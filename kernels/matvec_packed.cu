@@ -28,15 +28,6 @@
 #define PK_MV_WARPS 4
 #define PK_SW_ROWS 32
 
-// 16 bytes of weights that are read once: past L1, which keeps the activations.
-__device__ __forceinline__ uint4 ld_stream(const u8* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ int dp4a_ss(int a, int b, int c) {
     int d;
     asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));

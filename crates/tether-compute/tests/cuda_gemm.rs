@@ -1,4 +1,4 @@
-//! The CUDA prefill GEMM (batches of 9 tokens and more, `GEMM_MIN_TOKENS`) against the
+//! The CUDA prefill GEMM (batches of `GEMM_MIN_TOKENS` tokens and more) against the
 //! cpu backend, and its timings.
 //!
 //! Every test needs a GPU and is ignored by default; run them with
@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use tether_compute::cuda::GEMM_MIN_TOKENS;
 use tether_compute::{Backend, ComputeError, CpuBackend, CudaBackend};
 use tether_gguf::GgmlType;
 
@@ -143,14 +144,22 @@ fn gemm_matches_cpu_for_every_weight_type_and_edge_shape() {
         // Every (rows, tokens) pair on short rows: one row, a partial tile, a partial last
         // tile after 32 full ones; the smallest GEMM batch, a partial tile, 4 tiles.
         for rows in [1usize, 100, 4096 + 17] {
-            for n in [9usize, 33, 512] {
+            for n in [GEMM_MIN_TOKENS, 33, 512] {
                 shapes.push([rows, 256, n]);
             }
         }
         // Model-sized rows (split K), and (floats only) column counts off the K step.
-        shapes.extend([[4096 + 17, 4096, 33], [100, 4096, 512], [1, 4096, 16]]);
+        shapes.extend([
+            [4096 + 17, 4096, 33],
+            [100, 4096, 512],
+            [1, 4096, GEMM_MIN_TOKENS],
+        ]);
         if ty.block_elems() == 1 {
-            shapes.extend([[100, 100, 33], [4096 + 17, 100, 16], [1, 100, 512]]);
+            shapes.extend([
+                [100, 100, 33],
+                [4096 + 17, 100, GEMM_MIN_TOKENS],
+                [1, 100, 512],
+            ]);
         }
         for shape in shapes {
             cases += 1;
@@ -275,7 +284,7 @@ fn bench_prefill_gemm() {
     }
     // Where the GEMM overtakes the matvec kernels: µs per token at small batches.
     for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K] {
-        for n in [8usize, 9, 16, 32, 64] {
+        for n in [8usize, 9, 16, 17, 24, 32, 64] {
             let secs = time_matmul(&g, ty, 4096, 4096, n);
             eprintln!(
                 "small {ty:>5} 4096x4096 n={n:>2}: {:8.1} us  {:6.2} us/token",

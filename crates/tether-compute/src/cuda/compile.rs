@@ -120,6 +120,12 @@ const FILES: &[KernelFile] = &[
         entries: MATVEC_PACKED_ENTRIES,
     },
     KernelFile {
+        name: "matvec_mma",
+        source: include_str!("../../../../kernels/matvec_mma.cu"),
+        dependent_launch: true,
+        entries: &["matvec_mma_q4_0", "matvec_mma_q8_0"],
+    },
+    KernelFile {
         name: "elementwise",
         source: include_str!("../../../../kernels/elementwise.cu"),
         dependent_launch: true,

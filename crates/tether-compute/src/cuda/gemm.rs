@@ -17,10 +17,18 @@ use super::{CudaBackend, CudaBuffer};
 use crate::backend::{DeviceBuffer, Result};
 
 /// Batches of at least this many tokens take the GEMM path; smaller ones the matvec
-/// kernels, which need no decoding pass. Measured on an H100 (4096 x 4096, Q4_0 / Q8_0 /
-/// Q4_K): one matvec launch of 8 tokens takes 43-59 us and the GEMM of 16 tokens 45-49 us,
-/// so the GEMM wins as soon as the matvec needs a second launch (it takes 8 tokens each).
-pub(super) const GEMM_MIN_TOKENS: usize = 9;
+/// kernels (launches of 8 tokens each), which need no decoding pass. On an H100, llama3-8b
+/// Q4_0, a decode step of 8 tokens takes 6.8 ms through the matvec kernels and one of 16
+/// to 64 tokens 21.8-23.7 ms through the GEMM, whose decoding of every weight matrix to f16
+/// is most of its cost at these sizes (`tether bench --parallel`): two matvec launches
+/// (13.6 ms) beat it, four do not.
+pub const GEMM_MIN_TOKENS: usize = 17;
+/// The same for packed Q4_0 and Q8_0 weights on devices whose tensor cores take their
+/// products (matvec_mma.cu), in launches of 8 tokens at ~5.2 ms a step for llama3-8b Q4_0:
+/// decode steps of 16 / 32 / 64 tokens ran at 1,618 / 1,692 / 1,730 t/s that way against
+/// the GEMM's 1,116 / 1,419 / 2,669 (Q8_0: 1,333 / 1,358 / 1,384 against 889 / 1,404 /
+/// 2,641).
+pub const GEMM_MIN_TOKENS_MMA: usize = 33;
 
 /// f16 values of the decoded-weight chunk (64 MiB).
 const W16_ELEMS: usize = 32 << 20;

@@ -21,6 +21,7 @@ mod packed;
 mod staging;
 
 pub use device::CudaBuffer;
+pub use gemm::GEMM_MIN_TOKENS;
 pub use graph::CudaReplays;
 
 use std::sync::atomic::AtomicU64;
@@ -63,6 +64,15 @@ pub struct CudaBackend {
     /// while the previous one finishes, which hides a launch's latency and lets the decode
     /// products fetch their weights early.
     dependent_launches: bool,
+    /// Products of at least this many tokens take the GEMM, smaller ones the matvec
+    /// kernels in launches of up to 8 tokens; the second holds for products on the tensor
+    /// cores (`TETHER_GEMM_MIN_TOKENS` overrides both).
+    gemm_min_tokens: usize,
+    gemm_min_tokens_mma: usize,
+    /// Products of packed weights over at least this many tokens take the int8 tensor
+    /// cores (`usize::MAX` before compute capability 8.0; `TETHER_MMA_MIN_TOKENS`
+    /// overrides it).
+    mma_min_tokens: usize,
     /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
     gemm_ws: Mutex<GemmWorkspace>,
     /// Per-process memory of this device, when NVML is there to ask.
@@ -134,6 +144,20 @@ impl CudaBackend {
         let device = Arc::new(Device::new(ctx, stream, format!("cuda:{ordinal} {gpu}")));
         let dependent_launches =
             cc.0 >= 9 && std::env::var_os("TETHER_PDL").is_none_or(|v| v != "0");
+        let tokens_from_env = |name: &str| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&n| n > 0)
+        };
+        let mma_min_tokens = if cc.0 >= 8 {
+            tokens_from_env("TETHER_MMA_MIN_TOKENS").unwrap_or(matvec::MMA_MIN_TOKENS)
+        } else {
+            usize::MAX
+        };
+        let gemm_env = tokens_from_env("TETHER_GEMM_MIN_TOKENS");
+        let gemm_min_tokens = gemm_env.unwrap_or(gemm::GEMM_MIN_TOKENS);
+        let gemm_min_tokens_mma = gemm_env.unwrap_or(gemm::GEMM_MIN_TOKENS_MMA);
         let copy_in = kernels
             .get("copy_in")
             .ok()
@@ -154,6 +178,9 @@ impl CudaBackend {
             write_epoch: AtomicU64::new(0),
             sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
             dependent_launches,
+            gemm_min_tokens,
+            gemm_min_tokens_mma,
+            mma_min_tokens,
             gemm_ws,
             nvml,
         })

@@ -8,10 +8,9 @@ use super::check::{
     cache_type_supported, elems, f32s, need, row_bytes, shape_err, unsupported,
     weight_type_supported,
 };
-use super::gemm::GEMM_MIN_TOKENS;
 use super::graph::Cmd;
 use super::launch::{Arg, grid_for, int};
-use super::matvec::MatmulArgs;
+use super::matvec::{MV_MAX_TOKENS, MatmulArgs};
 use super::staging;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
@@ -91,7 +90,12 @@ impl CudaBackend {
             out: op,
             accumulate,
         };
-        if n_tokens >= GEMM_MIN_TOKENS {
+        let gemm_from = if w.packed && self.mma_min_tokens <= MV_MAX_TOKENS {
+            self.gemm_min_tokens_mma
+        } else {
+            self.gemm_min_tokens
+        };
+        if n_tokens >= gemm_from {
             return self.gemm(&a);
         }
         self.matvec(a)
