@@ -1,11 +1,12 @@
-// Products of up to 8 tokens a launch over Q4_0 and Q8_0 weights in the packed layout
+// Products of 8 to 32 tokens a launch over Q4_0 and Q8_0 weights in the packed layout
 // (matvec_packed.cu), on the int8 tensor cores: each block of 32 weights of 16 rows meets
-// the same block of 8 tokens' 8-bit activations (xq [nt][cols], (scale, scale * sum) pairs
-// xds [nt][cols / 32]) in one mma.m16n8k32, and the int32 result is scaled by the weights'
-// and the activations' block scales. The dp4a kernels spend 8 integer operations a weight
-// byte on 8 tokens and run out of issue slots: on an H100 a llama3-8b Q4_0 step of 8 tokens
-// takes 6.8 ms with them, 5.2 ms here, against 2.4 ms for one token (the loads below, not
-// the bytes, still decide the time).
+// the same block of each tile of 8 tokens' 8-bit activations (xq [nt][cols], (scale,
+// scale * sum) pairs xds [nt][cols / 32]) in one mma.m16n8k32, and the int32 result is
+// scaled by the weights' and the activations' block scales. The dp4a kernels spend 8
+// integer operations a weight byte on 8 tokens and run out of issue slots: on an H100 a
+// llama3-8b Q4_0 step of 8 tokens takes 6.8 ms with them, 5.2 ms here, against 2.4 ms for
+// one token; 16 and 32 tokens in one launch take 8.9 and 15.3 ms (each tile's loads of
+// activations and scales and its scaling, not the weights' bytes, bound it).
 //
 // Q4_0 quants are stored + 8 (byte i holds element i in its low nibble and element i + 16
 // in its high one); they enter the mma as unsigned bytes, and 8 * sum(x) is taken off after.
@@ -99,12 +100,20 @@ __device__ __forceinline__ float half_of(const uint4& v, int j) {
     return h2f((u16)((j & 1) ? (w >> 16) : (w & 0xffff)));
 }
 
-// Adds the group's 8 blocks of rows a (g) and b (g + 8) times tokens 2t and 2t + 1.
-template <bool Q8>
+// Where tile j (tokens 8j..8j+7) of a launch's activations is, for lane (g, t): token
+// 8j + g's row for the mma's B (none past nt) and the scales of the tokens 8j + 2t and
+// 8j + 2t + 1 its C holds (rows past nt clamped; their results are never stored).
+struct MqTile {
+    const i8* x;
+    const float2* ds0;
+    const float2* ds1;
+};
+
+// Adds the group's 8 blocks of rows a (g) and b (g + 8) times every tile's tokens.
+template <bool Q8, int NTILE>
 __device__ __forceinline__ void mq_group(const MqGroup<Q8>& ga, const MqGroup<Q8>& gb, int gi,
-                                         int t, const i8* xrow, bool has_x,
-                                         const float2* ds0, const float2* ds1,
-                                         float (&acc)[4]) {
+                                         int t, const MqTile (&tiles)[NTILE],
+                                         float (&acc)[NTILE][4]) {
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         // a_lo[j]: word t of block 4h + j of row a; Q8_0's a_hi[j]: word 4 + t.
@@ -130,37 +139,40 @@ __device__ __forceinline__ void mq_group(const MqGroup<Q8>& ga, const MqGroup<Q8
                 a[2] = (a_lo[j] >> 4) & 0x0F0F0F0Fu;
                 a[3] = (b_lo[j] >> 4) & 0x0F0F0F0Fu;
             }
-            u32 x0 = 0, x1 = 0;
-            if (has_x) {
-                const u32* xp = (const u32*)(xrow + (size_t)b * 32);
-                x0 = xp[0];
-                x1 = xp[4];
-            }
-            int c[4];
-            mma_8bit<!Q8>(c, a, x0, x1);
             float da = half_of(ga.scales, jb), db = half_of(gb.scales, jb);
-            float2 s0 = ds0[b], s1 = ds1[b];
-            // Q4_0's quants are stored + 8: take 8 * sum(x), which .y holds scaled, back off.
-            float p0 = s0.x * (float)c[0], p1 = s1.x * (float)c[1];
-            float p2 = s0.x * (float)c[2], p3 = s1.x * (float)c[3];
-            if (!Q8) {
-                p0 -= 8.f * s0.y;
-                p1 -= 8.f * s1.y;
-                p2 -= 8.f * s0.y;
-                p3 -= 8.f * s1.y;
+#pragma unroll
+            for (int k = 0; k < NTILE; k++) {
+                u32 x0 = 0, x1 = 0;
+                if (tiles[k].x) {
+                    const u32* xp = (const u32*)(tiles[k].x + (size_t)b * 32);
+                    x0 = xp[0];
+                    x1 = xp[4];
+                }
+                int c[4];
+                mma_8bit<!Q8>(c, a, x0, x1);
+                float2 s0 = tiles[k].ds0[b], s1 = tiles[k].ds1[b];
+                // Q4_0's quants are stored + 8: take 8 * sum(x), which .y holds scaled, off.
+                float p0 = s0.x * (float)c[0], p1 = s1.x * (float)c[1];
+                float p2 = s0.x * (float)c[2], p3 = s1.x * (float)c[3];
+                if (!Q8) {
+                    p0 -= 8.f * s0.y;
+                    p1 -= 8.f * s1.y;
+                    p2 -= 8.f * s0.y;
+                    p3 -= 8.f * s1.y;
+                }
+                acc[k][0] += da * p0;
+                acc[k][1] += da * p1;
+                acc[k][2] += db * p2;
+                acc[k][3] += db * p3;
             }
-            acc[0] += da * p0;
-            acc[1] += da * p1;
-            acc[2] += db * p2;
-            acc[3] += db * p3;
         }
     }
 }
 
-template <bool Q8>
+template <bool Q8, int NTILE>
 __device__ void mq_matvec(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
                           int nt, float* out, int accum) {
-    __shared__ float part[MQ_WARPS][4][32];
+    __shared__ float part[MQ_WARPS][NTILE * 4][32];
     pdl_trigger();
     const int group = Q8 ? 272 : 144;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -169,13 +181,17 @@ __device__ void mq_matvec(const u8* w, int rows, int cols, const i8* xq, const f
     size_t row_bytes = (size_t)ng * group;
     const u8* wa = w + (size_t)min(base + g, rows - 1) * row_bytes;
     const u8* wb = w + (size_t)min(base + g + 8, rows - 1) * row_bytes;
-    // Token g's activations feed the mma; tokens past nt enter as zeros.
-    bool has_x = g < nt;
-    const i8* xrow = xq + (size_t)(has_x ? g : 0) * cols + 4 * t;
-    int t0 = 2 * t, t1 = 2 * t + 1;
-    const float2* ds0 = xds + (size_t)min(t0, nt - 1) * nb;
-    const float2* ds1 = xds + (size_t)min(t1, nt - 1) * nb;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    MqTile tiles[NTILE];
+#pragma unroll
+    for (int k = 0; k < NTILE; k++) {
+        int tok = 8 * k + g;
+        tiles[k].x = tok < nt ? xq + (size_t)tok * cols + 4 * t : nullptr;
+        tiles[k].ds0 = xds + (size_t)min(8 * k + 2 * t, nt - 1) * nb;
+        tiles[k].ds1 = xds + (size_t)min(8 * k + 2 * t + 1, nt - 1) * nb;
+    }
+    float acc[NTILE][4];
+#pragma unroll
+    for (int k = 0; k < NTILE; k++) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
     MqGroup<Q8> ca, cb, na, nb_;
     int gi = warp;
     // Weights are constant: the first group loads before the wait for the previous kernel.
@@ -190,35 +206,44 @@ __device__ void mq_matvec(const u8* w, int rows, int cols, const i8* xq, const f
             mq_load<Q8>(wa, next, t, na);
             mq_load<Q8>(wb, next, t, nb_);
         }
-        mq_group<Q8>(ca, cb, gi, t, xrow, has_x, ds0, ds1, acc);
+        mq_group<Q8, NTILE>(ca, cb, gi, t, tiles, acc);
         ca = na;
         cb = nb_;
     }
 #pragma unroll
-    for (int i = 0; i < 4; i++) part[warp][i][lane] = acc[i];
+    for (int k = 0; k < NTILE; k++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) part[warp][4 * k + i][lane] = acc[k][i];
     __syncthreads();
-    if (warp != 0) return;
+    // Every warp stores a share of the sums (the block's rows for some of the tiles).
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float v = 0.f;
+    for (int k = 0; k < NTILE; k++) {
+        if (k % MQ_WARPS != warp) continue;
 #pragma unroll
-        for (int k = 0; k < MQ_WARPS; k++) v += part[k][i][lane];
-        int row = base + g + (i >= 2 ? 8 : 0), tok = (i & 1) ? t1 : t0;
-        if (row < rows && tok < nt) {
-            float* o = out + (size_t)tok * rows + row;
-            *o = accum ? *o + v : v;
+        for (int i = 0; i < 4; i++) {
+            float v = 0.f;
+#pragma unroll
+            for (int m = 0; m < MQ_WARPS; m++) v += part[m][4 * k + i][lane];
+            int row = base + g + (i >= 2 ? 8 : 0), tok = 8 * k + 2 * t + (i & 1);
+            if (row < rows && tok < nt) {
+                float* o = out + (size_t)tok * rows + row;
+                *o = accum ? *o + v : v;
+            }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS)
-    matvec_mma_q4_0(const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n,
-                    float* out, int accum) {
-    mq_matvec<false>(w, rows, cols, xq, xds, n, out, accum);
-}
+// Entries by the most tokens they take: 8, 16 or 32 (1, 2 or 4 tiles of 8).
+#define MQ_ENTRY(ty, Q8, tokens)                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS) matvec_mma_##ty##_##tokens( \
+        const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n, float* out,  \
+        int accum) {                                                                          \
+        mq_matvec<Q8, tokens / 8>(w, rows, cols, xq, xds, n, out, accum);                     \
+    }
 
-extern "C" __global__ void __launch_bounds__(32 * MQ_WARPS)
-    matvec_mma_q8_0(const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n,
-                    float* out, int accum) {
-    mq_matvec<true>(w, rows, cols, xq, xds, n, out, accum);
-}
+MQ_ENTRY(q4_0, false, 8)
+MQ_ENTRY(q4_0, false, 16)
+MQ_ENTRY(q4_0, false, 32)
+MQ_ENTRY(q8_0, true, 8)
+MQ_ENTRY(q8_0, true, 16)
+MQ_ENTRY(q8_0, true, 32)

@@ -60,9 +60,9 @@ fn packed_weights_give_the_cpus_products() {
             let bytes = random_weights(&mut rng, ty, rows * cols);
             let w = finished(&g, &c, ty, &bytes, cols);
             assert_eq!(w.packed, packs, "{ty} {rows}x{cols}: packed");
-            // Launches of 8 tokens take the tensor cores (up to 32 tokens), smaller ones
-            // dp4a, 64 and 65 tokens the GEMM.
-            for n in [1usize, 2, 3, 8, 13, 24, 64, 65] {
+            // 8-48 tokens take the tensor cores (launches of up to 32: 40 is 32 + 8), fewer
+            // dp4a, 64 and 65 the GEMM.
+            for n in [1usize, 2, 3, 8, 13, 24, 40, 64, 65] {
                 let x = rng.f32s(n * cols, 1.0);
                 let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
                 let mut og = g.alloc(n * rows * 4).unwrap();

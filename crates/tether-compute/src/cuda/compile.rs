@@ -123,7 +123,14 @@ const FILES: &[KernelFile] = &[
         name: "matvec_mma",
         source: include_str!("../../../../kernels/matvec_mma.cu"),
         dependent_launch: true,
-        entries: &["matvec_mma_q4_0", "matvec_mma_q8_0"],
+        entries: &[
+            "matvec_mma_q4_0_8",
+            "matvec_mma_q4_0_16",
+            "matvec_mma_q4_0_32",
+            "matvec_mma_q8_0_8",
+            "matvec_mma_q8_0_16",
+            "matvec_mma_q8_0_32",
+        ],
     },
     KernelFile {
         name: "elementwise",
@@ -405,6 +412,16 @@ mod tests {
                         "{e} not found in {}",
                         f.name
                     );
+                    continue;
+                }
+                // Tensor-core entries: MQ_ENTRY(type, signedness, tokens).
+                if let Some(rest) = e.strip_prefix("matvec_mma_") {
+                    let (ty, tokens) = rest.rsplit_once('_').unwrap_or((rest, ""));
+                    let defined = f.source.lines().any(|l| {
+                        l.starts_with(&format!("MQ_ENTRY({ty},"))
+                            && l.ends_with(&format!(", {tokens})"))
+                    });
+                    assert!(defined, "{e} not found in {}", f.name);
                     continue;
                 }
                 // Matvec entries come from a macro: check the type part is instantiated.

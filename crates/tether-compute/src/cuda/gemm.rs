@@ -24,11 +24,10 @@ use crate::backend::{DeviceBuffer, Result};
 /// (13.6 ms) beat it, four do not.
 pub const GEMM_MIN_TOKENS: usize = 17;
 /// The same for packed Q4_0 and Q8_0 weights on devices whose tensor cores take their
-/// products (matvec_mma.cu), in launches of 8 tokens at ~5.2 ms a step for llama3-8b Q4_0:
-/// decode steps of 16 / 32 / 64 tokens ran at 1,618 / 1,692 / 1,730 t/s that way against
-/// the GEMM's 1,116 / 1,419 / 2,669 (Q8_0: 1,333 / 1,358 / 1,384 against 889 / 1,404 /
-/// 2,641).
-pub const GEMM_MIN_TOKENS_MMA: usize = 33;
+/// products (matvec_mma.cu, launches of up to 32 tokens). On an H100, llama3-8b decode
+/// steps of 48 tokens ran at 2,149 / 2,178 t/s (Q4_0 / Q8_0) that way against the GEMM's
+/// 2,084 / 2,052, and steps of 64 at 2,185 / 2,433 against 2,671 / 2,629.
+pub const GEMM_MIN_TOKENS_MMA: usize = 49;
 
 /// f16 values of the decoded-weight chunk (64 MiB).
 const W16_ELEMS: usize = 32 << 20;

@@ -49,6 +49,9 @@ const MMA_WARPS: u32 = 8;
 /// went from 1,170 / 984 to 1,524 / 1,128 t/s; steps of 2 and 4 tokens were faster with
 /// dp4a (673 / 947 against 505 / 903 for Q4_0).
 pub(crate) const MMA_MIN_TOKENS: usize = 8;
+/// Most tokens one tensor-core launch takes (4 tiles of 8, which share every block of
+/// weights it loads); larger batches are split.
+const MMA_MAX_TOKENS: usize = 32;
 /// Output rows of one warp of the packed kernels (PK_R).
 const PK_ROWS_PER_WARP: usize = 2;
 /// Rows of one block of the packed matvec and q/k/v kernels (PK_MV_WARPS warps).
@@ -202,19 +205,30 @@ impl CudaBackend {
         };
         let mut t0 = 0;
         while t0 < a.n_tokens {
-            let n = (a.n_tokens - t0).min(MV_MAX_TOKENS);
+            // Launches of enough tokens over packed weights take the tensor cores, up to
+            // MMA_MAX_TOKENS at once (as many as the 8-bit copy's slot holds rows of).
+            let left = a.n_tokens - t0;
+            let mma = packed && left.min(MV_MAX_TOKENS) >= self.mma_min_tokens;
+            let most = if mma {
+                (XQ_SCALES_AT / a.cols).clamp(MV_MAX_TOKENS, MMA_MAX_TOKENS)
+            } else {
+                MV_MAX_TOKENS
+            };
+            let n = left.min(most);
             let width = n.next_power_of_two();
             let x = a.x + (t0 * a.cols * 4) as u64;
             let out = a.out + (t0 * a.rows * 4) as u64;
             if int8 {
-                // Launches of enough tokens over packed weights take the tensor cores.
-                let (name, cfg) = if packed && n >= self.mma_min_tokens {
+                let (name, cfg) = if mma {
                     let mma = LaunchConfig {
                         grid_dim: (blocks(OP, a.rows, MMA_ROWS_PER_BLOCK)?, 1, 1),
                         block_dim: (32 * MMA_WARPS, 1, 1),
                         shared_mem_bytes: 0,
                     };
-                    (format!("matvec_mma_{stem}"), mma)
+                    (
+                        format!("matvec_mma_{stem}_{}", width.max(MV_MAX_TOKENS)),
+                        mma,
+                    )
                 } else {
                     (format!("{prefix}_{stem}_{width}"), cfg)
                 };
