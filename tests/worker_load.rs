@@ -1,6 +1,8 @@
 //! Loading layers into a real worker process: admission refuses what does not fit and
 //! stages nothing, an undecided Prepare is aborted by timeout, and 200 load/forward/close
-//! cycles give every byte back without the process growing.
+//! cycles give every byte back without the process growing; arg-max and top-k replies,
+//! for a few tokens and for a decode batch of many sequences, are the samplers' choices
+//! from the logits of the same batch.
 
 mod support;
 
@@ -266,5 +268,65 @@ fn argmax_and_top_k_replies_carry_what_the_samplers_take_from_each_logits_row() 
         }
         let end = session.close().await;
         assert_eq!(end.reason, EndReason::Closed);
+    });
+}
+
+#[test]
+fn a_decode_batch_of_many_sequences_gets_the_argmax_and_top_k_of_its_logits() {
+    // Twelve sequences decoding at once: more tokens than a replayed step holds, so the
+    // worker's device path for large decode steps answers; what it returns for arg-max and
+    // top-k rows must be what the samplers take from the logits of the same batch.
+    let model = TinyModel::new();
+    let worker = Worker::start(&[]);
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        let session = client
+            .attach(attach_options("batch"))
+            .await
+            .expect("attach");
+        let (mut load, source, _) = full_load(&model.path, 8);
+        let txn = load.txn;
+        load.spec.n_seq = 12;
+        load.spec.ubatch = 16;
+        client
+            .prepare(session.id(), load, source)
+            .await
+            .expect("prepare");
+        client.commit(session.id(), txn).await.expect("commit");
+        let tokens: Vec<TokenPos> = (0..12).map(|seq| TokenPos { seq, pos: 0 }).collect();
+        let ids = ForwardInput::TokenIds((0..12).map(|i| 3 + 7 * i).collect());
+        let rows: Vec<u32> = (0..12).collect();
+        // The same batch again writes the same cells with the same values.
+        let out = client
+            .forward(session.id(), &tokens, &ids, &rows, Rows::Logits)
+            .await
+            .expect("logits");
+        let ForwardOutput::Logits(logits) = out else {
+            panic!("asked for logits")
+        };
+        let vocab = logits.len() / rows.len();
+        let greedy: Vec<u32> = logits
+            .chunks(vocab)
+            .map(tether_model::sampling::greedy)
+            .collect();
+        let out = client
+            .forward(session.id(), &tokens, &ids, &rows, Rows::ArgMax)
+            .await
+            .expect("argmax");
+        assert_eq!(out, ForwardOutput::ArgMax(greedy));
+        let (mut counts, mut candidates, mut row) = (Vec::new(), Vec::new(), Vec::new());
+        for l in logits.chunks(vocab) {
+            tether_model::sampling::top_candidates(l, 5, &mut row);
+            counts.push(row.len() as u32);
+            candidates.extend_from_slice(&row);
+        }
+        let out = client
+            .forward(session.id(), &tokens, &ids, &rows, Rows::Top(5))
+            .await
+            .expect("top 5");
+        assert_eq!(out, ForwardOutput::Top { counts, candidates });
+        assert_eq!(session.close().await.reason, EndReason::Closed);
     });
 }
