@@ -155,7 +155,8 @@ impl CudaBackend {
         } else {
             usize::MAX
         };
-        let gemm_env = tokens_from_env("TETHER_GEMM_MIN_TOKENS");
+        // The GEMM is tested from 9 tokens up, as it was first used.
+        let gemm_env = tokens_from_env("TETHER_GEMM_MIN_TOKENS").map(|n| n.max(9));
         let gemm_min_tokens = gemm_env.unwrap_or(gemm::GEMM_MIN_TOKENS);
         let gemm_min_tokens_mma = gemm_env.unwrap_or(gemm::GEMM_MIN_TOKENS_MMA);
         let copy_in = kernels
