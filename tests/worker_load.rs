@@ -220,45 +220,13 @@ fn argmax_and_top_k_replies_carry_what_the_samplers_take_from_each_logits_row() 
             TokenPos { seq: 0, pos: 2 },
         ];
         let ids = ForwardInput::TokenIds(vec![1, 2, 3]);
-        // The same batch twice writes the same cells with the same values.
-        let out = client
-            .forward(session.id(), &tokens, &ids, &[0, 2], Rows::Logits)
-            .await
-            .expect("logits");
-        let ForwardOutput::Logits(logits) = out else {
-            panic!("asked for logits")
-        };
-        let vocab = logits.len() / 2;
-        let want: Vec<u32> = logits
-            .chunks(vocab)
-            .map(tether_model::sampling::greedy)
-            .collect();
-        let out = client
-            .forward(session.id(), &tokens, &ids, &[0, 2], Rows::ArgMax)
-            .await
-            .expect("argmax");
-        assert_eq!(out, ForwardOutput::ArgMax(want));
+        replies_follow_the_logits(&client, session.id(), &tokens, &ids, &[0, 2]).await;
         let err = client
             .forward(session.id(), &tokens, &ids, &[], Rows::ArgMax)
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
         assert!(err.to_string().contains("argmax"), "{err}");
-        // The top candidates of each row, as the sampler orders them.
-        let mut counts = Vec::new();
-        let mut candidates = Vec::new();
-        let mut row = Vec::new();
-        for l in logits.chunks(vocab) {
-            tether_model::sampling::top_candidates(l, 5, &mut row);
-            counts.push(row.len() as u32);
-            candidates.extend_from_slice(&row);
-        }
-        assert_eq!(counts, vec![5, 5]);
-        let out = client
-            .forward(session.id(), &tokens, &ids, &[0, 2], Rows::Top(5))
-            .await
-            .expect("top 5");
-        assert_eq!(out, ForwardOutput::Top { counts, candidates });
         for bad in [0, tether_worker::MAX_TOP_K + 1] {
             let err = client
                 .forward(session.id(), &tokens, &ids, &[0], Rows::Top(bad))
@@ -298,35 +266,49 @@ fn a_decode_batch_of_many_sequences_gets_the_argmax_and_top_k_of_its_logits() {
         let tokens: Vec<TokenPos> = (0..12).map(|seq| TokenPos { seq, pos: 0 }).collect();
         let ids = ForwardInput::TokenIds((0..12).map(|i| 3 + 7 * i).collect());
         let rows: Vec<u32> = (0..12).collect();
-        // The same batch again writes the same cells with the same values.
-        let out = client
-            .forward(session.id(), &tokens, &ids, &rows, Rows::Logits)
-            .await
-            .expect("logits");
-        let ForwardOutput::Logits(logits) = out else {
-            panic!("asked for logits")
-        };
-        let vocab = logits.len() / rows.len();
-        let greedy: Vec<u32> = logits
-            .chunks(vocab)
-            .map(tether_model::sampling::greedy)
-            .collect();
-        let out = client
-            .forward(session.id(), &tokens, &ids, &rows, Rows::ArgMax)
-            .await
-            .expect("argmax");
-        assert_eq!(out, ForwardOutput::ArgMax(greedy));
-        let (mut counts, mut candidates, mut row) = (Vec::new(), Vec::new(), Vec::new());
-        for l in logits.chunks(vocab) {
-            tether_model::sampling::top_candidates(l, 5, &mut row);
-            counts.push(row.len() as u32);
-            candidates.extend_from_slice(&row);
-        }
-        let out = client
-            .forward(session.id(), &tokens, &ids, &rows, Rows::Top(5))
-            .await
-            .expect("top 5");
-        assert_eq!(out, ForwardOutput::Top { counts, candidates });
+        replies_follow_the_logits(&client, session.id(), &tokens, &ids, &rows).await;
         assert_eq!(session.close().await.reason, EndReason::Closed);
     });
+}
+
+/// Runs `tokens` three times on a committed session (the same batch writes the same
+/// cells with the same values), asking for the logits of `rows`, then their arg-max, then
+/// their top 5 candidates; the last two must be what the samplers take from the logits.
+async fn replies_follow_the_logits(
+    client: &WorkerClient,
+    session: tether_worker::SessionId,
+    tokens: &[TokenPos],
+    ids: &ForwardInput,
+    rows: &[u32],
+) {
+    let out = client
+        .forward(session, tokens, ids, rows, Rows::Logits)
+        .await
+        .expect("logits");
+    let ForwardOutput::Logits(logits) = out else {
+        panic!("asked for logits")
+    };
+    let vocab = logits.len() / rows.len();
+    let greedy: Vec<u32> = logits
+        .chunks(vocab)
+        .map(tether_model::sampling::greedy)
+        .collect();
+    let out = client
+        .forward(session, tokens, ids, rows, Rows::ArgMax)
+        .await
+        .expect("argmax");
+    assert_eq!(out, ForwardOutput::ArgMax(greedy));
+    // The top candidates of each row, as the sampler orders them.
+    let (mut counts, mut candidates, mut row) = (Vec::new(), Vec::new(), Vec::new());
+    for l in logits.chunks(vocab) {
+        tether_model::sampling::top_candidates(l, 5, &mut row);
+        counts.push(row.len() as u32);
+        candidates.extend_from_slice(&row);
+    }
+    assert!(counts.iter().all(|&c| c == 5), "{counts:?}");
+    let out = client
+        .forward(session, tokens, ids, rows, Rows::Top(5))
+        .await
+        .expect("top 5");
+    assert_eq!(out, ForwardOutput::Top { counts, candidates });
 }
