@@ -87,17 +87,7 @@ impl<B: Backend> Generator<B> {
         cache_v: GgmlType,
     ) -> Result<Self, ModelError> {
         let n_layer = ModelConfig::from_gguf(file)?.n_layer;
-        let spec = StageSpec {
-            first_layer: 0,
-            last_layer: n_layer,
-            has_embed: true,
-            has_head: true,
-            ctx_per_seq: ctx,
-            n_seq: 1,
-            ubatch,
-            cache_k,
-            cache_v,
-        };
+        let spec = StageSpec::whole_model(n_layer, ctx, 1, ubatch, cache_k, cache_v);
         Self::new(load_stage_from_file(backend, file, spec)?)
     }
 

@@ -96,17 +96,7 @@ pub fn load_stage<B: Backend>(
     let cfg = tether_model::ModelConfig::from_gguf(&file)
         .with_context(|| format!("reading the hyper-parameters of {}", model.path.display()))?;
     let ctx = context_size(dev, &cfg, min_ctx)?;
-    let spec = StageSpec {
-        first_layer: 0,
-        last_layer: cfg.n_layer,
-        has_embed: true,
-        has_head: true,
-        ctx_per_seq: ctx,
-        n_seq,
-        ubatch: dev.ubatch,
-        cache_k: cache.k(),
-        cache_v: cache.v(),
-    };
+    let spec = StageSpec::whole_model(cfg.n_layer, ctx, n_seq, dev.ubatch, cache.k(), cache.v());
     let stage = load_stage_from_file(backend, &file, spec)
         .with_context(|| format!("loading {}", model.path.display()))?;
     Ok((model, file, stage, ctx))

@@ -47,6 +47,31 @@ pub struct StageSpec {
     pub cache_v: GgmlType,
 }
 
+impl StageSpec {
+    /// A stage holding every one of `n_layer` layers, the embedding and the head: what one
+    /// process needs to run a whole model (`Generator`, `tether bench`).
+    pub fn whole_model(
+        n_layer: usize,
+        ctx_per_seq: usize,
+        n_seq: usize,
+        ubatch: usize,
+        cache_k: GgmlType,
+        cache_v: GgmlType,
+    ) -> Self {
+        Self {
+            first_layer: 0,
+            last_layer: n_layer,
+            has_embed: true,
+            has_head: true,
+            ctx_per_seq,
+            n_seq,
+            ubatch,
+            cache_k,
+            cache_v,
+        }
+    }
+}
+
 /// The element types a KV cache can be stored as.
 pub const KV_CACHE_TYPES: [GgmlType; 3] = [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0];
 
