@@ -280,7 +280,9 @@ impl Scheduler {
                     .try_for_each(|(b, out)| self.apply(b, &out))
             });
             if let Err(reason) = applied {
-                break Ended::Lost(reason);
+                // A lost session shuts every data link, so the call that fails first may be
+                // on a worker that is still up: the loss, recorded before, is the cause.
+                break Ended::Lost(loaded.lost_reason().unwrap_or(reason));
             }
         };
         let reason = match &ended {
