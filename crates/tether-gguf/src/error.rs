@@ -64,9 +64,9 @@ pub enum GgufError {
     },
     /// A tensor uses a ggml type id this crate cannot decode.
     #[error(
-        "{path}: tensor '{tensor}' (info at offset {offset}) has type id {type_id}, which is not \
-         supported; re-quantize the model to one of f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, \
-         q8_0, q2_k..q6_k"
+        "{path}: tensor '{tensor}' (info at offset {offset}) has type id {type_id} ({type_name}), \
+         which is not supported; re-quantize the model to one of f32, f16, bf16, q4_0, q4_1, \
+         q5_0, q5_1, q8_0, q2_k..q6_k, iq4_nl, iq4_xs"
     )]
     UnknownTensorType {
         /// The file.
@@ -77,6 +77,8 @@ pub enum GgufError {
         offset: u64,
         /// The type id found.
         type_id: u32,
+        /// ggml's name for that id (`iq2_xxs`), or `unknown type`.
+        type_name: &'static str,
     },
     /// Two tensors share a name.
     #[error("{path}: duplicate tensor name '{tensor}' (second one at offset {offset})")]

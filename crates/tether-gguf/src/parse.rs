@@ -287,6 +287,7 @@ pub(crate) fn parse(path: &str, bytes: &[u8], file_len: u64) -> Result<Header, G
             tensor: name.clone(),
             offset: type_at as u64,
             type_id,
+            type_name: crate::types::unsupported_type_name(type_id),
         })?;
         let offset_at = c.pos;
         let rel_offset = c.u64(&what)?;

@@ -21,6 +21,8 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     Q8K,
+    IQ4NL,
+    IQ4XS,
     BF16,
 }
 
@@ -29,7 +31,7 @@ pub const QK_K: usize = 256;
 
 impl GgmlType {
     /// Every type this crate knows, in id order.
-    pub const ALL: [GgmlType; 15] = [
+    pub const ALL: [GgmlType; 17] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -44,11 +46,13 @@ impl GgmlType {
         GgmlType::Q5K,
         GgmlType::Q6K,
         GgmlType::Q8K,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
         GgmlType::BF16,
     ];
 
     /// The type for a GGUF type id, or `None` for ids this crate does not handle
-    /// (removed Q4_2/Q4_3, the i-quants, integer types).
+    /// (removed Q4_2/Q4_3, the lattice i-quants IQ1..IQ3, integer types).
     pub fn from_id(id: u32) -> Option<Self> {
         Self::ALL.into_iter().find(|t| t.id() == id)
     }
@@ -70,6 +74,8 @@ impl GgmlType {
             GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
             GgmlType::Q8K => 15,
+            GgmlType::IQ4NL => 20,
+            GgmlType::IQ4XS => 23,
             GgmlType::BF16 => 30,
         }
     }
@@ -83,13 +89,15 @@ impl GgmlType {
             | GgmlType::Q5_0
             | GgmlType::Q5_1
             | GgmlType::Q8_0
-            | GgmlType::Q8_1 => 32,
+            | GgmlType::Q8_1
+            | GgmlType::IQ4NL => 32,
             GgmlType::Q2K
             | GgmlType::Q3K
             | GgmlType::Q4K
             | GgmlType::Q5K
             | GgmlType::Q6K
-            | GgmlType::Q8K => QK_K,
+            | GgmlType::Q8K
+            | GgmlType::IQ4XS => QK_K,
         }
     }
 
@@ -110,6 +118,8 @@ impl GgmlType {
             GgmlType::Q5K => 176,
             GgmlType::Q6K => 210,
             GgmlType::Q8K => 292,
+            GgmlType::IQ4NL => 18,
+            GgmlType::IQ4XS => 136,
         }
     }
 
@@ -145,6 +155,8 @@ impl GgmlType {
             GgmlType::Q5K => "q5_k",
             GgmlType::Q6K => "q6_k",
             GgmlType::Q8K => "q8_k",
+            GgmlType::IQ4NL => "iq4_nl",
+            GgmlType::IQ4XS => "iq4_xs",
             GgmlType::BF16 => "bf16",
         }
     }
@@ -153,6 +165,35 @@ impl GgmlType {
     pub fn from_name(name: &str) -> Option<Self> {
         let lower = name.to_ascii_lowercase();
         Self::ALL.into_iter().find(|t| t.name() == lower)
+    }
+}
+
+/// ggml's name for a type id that [`GgmlType::from_id`] rejects, so errors can say which
+/// format a file uses (`iq2_xxs`, `tq1_0`); `unknown type` for ids ggml never assigned.
+pub fn unsupported_type_name(id: u32) -> &'static str {
+    match id {
+        4 => "q4_2 (removed from ggml)",
+        5 => "q4_3 (removed from ggml)",
+        16 => "iq2_xxs",
+        17 => "iq2_xs",
+        18 => "iq3_xxs",
+        19 => "iq1_s",
+        21 => "iq3_s",
+        22 => "iq2_s",
+        24 => "i8",
+        25 => "i16",
+        26 => "i32",
+        27 => "i64",
+        28 => "f64",
+        29 => "iq1_m",
+        31..=33 => "q4_0_4_4/q4_0_4_8/q4_0_8_8 (removed from ggml)",
+        34 => "tq1_0",
+        35 => "tq2_0",
+        36..=38 => "iq4_nl_4_4/iq4_nl_4_8/iq4_nl_8_8 (removed from ggml)",
+        39 => "mxfp4",
+        40 => "nvfp4",
+        41 => "q1_0",
+        _ => "unknown type",
     }
 }
 
@@ -173,7 +214,11 @@ mod tests {
             assert_eq!(GgmlType::from_name(t.name()), Some(t));
         }
         assert_eq!(GgmlType::from_id(4), None);
+        // IQ2_XXS, IQ3_S: lattice i-quants this crate does not decode.
         assert_eq!(GgmlType::from_id(16), None);
+        assert_eq!(GgmlType::from_id(21), None);
+        assert_eq!(GgmlType::from_id(20), Some(GgmlType::IQ4NL));
+        assert_eq!(GgmlType::from_id(23), Some(GgmlType::IQ4XS));
     }
 
     #[test]
@@ -181,6 +226,9 @@ mod tests {
         assert_eq!(GgmlType::Q4_0.bytes_for(64), Some(36));
         assert_eq!(GgmlType::Q4_0.bytes_for(33), None);
         assert_eq!(GgmlType::Q6K.bytes_for(512), Some(420));
+        assert_eq!(GgmlType::IQ4NL.bytes_for(64), Some(36));
+        assert_eq!(GgmlType::IQ4XS.bytes_for(512), Some(272));
+        assert_eq!(GgmlType::IQ4XS.bytes_for(32), None);
         assert_eq!(GgmlType::F32.bytes_for(u64::MAX), None);
     }
 }

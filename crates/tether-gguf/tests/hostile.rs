@@ -170,7 +170,12 @@ fn hostile_tensor_records_are_refused() {
     let e = err(with(tensor_info("w", &[16], 2, 0)));
     assert!(e.contains("multiple") || e.contains("blocks"), "{e}");
     let e = err(with(tensor_info("iq", &[256], 19, 0)));
-    assert!(e.contains("'iq'") && e.contains("type id 19"), "{e}");
+    assert!(
+        e.contains("'iq'") && e.contains("type id 19") && e.contains("iq1_s"),
+        "{e}"
+    );
+    let e = err(with(tensor_info("iq", &[256], 16, 0)));
+    assert!(e.contains("type id 16 (iq2_xxs)"), "{e}");
     let mut two = tensor_info("dup", &[4], 0, 0);
     two.extend(tensor_info("dup", &[4], 0, 32));
     two.extend([0u8; 128]);

@@ -2,11 +2,13 @@
 //! (Q8_0, Q4_0) that the KV cache and the tests need.
 //!
 //! Each family lives in its own file and follows the block layouts of the GGUF/ggml public
-//! format: little-endian, `f16` scales, blocks of 32 elements (legacy quants) or super-blocks
-//! of [`QK_K`](crate::QK_K) = 256 elements (k-quants). The arithmetic is done in `f32` in the
+//! format: little-endian, `f16` scales, blocks of 32 elements (legacy quants, IQ4_NL) or
+//! super-blocks of [`QK_K`](crate::QK_K) = 256 elements (k-quants, IQ4_XS). The arithmetic is done in `f32` in the
 //! same order as the reference formulas so results match bit for bit.
 
 mod floats;
+mod iq4_nl;
+mod iq4_xs;
 mod q2_k;
 mod q3_k;
 mod q4_0;
@@ -21,6 +23,8 @@ mod q8_1;
 mod q8_k;
 
 pub use floats::{dequantize_bf16, dequantize_f16, dequantize_f32};
+pub use iq4_nl::{KVALUES_IQ4NL, dequantize_iq4_nl};
+pub use iq4_xs::dequantize_iq4_xs;
 pub use q2_k::dequantize_q2_k;
 pub use q3_k::dequantize_q3_k;
 pub use q4_0::{dequantize_q4_0, quantize_q4_0};
@@ -111,6 +115,8 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
         GgmlType::Q5K => dequantize_q5_k(src, dst),
         GgmlType::Q6K => dequantize_q6_k(src, dst),
         GgmlType::Q8K => dequantize_q8_k(src, dst),
+        GgmlType::IQ4NL => dequantize_iq4_nl(src, dst),
+        GgmlType::IQ4XS => dequantize_iq4_xs(src, dst),
     }
     Ok(())
 }
