@@ -60,7 +60,15 @@ fn allocations_beyond_free_memory_are_refused() {
 fn get_rows_dequantizes_the_chosen_rows() {
     let be = backend();
     let mut rng = Rng::new(41);
-    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q4_0, GgmlType::Q6K] {
+    let types = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q4_0,
+        GgmlType::Q6K,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
+    ];
+    for ty in types {
         let row_len = 256;
         let table = random_weights(&mut rng, ty, 5 * row_len);
         let tb = upload_bytes(&be, &table);
