@@ -22,6 +22,8 @@ use crate::backend::Result;
 
 /// Weight rows per matvec block (one warp each); must match `MV_WARPS` in matvec.cu.
 const MV_ROWS_PER_BLOCK: usize = 4;
+/// Rows per block of the K-quant kernels (matvec_kquant.cu: KQ_WARPS warps of KQ_R rows).
+const KQ_ROWS_PER_BLOCK: usize = 4 * 2;
 /// Most tokens one matvec launch multiplies; larger batches are split.
 pub(crate) const MV_MAX_TOKENS: usize = 8;
 /// Widest activation row the 8-bit path takes; wider rows use the f32 kernels.
@@ -157,8 +159,29 @@ fn stem(ty: GgmlType) -> Option<&'static str> {
         GgmlType::Q4K => "q4_k",
         GgmlType::Q5K => "q5_k",
         GgmlType::Q6K => "q6_k",
-        _ => return None,
+        // kernels/matvec_more.cu
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q8_1 => "q8_1",
+        GgmlType::Q2K => "q2_k",
+        GgmlType::Q3K => "q3_k",
+        GgmlType::Q8K => "q8_k",
+        GgmlType::IQ4NL => "iq4_nl",
+        GgmlType::IQ4XS => "iq4_xs",
     })
+}
+
+/// Whether products of `ty` weights (`packed` as stored), `cols` wide, take the 8-bit
+/// K-quant kernels (matvec_kquant.cu): Q4_K and Q5_K as GGUF stores them, Q6_K packed. On
+/// an H100 they replace f32-activation kernels that read 4 weight bytes a lane.
+fn kquant_int8(ty: GgmlType, packed: bool, cols: usize) -> bool {
+    let fits = cols > 0 && cols.is_multiple_of(256) && cols <= XQ_MAX_COLS;
+    fits && match ty {
+        GgmlType::Q4K | GgmlType::Q5K => !packed,
+        GgmlType::Q6K => packed,
+        _ => false,
+    }
 }
 
 /// Blocks of `per_block` rows that cover `rows`, as a grid dimension.
@@ -183,19 +206,21 @@ impl CudaBackend {
         const OP: &str = "matmul";
         let stem = stem(a.ty).ok_or_else(|| super::check::unsupported(OP, a.ty))?;
         let (rows_arg, cols_arg) = (int(OP, "rows", a.rows)?, int(OP, "cols", a.cols)?);
-        // Packed weights and GGUF-layout Q4_0 take 8-bit activations; the rest take f32.
+        // Packed weights, K-quants and GGUF-layout Q4_0 take 8-bit activations; the rest
+        // take f32.
         let packed = a.packed && packed_stem(a.ty).is_some();
+        let kquant = kquant_int8(a.ty, a.packed, a.cols);
         let int8 = packed
+            || kquant
             || (a.ty == GgmlType::Q4_0 && a.cols.is_multiple_of(32) && a.cols <= XQ_MAX_COLS);
-        let prefix = match (packed, int8) {
-            (true, _) => "matvecp",
-            (false, true) => "matvecq",
-            (false, false) => "matvec",
-        };
-        let per_block = if packed {
-            PK_MV_ROWS_PER_BLOCK
+        let (prefix, per_block) = if packed {
+            ("matvecp", PK_MV_ROWS_PER_BLOCK)
+        } else if kquant {
+            ("matveck", KQ_ROWS_PER_BLOCK)
+        } else if int8 {
+            ("matvecq", MV_ROWS_PER_BLOCK)
         } else {
-            MV_ROWS_PER_BLOCK
+            ("matvec", MV_ROWS_PER_BLOCK)
         };
         let cfg = LaunchConfig {
             grid_dim: (blocks(OP, a.rows, per_block)?, 1, 1),

@@ -90,7 +90,9 @@ impl CudaBackend {
             out: op,
             accumulate,
         };
-        let gemm_from = if w.packed && self.mma_min_tokens <= MV_MAX_TOKENS {
+        // Only packed Q4_0 / Q8_0 have tensor-core products below the GEMM's size.
+        let on_mma = w.packed && super::packed::packed_stem(ty).is_some();
+        let gemm_from = if on_mma && self.mma_min_tokens <= MV_MAX_TOKENS {
             self.gemm_min_tokens_mma
         } else {
             self.gemm_min_tokens
