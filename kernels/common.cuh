@@ -1,7 +1,8 @@
 // Shared helpers for every tether kernel file. NVRTC compiles each .cu file with this text
 // prepended (no #include, so no CUDA toolkit headers are needed at run time).
 //
-// Type ids are ggml's: F32 0, F16 1, Q4_0 2, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30.
+// Type ids are ggml's: F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q8_1 9,
+// Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, Q8_K 15, IQ4_NL 20, IQ4_XS 23, BF16 30.
 
 typedef unsigned char u8;
 typedef signed char i8;
@@ -12,10 +13,19 @@ typedef unsigned long long u64;
 #define TY_F32 0
 #define TY_F16 1
 #define TY_Q4_0 2
+#define TY_Q4_1 3
+#define TY_Q5_0 6
+#define TY_Q5_1 7
 #define TY_Q8_0 8
+#define TY_Q8_1 9
+#define TY_Q2_K 10
+#define TY_Q3_K 11
 #define TY_Q4_K 12
 #define TY_Q5_K 13
 #define TY_Q6_K 14
+#define TY_Q8_K 15
+#define TY_IQ4_NL 20
+#define TY_IQ4_XS 23
 #define TY_BF16 30
 // Q4_0 and Q8_0 in the packed layout of matvec_packed.cu (not ggml ids): rows of groups of
 // 8 blocks, the group's 8 f16 scales first, then its blocks' quants.
@@ -105,7 +115,37 @@ __device__ __forceinline__ void scale_min_k4(int j, const u8* q, int* sc, int* m
     }
 }
 
+// Byte (s & 7) of the 8 bytes {y:x} (x the low 4): PTX prmt, a register-only table lookup.
+__device__ __forceinline__ u32 byte_of(u32 x, u32 y, int s) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(s & 7));
+    return r & 255;
+}
+
+// The IQ4_NL / IQ4_XS codebook value of nibble n (ggml's kvalues_iq4nl: -127, -104, -83,
+// -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), packed little-endian in words.
+__device__ __forceinline__ float iq4_value(int n) {
+    u32 b = n & 8 ? byte_of(0x26190D01u, 0x71594535u, n) : byte_of(0xBFAD9881u, 0xF6EADDCFu, n);
+    return (float)(i8)b;
+}
+
+// The 6-bit scale of sub-block s (0..16) of a Q3_K block from its 12 packed bytes q,
+// unbiased to -32..32.
+__device__ __forceinline__ int scale_q3_k(int s, const u8* q) {
+    int low = s < 8 ? (q[s] & 15) : (q[s - 8] >> 4);
+    int high = (q[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+// The 6-bit scale of sub-block ib (0..8) of an IQ4_XS block b, unbiased to -32..32.
+__device__ __forceinline__ int scale_iq4_xs(int ib, const u8* b) {
+    int low = (b[4 + ib / 2] >> (4 * (ib & 1))) & 15;
+    int high = (ld16(b + 2) >> (2 * ib)) & 3;
+    return (low | (high << 4)) - 32;
+}
+
 // Element e of a row of type ty (the slow, general path: embeddings and quantized caches).
+// Each case computes what the cpu dequantizer of tether-gguf computes, in the same order.
 __device__ float dequant_at(int ty, const u8* row, int e) {
     switch (ty) {
     case TY_F32: return ((const float*)row)[e];
@@ -120,6 +160,68 @@ __device__ float dequant_at(int ty, const u8* row, int e) {
     case TY_Q8_0: {
         const u8* b = row + (e / 32) * 34;
         return (float)(i8)b[2 + e % 32] * h2f(ld16(b));
+    }
+    case TY_Q4_1: {
+        const u8* b = row + (e / 32) * 20;
+        int j = e % 32;
+        int q = j < 16 ? (b[4 + j] & 15) : (b[4 + j - 16] >> 4);
+        return (float)q * h2f(ld16(b)) + h2f(ld16(b + 2));
+    }
+    case TY_Q5_0:
+    case TY_Q5_1: {
+        // {f16 d, [f16 m,] u32 qh, qs[16]}: bit j of qh is the fifth bit of element j.
+        bool one = ty == TY_Q5_1;
+        const u8* b = row + (e / 32) * (one ? 24 : 22);
+        const u8* h = b + (one ? 4 : 2);
+        int j = e % 32;
+        u32 qh = (u32)ld16(h) | ((u32)ld16(h + 2) << 16);
+        int q = (j < 16 ? (h[4 + j] & 15) : (h[4 + j - 16] >> 4)) | (((qh >> j) & 1) << 4);
+        float d = h2f(ld16(b));
+        return one ? (float)q * d + h2f(ld16(b + 2)) : (float)(q - 16) * d;
+    }
+    case TY_Q8_1: {
+        const u8* b = row + (e / 32) * 36;
+        return (float)(i8)b[4 + e % 32] * h2f(ld16(b));
+    }
+    case TY_Q8_K: {
+        const u8* b = row + (e / 256) * 292;
+        return (float)(i8)b[4 + e % 256] * __uint_as_float((u32)ld16(b) | ((u32)ld16(b + 2) << 16));
+    }
+    case TY_Q2_K: {
+        // {scales[16], qs[64], f16 d, f16 dmin}; element 128h + 32j + k is bits 2j of
+        // qs[32h + k], in sub-block (element / 16).
+        const u8* b = row + (e / 256) * 84;
+        int i = e % 256, h = i / 128, j = (i % 128) / 32, k = i % 32;
+        int sc = b[i / 16];
+        float dl = h2f(ld16(b + 80)) * (float)(sc & 15);
+        float ml = h2f(ld16(b + 82)) * (float)(sc >> 4);
+        int q = (b[16 + 32 * h + k] >> (2 * j)) & 3;
+        return dl * (float)q - ml;
+    }
+    case TY_Q3_K: {
+        // {hmask[32], qs[64], scales[12], f16 d}: low bits as in Q2_K; a clear bit 4h + j
+        // of hmask[k] lowers the value by 4.
+        const u8* b = row + (e / 256) * 110;
+        int i = e % 256, h = i / 128, j = (i % 128) / 32, k = i % 32;
+        float dl = h2f(ld16(b + 108)) * (float)scale_q3_k(i / 16, b + 96);
+        int q = (b[32 + 32 * h + k] >> (2 * j)) & 3;
+        if (!((b[k] >> (4 * h + j)) & 1)) q -= 4;
+        return dl * (float)q;
+    }
+    case TY_IQ4_NL: {
+        const u8* b = row + (e / 32) * 18;
+        int j = e % 32;
+        int q = j < 16 ? (b[2 + j] & 15) : (b[2 + j - 16] >> 4);
+        return h2f(ld16(b)) * iq4_value(q);
+    }
+    case TY_IQ4_XS: {
+        // {f16 d, u16 scales_h, scales_l[4], qs[128]}: sub-block ib's 32 values in 16 bytes
+        // at 16 ib, low nibbles first.
+        const u8* b = row + (e / 256) * 136;
+        int i = e % 256, ib = i / 32, j = i % 32;
+        float dl = h2f(ld16(b)) * (float)scale_iq4_xs(ib, b);
+        u8 byte = b[8 + 16 * ib + (j & 15)];
+        return dl * iq4_value(j < 16 ? (byte & 15) : (byte >> 4));
     }
     case TY_Q4_0P: {
         int b = e / 32, j = e % 32;

@@ -37,19 +37,28 @@ pub(crate) fn row_bytes(op: &'static str, ty: GgmlType, elems: usize) -> Result<
         })
 }
 
-/// Weight types the matvec and get_rows kernels decode.
+/// Weight types the matvec and get_rows kernels decode: every type the cpu backend serves.
+/// (No wildcard: a new type must be given kernels, or refused here on purpose.)
 pub(crate) fn weight_type_supported(ty: GgmlType) -> bool {
-    matches!(
-        ty,
+    match ty {
         GgmlType::F32
-            | GgmlType::F16
-            | GgmlType::BF16
-            | GgmlType::Q4_0
-            | GgmlType::Q8_0
-            | GgmlType::Q4K
-            | GgmlType::Q5K
-            | GgmlType::Q6K
-    )
+        | GgmlType::F16
+        | GgmlType::BF16
+        | GgmlType::Q4_0
+        | GgmlType::Q4_1
+        | GgmlType::Q5_0
+        | GgmlType::Q5_1
+        | GgmlType::Q8_0
+        | GgmlType::Q8_1
+        | GgmlType::Q2K
+        | GgmlType::Q3K
+        | GgmlType::Q4K
+        | GgmlType::Q5K
+        | GgmlType::Q6K
+        | GgmlType::Q8K
+        | GgmlType::IQ4NL
+        | GgmlType::IQ4XS => true,
+    }
 }
 
 /// Cache element types the attention and kv_store kernels handle.
