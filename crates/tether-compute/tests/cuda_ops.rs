@@ -81,13 +81,14 @@ fn matmul_matches_cpu_for_every_weight_type_and_batch() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn matmul_refuses_unsupported_types_and_bad_sizes() {
+fn matmul_refuses_bad_sizes() {
     let g = gpu();
     let w = g.alloc(1 << 16).unwrap();
     let x = g.alloc(1 << 12).unwrap();
     let mut o = g.alloc(1 << 12).unwrap();
-    let r = g.matmul(&w, GgmlType::Q2K, 4, 256, &x, 1, &mut o);
-    assert!(matches!(r, Err(ComputeError::Unsupported { .. })), "{r:?}");
+    // Every type is served (cuda_types.rs); rows of part of a block are not.
+    let r = g.matmul(&w, GgmlType::Q2K, 4, 288, &x, 1, &mut o);
+    assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
     let r = g.matmul(&w, GgmlType::Q4_0, 4, 100, &x, 1, &mut o);
     assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
     let r = g.matmul(&w, GgmlType::F32, 4096, 4096, &x, 1, &mut o);

@@ -5,16 +5,8 @@
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::GgmlType;
 
-pub const WEIGHT_TYPES: [GgmlType; 8] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+/// Every weight type: the cpu backend serves all of them, so the cuda backend must too.
+pub const WEIGHT_TYPES: [GgmlType; GgmlType::ALL.len()] = GgmlType::ALL;
 
 /// splitmix64: deterministic test data.
 pub struct Rng(pub u64);
@@ -43,9 +35,13 @@ impl Rng {
 /// infinities and NaNs).
 pub fn scale_offsets(ty: GgmlType) -> &'static [usize] {
     match ty {
-        GgmlType::Q4_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4NL => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q8_1 => &[0, 2],
         GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
         GgmlType::Q6K => &[208],
+        GgmlType::IQ4XS => &[0],
         _ => &[],
     }
 }
@@ -69,6 +65,11 @@ pub fn random_weights(rng: &mut Rng, ty: GgmlType, elems: usize) -> Vec<u8> {
                 .map(|_| rng.next_u64() as u8)
                 .collect();
             for b in out.chunks_exact_mut(block) {
+                if ty == GgmlType::Q8K {
+                    // Q8_K's scale is an f32.
+                    let d = (1e-3 * 100f64.powf(rng.unit())) as f32;
+                    b[..4].copy_from_slice(&d.to_le_bytes());
+                }
                 for &at in scale_offsets(ty) {
                     let mag = 1e-3 * 100f64.powf(rng.unit());
                     let s = if rng.next_u64() & 1 == 0 { mag } else { -mag };
