@@ -152,6 +152,14 @@ impl GgufWriter {
         }
     }
 
+    /// Bytes of tensor data the file will hold, alignment padding included (the file is this
+    /// plus its header); known before any tensor stream runs.
+    pub fn tensor_data_bytes(&self) -> u64 {
+        self.tensors.iter().fold(0, |offset, t| {
+            (offset + t.bytes).div_ceil(self.alignment) * self.alignment
+        })
+    }
+
     /// Write the file to `out`; `name` is used in errors.
     pub fn write_to(self, out: &mut dyn Write, name: &str) -> Result<(), GgufError> {
         let named = |e: GgufError| match e {
@@ -366,8 +374,12 @@ mod tests {
             Box::new(|out: &mut dyn Write| out.write_all(&[7u8; 10])),
         )
         .unwrap();
+        // 24 bytes padded to 64, then 68 to 192 - 64, then 10 to 256 - 192.
+        let data_bytes = w.tensor_data_bytes();
+        assert_eq!(data_bytes, 256);
         let mut bytes = Vec::new();
         w.write_to(&mut bytes, "mem").unwrap();
+        assert!((bytes.len() as u64 - data_bytes).is_multiple_of(64));
 
         let f = GgufFile::from_bytes("mem", bytes).unwrap();
         assert_eq!(f.version(), 3);

@@ -4,8 +4,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 use std::time::Instant;
-use tether_gguf::{GgmlType, GgufFile};
-use tether_model::synth::{SynthShape, synthesize};
+use tether_gguf::GgufFile;
+use tether_model::synth::{SynthShape, SynthType, synthesize};
 
 /// GGUF file tools.
 #[derive(Subcommand, Debug)]
@@ -34,7 +34,9 @@ pub struct SynthArgs {
     /// Model shape: tiny, llama3-1b, llama3-8b, llama2-7b, qwen2-0.5b, qwen2.5-14b.
     #[arg(long, default_value = "tiny")]
     pub shape: String,
-    /// Weight type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k.
+    /// Weight type of every matrix: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k,
+    /// q4_k, q5_k, q6_k, iq4_nl, iq4_xs; or a per-tensor mix as llama.cpp's quantizer makes
+    /// it: q3_k_m, q4_k_m, q5_k_m, q2_k_mix (llama.cpp's Q2_K file), iq4_xs_mix (its IQ4_XS).
     #[arg(long = "type", default_value = "q4_0")]
     pub ty: String,
     /// Seed of the random weights.
@@ -68,8 +70,11 @@ pub fn run(command: GgufCommand) -> Result<()> {
                         .join(", ")
                 );
             };
-            let Some(ty) = GgmlType::from_name(&args.ty) else {
-                bail!("unknown weight type {:?}", args.ty);
+            let Some(ty) = SynthType::from_name(&args.ty) else {
+                bail!(
+                    "unknown weight type {:?}; see `tether gguf synth --help` for the types and mixes",
+                    args.ty
+                );
             };
             let start = Instant::now();
             synthesize(&args.out, shape, ty, args.seed)

@@ -59,6 +59,10 @@ fn scale_fields(ty: GgmlType, amp: f32) -> Vec<(usize, f32)> {
         GgmlType::Q5K => vec![(0, amp / (63.0 * 31.0) * 2.0), (2, amp / 63.0)],
         // d·scale·(q - 32), scale i8
         GgmlType::Q6K => vec![(208, amp / (127.0 * 32.0))],
+        // d·table[q], table in [-127, 113]
+        GgmlType::IQ4NL => vec![(0, amp / 127.0)],
+        // d·(ls - 32)·table[q], ls 6-bit from the random scale bytes
+        GgmlType::IQ4XS => vec![(0, amp / (127.0 * 32.0))],
         _ => Vec::new(),
     }
 }
@@ -113,6 +117,8 @@ mod tests {
             GgmlType::Q4K,
             GgmlType::Q5K,
             GgmlType::Q6K,
+            GgmlType::IQ4NL,
+            GgmlType::IQ4XS,
         ];
         let mut rng = FastRng::new(3);
         for ty in types {

@@ -2,6 +2,7 @@
 //! tests and benchmarks without downloading anything.
 
 mod blocks;
+mod mix;
 mod vocab;
 
 use std::path::Path;
@@ -10,6 +11,7 @@ use tether_gguf::{GgmlType, GgufWriter, MetaValue};
 
 use crate::error::ModelError;
 use blocks::{FastRng, fill_random};
+pub use mix::{MatrixRole, QuantMix, SynthType};
 
 /// The shape of a synthetic model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,13 +121,15 @@ impl SynthShape {
 }
 
 /// The type a `cols`-wide matrix gets when `ty`'s blocks do not divide its rows
-/// (llama.cpp's quantizer falls back the same way).
+/// (llama.cpp's quantizer falls back the same way; its newer versions send q2_k and q3_k to
+/// iq4_nl rather than q4_0).
 fn fit_type(ty: GgmlType, cols: usize) -> GgmlType {
     if cols.is_multiple_of(ty.block_elems()) {
         return ty;
     }
     let fallback = match ty {
         GgmlType::Q2K | GgmlType::Q3K => GgmlType::Q4_0,
+        GgmlType::IQ4XS => GgmlType::IQ4NL,
         GgmlType::Q4K => GgmlType::Q5_0,
         GgmlType::Q5K => GgmlType::Q5_1,
         _ => GgmlType::Q8_0,
@@ -188,18 +192,25 @@ fn add_vector(
     Ok(())
 }
 
-/// Writes a GGUF file at `path` with random weights of `shape`; matrices are of type `ty`
-/// (or a fallback where its blocks do not fit a row), norms and biases f32. The same seed
-/// gives the same file.
+/// Writes a GGUF file at `path` with random weights of `shape`; matrices are of the type
+/// `ty` gives them (one [`GgmlType`] for all, or a [`QuantMix`]; a fallback where its
+/// blocks do not fit a row), norms and biases f32. The same seed gives the same file.
 pub fn synthesize(
     path: impl AsRef<Path>,
     shape: SynthShape,
-    ty: GgmlType,
+    ty: impl Into<SynthType>,
     seed: u64,
 ) -> Result<(), ModelError> {
-    if matches!(ty, GgmlType::Q8_1 | GgmlType::Q8K) {
+    let w = build(shape, ty.into(), seed)?;
+    w.write_file(path.as_ref())?;
+    Ok(())
+}
+
+/// The file `synthesize` writes, with every matrix's random data still to be generated.
+fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, ModelError> {
+    if let SynthType::Uniform(t @ (GgmlType::Q8_1 | GgmlType::Q8K)) = ty {
         return Err(ModelError::Config(format!(
-            "{ty} is not a weight type; pick f16, q8_0, q4_k, ..."
+            "{t} is not a weight type; pick f16, q8_0, q4_k, q4_k_m, ..."
         )));
     }
     let d = shape.dims();
@@ -231,6 +242,14 @@ pub fn synthesize(
 
     let head_dim = d.n_embd / d.n_head;
     let (e, q, kv, ff) = (d.n_embd, d.n_embd, d.n_head_kv * head_dim, d.n_ff);
+    let gqa = d.n_head / d.n_head_kv;
+    // The type of a matrix with `cols`-element rows.
+    let pick = |role, layer, cols| fit_type(ty.type_for(role, layer, d.n_layer, gqa), cols);
+    let embd_role = if d.tied {
+        MatrixRole::Output
+    } else {
+        MatrixRole::TokenEmbd
+    };
     let mut rng = FastRng::new(seed);
     let mut next_seed = || rng.next_u64();
     let mut vec_rng = FastRng::new(seed ^ 0x5eed);
@@ -239,7 +258,7 @@ pub fn synthesize(
     add_random(
         &mut w,
         "token_embd.weight".into(),
-        fit_type(ty, e),
+        pick(embd_role, 0, e),
         &[e, d.n_vocab],
         1.0,
         next_seed(),
@@ -250,7 +269,7 @@ pub fn synthesize(
         add_random(
             &mut w,
             n("attn_q.weight"),
-            fit_type(ty, e),
+            pick(MatrixRole::AttnQ, l, e),
             &[e, q],
             amp(e),
             next_seed(),
@@ -258,7 +277,7 @@ pub fn synthesize(
         add_random(
             &mut w,
             n("attn_k.weight"),
-            fit_type(ty, e),
+            pick(MatrixRole::AttnK, l, e),
             &[e, kv],
             amp(e),
             next_seed(),
@@ -266,7 +285,7 @@ pub fn synthesize(
         add_random(
             &mut w,
             n("attn_v.weight"),
-            fit_type(ty, e),
+            pick(MatrixRole::AttnV, l, e),
             &[e, kv],
             amp(e),
             next_seed(),
@@ -279,7 +298,7 @@ pub fn synthesize(
         add_random(
             &mut w,
             n("attn_output.weight"),
-            fit_type(ty, q),
+            pick(MatrixRole::AttnOutput, l, q),
             &[q, e],
             amp(q),
             next_seed(),
@@ -288,7 +307,7 @@ pub fn synthesize(
         add_random(
             &mut w,
             n("ffn_gate.weight"),
-            fit_type(ty, e),
+            pick(MatrixRole::FfnGate, l, e),
             &[e, ff],
             amp(e),
             next_seed(),
@@ -296,7 +315,7 @@ pub fn synthesize(
         add_random(
             &mut w,
             n("ffn_up.weight"),
-            fit_type(ty, e),
+            pick(MatrixRole::FfnUp, l, e),
             &[e, ff],
             amp(e),
             next_seed(),
@@ -304,7 +323,7 @@ pub fn synthesize(
         add_random(
             &mut w,
             n("ffn_down.weight"),
-            fit_type(ty, ff),
+            pick(MatrixRole::FfnDown, l, ff),
             &[ff, e],
             amp(ff),
             next_seed(),
@@ -332,15 +351,13 @@ pub fn synthesize(
         add_random(
             &mut w,
             "output.weight".into(),
-            fit_type(ty, e),
+            pick(MatrixRole::Output, 0, e),
             &[e, d.n_vocab],
             4.0 * amp(e),
             next_seed(),
         )?;
     }
-    let path = path.as_ref();
-    w.write_file(path)?;
-    Ok(())
+    Ok(w)
 }
 
 #[cfg(test)]
@@ -378,11 +395,59 @@ mod tests {
     }
 
     #[test]
+    fn q4_k_m_file_has_llama_cpp_types_per_tensor() {
+        let path =
+            std::env::temp_dir().join(format!("tether-synth-q4km-{}.gguf", std::process::id()));
+        synthesize(&path, SynthShape::Tiny, QuantMix::Q4KM, 3).unwrap();
+        let file = tether_gguf::GgufFile::open(&path).unwrap();
+        let ty = |name: &str| file.tensor(name).unwrap().ty;
+        assert_eq!(ty("output.weight"), GgmlType::Q6K);
+        assert_eq!(ty("token_embd.weight"), GgmlType::Q4K);
+        // Two layers: only layer 1 (the last eighth) gets more bits.
+        for (layer, more) in [(0, GgmlType::Q4K), (1, GgmlType::Q6K)] {
+            assert_eq!(ty(&format!("blk.{layer}.attn_v.weight")), more);
+            assert_eq!(ty(&format!("blk.{layer}.ffn_down.weight")), more);
+            for m in ["attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"] {
+                assert_eq!(ty(&format!("blk.{layer}.{m}.weight")), GgmlType::Q4K, "{m}");
+            }
+        }
+        assert_eq!(ty("blk.0.attn_norm.weight"), GgmlType::F32);
+        assert!(file.get_str("general.name").unwrap().contains("q4_k_m"));
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn tied_output_gives_token_embd_the_output_type() {
+        let w = build(SynthShape::TinyQwen2, QuantMix::Q3KM.into(), 1).unwrap();
+        let mut bytes = Vec::new();
+        w.write_to(&mut bytes, "mem").unwrap();
+        let file = tether_gguf::GgufFile::from_bytes("mem", bytes).unwrap();
+        let ty = |name: &str| file.tensor(name).unwrap().ty;
+        assert!(file.tensor("output.weight").is_none());
+        assert_eq!(ty("token_embd.weight"), GgmlType::Q6K);
+        assert_eq!(ty("blk.1.attn_v.weight"), GgmlType::Q5K);
+        assert_eq!(ty("blk.1.attn_output.weight"), GgmlType::Q4K);
+        assert_eq!(ty("blk.1.ffn_down.weight"), GgmlType::Q4K);
+        assert_eq!(ty("blk.1.ffn_up.weight"), GgmlType::Q3K);
+    }
+
+    /// llama.cpp's Q4_K_M of Llama 3.1 8B is 4.58 GiB (4.92 GB); ours has the same tensor
+    /// types, so the same size up to its tokenizer metadata. Counted without writing.
+    #[test]
+    fn llama3_8b_q4_k_m_is_the_size_llama_cpp_writes() {
+        let w = build(SynthShape::Llama3_8b, QuantMix::Q4KM.into(), 1).unwrap();
+        // 4 912 898 304 bytes: the sum of the tensor sizes by the mix rules.
+        let gib = w.tensor_data_bytes() as f64 / f64::from(1u32 << 30);
+        assert!((4.55..4.60).contains(&gib), "{gib} GiB");
+    }
+
+    #[test]
     fn types_fall_back_where_blocks_do_not_fit() {
         assert_eq!(fit_type(GgmlType::Q4K, 896), GgmlType::Q5_0);
         assert_eq!(fit_type(GgmlType::Q6K, 896), GgmlType::Q8_0);
         assert_eq!(fit_type(GgmlType::Q4K, 4096), GgmlType::Q4K);
         assert_eq!(fit_type(GgmlType::Q4_0, 20), GgmlType::F16);
+        assert_eq!(fit_type(GgmlType::IQ4XS, 896), GgmlType::IQ4NL);
     }
 
     /// Slow (writes about 4.6 GB): `cargo test -p tether-model -- --ignored synth_8b`.

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tether_compute::CpuBackend;
 use tether_gguf::{GgmlType, GgufFile};
+use tether_model::synth::SynthType;
 use tether_model::{Stage, StageSpec, SynthShape, load_stage_from_file, synthesize};
 
 pub fn backend() -> Arc<CpuBackend> {
@@ -24,7 +25,8 @@ impl Drop for TempModel {
     }
 }
 
-pub fn synth(shape: SynthShape, ty: GgmlType, seed: u64) -> TempModel {
+pub fn synth(shape: SynthShape, ty: impl Into<SynthType>, seed: u64) -> TempModel {
+    let ty = ty.into();
     // Tests run in parallel and may ask for the same model: each gets its own file, so one
     // test's cleanup never removes another's.
     static NEXT: AtomicUsize = AtomicUsize::new(0);
