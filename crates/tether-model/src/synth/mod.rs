@@ -24,6 +24,8 @@ pub enum SynthShape {
     Llama3_1b,
     /// Llama 3.1 8B.
     Llama3_8b,
+    /// Llama 3.1 70B.
+    Llama3_70b,
     /// Llama 2 7B.
     Llama2_7b,
     /// Qwen2 0.5B.
@@ -51,11 +53,12 @@ struct Dims {
 
 impl SynthShape {
     /// Every shape.
-    pub const ALL: [SynthShape; 7] = [
+    pub const ALL: [SynthShape; 8] = [
         SynthShape::Tiny,
         SynthShape::TinyQwen2,
         SynthShape::Llama3_1b,
         SynthShape::Llama3_8b,
+        SynthShape::Llama3_70b,
         SynthShape::Llama2_7b,
         SynthShape::Qwen2_0_5b,
         SynthShape::Qwen2_5_14b,
@@ -68,6 +71,7 @@ impl SynthShape {
             SynthShape::TinyQwen2 => "tiny-qwen2",
             SynthShape::Llama3_1b => "llama3-1b",
             SynthShape::Llama3_8b => "llama3-8b",
+            SynthShape::Llama3_70b => "llama3-70b",
             SynthShape::Llama2_7b => "llama2-7b",
             SynthShape::Qwen2_0_5b => "qwen2-0.5b",
             SynthShape::Qwen2_5_14b => "qwen2.5-14b",
@@ -112,6 +116,11 @@ impl SynthShape {
             SynthShape::Llama3_8b => Dims {
                 rope_freqs: true,
                 ..llama(4096, 32, 32, 8, 14336, 128256, 500000.0, false)
+            },
+            SynthShape::Llama3_70b => Dims {
+                rope_freqs: true,
+                ctx: 131072,
+                ..llama(8192, 80, 64, 8, 28672, 128256, 500000.0, false)
             },
             SynthShape::Llama2_7b => llama(4096, 32, 32, 32, 11008, 32000, 10000.0, false),
             SynthShape::Qwen2_0_5b => qwen(896, 24, 14, 2, 4864, 151936, true),
@@ -439,6 +448,15 @@ mod tests {
         // 4 912 898 304 bytes: the sum of the tensor sizes by the mix rules.
         let gib = w.tensor_data_bytes() as f64 / f64::from(1u32 << 30);
         assert!((4.55..4.60).contains(&gib), "{gib} GiB");
+    }
+
+    /// The 70B shape in the mix that fills two 80 GB GPUs: about 40 GiB, as llama.cpp's
+    /// Q4_K_M of Llama 3.1 70B (39.6 GiB). Counted without writing.
+    #[test]
+    fn llama3_70b_q4_k_m_is_about_40_gib() {
+        let w = build(SynthShape::Llama3_70b, QuantMix::Q4KM.into(), 1).unwrap();
+        let gib = w.tensor_data_bytes() as f64 / f64::from(1u32 << 30);
+        assert!((39.0..40.5).contains(&gib), "{gib} GiB");
     }
 
     #[test]
