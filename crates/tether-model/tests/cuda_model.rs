@@ -71,10 +71,10 @@ fn greedy<B: Backend>(g: &mut Generator<B>, prompt: &[u32]) -> Vec<u32> {
 /// distance to the reference is printed beside it: it quantizes activations to 8 bits for
 /// quantized weights (as llama.cpp does), which costs it up to 2e-2 on these models.
 ///
-/// With `eight_bit` (Q4_0 and Q8_0 weights, whose decode products take 8-bit activations on
-/// both backends, as llama.cpp's do) the bound is the cpu's own distance to the reference
-/// times 1.5, when that is above 1e-2: the cuda backend must be no worse than the cpu; and
-/// up to 8 of the 64 greedy tokens may be near-ties instead of 3.
+/// With `eight_bit` (Q4_0, Q8_0 and K-quant weights, whose decode products take 8-bit
+/// activations on both backends, as llama.cpp's do) the bound is the cpu's own distance to
+/// the reference times 1.5, when that is above 1e-2: the cuda backend must be no worse than
+/// the cpu; and up to 8 of the 64 greedy tokens may be near-ties instead of 3.
 fn check_against_reference(file: &GgufFile, what: &str, eight_bit: bool) {
     let reference = Reference::load(file);
     let v = reference.vocab();
@@ -180,20 +180,31 @@ fn synth(shape: SynthShape, ty: GgmlType) -> (TempModel, GgufFile) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_weight_type_matches_the_reference() {
+    // Every type the synthesizer writes (all but Q8_1 and Q8_K, which no model file uses).
     let types = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::BF16,
         GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
         GgmlType::Q8_0,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
         GgmlType::Q4K,
         GgmlType::Q5K,
         GgmlType::Q6K,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
     ];
     for shape in [SynthShape::Tiny, SynthShape::TinyQwen2] {
         for ty in types {
             let (_tmp, file) = synth(shape, ty);
-            let eight_bit = matches!(ty, GgmlType::Q4_0 | GgmlType::Q8_0);
+            let eight_bit = matches!(
+                ty,
+                GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K
+            );
             check_against_reference(&file, &format!("{} {ty}", shape.name()), eight_bit);
         }
     }
