@@ -15,9 +15,10 @@
 //! | `q5_k_m` | q5_k | q6_k | q6_k on "more bits" layers | q6_k on "more bits" layers | base |
 //! | `iq4_xs_mix` (llama.cpp `IQ4_XS`) | iq4_xs | q6_k | q5_k if gqa ≥ 4 | q5_k if i < n/8 | base |
 //!
-//! Every other matrix (token_embd, attn_q, attn_k, ffn_gate, ffn_up) has the base type; a
-//! model whose output reuses token_embd gives token_embd the output's type. (llama.cpp also
-//! raises attn_v to q5_k on 70B models; no shape here is that size.) The plain names
+//! On a 70B-class model (llama.cpp's `LLM_TYPE_70B`: 80 layers with grouped KV heads) an
+//! attn_v of q3_k or q4_k becomes q5_k, since it is 8× smaller than attn_q there. Every
+//! other matrix (token_embd, attn_q, attn_k, ffn_gate, ffn_up) has the base type; a model
+//! whose output reuses token_embd gives token_embd the output's type. The plain names
 //! (`q2_k`, `iq4_xs`) keep meaning one type for every matrix, hence the `_mix` suffix on the
 //! two file types that share a type's name.
 
@@ -100,7 +101,8 @@ impl QuantMix {
         use QuantMix as M;
         let base = self.base();
         let more_bits = more_bits(layer, n_layer);
-        match (role, self) {
+        let class_70b = n_layer == 80 && gqa > 1;
+        let ty = match (role, self) {
             (MatrixRole::Output, _) => Q6K,
             (MatrixRole::AttnV, M::Q2K) => {
                 if gqa >= 4 {
@@ -130,7 +132,11 @@ impl QuantMix {
             (MatrixRole::AttnOutput, M::Q2K) => Q3K,
             (MatrixRole::AttnOutput, M::Q3KM) => Q4K,
             _ => base,
+        };
+        if role == MatrixRole::AttnV && class_70b && matches!(ty, Q3K | Q4K) {
+            return Q5K;
         }
+        ty
     }
 }
 
@@ -278,5 +284,20 @@ mod tests {
             SynthType::Uniform(Q2K).type_for(MatrixRole::Output, 0, 32, 4),
             Q2K
         );
+    }
+
+    #[test]
+    fn seventy_b_models_get_q5_k_attn_v() {
+        let q4 = |role, layer, gqa| SynthType::Mix(QuantMix::Q4KM).type_for(role, layer, 80, gqa);
+        assert_eq!(q4(MatrixRole::AttnV, 11, 8), Q5K);
+        assert_eq!(q4(MatrixRole::AttnV, 0, 8), Q6K, "more bits wins");
+        assert_eq!(
+            q4(MatrixRole::AttnV, 11, 1),
+            Q4K,
+            "65B: no grouped KV heads"
+        );
+        assert_eq!(q4(MatrixRole::AttnQ, 11, 8), Q4K);
+        let q2 = SynthType::Mix(QuantMix::Q2K).type_for(MatrixRole::AttnV, 11, 80, 8);
+        assert_eq!(q2, Q5K);
     }
 }
