@@ -23,7 +23,8 @@
 # Environment: TETHER, TETHERCTL (default .gpu/tether, .gpu/tetherctl, else .gpu/bin/),
 # DEVICES (cuda; cpu: cpu workers, `tiny`-shaped models, small counts, STEPS without big,
 # speed ratios printed but not judged), STEPS (which of "bench serve big" run; synth always
-# does, the 70B file only with big), MODELS (/tmp/tether-models), REPS (bench -r, 3),
+# does, the 70B file only with big), BIG_SYNTH (background: the 70B file is written while
+# steps 2-3 run, and their rows say when it was; first: before them), MODELS (/tmp/tether-models), REPS (bench -r, 3),
 # BENCH_P (512), BENCH_N (128), CLIENTS (64), REQUESTS (256), PARALLEL (64), CTX (512),
 # PROMPT_TOKENS (128), GEN_TOKENS (128), BIG_CTX (2048), LOAD_LIMIT_S (300: longest wait
 # for a serve to load), TOLERANCE_MIB (16), WPORT (50191, and the next), HPORT (18191),
@@ -63,6 +64,7 @@ CTX=${CTX:-512}
 PROMPT_TOKENS=${PROMPT_TOKENS:-128}
 GEN_TOKENS=${GEN_TOKENS:-128}
 STEPS=${STEPS:-bench serve big}
+BIG_SYNTH=${BIG_SYNTH:-background}
 BIG_CTX=${BIG_CTX:-2048}
 LOAD_LIMIT_S=${LOAD_LIMIT_S:-300}
 TOLERANCE_MIB=${TOLERANCE_MIB:-16}
@@ -100,7 +102,7 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.3f", a / b; else
 at_least() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a >= b) }'; }
 
 row() { # STEP CHECK VALUE VERDICT
-    ROWS+=("$(printf '%-13s %-28s %-46s %s' "$1" "$2" "$3" "$4")")
+    ROWS+=("$(printf '%-13s %-28s %-58s %s' "$1" "$2" "$3" "$4")")
     case $4 in FAIL*) FAILURES+=("$1: $2: $3") ;; esac
     echo "-> $1 | $2 | $3 | $4"
 }
@@ -119,7 +121,14 @@ judge() { # VALUE MINIMUM
 cleanup() {
     local pid
     # The synth runs in a subshell: its tether is that subshell's child.
-    alive "$BIG_SYNTH_PID" && pkill -P "$BIG_SYNTH_PID" && kill "$BIG_SYNTH_PID"
+    # A synth still running runs in a subshell, its tether that subshell's child; what it
+    # (or one a signal ended) leaves is a partial file of this run.
+    if [ -n "$BIG_SYNTH_PID" ]; then
+        pkill -P "$BIG_SYNTH_PID" 2>/dev/null
+        kill "$BIG_SYNTH_PID" 2>/dev/null
+        wait "$BIG_SYNTH_PID" 2>/dev/null
+    fi
+    rm -f "${FILE_Q4_0:-}".partial-* "${FILE_MIX:-}".partial-* "${FILE_BIG:-}".partial-*
     alive "$SERVE_PID" && kill -KILL "$SERVE_PID"
     for pid in "${WORKER_PIDS[@]}"; do alive "$pid" && kill -TERM "$pid"; done
     wait 2>/dev/null
@@ -144,6 +153,10 @@ synth() { # FILE SHAPE TYPE
     fi
 }
 
+# Marks a measurement taken while the big model was still being written (BIG_SYNTH=first
+# avoids that, at the cost of waiting for it before anything else).
+synth_note() { alive "$BIG_SYNTH_PID" && echo " [big synth running]"; }
+
 vocab_of() { # FILE
     "$TETHER" gguf inspect "$1" --json | python3 -c "
 import json, sys
@@ -165,6 +178,10 @@ step_synth() {
     if want big && [ ! -f "$FILE_BIG" ]; then
         synth "$FILE_BIG" "$BIG_SHAPE" "$MIX" &
         BIG_SYNTH_PID=$!
+        if [ "$BIG_SYNTH" = first ]; then
+            pids+=("$BIG_SYNTH_PID")
+            BIG_SYNTH_PID=
+        fi
     fi
     synth "$FILE_Q4_0" "$SMALL_SHAPE" q4_0 &
     pids+=($!)
@@ -190,7 +207,8 @@ bench_cell() { # LOG TEST WORKERS COLUMN
 }
 
 step_bench() { # FILE TAG
-    local file=$1 tag=$2 log="$LOGS/bench-$2.log" rc pp tg
+    local file=$1 tag=$2 log="$LOGS/bench-$2.log" rc pp tg busy
+    busy=$(synth_note)
     if [ ! -f "$file" ]; then
         row "bench $tag" "pipeline 1,2" "no model file" FAIL
         return
@@ -207,10 +225,10 @@ step_bench() { # FILE TAG
         return
     fi
     row "bench $tag" "tg$BENCH_N 2w/1w >= $DECODE_MIN" \
-        "$tg ($(bench_cell "$log" "tg$BENCH_N" 1 3) -> $(bench_cell "$log" "tg$BENCH_N" 2 3) t/s)" \
+        "$tg ($(bench_cell "$log" "tg$BENCH_N" 1 3) -> $(bench_cell "$log" "tg$BENCH_N" 2 3) t/s)$busy" \
         "$(judge "$tg" "$DECODE_MIN")"
     row "bench $tag" "pp$BENCH_P 2w/1w >= $PROMPT_MIN" \
-        "$pp ($(bench_cell "$log" "pp$BENCH_P" 1 3) -> $(bench_cell "$log" "pp$BENCH_P" 2 3) t/s)" \
+        "$pp ($(bench_cell "$log" "pp$BENCH_P" 1 3) -> $(bench_cell "$log" "pp$BENCH_P" 2 3) t/s)$busy" \
         "$(judge "$pp" "$PROMPT_MIN")"
 }
 
@@ -275,7 +293,8 @@ stop_serve() {
 # Runs the fixed-length load against serve over N workers; sets GEN_TPS (empty on failure).
 serve_load() { # N_WORKERS
     local n=$1 tag="serve-${1}w" summary
-    GEN_TPS=
+    GEN_TPS=''
+    BUSY=$(synth_note)
     if ! start_serve "$FILE_Q4_0" "$n" "$PARALLEL" "$CTX" "$tag"; then
         SERVE_ERR="serve did not load (log $LOGS/$tag.log)"
         return 1
@@ -313,7 +332,7 @@ step_serve() {
         return
     fi
     one=$GEN_TPS
-    row "serve 1w" "gen t/s, ${CLIENTS} clients" "$one t/s (${SHORT} of $REQUESTS ended early)" info
+    row "serve 1w" "gen t/s, ${CLIENTS} clients" "$one t/s (${SHORT} of $REQUESTS short)$BUSY" info
     if out_of_time; then
         row "serve 2w" "gen t/s" "skipped: DEADLINE_S" skipped
         return
@@ -323,7 +342,7 @@ step_serve() {
         return
     fi
     two=$GEN_TPS
-    row "serve 2w" "gen t/s, ${CLIENTS} clients" "$two t/s (${SHORT} of $REQUESTS ended early)" info
+    row "serve 2w" "gen t/s, ${CLIENTS} clients" "$two t/s (${SHORT} of $REQUESTS short)$BUSY" info
     row serve "2w/1w gen t/s >= $SERVE_MIN" "$(ratio "$two" "$one") ($one -> $two t/s)" \
         "$(judge "$(ratio "$two" "$one")" "$SERVE_MIN")"
 }
@@ -410,37 +429,12 @@ preflight() {
 print_table() {
     echo
     echo "== tether on two devices (${WORKER_DEVICES[*]}): $SMALL_SHAPE q4_0/$MIX, $BIG_SHAPE $MIX; $SECONDS s =="
-    printf '%-13s %-28s %-46s %s\n' step check value verdict
+    printf '%-13s %-28s %-58s %s\n' step check value verdict
     printf '%s\n' "${ROWS[@]}"
     echo "logs: $LOGS"
 }
 
-main() {
-    preflight
-    echo "gpu_two.sh: $TETHER, workers on ${WORKER_DEVICES[*]}, models in $MODELS, logs in $LOGS"
-    step_synth
-    local file tag
-    for file in "$FILE_Q4_0" "$FILE_MIX"; do
-        want bench || break
-        tag=$(basename "$file" .gguf)
-        tag=${tag#"$SMALL_SHAPE"-}
-        if out_of_time; then row "bench $tag" "pipeline 1,2" "skipped: DEADLINE_S" skipped; continue; fi
-        step_bench "$file" "$tag"
-    done
-    if ! want serve; then
-        :
-    elif out_of_time; then
-        row serve "2w/1w gen t/s" "skipped: DEADLINE_S" skipped
-    else
-        step_serve
-    fi
-    if ! want big; then
-        row big "release after SIGKILL" "not run (STEPS has no big)" skipped
-    elif out_of_time; then
-        row big "release after SIGKILL" "skipped: DEADLINE_S" skipped
-    else
-        step_big
-    fi
+finish() {
     print_table
     if ((${#FAILURES[@]} > 0)); then
         echo
@@ -451,6 +445,47 @@ main() {
     local skipped
     skipped=$(printf '%s\n' "${ROWS[@]}" | grep -c ' skipped$')
     if ((skipped)); then echo "all checks that ran passed ($skipped skipped)"; else echo "all checks passed"; fi
+}
+
+# `timeout N scripts/gpu_two.sh` signals the whole process group (this script, its workers,
+# serve and clients): the step that was running is marked, and the table still prints.
+interrupted() {
+    row "$STEP" "run" "interrupted by a signal after $SECONDS s" FAIL
+    finish
+}
+
+main() {
+    preflight
+    echo "gpu_two.sh: $TETHER, workers on ${WORKER_DEVICES[*]}, models in $MODELS, logs in $LOGS"
+    trap interrupted TERM INT
+    STEP=synth
+    step_synth
+    local file tag
+    for file in "$FILE_Q4_0" "$FILE_MIX"; do
+        want bench || break
+        tag=$(basename "$file" .gguf)
+        tag=${tag#"$SMALL_SHAPE"-}
+        if out_of_time; then row "bench $tag" "pipeline 1,2" "skipped: DEADLINE_S" skipped; continue; fi
+        STEP="bench $tag"
+        step_bench "$file" "$tag"
+    done
+    if ! want serve; then
+        :
+    elif out_of_time; then
+        row serve "2w/1w gen t/s" "skipped: DEADLINE_S" skipped
+    else
+        STEP=serve
+        step_serve
+    fi
+    if ! want big; then
+        row big "release after SIGKILL" "not run (STEPS has no big)" skipped
+    elif out_of_time; then
+        row big "release after SIGKILL" "skipped: DEADLINE_S" skipped
+    else
+        STEP=big
+        step_big
+    fi
+    finish
 }
 
 main "$@"
