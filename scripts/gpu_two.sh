@@ -120,7 +120,6 @@ judge() { # VALUE MINIMUM
 
 cleanup() {
     local pid
-    # The synth runs in a subshell: its tether is that subshell's child.
     # A synth still running runs in a subshell, its tether that subshell's child; what it
     # (or one a signal ended) leaves is a partial file of this run.
     if [ -n "$BIG_SYNTH_PID" ]; then
@@ -310,7 +309,11 @@ serve_load() { # N_WORKERS
     summary=$(cat "$LOGS/$tag.json")
     echo "$tag: $summary"
     if ((rc != 0)); then
-        SERVE_ERR="requests failed: $summary"
+        SERVE_ERR=$(python3 -c '
+import json, sys
+d = json.loads(sys.argv[1])
+print("%d of %d requests failed: %s" % (d["requests"] - d["ok"], d["requests"], (d["errors"] or ["?"])[0][:160]))' "$summary" 2>/dev/null) ||
+            SERVE_ERR="the load client failed (log $LOGS/$tag.json)"
         return 1
     fi
     read -r GEN_TPS SHORT <<<"$(python3 -c 'import json, sys; d = json.loads(sys.argv[1]); print(d["gen_tps"], d["short"])' "$summary")"
@@ -326,25 +329,25 @@ step_serve() {
         row serve "workers up" "a worker did not start (logs in $LOGS)" FAIL
         return
     fi
-    local shape="${CLIENTS}x(${PROMPT_TOKENS}+${GEN_TOKENS}) --parallel $PARALLEL --ctx $CTX"
-    if ! serve_load 1; then
-        row "serve 1w" "$shape" "$SERVE_ERR" FAIL
-        return
-    fi
-    one=$GEN_TPS
-    row "serve 1w" "gen t/s, ${CLIENTS} clients" "$one t/s (${SHORT} of $REQUESTS short)$BUSY" info
-    if out_of_time; then
-        row "serve 2w" "gen t/s" "skipped: DEADLINE_S" skipped
-        return
-    fi
-    if ! serve_load 2; then
-        row "serve 2w" "$shape" "$SERVE_ERR" FAIL
-        return
-    fi
-    two=$GEN_TPS
-    row "serve 2w" "gen t/s, ${CLIENTS} clients" "$two t/s (${SHORT} of $REQUESTS short)$BUSY" info
-    row serve "2w/1w gen t/s >= $SERVE_MIN" "$(ratio "$two" "$one") ($one -> $two t/s)" \
-        "$(judge "$(ratio "$two" "$one")" "$SERVE_MIN")"
+    local n tps=()
+    echo "serve: ${CLIENTS} clients x (${PROMPT_TOKENS}+${GEN_TOKENS}) tokens, --parallel $PARALLEL --ctx $CTX"
+    for n in 1 2; do
+        if out_of_time; then
+            row "serve ${n}w" "gen t/s" "skipped: DEADLINE_S" skipped
+            return
+        fi
+        if serve_load "$n"; then
+            tps[n]=$GEN_TPS
+            row "serve ${n}w" "gen t/s, ${CLIENTS} clients" \
+                "$GEN_TPS t/s (${SHORT} of $REQUESTS short)$BUSY" info
+        else
+            row "serve ${n}w" "gen t/s, ${CLIENTS} clients" "$SERVE_ERR" FAIL
+        fi
+    done
+    one=${tps[1]:-} two=${tps[2]:-}
+    [ -n "$one" ] && [ -n "$two" ] &&
+        row serve "2w/1w gen t/s >= $SERVE_MIN" "$(ratio "$two" "$one") ($one -> $two t/s)" \
+            "$(judge "$(ratio "$two" "$one")" "$SERVE_MIN")"
 }
 
 # ---------------------------------------------------------------------------------------
@@ -379,6 +382,10 @@ step_big() {
     mapfile -t baselines < <(TETHERCTL=$TETHERCTL python3 "$LIB/worker_release.py" used \
         "${WORKER_DEVICES[0]%%:*}" "$(worker_addr 0)" "$(worker_addr 1)")
     echo "baselines (address, used bytes): ${baselines[*]}"
+    if [ "${#baselines[@]}" -ne 2 ] || [[ "${baselines[*]}" == *" -"* ]]; then
+        row big "baseline before the load" "a worker did not answer or kept a session: ${baselines[*]}" FAIL
+        return
+    fi
     if ! start_serve "$FILE_BIG" 2 1 "$BIG_CTX" serve-big; then
         row big "load + 1 completion" "serve did not load (log $LOGS/serve-big.log)" FAIL
         return

@@ -2,7 +2,9 @@
 """How fast workers give back a session's memory, from `tetherctl --worker ADDR status --json`.
 
     worker_release.py used DEVICE ADDR...
-        one line per worker: ADDR USED_BYTES (the baseline to hand to `wait`)
+        once each worker holds no session (waiting up to 30 s for sessions that an earlier
+        client is still closing), one line per worker: ADDR USED_BYTES (the baseline to hand
+        to `wait`); exits 1 if a worker did not answer or kept a session
     worker_release.py wait DEVICE START_NS LIMIT_MS TOLERANCE_MIB ADDR=USED_BYTES...
         polls every worker (each in its own thread, every 10 ms) until it holds no session
         and no session bytes and its used bytes are within TOLERANCE_MIB of the baseline;
@@ -47,8 +49,12 @@ def used(device, s):
 def print_used(device, *addrs):
     failed = 0
     for addr in addrs:
+        deadline = time.time() + 30
         s = status(addr)
-        if s is None:
+        while (s is None or s["sessions"] or s["session_bytes"]) and time.time() < deadline:
+            time.sleep(0.05)
+            s = status(addr)
+        if s is None or s["sessions"] or s["session_bytes"]:
             print("%s -" % addr)
             failed = 1
         else:
