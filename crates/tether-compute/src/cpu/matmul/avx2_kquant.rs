@@ -110,6 +110,25 @@ fn high2(bits: __m256i) -> __m256i {
     _mm256_slli_epi16::<4>(_mm256_and_si256(bits, _mm256_set1_epi8(3)))
 }
 
+/// `vpshufb` masks that spread i16 scale `2k` over the low 128-bit half and `2k + 1` over
+/// the high half (the shuffle works within each half).
+const Q6K_SCALE_PICK: [__m256i; 4] = {
+    const fn pick(k: usize) -> __m256i {
+        let lo = (4 * k) as u8;
+        let mut bytes = [0u8; 32];
+        let mut i = 0;
+        while i < 16 {
+            bytes[i] = lo + (i % 2) as u8;
+            bytes[16 + i] = lo + 2 + (i % 2) as u8;
+            i += 1;
+        }
+        // SAFETY: 32 bytes and a 256-bit vector have the same size; every bit pattern is
+        // a valid vector.
+        unsafe { std::mem::transmute::<[u8; 32], __m256i>(bytes) }
+    }
+    [pick(0), pick(1), pick(2), pick(3)]
+};
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_q6k<const N: usize>(w: &[u8], xs: [&[BlockQ8K]; N]) -> [f32; N] {
@@ -119,6 +138,8 @@ fn dot_q6k<const N: usize>(w: &[u8], xs: [&[BlockQ8K]; N]) -> [f32; N] {
         prefetch(blk);
         let d = f16_at(blk, 208);
         let sc = &blk[192..208];
+        // SAFETY: `sc` is 16 bytes, one unaligned 128-bit load.
+        let scales16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(sc.as_ptr().cast()) });
         let mut sumi = [_mm256_setzero_si256(); N];
         for h in 0..2 {
             let qa = load32(blk, 64 * h);
@@ -136,21 +157,21 @@ fn dot_q6k<const N: usize>(w: &[u8], xs: [&[BlockQ8K]; N]) -> [f32; N] {
                     high2(_mm256_srli_epi16::<6>(qh)),
                 ),
             ];
+            // Both halves hold scales 8h..8h + 8 as i16.
+            let sc_h = if h == 0 {
+                _mm256_permute2x128_si256::<0x00>(scales16, scales16)
+            } else {
+                _mm256_permute2x128_si256::<0x11>(scales16, scales16)
+            };
             for (k, &qk) in q.iter().enumerate() {
-                let s = 8 * h + 2 * k;
-                // Lanes 0..8 hold the first 16 elements (sub-block s), 8..16 the next.
-                let scales = _mm256_set_m128i(
-                    _mm_set1_epi16(i16::from(sc[s + 1] as i8)),
-                    _mm_set1_epi16(i16::from(sc[s] as i8)),
-                );
+                // Lanes 0..8 hold the first 16 elements (sub-block 8h + 2k), 8..16 the next.
+                let scales = _mm256_shuffle_epi8(sc_h, Q6K_SCALE_PICK[k]);
                 for (acc_i, x) in sumi.iter_mut().zip(xs) {
                     let p = _mm256_maddubs_epi16(qk, load32_i8(&x[b].qs, 128 * h + 32 * k));
                     *acc_i = _mm256_add_epi32(*acc_i, _mm256_madd_epi16(p, scales));
                 }
             }
         }
-        // SAFETY: `sc` is 16 bytes, one unaligned 128-bit load.
-        let scales16 = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(sc.as_ptr().cast()) });
         for j in 0..N {
             let y = &xs[j][b];
             // The -32 bias, 32 · Σ scale_s · bsum_s, stays in integers as in the scalar

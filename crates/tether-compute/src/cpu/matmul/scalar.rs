@@ -17,6 +17,8 @@ pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
 ///
 /// Done four bytes at a time on little-endian words (`(b >> 6) << 4` of each byte is
 /// `(word >> 2) & 0x30` per byte), which is several times fewer operations than per byte.
+/// Inlined: as a call it took an eighth of a Q4_K decode step.
+#[inline(always)]
 pub(crate) fn unpack_q4k_scales(q: &[u8]) -> ([u8; 8], [u8; 8]) {
     let word = |i: usize| u32::from_le_bytes([q[i], q[i + 1], q[i + 2], q[i + 3]]);
     let (w0, w1, w2) = (word(0), word(4), word(8));
