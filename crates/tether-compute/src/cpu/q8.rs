@@ -6,13 +6,13 @@
 //! Quants are symmetric in `-127..=127`: never -128, which the AVX2 kernels rely on
 //! (`_mm256_sign_epi8` of -128 would overflow).
 
-/// 32 activations as `x ≈ d · qs[i]`, with `s = d · Σ qs` (weights with an offset, like
-/// Q4_0's `q - 8`, multiply unsigned quants and subtract `offset · s`).
+/// 32 activations as `x ≈ d · qs[i]`, with `qsum8 = 8 · Σ qs` (Q4_0's `q - 8` weights
+/// multiply unsigned quants and subtract `qsum8` in integers).
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub(crate) struct BlockQ8 {
     pub d: f32,
-    pub s: f32,
+    pub qsum8: i32,
     pub qs: [i8; 32],
 }
 
@@ -20,7 +20,7 @@ impl Default for BlockQ8 {
     fn default() -> Self {
         Self {
             d: 0.0,
-            s: 0.0,
+            qsum8: 0,
             qs: [0; 32],
         }
     }
@@ -62,7 +62,7 @@ fn quantize_symmetric(x: &[f32], qs: &mut [i8]) -> f32 {
 pub(crate) fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
     for (xb, b) in x.chunks_exact(32).zip(out.iter_mut()) {
         b.d = quantize_symmetric(xb, &mut b.qs);
-        b.s = b.d * b.qs.iter().map(|q| i32::from(*q)).sum::<i32>() as f32;
+        b.qsum8 = 8 * b.qs.iter().map(|q| i32::from(*q)).sum::<i32>();
     }
 }
 
@@ -89,7 +89,7 @@ mod tests {
         quantize_row_q8(&x, &mut blocks);
         for (xb, b) in x.chunks(32).zip(&blocks) {
             let sum: i32 = b.qs.iter().map(|q| i32::from(*q)).sum();
-            assert_eq!(b.s, b.d * sum as f32);
+            assert_eq!(b.qsum8, 8 * sum);
             for (v, q) in xb.iter().zip(b.qs) {
                 assert!(q != -128);
                 assert!((v - b.d * f32::from(q)).abs() <= b.d * 0.5 + 1e-6);

@@ -134,13 +134,14 @@ fn fold4(p: [__m256i; 4]) -> __m256 {
 
 /// [`fold4`] for `maddubs` outputs small enough to add eight of them in i16: Q4_0's
 /// unsigned nibbles give pairs of at most 2·15·127 = 3810, so 8 pairs stay below 2^15.
+/// Returns i32 lanes, each half holding that half of every row's sum.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fold4_i16(p: [__m256i; 4]) -> __m256 {
+fn fold4_i16(p: [__m256i; 4]) -> __m256i {
     let h01 = _mm256_hadd_epi16(p[0], p[1]);
     let h23 = _mm256_hadd_epi16(p[2], p[3]);
     let h = _mm256_hadd_epi16(h01, h23);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(h, _mm256_set1_epi16(1)))
+    _mm256_madd_epi16(h, _mm256_set1_epi16(1))
 }
 
 /// `[r0, r1, r2, r3]` of each token's accumulator (the two halves added), transposed to
@@ -177,8 +178,6 @@ fn dot4_q4_0<const N: usize>(w: [&[u8]; 4], xs: [&[BlockQ8]; N]) -> [[f32; N]; 4
         prefetch_ahead!(blk, ahead);
         let dw = scales4!(blk);
         let dw8 = _mm256_set_m128(dw, dw);
-        // The `-8 · s` term once per row: only in the low half, which unfold4 adds once.
-        let dw_lo = _mm256_insertf128_ps::<0>(_mm256_setzero_ps(), dw);
         let q = [
             unpack_q4_0_unsigned(blk[0]),
             unpack_q4_0_unsigned(blk[1]),
@@ -194,8 +193,12 @@ fn dot4_q4_0<const N: usize>(w: [&[u8]; 4], xs: [&[BlockQ8]; N]) -> [[f32; N]; 4
                 _mm256_maddubs_epi16(q[2], yv),
                 _mm256_maddubs_epi16(q[3], yv),
             ];
-            let sum = _mm256_fmadd_ps(_mm256_mul_ps(dw8, _mm256_set1_ps(y.d)), fold4_i16(p), *a);
-            *a = _mm256_fmadd_ps(dw_lo, _mm256_set1_ps(-8.0 * y.s), sum);
+            // `Σ (q - 8)·y = Σ q·y - 8·Σ y`, exact in integers, so one FMA per block; the
+            // term goes into the low half only, which unfold4 adds to the high half once.
+            let offset = _mm256_zextsi128_si256(_mm_set1_epi32(y.qsum8));
+            let sums = _mm256_sub_epi32(fold4_i16(p), offset);
+            let scale = _mm256_mul_ps(dw8, _mm256_set1_ps(y.d));
+            *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), *a);
         }
     }
     unfold4(acc)

@@ -62,24 +62,30 @@ fn dot_q4k<const N: usize>(w: &[u8], xs: [&[BlockQ8K]; N]) -> [f32; N] {
         // SAFETY: `sc` is 8 bytes, one 64-bit load.
         let sc16 = _mm_cvtepu8_epi16(unsafe { _mm_loadl_epi64(sc.as_ptr().cast()) });
         let sc16 = _mm256_broadcastsi128_si256(sc16);
-        let mut sumi = [_mm256_setzero_si256(); N];
+        // The super-block decoded once, as eight sub-blocks of 32 quants and their scales
+        // spread over i16 lanes; every token then reads them back from registers or L1.
+        // (Interleaving the tokens instead kept so many vectors live that the compiler
+        // spilled the accumulators inside the hot loop.)
+        let mut q = [_mm256_setzero_si256(); 8];
+        let mut scales = [_mm256_setzero_si256(); 8];
         for g in 0..4 {
             let v = load32(blk, 16 + 32 * g);
-            let lo = _mm256_and_si256(v, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
-            // Broadcast i16 scales 2g and 2g + 1 (bytes 4g.. of `sc16`) to every lane.
+            q[2 * g] = _mm256_and_si256(v, m4);
+            q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+            // Broadcast i16 scale k (bytes 2k, 2k + 1 of `sc16`) to every lane.
             let pick = |k: usize| _mm256_set1_epi16((((2 * k + 1) << 8) | (2 * k)) as i16);
-            let s_lo = _mm256_shuffle_epi8(sc16, pick(2 * g));
-            let s_hi = _mm256_shuffle_epi8(sc16, pick(2 * g + 1));
-            for (s, x) in sumi.iter_mut().zip(xs) {
-                let y = &x[b];
-                let p_lo = _mm256_maddubs_epi16(lo, load32_i8(&y.qs, 64 * g));
-                let p_hi = _mm256_maddubs_epi16(hi, load32_i8(&y.qs, 64 * g + 32));
-                let p =
-                    _mm256_add_epi32(_mm256_madd_epi16(p_lo, s_lo), _mm256_madd_epi16(p_hi, s_hi));
-                *s = _mm256_add_epi32(*s, p);
-            }
+            scales[2 * g] = _mm256_shuffle_epi8(sc16, pick(2 * g));
+            scales[2 * g + 1] = _mm256_shuffle_epi8(sc16, pick(2 * g + 1));
         }
+        let sumi: [__m256i; N] = std::array::from_fn(|j| {
+            let y = &xs[j][b];
+            let mut s = _mm256_setzero_si256();
+            for k in 0..8 {
+                let p = _mm256_maddubs_epi16(q[k], load32_i8(&y.qs, 32 * k));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scales[k]));
+            }
+            s
+        });
         // SAFETY: `mn` is 8 bytes, one 64-bit load.
         let mins = _mm_cvtepu8_epi16(unsafe { _mm_loadl_epi64(mn.as_ptr().cast()) });
         for j in 0..N {
