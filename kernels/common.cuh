@@ -31,6 +31,12 @@ typedef unsigned long long u64;
 // 8 blocks, the group's 8 f16 scales first, then its blocks' quants.
 #define TY_Q4_0P 1002
 #define TY_Q8_0P 1008
+// Q6_K in the packed layout of matvec_kquant.cu: groups of 8 blocks, their 8 f16 scales d
+// first, then each block's other 208 bytes.
+#define TY_Q6_KP 1014
+// Q3_K in the packed layout of matvec_kquant.cu: groups of 8 blocks as 8 d, 8 scale sets,
+// 8 hmasks, 8 qs.
+#define TY_Q3_KP 1011
 
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -144,6 +150,18 @@ __device__ __forceinline__ int scale_iq4_xs(int ib, const u8* b) {
     return (low | (high << 4)) - 32;
 }
 
+// Block blk of a Q6_K row in GGUF's layout or the packed one: its ql/qh/scales bytes and d.
+__device__ __forceinline__ void q6_k_block(int ty, const u8* row, int blk, const u8** b, float* d) {
+    if (ty == TY_Q6_KP) {
+        const u8* g = row + (blk >> 3) * 1680;
+        *b = g + 16 + 208 * (blk & 7);
+        *d = h2f(ld16(g + 2 * (blk & 7)));
+    } else {
+        *b = row + blk * 210;
+        *d = h2f(ld16(*b + 208));
+    }
+}
+
 // Element e of a row of type ty (the slow, general path: embeddings and quantized caches).
 // Each case computes what the cpu dequantizer of tether-gguf computes, in the same order.
 __device__ float dequant_at(int ty, const u8* row, int e) {
@@ -198,14 +216,31 @@ __device__ float dequant_at(int ty, const u8* row, int e) {
         int q = (b[16 + 32 * h + k] >> (2 * j)) & 3;
         return dl * (float)q - ml;
     }
-    case TY_Q3_K: {
+    case TY_Q3_K:
+    case TY_Q3_KP: {
         // {hmask[32], qs[64], scales[12], f16 d}: low bits as in Q2_K; a clear bit 4h + j
-        // of hmask[k] lowers the value by 4.
-        const u8* b = row + (e / 256) * 110;
+        // of hmask[k] lowers the value by 4. The packed layout keeps the parts apart.
+        int blk = e / 256;
+        const u8 *hm, *qs, *sc;
+        float d;
+        if (ty == TY_Q3_KP) {
+            const u8* g = row + (blk >> 3) * 880;
+            int n = blk & 7;
+            d = h2f(ld16(g + 2 * n));
+            sc = g + 16 + 12 * n;
+            hm = g + 112 + 32 * n;
+            qs = g + 368 + 64 * n;
+        } else {
+            const u8* b = row + blk * 110;
+            hm = b;
+            qs = b + 32;
+            sc = b + 96;
+            d = h2f(ld16(b + 108));
+        }
         int i = e % 256, h = i / 128, j = (i % 128) / 32, k = i % 32;
-        float dl = h2f(ld16(b + 108)) * (float)scale_q3_k(i / 16, b + 96);
-        int q = (b[32 + 32 * h + k] >> (2 * j)) & 3;
-        if (!((b[k] >> (4 * h + j)) & 1)) q -= 4;
+        float dl = d * (float)scale_q3_k(i / 16, sc);
+        int q = (qs[32 * h + k] >> (2 * j)) & 3;
+        if (!((hm[k] >> (4 * h + j)) & 1)) q -= 4;
         return dl * (float)q;
     }
     case TY_IQ4_NL: {
@@ -247,14 +282,17 @@ __device__ float dequant_at(int ty, const u8* row, int e) {
         if (five) q += ((b[16 + l] >> s) & 1) << 4;
         return h2f(ld16(b)) * (float)sc * (float)q - h2f(ld16(b + 2)) * (float)m;
     }
-    case TY_Q6_K: {
-        const u8* b = row + (e / 256) * 210;
+    case TY_Q6_K:
+    case TY_Q6_KP: {
+        const u8* b;
+        float d;
+        q6_k_block(ty, row, e / 256, &b, &d);
         int i = e % 256, h = i / 128, r = i % 128, k = r / 32, l = r % 32;
         u8 qlb = b[64 * h + l + 32 * (k & 1)];
         int nib = k < 2 ? (qlb & 15) : (qlb >> 4);
         int hb = (b[128 + 32 * h + l] >> (2 * k)) & 3;
         int q = (nib | (hb << 4)) - 32;
-        return h2f(ld16(b + 208)) * (float)(i8)b[192 + 8 * h + l / 16 + 2 * k] * (float)q;
+        return d * (float)(i8)b[192 + 8 * h + l / 16 + 2 * k] * (float)q;
     }
     default: return __int_as_float(0x7fc00000);
     }
@@ -292,3 +330,147 @@ __device__ __forceinline__ void q8_block(float v, int lane, i8* q, float2* ds) {
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (lane == 0) *ds = make_float2(d, d * (float)sum);
 }
+
+// ---- Drivers of the 8-bit decode products (matvec_packed.cu, matvec_kquant.cu) ----
+// Each takes a row policy P of a weight layout, which gives P::row_bytes(cols) and
+// P::rows<NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc): add this lane's share of
+// each of the R rows at rowp times each token t < nt to acc[r][t], reading activations in
+// 8-bit blocks (values xq [nt][cols], (scale, scale * sum) pairs xds [nt][cols / 32]) only
+// after pdl_wait(), which it calls once (through `waited`).
+// Launch shapes: the matvec and q/k/v drivers run PK_MV_WARPS warps a block of R rows each,
+// gridDim.x = ceil(rows / (PK_MV_WARPS * R)) (q/k/v: that per matrix, in order); the
+// gate/up driver runs 32 / R warps a block, PK_SW_ROWS rows, gridDim.x = ceil(rows / 32).
+#define PK_MV_WARPS 4
+#define PK_SW_ROWS 32
+
+template <int R>
+__device__ __forceinline__ void pk_row_ptrs(const u8* w, size_t row_bytes, int nrows,
+                                            const u8* (&rowp)[R]) {
+#pragma unroll
+    for (int r = 0; r < R; r++) rowp[r] = w + (size_t)min(r, nrows - 1) * row_bytes;
+}
+
+template <int NT, int R>
+__device__ __forceinline__ void pk_zero(float (&acc)[R][NT]) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[r][t] = 0.f;
+}
+
+// Sums every lane's share and stores row r's result for token t from lane r.
+template <int NT, int R>
+__device__ __forceinline__ void pk_store(float (&acc)[R][NT], int lane, int nrows, int nt,
+                                         float* out, int rows, int accum) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float v = warp_sum(acc[r][t]);
+            if (lane == r && r < nrows && t < nt) {
+                float* o = out + (size_t)t * rows + r;
+                *o = accum ? *o + v : v;
+            }
+        }
+}
+
+template <class P, int NT, int R, int U>
+__device__ void pk_matvec(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
+                          int nt, float* out, int accum) {
+    pdl_trigger();
+    int lane = threadIdx.x & 31;
+    int r0 = (blockIdx.x * PK_MV_WARPS + (threadIdx.x >> 5)) * R;
+    int nrows = min(R, rows - r0);
+    if (nrows <= 0) return;
+    size_t row_bytes = P::row_bytes(cols);
+    float acc[R][NT];
+    pk_zero(acc);
+    bool waited = false;
+    const u8* rowp[R];
+    pk_row_ptrs(w + (size_t)r0 * row_bytes, row_bytes, nrows, rowp);
+    P::template rows<NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
+    pk_store(acc, lane, nrows, nt, out + r0, rows, accum);
+}
+
+// q, k and v of one input in one launch: the first ceil(r0 / rows per block) blocks take
+// matrix 0, the next ones matrix 1, then matrix 2.
+template <class P, int NT, int R, int U>
+__device__ void pk_matvec3(const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2,
+                           int cols, const i8* xq, const float2* xds, int nt, float* o0,
+                           float* o1, float* o2) {
+    pdl_trigger();
+    const int per_block = PK_MV_WARPS * R;
+    int b0 = (r0 + per_block - 1) / per_block, b1 = (r1 + per_block - 1) / per_block;
+    int b = blockIdx.x;
+    const u8* w;
+    float* out;
+    int rows;
+    if (b < b0) {
+        w = w0, out = o0, rows = r0;
+    } else if (b < b0 + b1) {
+        w = w1, out = o1, rows = r1, b -= b0;
+    } else {
+        w = w2, out = o2, rows = r2, b -= b0 + b1;
+    }
+    int lane = threadIdx.x & 31;
+    int first = (b * PK_MV_WARPS + (threadIdx.x >> 5)) * R;
+    int nrows = min(R, rows - first);
+    if (nrows <= 0) return;
+    size_t row_bytes = P::row_bytes(cols);
+    float acc[R][NT];
+    pk_zero(acc);
+    bool waited = false;
+    const u8* rowp[R];
+    pk_row_ptrs(w + (size_t)first * row_bytes, row_bytes, nrows, rowp);
+    P::template rows<NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
+    pk_store(acc, lane, nrows, nt, out + first, rows, 0);
+}
+
+// The feed-forward gate: out[t][r] = silu(gate[r] . x[t]) * (up[r] . x[t]). A block's 32
+// rows meet in shared memory, where one warp per token writes them (coalesced) and, when oq
+// is set (rows a multiple of 32), their 8-bit copy for the down projection, which then
+// skips its quantize pass.
+template <class P, int NT, int R, int U>
+__device__ void pk_swiglu(const u8* wg, const u8* wu, int rows, int cols, const i8* xq,
+                          const float2* xds, int nt, float* out, i8* oq, float2* ods) {
+    __shared__ float vals[NT][PK_SW_ROWS];
+    pdl_trigger();
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int base = blockIdx.x * PK_SW_ROWS, r0 = base + warp * R;
+    int nrows = min(R, rows - r0);
+    bool waited = false;
+    if (nrows > 0) {
+        size_t at = (size_t)r0 * P::row_bytes(cols);
+        size_t row_bytes = P::row_bytes(cols);
+        // Gate rows, then up rows: loading both in one round spilled registers (and read
+        // slower) under the cap that fits every block on the GPU at once.
+        float g[R][NT], u[R][NT];
+        pk_zero(g);
+        pk_zero(u);
+        const u8* rowp[R];
+        pk_row_ptrs(wg + at, row_bytes, nrows, rowp);
+        P::template rows<NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, g);
+        pk_row_ptrs(wu + at, row_bytes, nrows, rowp);
+        P::template rows<NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, u);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float gs = warp_sum(g[r][t]), us = warp_sum(u[r][t]);
+                if (lane == 0) vals[t][warp * R + r] = gs / (1.f + expf(-gs)) * us;
+            }
+    } else {
+        pdl_wait();
+    }
+    __syncthreads();
+    for (int t = warp; t < nt; t += PK_SW_ROWS / R) {
+        int r = base + lane;
+        float v = vals[t][lane];
+        if (r < rows) out[(size_t)t * rows + r] = v;
+        if (oq) {
+            size_t at = (size_t)t * rows + r;
+            q8_block(v, lane, oq + at, ods + at / 32);
+        }
+    }
+}
+

@@ -72,11 +72,14 @@ __device__ __forceinline__ void decode8(int ty, const u8* row, int e0, float* v)
         }
         return;
     }
-    case TY_Q6_K: {
-        const u8* b = row + (e0 / 256) * 210;
+    case TY_Q6_K:
+    case TY_Q6_KP: {
+        const u8* b;
+        float d;
+        q6_k_block(ty, row, e0 / 256, &b, &d);
         int i = e0 % 256, h = i / 128, r = i % 128, k = r / 32, l0 = r % 32;
         // l0..l0+8 stays inside one half of 16, so one scale serves all 8.
-        float d = h2f(ld16(b + 208)) * (float)(i8)b[192 + 8 * h + l0 / 16 + 2 * k];
+        d *= (float)(i8)b[192 + 8 * h + l0 / 16 + 2 * k];
         const u8* ql = b + 64 * h + 32 * (k & 1) + l0;
         const u8* qh = b + 128 + 32 * h + l0;
         int shift = k < 2 ? 0 : 4;
@@ -84,6 +87,47 @@ __device__ __forceinline__ void decode8(int ty, const u8* row, int e0, float* v)
         for (int j = 0; j < 8; j++) {
             int q = (((ql[j] >> shift) & 15) | (((qh[j] >> (2 * k)) & 3) << 4)) - 32;
             v[j] = d * (float)q;
+        }
+        return;
+    }
+    case TY_IQ4_XS: {
+        const u8* b = row + (e0 / 256) * 136;
+        int i = e0 % 256, ib = i / 32, j0 = i % 32;
+        float dl = h2f(ld16(b)) * (float)scale_iq4_xs(ib, b);
+        const u8* q = b + 8 + 16 * ib + (j0 & 15);
+        int shift = j0 < 16 ? 0 : 4;
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = dl * iq4_value((q[j] >> shift) & 15);
+        return;
+    }
+    case TY_Q3_K:
+    case TY_Q3_KP: {
+        // 8 values share one sub-block of 16 (one scale) and one 2-bit plane.
+        int blk = e0 / 256;
+        const u8 *hm, *qs, *sc;
+        float d;
+        if (ty == TY_Q3_KP) {
+            const u8* g = row + (blk >> 3) * 880;
+            int n = blk & 7;
+            d = h2f(ld16(g + 2 * n));
+            sc = g + 16 + 12 * n;
+            hm = g + 112 + 32 * n;
+            qs = g + 368 + 64 * n;
+        } else {
+            const u8* b = row + blk * 110;
+            hm = b;
+            qs = b + 32;
+            sc = b + 96;
+            d = h2f(ld16(b + 108));
+        }
+        int i = e0 % 256, h = i / 128, j = (i % 128) / 32, k0 = i % 32;
+        float dl = d * (float)scale_q3_k(i / 16, sc);
+        int bit = 4 * h + j;
+#pragma unroll
+        for (int l = 0; l < 8; l++) {
+            int q = (qs[32 * h + k0 + l] >> (2 * j)) & 3;
+            if (!((hm[k0 + l] >> bit) & 1)) q -= 4;
+            v[l] = dl * (float)q;
         }
         return;
     }

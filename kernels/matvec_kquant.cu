@@ -1,5 +1,5 @@
-// Decode products over K-quant weights — Q4_K, Q5_K (GGUF layout) and Q6_K (packed layout,
-// below) — with activations in 8-bit blocks of 32 (values xq [nt][cols], (scale,
+// Decode products over K-quant weights — Q4_K, Q5_K, IQ4_XS (GGUF layout) and Q6_K (packed
+// layout, below) — with activations in 8-bit blocks of 32 (values xq [nt][cols], (scale,
 // scale * sum) pairs xds [nt][cols / 32]), multiplied with dp4a as matvec_packed.cu does for
 // Q4_0 and Q8_0. The f32 kernels of matvec.cu read 4 weight bytes a lane and 32 bytes of x
 // per 4 values; here a lane reads 16 bytes of quants (32 values) and 32 bytes of 8-bit x.
@@ -12,18 +12,23 @@
 //   Q4_K / Q5_K: group g = c / 2 of 64 values, half h = c % 2: run A is values 16h..16h+16
 //                of sub-block 2g, run B the same values of sub-block 2g + 1;
 //   Q6_K:        half hh = c / 4 of 128 values, quarter kk = (c / 2) % 2, s = c % 2: run A
-//                is values 16s..16s+16 of quarter kk, run B of quarter kk + 2.
+//                is values 16s..16s+16 of quarter kk, run B of quarter kk + 2;
+//   Q3_K:        half n = c / 4, s = (c / 2) % 2, jj = c % 2: 16 bytes of qs hold values
+//                16s..16s+16 of the four 32-value runs j of half n; run A is j = 2jj, run B
+//                j = 2jj + 1 (two lanes load the same bytes and take two runs each);
+//   IQ4_XS:      sub-block c of 32: run A its values 0..16, run B 16..32; a nibble is an
+//                index into 16 fixed levels (iq4_values).
 //
-// Q6_K's 210-byte blocks allow only 2-byte loads, so pack_q6_k rewrites each group of 8
+// Q6_K's 210-byte and Q3_K's 110-byte blocks allow only 2-byte loads, so pack_q6_k and
+// pack_q3_k (at the end) rewrite rows of whole 8-block groups in place. pack_q6_k rewrites each group of 8
 // blocks of a row (1680 bytes) in place: the 8 f16 scales d first (16 bytes), then each
 // block's other 208 bytes (ql, qh, scales), 16-byte aligned. Rows hold a multiple of 2048
 // values (whole groups; checked on the host). TY_Q6_KP in common.cuh names this layout.
 //
-// Launch shape (every matveck entry): blockDim.x = 32 * KQ_WARPS, each warp takes KQ_R
-// consecutive output rows, gridDim.x = ceil(rows / (KQ_WARPS * KQ_R)). Args as the packed
-// kernels': (w, rows, cols, xq, xds, n, out, accum), n <= NT (1, 2, 4, 8); cols a multiple
-// of 256 (2048 for Q6_K), w and every row 16-byte aligned.
-#define KQ_WARPS 4
+// Launch shapes and arguments are the packed kernels' (the drivers in common.cuh, KQ_R rows
+// a warp), n <= NT (1, 2, 4, 8); cols a multiple of 256 (2048 for Q6_K), w and every row
+// 16-byte aligned.
+// Rows a warp takes.
 #define KQ_R 2
 
 __device__ __forceinline__ int dp4a_ss(int a, int b, int c) {
@@ -37,6 +42,35 @@ __device__ __forceinline__ int dp4a_ss(int a, int b, int c) {
 __device__ __forceinline__ u32 byte_of(uint4 v, int k) {
     u32 w = k < 8 ? (k < 4 ? v.x : v.y) : (k < 12 ? v.z : v.w);
     return (w >> (8 * (k & 3))) & 255u;
+}
+
+// 8 bytes that are read once, past L1 (8-byte aligned).
+__device__ __forceinline__ uint2 ld_stream8(const u8* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// IQ4's 16 non-uniform levels (signed bytes), 4 to a word, for byte_perm lookups.
+#define IQ4_LEVELS_0 0xBFAD9881u  // -127 -104 -83 -65
+#define IQ4_LEVELS_1 0xF6EADDCFu  //  -49  -35 -22 -10
+#define IQ4_LEVELS_2 0x26190D01u  //    1   13  25  38
+#define IQ4_LEVELS_3 0x71594535u  //   53   69  89 113
+
+// The IQ4 levels of the 8 nibbles of q: lo gets the low nibbles' (bytes 0..3 in order),
+// hi the high ones', as signed bytes. Each byte_perm looks up four nibbles by their low 3
+// bits in the levels of 0..7 and of 8..15; bit 3 picks between the two, and the values are
+// then split into even and odd nibbles.
+__device__ __forceinline__ void iq4_values(u32 q, int* lo, int* hi) {
+    // A selector nibble's bit 3 would ask prmt to replicate the sign: cleared.
+    u32 pick = 0x32103210u | ((q & 0x88888888u) >> 1), idx = q & 0x77777777u;
+    u32 a0 = __byte_perm(IQ4_LEVELS_0, IQ4_LEVELS_1, idx);
+    u32 a1 = __byte_perm(IQ4_LEVELS_2, IQ4_LEVELS_3, idx);
+    u32 b0 = __byte_perm(IQ4_LEVELS_0, IQ4_LEVELS_1, idx >> 16);
+    u32 b1 = __byte_perm(IQ4_LEVELS_2, IQ4_LEVELS_3, idx >> 16);
+    u32 first = __byte_perm(a0, a1, pick), second = __byte_perm(b0, b1, pick >> 16);
+    *lo = (int)__byte_perm(first, second, 0x6420);
+    *hi = (int)__byte_perm(first, second, 0x7531);
 }
 
 // The loaded bytes of one chunk of one row.
@@ -65,6 +99,22 @@ __device__ __forceinline__ void kq_load(const u8* row, int b, int c, KqChunk& k)
         k.head = ld_stream(body + 192);
         k.q = ld_stream(body + 16 * c);
         k.hi = ld_stream(body + 128 + 32 * hh + 16 * s);
+    } else if (TY == TY_Q3_KP) {
+        const u8* g = row + (size_t)(b >> 3) * 880;
+        int i = b & 7, n = c >> 2, s = (c >> 1) & 1;
+        const u32* sc = (const u32*)(g + 16 + 12 * i);
+        k.d = h2f(ld16(g + 2 * i));
+        k.head = make_uint4(sc[0], sc[1], sc[2], 0);
+        k.hi = ld_stream(g + 112 + 32 * i + 16 * s);
+        k.q = ld_stream(g + 368 + 64 * i + 32 * n + 16 * s);
+    } else if (TY == TY_IQ4_XS) {
+        // 136-byte blocks are only 8-byte aligned: 8-byte loads.
+        const u8* blk = row + (size_t)b * 136;
+        uint2 h = ld_stream8(blk), lo = ld_stream8(blk + 8 + 16 * c), hi = ld_stream8(blk + 16 + 16 * c);
+        k.head = make_uint4(h.x, h.y, 0, 0);
+        k.q = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        k.hi = make_uint4(0, 0, 0, 0);
+        k.d = 0.f;
     } else {
         const bool five = TY == TY_Q5_K;
         const u8* blk = row + (size_t)b * (five ? 176 : 144);
@@ -73,6 +123,14 @@ __device__ __forceinline__ void kq_load(const u8* row, int b, int c, KqChunk& k)
         k.hi = five ? ld_stream(blk + 16 + 16 * (c & 1)) : make_uint4(0, 0, 0, 0);
         k.d = 0.f;
     }
+}
+
+// The 6-bit scale (biased by 32) of Q3_K sub-block i from its 12 scale bytes (head.x..z):
+// low 4 bits from byte i % 8 (high nibble from i = 8 on), high 2 from byte 8 + i % 4.
+__device__ __forceinline__ int q3_k_scale(uint4 head, int i) {
+    u32 low = (byte_of(head, i & 7) >> (4 * (i >> 3))) & 15u;
+    u32 high = (byte_of(head, 8 + (i & 3)) >> (2 * (i >> 2))) & 3u;
+    return (int)(low | (high << 4));
 }
 
 // Scale and min of sub-block j from the 12 scale bytes at bytes 4..16 of head.
@@ -107,6 +165,30 @@ __device__ __forceinline__ void kq_decode(const KqChunk& k, int c, KqRuns& r) {
         int at = 8 * hh + s + 2 * kk;
         r.da = k.d * (float)(i8)byte_of(k.head, at);
         r.db = k.d * (float)(i8)byte_of(k.head, at + 4);
+        r.ma = r.mb = 0.f;
+    } else if (TY == TY_Q3_KP) {
+        int n = c >> 2, s = (c >> 1) & 1, jj = c & 1;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            // 2 low bits and the hmask bit; a clear hmask bit lowers the value by 4, so
+            // low | bit << 2 is the value + 4: flip bit 2, then copy it into bits 3..7.
+            u32 va = ((q[i] >> (4 * jj)) & 0x03030303u) | (((h[i] >> (4 * n + 2 * jj)) & 0x01010101u) << 2);
+            u32 vb = ((q[i] >> (4 * jj + 2)) & 0x03030303u) | (((h[i] >> (4 * n + 2 * jj + 1)) & 0x01010101u) << 2);
+            va ^= 0x04040404u;
+            vb ^= 0x04040404u;
+            r.a[i] = (int)(va | ((va & 0x04040404u) * 0x3Eu));
+            r.b[i] = (int)(vb | ((vb & 0x04040404u) * 0x3Eu));
+        }
+        int at = 8 * n + 4 * jj + s;
+        r.da = k.d * (float)(q3_k_scale(k.head, at) - 32);
+        r.db = k.d * (float)(q3_k_scale(k.head, at + 2) - 32);
+        r.ma = r.mb = 0.f;
+    } else if (TY == TY_IQ4_XS) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) iq4_values(q[i], &r.a[i], &r.b[i]);
+        // Sub-block c's 6-bit scale: 4 bits from scales_l, 2 from scales_h.
+        int ls = (int)((k.head.y >> (4 * c)) & 15) | (int)(((k.head.x >> (16 + 2 * c)) & 3) << 4);
+        r.da = r.db = h2f(k.head.x & 0xffffu) * (float)(ls - 32);
         r.ma = r.mb = 0.f;
     } else {
         const bool five = TY == TY_Q5_K;
@@ -144,6 +226,15 @@ __device__ __forceinline__ int kq_run_a(int c, int* blk32) {
         *blk32 = 4 * hh + kk;
         return 128 * hh + 32 * kk + 16 * s;
     }
+    if (TY == TY_IQ4_XS) {
+        *blk32 = c;
+        return 32 * c;
+    }
+    if (TY == TY_Q3_KP) {
+        int n = c >> 2, s = (c >> 1) & 1, jj = c & 1;
+        *blk32 = 4 * n + 2 * jj;
+        return 128 * n + 64 * jj + 16 * s;
+    }
     int g = c >> 1, h = c & 1;
     *blk32 = 2 * g;
     return 64 * g + 16 * h;
@@ -152,7 +243,7 @@ __device__ __forceinline__ int kq_run_a(int c, int* blk32) {
 template <int TY>
 __device__ __forceinline__ float kq_dot(const KqRuns& r, int4 xa, int4 xb, float2 sa, float2 sb) {
     int da, db;
-    if (TY == TY_Q6_KP) {
+    if (TY == TY_Q6_KP || TY == TY_IQ4_XS || TY == TY_Q3_KP) {
         da = dp4a_ss(r.a[0], xa.x, dp4a_ss(r.a[1], xa.y, dp4a_ss(r.a[2], xa.z, dp4a_ss(r.a[3], xa.w, 0))));
         db = dp4a_ss(r.b[0], xb.x, dp4a_ss(r.b[1], xb.y, dp4a_ss(r.b[2], xb.z, dp4a_ss(r.b[3], xb.w, 0))));
     } else {
@@ -167,7 +258,8 @@ template <int TY, int NT, int R, int U>
 __device__ __forceinline__ void kq_rows(const u8* const (&rowp)[R], int cols, const i8* xq,
                                         const float2* xds, int nt, int lane, bool& waited,
                                         float (&acc)[R][NT]) {
-    const int b_off = TY == TY_Q6_KP ? 64 : 32, b_blk = TY == TY_Q6_KP ? 2 : 1;
+    const int b_off = TY == TY_Q6_KP ? 64 : TY == TY_IQ4_XS ? 16 : 32;
+    const int b_blk = TY == TY_Q6_KP ? 2 : TY == TY_IQ4_XS ? 0 : 1;
     int chunks = (cols / 256) * 8, nb32 = cols / 32;
     for (int k0 = lane; k0 < chunks; k0 += 32 * U) {
         KqChunk w[U][R];
@@ -211,52 +303,55 @@ __device__ __forceinline__ void kq_rows(const u8* const (&rowp)[R], int cols, co
     }
 }
 
-template <int TY, int NT, int R, int U>
-__device__ void kq_matvec(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
-                          int nt, float* out, int accum) {
-    pdl_trigger();
-    int lane = threadIdx.x & 31;
-    int r0 = (blockIdx.x * KQ_WARPS + (threadIdx.x >> 5)) * R;
-    int nrows = min(R, rows - r0);
-    if (nrows <= 0) {
-        pdl_wait();
-        return;
+// The row policy of the drivers in common.cuh for K-quant rows of type TY.
+template <int TY>
+struct KqRows {
+    __device__ static size_t row_bytes(int cols) {
+        return (size_t)(cols / 256) *
+               (TY == TY_Q6_KP ? 210
+                : TY == TY_Q5_K ? 176
+                : TY == TY_IQ4_XS ? 136
+                : TY == TY_Q3_KP ? 110
+                                 : 144);
     }
-    size_t row_bytes = (size_t)(cols / 256) * (TY == TY_Q6_KP ? 210 : TY == TY_Q5_K ? 176 : 144);
-    float acc[R][NT];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc[r][t] = 0.f;
-    bool waited = false;
-    const u8* rowp[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) rowp[r] = w + (size_t)(r0 + min(r, nrows - 1)) * row_bytes;
-    kq_rows<TY, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            float v = warp_sum(acc[r][t]);
-            if (lane == r && r < nrows && t < nt) {
-                float* o = out + (size_t)t * rows + r0 + r;
-                *o = accum ? *o + v : v;
-            }
-        }
-}
+    template <int NT, int R, int U>
+    __device__ static void rows(const u8* const (&rowp)[R], int cols, const i8* xq,
+                                const float2* xds, int nt, int lane, bool& waited,
+                                float (&acc)[R][NT]) {
+        kq_rows<TY, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
+    }
+};
 
-#define KQ_ENTRY(name, TY, U, nt)                                                               \
-    extern "C" __global__ void __launch_bounds__(32 * KQ_WARPS) matveck_##name##_##nt(           \
+// The product, q/k/v and gate/up entries of one type and token width (the drivers' launch
+// shapes, common.cuh). The gate/up kernel loads one round at a time (U = 1): it holds gate
+// and up sums in registers capped for two 512-thread blocks an SM.
+#define KQ_ENTRIES(name, TY, U, nt)                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matveck_##name##_##nt(         \
         const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n, float* out,     \
         int accum) {                                                                             \
-        kq_matvec<TY, nt, KQ_R, U>(w, rows, cols, xq, xds, n, out, accum);                       \
+        pk_matvec<KqRows<TY>, nt, KQ_R, U>(w, rows, cols, xq, xds, n, out, accum);              \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matveck3_##name##_##nt(        \
+        const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,              \
+        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {               \
+        pk_matvec3<KqRows<TY>, nt, KQ_R, U>(w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1,   \
+                                            o2);                                                 \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * PK_SW_ROWS / KQ_R, nt <= 2 ? 2 : 1)        \
+        matveck_swiglu_##name##_##nt(const u8* wg, const u8* wu, int rows, int cols,             \
+                                     const i8* xq, const float2* xds, int n, float* out, i8* oq, \
+                                     float2* ods) {                                              \
+        pk_swiglu<KqRows<TY>, nt, KQ_R, 1>(wg, wu, rows, cols, xq, xds, n, out, oq, ods);       \
     }
 
-#define KQ_ALL(name, TY, U) KQ_ENTRY(name, TY, U, 1) KQ_ENTRY(name, TY, U, 2) KQ_ENTRY(name, TY, U, 4) KQ_ENTRY(name, TY, U, 8)
+#define KQ_ALL(name, TY, U) \
+    KQ_ENTRIES(name, TY, U, 1) KQ_ENTRIES(name, TY, U, 2) KQ_ENTRIES(name, TY, U, 4) KQ_ENTRIES(name, TY, U, 8)
 
 KQ_ALL(q4_k, TY_Q4_K, 2)
 KQ_ALL(q5_k, TY_Q5_K, 2)
 KQ_ALL(q6_k, TY_Q6_KP, 2)
+KQ_ALL(iq4_xs, TY_IQ4_XS, 2)
+KQ_ALL(q3_k, TY_Q3_KP, 2)
 
 // In-place packing of Q6_K rows (see the top of this file). One block of threads per group
 // of 8 GGUF blocks (1680 bytes, 840 u16): the group is copied to shared memory, then written
@@ -272,6 +367,34 @@ extern "C" __global__ void __launch_bounds__(128) pack_q6_k(u8* w, u64 n_groups)
         for (int i = threadIdx.x; i < 840; i += blockDim.x) {
             // Words 0..8: block i's d (its bytes 208..210); then 104 words of each block.
             int from = i < 8 ? 105 * i + 104 : 105 * ((i - 8) / 104) + (i - 8) % 104;
+            p[i] = group[from];
+        }
+        __syncthreads();
+    }
+}
+
+// In-place packing of Q3_K rows: each group of 8 GGUF blocks (110 bytes: hmask 32, qs 64,
+// scales 12, d 2; 880 bytes, 440 u16) becomes the 8 d (16 bytes), the 8 scale sets (12
+// bytes each), the 8 hmasks (32), then the 8 qs (64), so hmask and qs load 16 bytes at a
+// time. Launch as pack_q6_k.
+extern "C" __global__ void __launch_bounds__(128) pack_q3_k(u8* w, u64 n_groups) {
+    PDL_ENTRY();
+    __shared__ u16 group[440];
+    for (u64 gi = blockIdx.x; gi < n_groups; gi += gridDim.x) {
+        u16* p = (u16*)(w + gi * 880);
+        for (int i = threadIdx.x; i < 440; i += blockDim.x) group[i] = p[i];
+        __syncthreads();
+        for (int i = threadIdx.x; i < 440; i += blockDim.x) {
+            int from;
+            if (i < 8) {
+                from = 55 * i + 54;
+            } else if (i < 56) {
+                from = 55 * ((i - 8) / 6) + 48 + (i - 8) % 6;
+            } else if (i < 184) {
+                from = 55 * ((i - 56) / 16) + (i - 56) % 16;
+            } else {
+                from = 55 * ((i - 184) / 32) + 16 + (i - 184) % 32;
+            }
             p[i] = group[from];
         }
         __syncthreads();

@@ -25,8 +25,6 @@
 // 200 -> 234 for Q8_0. Deeper rounds (8 blocks, or 4 rows of 4) gained nothing for Q4_0 and
 // lost for Q8_0 (registers).
 #define PK_R 2
-#define PK_MV_WARPS 4
-#define PK_SW_ROWS 32
 
 __device__ __forceinline__ int dp4a_ss(int a, int b, int c) {
     int d;
@@ -64,13 +62,6 @@ __device__ __forceinline__ float pk_block_dot(const uint4 (&q)[Q8 ? 2 : 1], floa
 // bytes a lane: enough in flight to cover the memory latency), and the first
 // round's loads are issued before the wait for the previous kernel (weights are constant),
 // so they overlap its tail.
-template <int R>
-__device__ __forceinline__ void pk_row_ptrs(const u8* w, size_t row_bytes, int nrows,
-                                            const u8* (&rowp)[R]) {
-#pragma unroll
-    for (int r = 0; r < R; r++) rowp[r] = w + (size_t)min(r, nrows - 1) * row_bytes;
-}
-
 template <bool Q8, int NT, int R, int U>
 __device__ __forceinline__ void pk_rows(const u8* const (&rowp)[R], int cols, const i8* xq,
                                         const float2* xds, int nt, int lane, bool& waited,
@@ -121,140 +112,28 @@ __device__ __forceinline__ void pk_rows(const u8* const (&rowp)[R], int cols, co
     }
 }
 
-template <int NT, int R>
-__device__ __forceinline__ void pk_zero(float (&acc)[R][NT]) {
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int t = 0; t < NT; t++) acc[r][t] = 0.f;
-}
-
-// Sums every lane's share and stores row r's result for token t from lane r.
-template <int NT, int R>
-__device__ __forceinline__ void pk_store(float (&acc)[R][NT], int lane, int nrows, int nt,
-                                         float* out, int rows, int accum) {
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            float v = warp_sum(acc[r][t]);
-            if (lane == r && r < nrows && t < nt) {
-                float* o = out + (size_t)t * rows + r;
-                *o = accum ? *o + v : v;
-            }
-        }
-}
-
-template <bool Q8, int NT, int R, int U>
-__device__ void pk_matvec(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
-                          int nt, float* out, int accum) {
-    pdl_trigger();
-    int lane = threadIdx.x & 31;
-    int r0 = (blockIdx.x * PK_MV_WARPS + (threadIdx.x >> 5)) * R;
-    int nrows = min(R, rows - r0);
-    if (nrows <= 0) return;
-    size_t row_bytes = (size_t)(cols / 256) * (Q8 ? 272 : 144);
-    float acc[R][NT];
-    pk_zero(acc);
-    bool waited = false;
-    const u8* rowp[R];
-    pk_row_ptrs(w + (size_t)r0 * row_bytes, row_bytes, nrows, rowp);
-    pk_rows<Q8, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
-    pk_store(acc, lane, nrows, nt, out + r0, rows, accum);
-}
-
-// q, k and v of one input in one launch: the first ceil(r0 / rows per block) blocks take
-// matrix 0, the next ones matrix 1, then matrix 2.
-template <bool Q8, int NT, int R, int U>
-__device__ void pk_matvec3(const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2,
-                           int cols, const i8* xq, const float2* xds, int nt, float* o0,
-                           float* o1, float* o2) {
-    pdl_trigger();
-    const int per_block = PK_MV_WARPS * R;
-    int b0 = (r0 + per_block - 1) / per_block, b1 = (r1 + per_block - 1) / per_block;
-    int b = blockIdx.x;
-    const u8* w;
-    float* out;
-    int rows;
-    if (b < b0) {
-        w = w0, out = o0, rows = r0;
-    } else if (b < b0 + b1) {
-        w = w1, out = o1, rows = r1, b -= b0;
-    } else {
-        w = w2, out = o2, rows = r2, b -= b0 + b1;
+// The row policy of the drivers in common.cuh for packed Q4_0 (Q8 false) and Q8_0 rows.
+template <bool Q8>
+struct PkRows {
+    __device__ static size_t row_bytes(int cols) { return (size_t)(cols / 256) * (Q8 ? 272 : 144); }
+    template <int NT, int R, int U>
+    __device__ static void rows(const u8* const (&rowp)[R], int cols, const i8* xq,
+                                const float2* xds, int nt, int lane, bool& waited,
+                                float (&acc)[R][NT]) {
+        pk_rows<Q8, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
     }
-    int lane = threadIdx.x & 31;
-    int first = (b * PK_MV_WARPS + (threadIdx.x >> 5)) * R;
-    int nrows = min(R, rows - first);
-    if (nrows <= 0) return;
-    size_t row_bytes = (size_t)(cols / 256) * (Q8 ? 272 : 144);
-    float acc[R][NT];
-    pk_zero(acc);
-    bool waited = false;
-    const u8* rowp[R];
-    pk_row_ptrs(w + (size_t)first * row_bytes, row_bytes, nrows, rowp);
-    pk_rows<Q8, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
-    pk_store(acc, lane, nrows, nt, out + first, rows, 0);
-}
-
-// The feed-forward gate: out[t][r] = silu(gate[r] . x[t]) * (up[r] . x[t]). A block's 32
-// rows meet in shared memory, where one warp per token writes them (coalesced) and, when oq
-// is set (rows a multiple of 32), their 8-bit copy for the down projection, which then
-// skips its quantize pass.
-template <bool Q8, int NT, int R, int U>
-__device__ void pk_swiglu(const u8* wg, const u8* wu, int rows, int cols, const i8* xq,
-                          const float2* xds, int nt, float* out, i8* oq, float2* ods) {
-    __shared__ float vals[NT][PK_SW_ROWS];
-    pdl_trigger();
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int base = blockIdx.x * PK_SW_ROWS, r0 = base + warp * R;
-    int nrows = min(R, rows - r0);
-    bool waited = false;
-    if (nrows > 0) {
-        size_t at = (size_t)r0 * (size_t)(cols / 256) * (Q8 ? 272 : 144);
-        size_t row_bytes = (size_t)(cols / 256) * (Q8 ? 272 : 144);
-        // Gate rows, then up rows: loading both in one round spilled registers (and read
-        // slower) under the cap that fits every block on the GPU at once.
-        float g[R][NT], u[R][NT];
-        pk_zero(g);
-        pk_zero(u);
-        const u8* rowp[R];
-        pk_row_ptrs(wg + at, row_bytes, nrows, rowp);
-        pk_rows<Q8, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, g);
-        pk_row_ptrs(wu + at, row_bytes, nrows, rowp);
-        pk_rows<Q8, NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, u);
-#pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                float gs = warp_sum(g[r][t]), us = warp_sum(u[r][t]);
-                if (lane == 0) vals[t][warp * R + r] = gs / (1.f + expf(-gs)) * us;
-            }
-    } else {
-        pdl_wait();
-    }
-    __syncthreads();
-    for (int t = warp; t < nt; t += PK_SW_ROWS / R) {
-        int r = base + lane;
-        float v = vals[t][lane];
-        if (r < rows) out[(size_t)t * rows + r] = v;
-        if (oq) {
-            size_t at = (size_t)t * rows + r;
-            q8_block(v, lane, oq + at, ods + at / 32);
-        }
-    }
-}
+};
 
 #define PK_MV_ENTRIES(ty, Q8, R, U, nt)                                               \
     extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matvecp_##ty##_##nt(  \
         const u8* w, int rows, int cols, const i8* xq, const float2* xds, int n, float* out, \
         int accum) {                                                                       \
-        pk_matvec<Q8, nt, R, U>(w, rows, cols, xq, xds, n, out, accum);                    \
+        pk_matvec<PkRows<Q8>, nt, R, U>(w, rows, cols, xq, xds, n, out, accum);                    \
     }                                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matvecp3_##ty##_##nt( \
         const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,        \
         const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {         \
-        pk_matvec3<Q8, nt, R, U>(w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);    \
+        pk_matvec3<PkRows<Q8>, nt, R, U>(w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);    \
     }
 
 // Registers are capped at 64 for one or two tokens, so two 512-thread blocks share an SM:
@@ -265,7 +144,7 @@ __device__ void pk_swiglu(const u8* wg, const u8* wu, int rows, int cols, const 
         matvecp_swiglu_##ty##_##nt(const u8* wg, const u8* wu, int rows, int cols,    \
                                         const i8* xq, const float2* xds, int n, float* out, \
                                         i8* oq, float2* ods) {                             \
-        pk_swiglu<Q8, nt, R, U>(wg, wu, rows, cols, xq, xds, n, out, oq, ods);          \
+        pk_swiglu<PkRows<Q8>, nt, R, U>(wg, wu, rows, cols, xq, xds, n, out, oq, ods);          \
     }
 
 #define PK_ENTRIES_Q4_0(nt) PK_MV_ENTRIES(q4_0, false, PK_R, 4, nt) PK_SW_ENTRY(q4_0, false, PK_R, 2, nt)

@@ -42,7 +42,13 @@ fn widths(ty: GgmlType) -> &'static [usize] {
 fn eight_bit_decode(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K
+        GgmlType::Q4_0
+            | GgmlType::Q8_0
+            | GgmlType::Q3K
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+            | GgmlType::IQ4XS
     )
 }
 

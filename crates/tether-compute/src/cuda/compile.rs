@@ -179,6 +179,75 @@ const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "matvec_kquant",
+        source: include_str!("../../../../kernels/matvec_kquant.cu"),
+        dependent_launch: true,
+        entries: &[
+            "matveck_q4_k_1",
+            "matveck3_q4_k_1",
+            "matveck_swiglu_q4_k_1",
+            "matveck_q4_k_2",
+            "matveck3_q4_k_2",
+            "matveck_swiglu_q4_k_2",
+            "matveck_q4_k_4",
+            "matveck3_q4_k_4",
+            "matveck_swiglu_q4_k_4",
+            "matveck_q4_k_8",
+            "matveck3_q4_k_8",
+            "matveck_swiglu_q4_k_8",
+            "matveck_q5_k_1",
+            "matveck3_q5_k_1",
+            "matveck_swiglu_q5_k_1",
+            "matveck_q5_k_2",
+            "matveck3_q5_k_2",
+            "matveck_swiglu_q5_k_2",
+            "matveck_q5_k_4",
+            "matveck3_q5_k_4",
+            "matveck_swiglu_q5_k_4",
+            "matveck_q5_k_8",
+            "matveck3_q5_k_8",
+            "matveck_swiglu_q5_k_8",
+            "matveck_q6_k_1",
+            "matveck3_q6_k_1",
+            "matveck_swiglu_q6_k_1",
+            "matveck_q6_k_2",
+            "matveck3_q6_k_2",
+            "matveck_swiglu_q6_k_2",
+            "matveck_q6_k_4",
+            "matveck3_q6_k_4",
+            "matveck_swiglu_q6_k_4",
+            "matveck_q6_k_8",
+            "matveck3_q6_k_8",
+            "matveck_swiglu_q6_k_8",
+            "matveck_iq4_xs_1",
+            "matveck3_iq4_xs_1",
+            "matveck_swiglu_iq4_xs_1",
+            "matveck_iq4_xs_2",
+            "matveck3_iq4_xs_2",
+            "matveck_swiglu_iq4_xs_2",
+            "matveck_iq4_xs_4",
+            "matveck3_iq4_xs_4",
+            "matveck_swiglu_iq4_xs_4",
+            "matveck_iq4_xs_8",
+            "matveck3_iq4_xs_8",
+            "matveck_swiglu_iq4_xs_8",
+            "matveck_q3_k_1",
+            "matveck3_q3_k_1",
+            "matveck_swiglu_q3_k_1",
+            "matveck_q3_k_2",
+            "matveck3_q3_k_2",
+            "matveck_swiglu_q3_k_2",
+            "matveck_q3_k_4",
+            "matveck3_q3_k_4",
+            "matveck_swiglu_q3_k_4",
+            "matveck_q3_k_8",
+            "matveck3_q3_k_8",
+            "matveck_swiglu_q3_k_8",
+            "pack_q3_k",
+            "pack_q6_k",
+        ],
+    },
+    KernelFile {
         name: "elementwise",
         source: include_str!("../../../../kernels/elementwise.cu"),
         dependent_launch: true,
@@ -458,6 +527,16 @@ mod tests {
                         "{e} not found in {}",
                         f.name
                     );
+                    continue;
+                }
+                // K-quant entries: KQ_ALL(type, ...) defines the four token widths.
+                let kquant = ["matveck_swiglu_", "matveck3_", "matveck_"]
+                    .iter()
+                    .find_map(|p| e.strip_prefix(p));
+                if let Some(rest) = kquant {
+                    let ty = rest.rsplit_once('_').map_or(rest, |(t, _)| t);
+                    let mac = format!("KQ_ALL({ty},");
+                    assert!(f.source.contains(&mac), "{e} not found in {}", f.name);
                     continue;
                 }
                 // Tensor-core entries: MQ_ENTRY(type, signedness, tokens).

@@ -135,7 +135,8 @@ pub(crate) struct MatmulArgs {
 }
 
 /// Which kernels run a decode product fused with others (q/k/v; gate and up): the
-/// packed-layout ones (`matvecp…`) of one type, or the GGUF-layout Q4_0 ones (`matvecq…`).
+/// packed-layout ones (`matvecp…`) or the K-quant ones (`matveck…`) of one type, or the
+/// GGUF-layout Q4_0 ones (`matvecq…`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Fused {
     prefix: &'static str,
@@ -143,8 +144,10 @@ pub(crate) struct Fused {
 }
 
 impl Fused {
+    /// Whether the kernels take the launch shapes and arguments of the drivers in
+    /// common.cuh (the packed and K-quant families do).
     fn packed(&self) -> bool {
-        self.prefix == "matvecp"
+        matches!(self.prefix, "matvecp" | "matveck")
     }
 }
 
@@ -173,13 +176,14 @@ fn stem(ty: GgmlType) -> Option<&'static str> {
 }
 
 /// Whether products of `ty` weights (`packed` as stored), `cols` wide, take the 8-bit
-/// K-quant kernels (matvec_kquant.cu): Q4_K and Q5_K as GGUF stores them, Q6_K packed. On
+/// K-quant kernels (matvec_kquant.cu): Q4_K, Q5_K and IQ4_XS as GGUF stores them, Q6_K
+/// and Q3_K packed. On
 /// an H100 they replace f32-activation kernels that read 4 weight bytes a lane.
 fn kquant_int8(ty: GgmlType, packed: bool, cols: usize) -> bool {
     let fits = cols > 0 && cols.is_multiple_of(256) && cols <= XQ_MAX_COLS;
     fits && match ty {
-        GgmlType::Q4K | GgmlType::Q5K => !packed,
-        GgmlType::Q6K => packed,
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::IQ4XS => !packed,
+        GgmlType::Q6K | GgmlType::Q3K => packed,
         _ => false,
     }
 }
@@ -397,7 +401,7 @@ impl CudaBackend {
             cols > 0 && cols.is_multiple_of(32) && cols <= XQ_MAX_COLS && n_tokens <= MV_MAX_TOKENS;
         let (first, ty) = *weights.first()?;
         // Batches the tensor cores take run as separate products.
-        let on_mma = first.packed && n_tokens >= self.mma_min_tokens;
+        let on_mma = first.packed && packed_stem(ty).is_some() && n_tokens >= self.mma_min_tokens;
         if !sizes_fit
             || on_mma
             || weights
@@ -405,6 +409,12 @@ impl CudaBackend {
                 .any(|&(w, t)| t != ty || w.packed != first.packed)
         {
             return None;
+        }
+        if kquant_int8(ty, first.packed, cols) {
+            return stem(ty).map(|stem| Fused {
+                prefix: "matveck",
+                stem,
+            });
         }
         match (first.packed, ty) {
             (true, _) => packed_stem(ty).map(|stem| Fused {
