@@ -15,6 +15,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_kquant;
 #[cfg(target_arch = "x86_64")]
+mod avx2_panel;
+#[cfg(target_arch = "x86_64")]
 mod avx2_q5;
 
 use rayon::prelude::*;
@@ -62,6 +64,9 @@ pub(crate) fn matmul(
         match ty {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                 return run(&avx2::FloatKernel::new(cpu, ty), w, shape, x, out);
+            }
+            GgmlType::Q4_0 if n_tokens >= avx2_panel::MIN_TOKENS => {
+                return avx2_panel::matmul_q4_0(cpu, w, shape, x, out);
             }
             GgmlType::Q4_0 => return run(&avx2::Q4_0Kernel(cpu), w, shape, x, out),
             GgmlType::Q8_0 => return run(&avx2::Q8_0Kernel(cpu), w, shape, x, out),

@@ -1,0 +1,241 @@
+//! Prefill path for Q4_0 weights on AVX2: eight weight rows at a time are repacked into a
+//! panel whose vectors hold four quants of each row (one row per 32-bit lane), and every
+//! token of the matmul then runs over the panel.
+//!
+//! With one row per lane a token's eight row sums come out of `maddubs` already in place:
+//! no horizontal adds, and one convert and one FMA cover eight rows. The row-at-a-time
+//! kernels spend most of their time folding lanes instead. Repacking a panel costs about
+//! as much as three tokens' products, so decode keeps the [`super::avx2`] kernels.
+
+use std::arch::x86_64::*;
+
+use rayon::prelude::*;
+
+use super::{OutPtr, Shape};
+use crate::cpu::q8::{BlockQ8, quantize_row_q8};
+use crate::cpu::simd::Avx2;
+
+/// Weight rows in one panel (the 32-bit lanes of a vector).
+const PANEL_ROWS: usize = 8;
+/// Tokens from which repacking pays for itself.
+pub(crate) const MIN_TOKENS: usize = 8;
+/// Tokens sharing one pass over a panel (each holds one accumulator).
+const TOKEN_GROUP: usize = 4;
+/// Q4_0 block: f16 scale and 16 bytes of nibbles.
+const BLOCK_BYTES: usize = 18;
+/// Vectors per packed block: eight of quants, then the eight row scales as f32.
+const PACKED_BLOCK: usize = 9;
+
+/// Q4_0 quants of one block as unsigned bytes `0..16`, element `i` in byte `i` (the `-8`
+/// is applied through [`BlockQ8::qsum8`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn unpack_unsigned(blk: &[u8]) -> __m256i {
+    let qs = &blk[2..18];
+    // SAFETY: `qs` is 16 bytes, exactly one unaligned 128-bit load.
+    let v = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+    let m4 = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(v, m4);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), m4);
+    _mm256_set_m128i(hi, lo)
+}
+
+/// Transposes eight rows of eight 32-bit lanes: lane `r` of output `k` is lane `k` of row
+/// `r`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose8(r: [__m256i; 8]) -> [__m256i; 8] {
+    let t0 = _mm256_unpacklo_epi32(r[0], r[1]);
+    let t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    let t2 = _mm256_unpacklo_epi32(r[2], r[3]);
+    let t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    let t4 = _mm256_unpacklo_epi32(r[4], r[5]);
+    let t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+    let t6 = _mm256_unpacklo_epi32(r[6], r[7]);
+    let t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+    // Lanes k and k + 4 of rows 0..4 (u0..u4) and rows 4..8 (u4..u8).
+    let u0 = _mm256_unpacklo_epi64(t0, t2);
+    let u1 = _mm256_unpackhi_epi64(t0, t2);
+    let u2 = _mm256_unpacklo_epi64(t1, t3);
+    let u3 = _mm256_unpackhi_epi64(t1, t3);
+    let u4 = _mm256_unpacklo_epi64(t4, t6);
+    let u5 = _mm256_unpackhi_epi64(t4, t6);
+    let u6 = _mm256_unpacklo_epi64(t5, t7);
+    let u7 = _mm256_unpackhi_epi64(t5, t7);
+    [
+        _mm256_permute2x128_si256::<0x20>(u0, u4),
+        _mm256_permute2x128_si256::<0x20>(u1, u5),
+        _mm256_permute2x128_si256::<0x20>(u2, u6),
+        _mm256_permute2x128_si256::<0x20>(u3, u7),
+        _mm256_permute2x128_si256::<0x31>(u0, u4),
+        _mm256_permute2x128_si256::<0x31>(u1, u5),
+        _mm256_permute2x128_si256::<0x31>(u2, u6),
+        _mm256_permute2x128_si256::<0x31>(u3, u7),
+    ]
+}
+
+/// Repacks rows `r0..r0 + 8` of `w` (rows past `rows` read as zero blocks, which add
+/// nothing) into `panel`: per block, [`PACKED_BLOCK`] vectors.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {
+    const ZERO: [u8; BLOCK_BYTES] = [0; BLOCK_BYTES];
+    let n_blocks = row_bytes / BLOCK_BYTES;
+    panel.clear();
+    panel.reserve(n_blocks * PACKED_BLOCK);
+    for b in 0..n_blocks {
+        let blk: [&[u8]; PANEL_ROWS] = std::array::from_fn(|i| {
+            let r = r0 + i;
+            if r < rows {
+                let at = r * row_bytes + b * BLOCK_BYTES;
+                &w[at..at + BLOCK_BYTES]
+            } else {
+                &ZERO
+            }
+        });
+        let q = [
+            unpack_unsigned(blk[0]),
+            unpack_unsigned(blk[1]),
+            unpack_unsigned(blk[2]),
+            unpack_unsigned(blk[3]),
+            unpack_unsigned(blk[4]),
+            unpack_unsigned(blk[5]),
+            unpack_unsigned(blk[6]),
+            unpack_unsigned(blk[7]),
+        ];
+        panel.extend(transpose8(q));
+        let h = |i: usize| i16::from_le_bytes([blk[i][0], blk[i][1]]);
+        let halves = _mm_set_epi16(h(7), h(6), h(5), h(4), h(3), h(2), h(1), h(0));
+        panel.push(_mm256_castps_si256(_mm256_cvtph_ps(halves)));
+    }
+}
+
+/// The four activation quants `4k..4k + 4` of `y` in every 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn broadcast4(y: &BlockQ8, k: usize) -> __m256i {
+    let q = &y.qs[4 * k..4 * k + 4];
+    _mm256_set1_epi32(i32::from_le_bytes([
+        q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
+    ]))
+}
+
+/// One packed panel against `N` tokens: lane `r` of result `j` is row `r` · token `j`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn panel_dot<const N: usize>(panel: &[__m256i], xs: [&[BlockQ8]; N]) -> [__m256; N] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    for (b, pb) in panel.chunks_exact(PACKED_BLOCK).enumerate() {
+        let dw = _mm256_castsi256_ps(pb[8]);
+        for (a, x) in acc.iter_mut().zip(xs) {
+            let y = &x[b];
+            // Eight maddubs outputs of at most 2·15·127 each add up in i16 (< 2^15).
+            // Written out: as a loop LLVM neither unrolled it nor kept the sum in a
+            // register.
+            let p = |k: usize| _mm256_maddubs_epi16(pb[k], broadcast4(y, k));
+            let s01 = _mm256_add_epi16(p(0), p(1));
+            let s23 = _mm256_add_epi16(p(2), p(3));
+            let s45 = _mm256_add_epi16(p(4), p(5));
+            let s67 = _mm256_add_epi16(p(6), p(7));
+            let s16 = _mm256_add_epi16(_mm256_add_epi16(s01, s23), _mm256_add_epi16(s45, s67));
+            let sums = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(y.qsum8));
+            let scale = _mm256_mul_ps(dw, _mm256_set1_ps(y.d));
+            *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), *a);
+        }
+    }
+    acc
+}
+
+/// Writes the rows of a panel that exist (`n_rows ≤ 8` from `r0`) for tokens `t0..`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn store<const N: usize>(acc: [__m256; N], out: OutPtr, s: Shape, t0: usize, r0: usize) {
+    let n_rows = (s.rows - r0).min(PANEL_ROWS);
+    for (j, a) in acc.into_iter().enumerate() {
+        let mut lanes = [0.0f32; PANEL_ROWS];
+        // SAFETY: `lanes` holds exactly eight f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        let t = t0 + j;
+        assert!(t < s.n_tokens && r0 + n_rows <= s.rows);
+        for (i, v) in lanes.into_iter().take(n_rows).enumerate() {
+            // SAFETY: `t < n_tokens` and `r0 + i < rows`, inside `out` (checked by the
+            // caller); rows `r0..r0 + 8` belong to the calling task alone.
+            unsafe { out.write(t * s.rows + r0 + i, v) };
+        }
+    }
+}
+
+/// All tokens against one packed panel.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn panel_tokens(
+    panel: &[__m256i],
+    acts: &[BlockQ8],
+    per_row: usize,
+    out: OutPtr,
+    s: Shape,
+    r0: usize,
+) {
+    let row = |t: usize| &acts[t * per_row..(t + 1) * per_row];
+    let mut t0 = 0;
+    while t0 < s.n_tokens {
+        let n = (s.n_tokens - t0).min(TOKEN_GROUP);
+        match n {
+            4 => store(
+                panel_dot(panel, [row(t0), row(t0 + 1), row(t0 + 2), row(t0 + 3)]),
+                out,
+                s,
+                t0,
+                r0,
+            ),
+            3 => store(
+                panel_dot(panel, [row(t0), row(t0 + 1), row(t0 + 2)]),
+                out,
+                s,
+                t0,
+                r0,
+            ),
+            2 => store(panel_dot(panel, [row(t0), row(t0 + 1)]), out, s, t0, r0),
+            _ => store(panel_dot(panel, [row(t0)]), out, s, t0, r0),
+        }
+        t0 += n;
+    }
+}
+
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]` for Q4_0 `w`, sizes as for [`super::matmul`].
+pub(crate) fn matmul_q4_0(_cpu: Avx2, w: &[u8], s: Shape, x: &[f32], out: &mut [f32]) {
+    if s.rows == 0 || s.cols == 0 {
+        out.iter_mut()
+            .take(s.rows * s.n_tokens)
+            .for_each(|v| *v = 0.0);
+        return;
+    }
+    let per_row = s.cols / 32;
+    let mut acts = vec![BlockQ8::default(); per_row * s.n_tokens];
+    acts.par_chunks_mut(per_row)
+        .zip(x.par_chunks(s.cols))
+        .for_each(|(a, xr)| quantize_row_q8(xr, a));
+    assert!(
+        out.len() >= s.rows * s.n_tokens,
+        "matmul output checked by the caller"
+    );
+    let out = OutPtr(out.as_mut_ptr());
+    let row_bytes = w.len() / s.rows;
+    let n_panels = s.rows.div_ceil(PANEL_ROWS);
+    let threads = rayon::current_num_threads().max(1);
+    // Enough chunks to balance the threads; one panel buffer per chunk.
+    let per_chunk = n_panels.div_ceil(threads * 4).max(1);
+    let acts = &acts;
+    (0..n_panels.div_ceil(per_chunk))
+        .into_par_iter()
+        .for_each(|c| {
+            let mut panel = Vec::new();
+            for p in c * per_chunk..((c + 1) * per_chunk).min(n_panels) {
+                let r0 = p * PANEL_ROWS;
+                // SAFETY: `_cpu` proves the CPU has the enabled features.
+                unsafe {
+                    pack(w, row_bytes, s.rows, r0, &mut panel);
+                    panel_tokens(&panel, acts, per_row, out, s, r0);
+                }
+            }
+        });
+}
