@@ -21,6 +21,9 @@ pub enum Arch {
     Llama,
     /// Qwen2 / Qwen2.5: NEOX rope, biases on Q, K and V.
     Qwen2,
+    /// Dense Qwen3: NEOX rope, no biases, a per-head RMS norm on Q and on K before rope;
+    /// heads may be wider than `n_embd / n_head`.
+    Qwen3,
 }
 
 impl Arch {
@@ -29,6 +32,7 @@ impl Arch {
         match name {
             "llama" => Some(Arch::Llama),
             "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
             _ => None,
         }
     }
@@ -38,17 +42,24 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
         }
     }
 
     /// Whether rope rotates pairs `(i, i + n_rot/2)` (NEOX) rather than `(2i, 2i+1)`.
     pub fn rope_neox(self) -> bool {
-        matches!(self, Arch::Qwen2)
+        matches!(self, Arch::Qwen2 | Arch::Qwen3)
     }
 
     /// Whether every layer has biases on Q, K and V.
     pub fn has_qkv_bias(self) -> bool {
         matches!(self, Arch::Qwen2)
+    }
+
+    /// Whether every layer RMS-normalizes each head of Q and of K (`attn_q_norm`,
+    /// `attn_k_norm`, `[head_dim]` each) after the projections and before rope.
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3)
     }
 }
 
@@ -89,6 +100,7 @@ fn spec(name: String, dims: &[usize], role: TensorRole) -> TensorSpec {
 pub fn layer_tensors(cfg: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
     use TensorRole::{Matrix, Vector};
     let (e, q, kv, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
+    let hd = cfg.head_dim;
     let n = |s: &str| layer_tensor(layer, s);
     let mut out = vec![
         spec(n("attn_norm.weight"), &[e], Vector),
@@ -100,6 +112,10 @@ pub fn layer_tensors(cfg: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
         out.push(spec(n("attn_q.bias"), &[q], Vector));
         out.push(spec(n("attn_k.bias"), &[kv], Vector));
         out.push(spec(n("attn_v.bias"), &[kv], Vector));
+    }
+    if cfg.arch.has_qk_norm() {
+        out.push(spec(n("attn_q_norm.weight"), &[hd], Vector));
+        out.push(spec(n("attn_k_norm.weight"), &[hd], Vector));
     }
     out.extend([
         spec(n("attn_output.weight"), &[q, e], Matrix),
@@ -190,5 +206,9 @@ mod tests {
         assert_eq!(Arch::from_name("qwen2"), Some(Arch::Qwen2));
         assert_eq!(Arch::from_name("gemma"), None);
         assert!(Arch::Qwen2.rope_neox() && !Arch::Llama.rope_neox());
+        assert_eq!(Arch::from_name("qwen3"), Some(Arch::Qwen3));
+        assert_eq!(Arch::from_name("qwen3moe"), None);
+        assert!(Arch::Qwen3.rope_neox() && Arch::Qwen3.has_qk_norm());
+        assert!(!Arch::Qwen3.has_qkv_bias() && !Arch::Qwen2.has_qk_norm());
     }
 }

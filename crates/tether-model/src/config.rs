@@ -21,7 +21,8 @@ pub struct ModelConfig {
     pub n_head: usize,
     /// Key/value heads (`attention.head_count_kv`, default `n_head`).
     pub n_head_kv: usize,
-    /// Elements per head (`n_embd / n_head`).
+    /// Elements per head of Q, K and V: `attention.key_length` when the file has it (Qwen3's
+    /// heads are wider than `n_embd / n_head`), else `n_embd / n_head`.
     pub head_dim: usize,
     /// Epsilon of the RMS norms (`attention.layer_norm_rms_epsilon`).
     pub rms_eps: f32,
@@ -62,12 +63,7 @@ impl ModelConfig {
         let meta = Meta { file, arch };
         let n_embd = meta.usize_req("embedding_length")?;
         let n_head = meta.usize_req("attention.head_count")?;
-        if n_head == 0 || n_embd == 0 || !n_embd.is_multiple_of(n_head) {
-            return Err(ModelError::Config(format!(
-                "embedding_length {n_embd} is not a positive multiple of head_count {n_head}"
-            )));
-        }
-        let head_dim = n_embd / n_head;
+        let head_dim = head_dim(&meta, n_embd, n_head)?;
         let n_head_kv = meta.usize_opt("attention.head_count_kv")?.unwrap_or(n_head);
         if n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
             return Err(ModelError::Config(format!(
@@ -151,6 +147,47 @@ impl ModelConfig {
         }
         crate::arch::validate_tensors(&cfg, file.tensors())?;
         Ok(cfg)
+    }
+}
+
+/// The widest head a file may declare (real models use up to 256).
+const MAX_HEAD_DIM: usize = 4096;
+
+/// Elements per head: `attention.key_length`, which must equal `attention.value_length`
+/// (the attention reads one head width), or `n_embd / n_head` when the file gives neither.
+fn head_dim(meta: &Meta<'_>, n_embd: usize, n_head: usize) -> Result<usize, ModelError> {
+    if n_head == 0 || n_embd == 0 {
+        return Err(ModelError::Config(format!(
+            "embedding_length {n_embd} and head_count {n_head} must both be positive"
+        )));
+    }
+    let key = meta.usize_opt("attention.key_length")?;
+    let value = meta.usize_opt("attention.value_length")?;
+    match (key, value) {
+        (None, None) if n_embd.is_multiple_of(n_head) => Ok(n_embd / n_head),
+        (None, None) => Err(ModelError::Config(format!(
+            "embedding_length {n_embd} is not a multiple of head_count {n_head} and the file \
+             gives no attention.key_length"
+        ))),
+        (Some(k), v) if v.is_none_or(|v| v == k) => {
+            // Bounded so that every width derived from it (`n_head · head_dim`) fits.
+            if k == 0 || !k.is_multiple_of(2) || k > MAX_HEAD_DIM {
+                return Err(meta.err(
+                    "attention.key_length",
+                    &format!("is {k}; it must be even, positive and at most {MAX_HEAD_DIM}"),
+                ));
+            }
+            if n_head.checked_mul(k).is_none_or(|q| q > u32::MAX as usize) {
+                return Err(ModelError::Config(format!(
+                    "head_count {n_head} heads of {k} elements are too wide a query"
+                )));
+            }
+            Ok(k)
+        }
+        (k, v) => Err(ModelError::Config(format!(
+            "attention.key_length {k:?} and attention.value_length {v:?} differ: heads whose \
+             keys and values have different widths are not supported"
+        ))),
     }
 }
 
@@ -250,6 +287,31 @@ mod tests {
         assert_eq!(cfg.rope.freq_scale, 0.25);
         assert!(cfg.rope.neox);
         assert_eq!(cfg.kv_dim(), 4);
+    }
+
+    #[test]
+    fn key_length_sets_head_dim_apart_from_the_embedding() {
+        let cfg = ModelConfig::from_gguf(&file(
+            "qwen3",
+            &[
+                ("attention.key_length", MetaValue::U32(16)),
+                ("attention.value_length", MetaValue::U32(16)),
+                ("attention.head_count_kv", MetaValue::U32(1)),
+            ],
+        ))
+        .unwrap();
+        assert_eq!((cfg.head_dim, cfg.q_dim(), cfg.kv_dim()), (16, 32, 16));
+        assert_eq!(cfg.rope.n_rot, 16);
+        assert!(cfg.rope.neox);
+        let err = ModelConfig::from_gguf(&file(
+            "qwen3",
+            &[
+                ("attention.key_length", MetaValue::U32(16)),
+                ("attention.value_length", MetaValue::U32(8)),
+            ],
+        ))
+        .unwrap_err();
+        assert!(err.to_string().contains("value_length"), "{err}");
     }
 
     #[test]

@@ -32,7 +32,8 @@ pub struct ScratchSizes {
     pub q: u64,
     /// Keys and values `[ubatch][kv_dim]` each (layers).
     pub kv: u64,
-    /// Feed-forward gate, up and activation `[ubatch][n_ff]` each (layers).
+    /// Feed-forward gate, up and activation `[ubatch][n_ff]` each (layers); at least
+    /// `[ubatch][kv_dim]`, since the gate buffer holds the normed keys of a Qwen3 layer.
     pub ff: u64,
     /// Logits `[ubatch][n_vocab]` (head).
     pub logits: u64,
@@ -57,7 +58,7 @@ pub fn scratch_sizes(cfg: &ModelConfig, spec: &StageSpec) -> ScratchSizes {
         normed: when(layers || spec.has_head, f32s(cfg.n_embd)),
         q: when(layers, f32s(cfg.q_dim())),
         kv: when(layers, f32s(cfg.kv_dim())),
-        ff: when(layers, f32s(cfg.n_ff)),
+        ff: when(layers, f32s(cfg.n_ff.max(cfg.kv_dim()))),
         logits: when(spec.has_head, f32s(cfg.n_vocab)),
     }
 }

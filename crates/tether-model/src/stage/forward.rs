@@ -181,6 +181,34 @@ impl<B: Backend> Stage<B> {
             be.add_bias(&mut ls.v, &w[bv].buf, n, kvd)
                 .map_err(ce("v bias"))?;
         }
+        // Qwen3 normalizes each head of Q and K before rope. The norm reads and writes
+        // different buffers, so the normed heads go to buffers free until later in the
+        // layer (`attn`, and `gate`, sized for keys too) and the attention output to `q`.
+        let (q, k, attn_out) = match lw.qk_norm {
+            Some([q_norm, k_norm]) => {
+                let hd = cfg.head_dim;
+                be.rms_norm(
+                    &ls.q,
+                    &w[q_norm].buf,
+                    n * cfg.n_head,
+                    hd,
+                    cfg.rms_eps,
+                    &mut ls.attn,
+                )
+                .map_err(ce("q norm"))?;
+                be.rms_norm(
+                    &ls.k,
+                    &w[k_norm].buf,
+                    n * cfg.n_head_kv,
+                    hd,
+                    cfg.rms_eps,
+                    &mut ls.gate,
+                )
+                .map_err(ce("k norm"))?;
+                (&mut ls.attn, &mut ls.gate, &mut ls.q)
+            }
+            None => (&mut ls.q, &mut ls.k, &mut ls.attn),
+        };
         let shape = AttnShape {
             n_heads: cfg.n_head,
             n_kv_heads: cfg.n_head_kv,
@@ -189,8 +217,8 @@ impl<B: Backend> Stage<B> {
         // Mixed cache types are refused when the stage is planned; the stores are one op.
         debug_assert_eq!(spec.cache_k, spec.cache_v);
         be.rope_and_store(
-            &mut ls.q,
-            &mut ls.k,
+            q,
+            k,
             &ls.v,
             shape,
             positions,
@@ -203,24 +231,15 @@ impl<B: Backend> Stage<B> {
         )
         .map_err(ce("rope and cache write"))?;
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
-        be.attention(
-            &ls.q,
-            kc,
-            vc,
-            spec.cache_k,
-            spans,
-            shape,
-            scale,
-            &mut ls.attn,
-        )
-        .map_err(ce("attention"))?;
+        be.attention(q, kc, vc, spec.cache_k, spans, shape, scale, attn_out)
+            .map_err(ce("attention"))?;
         // Output projection added straight into the residual stream (`normed` is scratch).
         be.matmul_add(
             &w[lw.wo].buf,
             w[lw.wo].ty,
             e,
             qd,
-            &ls.attn,
+            attn_out,
             n,
             &mut s.hidden,
             normed,

@@ -109,6 +109,8 @@ struct LayerWeights {
     wk: usize,
     wv: usize,
     bias: Option<[usize; 3]>,
+    /// Per-head norm weights of Q and K (Qwen3).
+    qk_norm: Option<[usize; 2]>,
     wo: usize,
     ffn_norm: usize,
     gate: usize,
@@ -380,6 +382,11 @@ impl<B: Backend> Stage<B> {
                 wv: n("attn_v.weight")?,
                 bias: if cfg.arch.has_qkv_bias() {
                     Some([n("attn_q.bias")?, n("attn_k.bias")?, n("attn_v.bias")?])
+                } else {
+                    None
+                },
+                qk_norm: if cfg.arch.has_qk_norm() {
+                    Some([n("attn_q_norm.weight")?, n("attn_k_norm.weight")?])
                 } else {
                     None
                 },

@@ -32,6 +32,11 @@ pub enum SynthShape {
     Qwen2_0_5b,
     /// Qwen2.5 14B.
     Qwen2_5_14b,
+    /// A 2-layer qwen3 (q/k norms, heads of 128 wider than `n_embd / n_head`, tied output)
+    /// as small as `Tiny`.
+    TinyQwen3,
+    /// Qwen3 8B.
+    Qwen3_8b,
 }
 
 /// Hyper-parameters of a shape.
@@ -49,11 +54,15 @@ struct Dims {
     /// llama3-style `rope_freqs.weight`.
     rope_freqs: bool,
     bias: bool,
+    /// Elements per head when not `n_embd / n_head` (written as `attention.key_length`).
+    head_dim: Option<usize>,
+    /// Qwen3's per-head `attn_q_norm` and `attn_k_norm`.
+    qk_norm: bool,
 }
 
 impl SynthShape {
     /// Every shape.
-    pub const ALL: [SynthShape; 8] = [
+    pub const ALL: [SynthShape; 10] = [
         SynthShape::Tiny,
         SynthShape::TinyQwen2,
         SynthShape::Llama3_1b,
@@ -62,6 +71,8 @@ impl SynthShape {
         SynthShape::Llama2_7b,
         SynthShape::Qwen2_0_5b,
         SynthShape::Qwen2_5_14b,
+        SynthShape::TinyQwen3,
+        SynthShape::Qwen3_8b,
     ];
 
     /// The command-line name (`tiny`, `llama3-8b`, `qwen2.5-14b`).
@@ -75,6 +86,8 @@ impl SynthShape {
             SynthShape::Llama2_7b => "llama2-7b",
             SynthShape::Qwen2_0_5b => "qwen2-0.5b",
             SynthShape::Qwen2_5_14b => "qwen2.5-14b",
+            SynthShape::TinyQwen3 => "tiny-qwen3",
+            SynthShape::Qwen3_8b => "qwen3-8b",
         }
     }
 
@@ -97,11 +110,21 @@ impl SynthShape {
             tied,
             bias: false,
             rope_freqs: false,
+            head_dim: None,
+            qk_norm: false,
         };
         let qwen = |n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, tied| Dims {
             arch: "qwen2",
             bias: true,
             ..llama(n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, 1e6, tied)
+        };
+        let qwen3 = |n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab, tied| Dims {
+            arch: "qwen3",
+            bias: false,
+            qk_norm: true,
+            head_dim: Some(head_dim),
+            ctx: 40960,
+            ..qwen(n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, tied)
         };
         match self {
             SynthShape::Tiny => Dims {
@@ -125,6 +148,9 @@ impl SynthShape {
             SynthShape::Llama2_7b => llama(4096, 32, 32, 32, 11008, 32000, 10000.0, false),
             SynthShape::Qwen2_0_5b => qwen(896, 24, 14, 2, 4864, 151936, true),
             SynthShape::Qwen2_5_14b => qwen(5120, 48, 40, 8, 13824, 152064, false),
+            // Heads of 128 where n_embd / n_head is 64, as Qwen3 0.6B (1024 wide, 16 heads).
+            SynthShape::TinyQwen3 => qwen3(256, 2, 4, 2, 128, 512, 320, true),
+            SynthShape::Qwen3_8b => qwen3(4096, 36, 32, 8, 128, 12288, 151936, false),
         }
     }
 }
@@ -246,11 +272,20 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
         MetaValue::F32(1e-5),
     );
     w.add_metadata(key("rope.freq_base"), MetaValue::F32(d.rope_base));
-    w.add_metadata(key("rope.dimension_count"), u32v(d.n_embd / d.n_head));
+    let head_dim = d.head_dim.unwrap_or(d.n_embd / d.n_head);
+    if d.head_dim.is_some() {
+        w.add_metadata(key("attention.key_length"), u32v(head_dim));
+        w.add_metadata(key("attention.value_length"), u32v(head_dim));
+    }
+    w.add_metadata(key("rope.dimension_count"), u32v(head_dim));
     vocab::add_tokenizer(&mut w, d.n_vocab);
 
-    let head_dim = d.n_embd / d.n_head;
-    let (e, q, kv, ff) = (d.n_embd, d.n_embd, d.n_head_kv * head_dim, d.n_ff);
+    let (e, q, kv, ff) = (
+        d.n_embd,
+        d.n_head * head_dim,
+        d.n_head_kv * head_dim,
+        d.n_ff,
+    );
     let gqa = d.n_head / d.n_head_kv;
     // The type of a matrix with `cols`-element rows.
     let pick = |role, layer, cols| fit_type(ty.type_for(role, layer, d.n_layer, gqa), cols);
@@ -303,6 +338,24 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
             add_vector(&mut w, n("attn_q.bias"), q, 0.0, 0.1, &mut vec_rng)?;
             add_vector(&mut w, n("attn_k.bias"), kv, 0.0, 0.1, &mut vec_rng)?;
             add_vector(&mut w, n("attn_v.bias"), kv, 0.0, 0.1, &mut vec_rng)?;
+        }
+        if d.qk_norm {
+            add_vector(
+                &mut w,
+                n("attn_q_norm.weight"),
+                head_dim,
+                1.0,
+                0.3,
+                &mut vec_rng,
+            )?;
+            add_vector(
+                &mut w,
+                n("attn_k_norm.weight"),
+                head_dim,
+                1.0,
+                0.3,
+                &mut vec_rng,
+            )?;
         }
         add_random(
             &mut w,
@@ -381,6 +434,7 @@ mod tests {
         for (shape, ty) in [
             (SynthShape::Tiny, GgmlType::Q4K),
             (SynthShape::TinyQwen2, GgmlType::Q8_0),
+            (SynthShape::TinyQwen3, GgmlType::Q4K),
         ] {
             let path = dir.join(format!("{}.gguf", shape.name()));
             synthesize(&path, shape, ty, 1).unwrap();
@@ -392,7 +446,10 @@ mod tests {
                 (d.n_embd, d.n_layer, d.n_vocab)
             );
             assert_eq!(cfg.tied_output, d.tied);
-            assert_eq!(cfg.rope.neox, d.bias);
+            assert_eq!(cfg.rope.neox, d.arch != "llama");
+            assert_eq!(cfg.head_dim, d.head_dim.unwrap_or(d.n_embd / d.n_head));
+            assert_eq!(cfg.rope.n_rot, cfg.head_dim);
+            assert_eq!(file.tensor("blk.1.attn_k_norm.weight").is_some(), d.qk_norm);
             assert_eq!(cfg.has_rope_freqs, d.rope_freqs);
             assert_eq!(file.tensor("blk.1.ffn_down.weight").unwrap().ty, ty);
             assert_eq!(
@@ -448,6 +505,14 @@ mod tests {
         // 4 912 898 304 bytes: the sum of the tensor sizes by the mix rules.
         let gib = w.tensor_data_bytes() as f64 / f64::from(1u32 << 30);
         assert!((4.55..4.60).contains(&gib), "{gib} GiB");
+    }
+
+    /// llama.cpp's Q4_K_M of Qwen3 8B is 4.68 GiB (5.03 GB); ours has the same tensor types.
+    #[test]
+    fn qwen3_8b_q4_k_m_is_the_size_llama_cpp_writes() {
+        let w = build(SynthShape::Qwen3_8b, QuantMix::Q4KM.into(), 1).unwrap();
+        let gib = w.tensor_data_bytes() as f64 / f64::from(1u32 << 30);
+        assert!((4.6..4.75).contains(&gib), "{gib} GiB");
     }
 
     /// The 70B shape in the mix that fills two 80 GB GPUs: about 40 GiB, as llama.cpp's

@@ -1,4 +1,4 @@
-//! An independent float64 forward pass of llama/qwen2 GGUF models: plain loops over
+//! An independent float64 forward pass of llama/qwen2/qwen3 GGUF models: plain loops over
 //! dequantized weights, its own metadata reading, rope, attention and softmax. It shares no
 //! code with `Stage` or any backend; only the GGUF reader and dequantizer are common.
 //!
@@ -35,7 +35,8 @@ impl Reference {
         let u = |k: &str| file.get_u64(&format!("{arch}.{k}")).map(|v| v as usize);
         let embd = u("embedding_length").unwrap();
         let heads = u("attention.head_count").unwrap();
-        let head_dim = embd / heads;
+        // Qwen3 states its head width; the others split the embedding among the heads.
+        let head_dim = u("attention.key_length").unwrap_or(embd / heads);
         let mut w = HashMap::new();
         for t in file.tensors() {
             let mut f = vec![0f32; t.elements() as usize];
@@ -69,7 +70,7 @@ impl Reference {
                 .map_or(10000.0, f64::from),
             rope_scale: scale,
             n_rot: u("rope.dimension_count").unwrap_or(head_dim),
-            neox: arch == "qwen2",
+            neox: arch == "qwen2" || arch == "qwen3",
             w,
         }
     }
@@ -101,6 +102,19 @@ impl Reference {
         let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
         let k = 1.0 / (ms + self.eps).sqrt();
         x.iter().zip(self.t(name)).map(|(v, g)| v * k * g).collect()
+    }
+
+    /// Qwen3's QK-norm: each `head_dim` slice of `x` divided by its root mean square, then
+    /// scaled by the weight `name` (`[head_dim]`, shared by the heads). Absent for llama/qwen2.
+    fn per_head_norm(&self, name: &str, x: &mut [f64]) {
+        let Some(g) = self.w.get(name) else {
+            return;
+        };
+        for head in x.chunks_mut(self.head_dim) {
+            let ms = head.iter().map(|v| v * v).sum::<f64>() / self.head_dim as f64;
+            let k = 1.0 / (ms + self.eps).sqrt();
+            head.iter_mut().zip(g).for_each(|(v, g)| *v *= k * g);
+        }
     }
 
     fn rope(&self, x: &mut [f64], n_heads: usize, pos: usize) {
@@ -152,6 +166,8 @@ impl Reference {
                 bias(n("attn_q.bias"), &mut q);
                 bias(n("attn_k.bias"), &mut k);
                 bias(n("attn_v.bias"), &mut v);
+                self.per_head_norm(&n("attn_q_norm.weight"), &mut q);
+                self.per_head_norm(&n("attn_k_norm.weight"), &mut k);
                 self.rope(&mut q, self.heads, pos);
                 self.rope(&mut k, self.kv_heads, pos);
                 qs.push(q);

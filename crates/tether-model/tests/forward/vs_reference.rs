@@ -130,6 +130,23 @@ fn tiny_qwen2_of_every_type_matches_reference() {
     }
 }
 
+#[test]
+fn tiny_qwen3_of_every_type_matches_reference() {
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        let m = synth(SynthShape::TinyQwen3, ty, 90 + i as u64);
+        let ties = if ty.is_quantized() { 2 } else { 0 };
+        compare(
+            &m.file,
+            &tiny_tokens(),
+            2e-2,
+            &[1, 300],
+            16,
+            ties,
+            &format!("tiny-qwen3 {ty}"),
+        );
+    }
+}
+
 /// llama.cpp's per-tensor mixes (q6_k output, more bits on some attn_v and ffn_down) on the
 /// cpu backend; tiny-qwen2 ties its output to token_embd, which then takes q6_k. The
 /// tolerance is above the single types' 2e-2: each mix chains several kernels that quantize
@@ -137,7 +154,11 @@ fn tiny_qwen2_of_every_type_matches_reference() {
 #[test]
 fn tiny_models_of_every_quant_mix_match_reference() {
     for (i, mix) in QuantMix::ALL.into_iter().enumerate() {
-        for (shape, seed) in [(SynthShape::Tiny, 70), (SynthShape::TinyQwen2, 80)] {
+        for (shape, seed) in [
+            (SynthShape::Tiny, 70),
+            (SynthShape::TinyQwen2, 80),
+            (SynthShape::TinyQwen3, 110),
+        ] {
             let m = synth(shape, mix, seed + i as u64);
             compare(
                 &m.file,
