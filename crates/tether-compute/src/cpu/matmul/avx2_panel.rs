@@ -1,6 +1,6 @@
-//! Prefill path for Q4_0 weights on AVX2: eight weight rows at a time are repacked into a
-//! panel whose vectors hold four quants of each row (one row per 32-bit lane), and every
-//! token of the matmul then runs over the panel.
+//! Prefill path on AVX2 (Q4_0 here, Q4_K in `avx2_panel_q4k`): eight weight rows at a
+//! time are repacked into a panel whose vectors hold four quants of each row (one row per
+//! 32-bit lane), and every token of the matmul then runs over the panel.
 //!
 //! With one row per lane a token's eight row sums come out of `maddubs` already in place:
 //! no horizontal adds, and one convert and one FMA cover eight rows. The row-at-a-time
@@ -16,7 +16,7 @@ use crate::cpu::q8::{BlockQ8, quantize_row_q8};
 use crate::cpu::simd::Avx2;
 
 /// Weight rows in one panel (the 32-bit lanes of a vector).
-const PANEL_ROWS: usize = 8;
+pub(crate) const PANEL_ROWS: usize = 8;
 /// Tokens from which repacking pays for itself.
 pub(crate) const MIN_TOKENS: usize = 8;
 /// Tokens sharing one pass over a panel (each holds one accumulator).
@@ -40,11 +40,36 @@ fn unpack_unsigned(blk: &[u8]) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
+/// A weight type on the panel path.
+pub(crate) trait PanelFormat: Sync {
+    /// One block of the prepared activation row.
+    type Act: Copy + Default + Send + Sync;
+    /// Activations per [`Self::Act`] block.
+    const ACT_BLOCK: usize;
+    /// Converts one activation row (`cols` values) into `cols / ACT_BLOCK` blocks.
+    fn prepare(&self, x: &[f32], out: &mut [Self::Act]);
+    /// Repacks rows `r0..r0 + 8` of `w` (`rows` rows of `row_bytes`) into `panel`; rows
+    /// past `rows` pack as zeros.
+    fn pack(&self, w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>);
+    /// Lane `r` of result `j`: row `r` of the panel · token `xs[j]`.
+    fn dot<const N: usize>(&self, panel: &[__m256i], xs: [&[Self::Act]; N]) -> [__m256; N];
+}
+
+/// The four activation quants `at..at + 4` in every 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn broadcast4(qs: &[i8], at: usize) -> __m256i {
+    let q = &qs[at..at + 4];
+    _mm256_set1_epi32(i32::from_le_bytes([
+        q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
+    ]))
+}
+
 /// Transposes eight rows of eight 32-bit lanes: lane `r` of output `k` is lane `k` of row
 /// `r`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn transpose8(r: [__m256i; 8]) -> [__m256i; 8] {
+pub(crate) fn transpose8(r: [__m256i; 8]) -> [__m256i; 8] {
     let t0 = _mm256_unpacklo_epi32(r[0], r[1]);
     let t1 = _mm256_unpackhi_epi32(r[0], r[1]);
     let t2 = _mm256_unpacklo_epi32(r[2], r[3]);
@@ -109,16 +134,6 @@ fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m2
     }
 }
 
-/// The four activation quants `4k..4k + 4` of `y` in every 32-bit lane.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn broadcast4(y: &BlockQ8, k: usize) -> __m256i {
-    let q = &y.qs[4 * k..4 * k + 4];
-    _mm256_set1_epi32(i32::from_le_bytes([
-        q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
-    ]))
-}
-
 /// One packed panel against `N` tokens: lane `r` of result `j` is row `r` · token `j`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -132,7 +147,7 @@ fn panel_dot<const N: usize>(panel: &[__m256i], xs: [&[BlockQ8]; N]) -> [__m256;
             // Eight maddubs outputs of at most 2·15·127 each add up in i16 (< 2^15).
             // Written out: as a loop LLVM neither unrolled it nor kept the sum in a
             // register.
-            let p = |k: usize| _mm256_maddubs_epi16(pb[k], broadcast4(y, k));
+            let p = |k: usize| _mm256_maddubs_epi16(pb[k], broadcast4(&y.qs, 4 * k));
             let s01 = _mm256_add_epi16(p(0), p(1));
             let s23 = _mm256_add_epi16(p(2), p(3));
             let s45 = _mm256_add_epi16(p(4), p(5));
@@ -146,15 +161,34 @@ fn panel_dot<const N: usize>(panel: &[__m256i], xs: [&[BlockQ8]; N]) -> [__m256;
     acc
 }
 
+/// Q4_0 weights against [`BlockQ8`] activations.
+pub(crate) struct Q4_0Panels(pub Avx2);
+
+impl PanelFormat for Q4_0Panels {
+    type Act = BlockQ8;
+    const ACT_BLOCK: usize = 32;
+
+    fn prepare(&self, x: &[f32], out: &mut [BlockQ8]) {
+        quantize_row_q8(x, out);
+    }
+
+    fn pack(&self, w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {
+        // SAFETY: `self.0` proves the CPU has the enabled features.
+        unsafe { pack(w, row_bytes, rows, r0, panel) }
+    }
+
+    fn dot<const N: usize>(&self, panel: &[__m256i], xs: [&[BlockQ8]; N]) -> [__m256; N] {
+        // SAFETY: `self.0` proves the CPU has the enabled features.
+        unsafe { panel_dot(panel, xs) }
+    }
+}
+
 /// Writes the rows of a panel that exist (`n_rows ≤ 8` from `r0`) for tokens `t0..`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
 fn store<const N: usize>(acc: [__m256; N], out: OutPtr, s: Shape, t0: usize, r0: usize) {
     let n_rows = (s.rows - r0).min(PANEL_ROWS);
     for (j, a) in acc.into_iter().enumerate() {
-        let mut lanes = [0.0f32; PANEL_ROWS];
-        // SAFETY: `lanes` holds exactly eight f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), a) };
+        // SAFETY: a 256-bit vector is eight f32; every bit pattern is a valid f32.
+        let lanes = unsafe { std::mem::transmute::<__m256, [f32; PANEL_ROWS]>(a) };
         let t = t0 + j;
         assert!(t < s.n_tokens && r0 + n_rows <= s.rows);
         for (i, v) in lanes.into_iter().take(n_rows).enumerate() {
@@ -166,10 +200,10 @@ fn store<const N: usize>(acc: [__m256; N], out: OutPtr, s: Shape, t0: usize, r0:
 }
 
 /// All tokens against one packed panel.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn panel_tokens(
+fn panel_tokens<F: PanelFormat>(
+    f: &F,
     panel: &[__m256i],
-    acts: &[BlockQ8],
+    acts: &[F::Act],
     per_row: usize,
     out: OutPtr,
     s: Shape,
@@ -180,40 +214,38 @@ fn panel_tokens(
     while t0 < s.n_tokens {
         let n = (s.n_tokens - t0).min(TOKEN_GROUP);
         match n {
-            4 => store(
-                panel_dot(panel, [row(t0), row(t0 + 1), row(t0 + 2), row(t0 + 3)]),
-                out,
-                s,
-                t0,
-                r0,
-            ),
+            4 => {
+                let xs = [row(t0), row(t0 + 1), row(t0 + 2), row(t0 + 3)];
+                store(f.dot(panel, xs), out, s, t0, r0);
+            }
             3 => store(
-                panel_dot(panel, [row(t0), row(t0 + 1), row(t0 + 2)]),
+                f.dot(panel, [row(t0), row(t0 + 1), row(t0 + 2)]),
                 out,
                 s,
                 t0,
                 r0,
             ),
-            2 => store(panel_dot(panel, [row(t0), row(t0 + 1)]), out, s, t0, r0),
-            _ => store(panel_dot(panel, [row(t0)]), out, s, t0, r0),
+            2 => store(f.dot(panel, [row(t0), row(t0 + 1)]), out, s, t0, r0),
+            _ => store(f.dot(panel, [row(t0)]), out, s, t0, r0),
         }
         t0 += n;
     }
 }
 
-/// `out[t][r] = Σ_c w[r][c] · x[t][c]` for Q4_0 `w`, sizes as for [`super::matmul`].
-pub(crate) fn matmul_q4_0(_cpu: Avx2, w: &[u8], s: Shape, x: &[f32], out: &mut [f32]) {
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]` for weights of `f`'s type, sizes as for
+/// [`super::matmul`].
+pub(crate) fn matmul<F: PanelFormat>(f: &F, w: &[u8], s: Shape, x: &[f32], out: &mut [f32]) {
     if s.rows == 0 || s.cols == 0 {
         out.iter_mut()
             .take(s.rows * s.n_tokens)
             .for_each(|v| *v = 0.0);
         return;
     }
-    let per_row = s.cols / 32;
-    let mut acts = vec![BlockQ8::default(); per_row * s.n_tokens];
+    let per_row = s.cols / F::ACT_BLOCK;
+    let mut acts = vec![F::Act::default(); per_row * s.n_tokens];
     acts.par_chunks_mut(per_row)
         .zip(x.par_chunks(s.cols))
-        .for_each(|(a, xr)| quantize_row_q8(xr, a));
+        .for_each(|(a, xr)| f.prepare(xr, a));
     assert!(
         out.len() >= s.rows * s.n_tokens,
         "matmul output checked by the caller"
@@ -231,11 +263,8 @@ pub(crate) fn matmul_q4_0(_cpu: Avx2, w: &[u8], s: Shape, x: &[f32], out: &mut [
             let mut panel = Vec::new();
             for p in c * per_chunk..((c + 1) * per_chunk).min(n_panels) {
                 let r0 = p * PANEL_ROWS;
-                // SAFETY: `_cpu` proves the CPU has the enabled features.
-                unsafe {
-                    pack(w, row_bytes, s.rows, r0, &mut panel);
-                    panel_tokens(&panel, acts, per_row, out, s, r0);
-                }
+                f.pack(w, row_bytes, s.rows, r0, &mut panel);
+                panel_tokens(f, &panel, acts, per_row, out, s, r0);
             }
         });
 }

@@ -17,6 +17,8 @@ mod avx2_kquant;
 #[cfg(target_arch = "x86_64")]
 mod avx2_panel;
 #[cfg(target_arch = "x86_64")]
+mod avx2_panel_q4k;
+#[cfg(target_arch = "x86_64")]
 mod avx2_q5;
 
 use rayon::prelude::*;
@@ -66,10 +68,14 @@ pub(crate) fn matmul(
                 return run(&avx2::FloatKernel::new(cpu, ty), w, shape, x, out);
             }
             GgmlType::Q4_0 if n_tokens >= avx2_panel::MIN_TOKENS => {
-                return avx2_panel::matmul_q4_0(cpu, w, shape, x, out);
+                return avx2_panel::matmul(&avx2_panel::Q4_0Panels(cpu), w, shape, x, out);
             }
             GgmlType::Q4_0 => return run(&avx2::Q4_0Kernel(cpu), w, shape, x, out),
             GgmlType::Q8_0 => return run(&avx2::Q8_0Kernel(cpu), w, shape, x, out),
+            GgmlType::Q4K if n_tokens >= avx2_panel::MIN_TOKENS => {
+                let panels = avx2_panel_q4k::Q4KPanels(cpu);
+                return avx2_panel::matmul(&panels, w, shape, x, out);
+            }
             GgmlType::Q4K => return run(&avx2_kquant::Q4KKernel(cpu), w, shape, x, out),
             GgmlType::Q6K => return run(&avx2_kquant::Q6KKernel(cpu), w, shape, x, out),
             GgmlType::Q5_0 => return run(&avx2_q5::Q5_0Kernel(cpu), w, shape, x, out),

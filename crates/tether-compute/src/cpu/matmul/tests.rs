@@ -190,36 +190,59 @@ mod simd {
         }
     }
 
-    /// The Q4_0 panel path (prefill) against the scalar kernel on the same quantized
+    /// A panel path (prefill) against the scalar kernel on the same quantized
     /// activations: integer sums are exact, so only float rounding may differ. Odd row
     /// counts leave part of the last panel empty; odd token counts leave a short group.
-    #[test]
-    fn avx2_q4_0_panels_reproduce_the_scalar_kernel() {
-        let Some(cpu) = Avx2::detect() else {
-            eprintln!("skipped: this CPU lacks AVX2, FMA or F16C");
-            return;
-        };
+    fn panels_match_scalar<P, S>(
+        panels: &P,
+        scalar: &S,
+        ty: GgmlType,
+        sizes: &[(usize, usize, usize)],
+    ) where
+        P: avx2_panel::PanelFormat,
+        S: RowKernel,
+    {
         let mut rng = Rng::new(78);
-        for (rows, cols, n_tokens) in [(13, 96, 8), (67, 512, 11), (130, 64, 9), (8, 32, 64)] {
+        for &(rows, cols, n_tokens) in sizes {
             let s = Shape {
                 rows,
                 cols,
                 n_tokens,
             };
-            let w = random_weights(&mut rng, GgmlType::Q4_0, rows * cols);
+            let w = random_weights(&mut rng, ty, rows * cols);
             let x = random_f32(&mut rng, n_tokens * cols, 1.0);
             let mut want = vec![f32::NAN; rows * n_tokens];
-            run(&scalar::Q4_0Kernel, &w, s, &x, &mut want);
+            run(scalar, &w, s, &x, &mut want);
             let mut got = vec![f32::NAN; rows * n_tokens];
-            avx2_panel::matmul_q4_0(cpu, &w, s, &x, &mut got);
+            avx2_panel::matmul(panels, &w, s, &x, &mut got);
             let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     (g - w).abs() <= 1e-5 * scale,
-                    "rows={rows} cols={cols} tokens={n_tokens} at {i}: {g} vs {w}"
+                    "{ty} rows={rows} cols={cols} tokens={n_tokens} at {i}: {g} vs {w}"
                 );
             }
         }
+    }
+
+    #[test]
+    fn avx2_panels_reproduce_the_scalar_kernels() {
+        let Some(cpu) = Avx2::detect() else {
+            eprintln!("skipped: this CPU lacks AVX2, FMA or F16C");
+            return;
+        };
+        panels_match_scalar(
+            &avx2_panel::Q4_0Panels(cpu),
+            &scalar::Q4_0Kernel,
+            GgmlType::Q4_0,
+            &[(13, 96, 8), (67, 512, 11), (130, 64, 9), (8, 32, 64)],
+        );
+        panels_match_scalar(
+            &avx2_panel_q4k::Q4KPanels(cpu),
+            &scalar::Q4KKernel,
+            GgmlType::Q4K,
+            &[(13, 256, 8), (67, 768, 11), (130, 512, 9), (8, 256, 64)],
+        );
     }
 
     #[test]
