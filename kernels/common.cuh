@@ -37,6 +37,8 @@ typedef unsigned long long u64;
 // Q3_K in the packed layout of matvec_kquant.cu: groups of 8 blocks as 8 d, 8 scale sets,
 // 8 hmasks, 8 qs.
 #define TY_Q3_KP 1011
+// IQ4_XS in the packed layout of matvec_kquant.cu: groups of 8 blocks as 8 headers, 8 qs.
+#define TY_IQ4_XSP 1023
 
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -150,6 +152,19 @@ __device__ __forceinline__ int scale_iq4_xs(int ib, const u8* b) {
     return (low | (high << 4)) - 32;
 }
 
+// The 8-byte header and the 128 qs bytes of block blk of an IQ4_XS row, GGUF or packed.
+__device__ __forceinline__ void iq4_xs_block(int ty, const u8* row, int blk, const u8** head,
+                                             const u8** qs) {
+    if (ty == TY_IQ4_XSP) {
+        const u8* g = row + (blk >> 3) * 1088;
+        *head = g + 8 * (blk & 7);
+        *qs = g + 64 + 128 * (blk & 7);
+    } else {
+        *head = row + blk * 136;
+        *qs = *head + 8;
+    }
+}
+
 // Block blk of a Q6_K row in GGUF's layout or the packed one: its ql/qh/scales bytes and d.
 __device__ __forceinline__ void q6_k_block(int ty, const u8* row, int blk, const u8** b, float* d) {
     if (ty == TY_Q6_KP) {
@@ -249,13 +264,15 @@ __device__ float dequant_at(int ty, const u8* row, int e) {
         int q = j < 16 ? (b[2 + j] & 15) : (b[2 + j - 16] >> 4);
         return h2f(ld16(b)) * iq4_value(q);
     }
-    case TY_IQ4_XS: {
+    case TY_IQ4_XS:
+    case TY_IQ4_XSP: {
         // {f16 d, u16 scales_h, scales_l[4], qs[128]}: sub-block ib's 32 values in 16 bytes
-        // at 16 ib, low nibbles first.
-        const u8* b = row + (e / 256) * 136;
+        // at 16 ib, low nibbles first. The packed layout keeps headers and qs apart.
+        const u8 *b, *qs;
+        iq4_xs_block(ty, row, e / 256, &b, &qs);
         int i = e % 256, ib = i / 32, j = i % 32;
         float dl = h2f(ld16(b)) * (float)scale_iq4_xs(ib, b);
-        u8 byte = b[8 + 16 * ib + (j & 15)];
+        u8 byte = qs[16 * ib + (j & 15)];
         return dl * iq4_value(j < 16 ? (byte & 15) : (byte >> 4));
     }
     case TY_Q4_0P: {

@@ -90,11 +90,13 @@ __device__ __forceinline__ void decode8(int ty, const u8* row, int e0, float* v)
         }
         return;
     }
-    case TY_IQ4_XS: {
-        const u8* b = row + (e0 / 256) * 136;
+    case TY_IQ4_XS:
+    case TY_IQ4_XSP: {
+        const u8 *b, *qs;
+        iq4_xs_block(ty, row, e0 / 256, &b, &qs);
         int i = e0 % 256, ib = i / 32, j0 = i % 32;
         float dl = h2f(ld16(b)) * (float)scale_iq4_xs(ib, b);
-        const u8* q = b + 8 + 16 * ib + (j0 & 15);
+        const u8* q = qs + 16 * ib + (j0 & 15);
         int shift = j0 < 16 ? 0 : 4;
 #pragma unroll
         for (int j = 0; j < 8; j++) v[j] = dl * iq4_value((q[j] >> shift) & 15);

@@ -1,5 +1,5 @@
-// Decode products over K-quant weights — Q4_K, Q5_K, IQ4_XS (GGUF layout) and Q6_K (packed
-// layout, below) — with activations in 8-bit blocks of 32 (values xq [nt][cols], (scale,
+// Decode products over K-quant weights — Q4_K, Q5_K (GGUF layout), Q3_K, Q6_K and IQ4_XS
+// (packed layouts, below) — with activations in 8-bit blocks of 32 (values xq [nt][cols], (scale,
 // scale * sum) pairs xds [nt][cols / 32]), multiplied with dp4a as matvec_packed.cu does for
 // Q4_0 and Q8_0. The f32 kernels of matvec.cu read 4 weight bytes a lane and 32 bytes of x
 // per 4 values; here a lane reads 16 bytes of quants (32 values) and 32 bytes of 8-bit x.
@@ -19,8 +19,10 @@
 //   IQ4_XS:      sub-block c of 32: run A its values 0..16, run B 16..32; a nibble is an
 //                index into 16 fixed levels (iq4_values).
 //
-// Q6_K's 210-byte and Q3_K's 110-byte blocks allow only 2-byte loads, so pack_q6_k and
-// pack_q3_k (at the end) rewrite rows of whole 8-block groups in place. pack_q6_k rewrites each group of 8
+// Q6_K's 210-byte and Q3_K's 110-byte blocks allow only 2-byte loads and IQ4_XS's 136-byte
+// ones 8-byte loads, so pack_q6_k, pack_q3_k and pack_iq4_xs (at the end) rewrite rows of
+// whole 8-block groups in place. pack_iq4_xs puts the 8 blocks' 8-byte headers (d,
+// scales_h, scales_l) first, then their 128-byte qs. pack_q6_k rewrites each group of 8
 // blocks of a row (1680 bytes) in place: the 8 f16 scales d first (16 bytes), then each
 // block's other 208 bytes (ql, qh, scales), 16-byte aligned. Rows hold a multiple of 2048
 // values (whole groups; checked on the host). TY_Q6_KP in common.cuh names this layout.
@@ -107,12 +109,12 @@ __device__ __forceinline__ void kq_load(const u8* row, int b, int c, KqChunk& k)
         k.head = make_uint4(sc[0], sc[1], sc[2], 0);
         k.hi = ld_stream(g + 112 + 32 * i + 16 * s);
         k.q = ld_stream(g + 368 + 64 * i + 32 * n + 16 * s);
-    } else if (TY == TY_IQ4_XS) {
-        // 136-byte blocks are only 8-byte aligned: 8-byte loads.
-        const u8* blk = row + (size_t)b * 136;
-        uint2 h = ld_stream8(blk), lo = ld_stream8(blk + 8 + 16 * c), hi = ld_stream8(blk + 16 + 16 * c);
+    } else if (TY == TY_IQ4_XSP) {
+        const u8* g = row + (size_t)(b >> 3) * 1088;
+        int i = b & 7;
+        uint2 h = ld_stream8(g + 8 * i);
         k.head = make_uint4(h.x, h.y, 0, 0);
-        k.q = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        k.q = ld_stream(g + 64 + 128 * i + 16 * c);
         k.hi = make_uint4(0, 0, 0, 0);
         k.d = 0.f;
     } else {
@@ -183,7 +185,7 @@ __device__ __forceinline__ void kq_decode(const KqChunk& k, int c, KqRuns& r) {
         r.da = k.d * (float)(q3_k_scale(k.head, at) - 32);
         r.db = k.d * (float)(q3_k_scale(k.head, at + 2) - 32);
         r.ma = r.mb = 0.f;
-    } else if (TY == TY_IQ4_XS) {
+    } else if (TY == TY_IQ4_XSP) {
 #pragma unroll
         for (int i = 0; i < 4; i++) iq4_values(q[i], &r.a[i], &r.b[i]);
         // Sub-block c's 6-bit scale: 4 bits from scales_l, 2 from scales_h.
@@ -226,7 +228,7 @@ __device__ __forceinline__ int kq_run_a(int c, int* blk32) {
         *blk32 = 4 * hh + kk;
         return 128 * hh + 32 * kk + 16 * s;
     }
-    if (TY == TY_IQ4_XS) {
+    if (TY == TY_IQ4_XSP) {
         *blk32 = c;
         return 32 * c;
     }
@@ -243,7 +245,7 @@ __device__ __forceinline__ int kq_run_a(int c, int* blk32) {
 template <int TY>
 __device__ __forceinline__ float kq_dot(const KqRuns& r, int4 xa, int4 xb, float2 sa, float2 sb) {
     int da, db;
-    if (TY == TY_Q6_KP || TY == TY_IQ4_XS || TY == TY_Q3_KP) {
+    if (TY == TY_Q6_KP || TY == TY_IQ4_XSP || TY == TY_Q3_KP) {
         da = dp4a_ss(r.a[0], xa.x, dp4a_ss(r.a[1], xa.y, dp4a_ss(r.a[2], xa.z, dp4a_ss(r.a[3], xa.w, 0))));
         db = dp4a_ss(r.b[0], xb.x, dp4a_ss(r.b[1], xb.y, dp4a_ss(r.b[2], xb.z, dp4a_ss(r.b[3], xb.w, 0))));
     } else {
@@ -258,8 +260,8 @@ template <int TY, int NT, int R, int U>
 __device__ __forceinline__ void kq_rows(const u8* const (&rowp)[R], int cols, const i8* xq,
                                         const float2* xds, int nt, int lane, bool& waited,
                                         float (&acc)[R][NT]) {
-    const int b_off = TY == TY_Q6_KP ? 64 : TY == TY_IQ4_XS ? 16 : 32;
-    const int b_blk = TY == TY_Q6_KP ? 2 : TY == TY_IQ4_XS ? 0 : 1;
+    const int b_off = TY == TY_Q6_KP ? 64 : TY == TY_IQ4_XSP ? 16 : 32;
+    const int b_blk = TY == TY_Q6_KP ? 2 : TY == TY_IQ4_XSP ? 0 : 1;
     int chunks = (cols / 256) * 8, nb32 = cols / 32;
     for (int k0 = lane; k0 < chunks; k0 += 32 * U) {
         KqChunk w[U][R];
@@ -310,7 +312,7 @@ struct KqRows {
         return (size_t)(cols / 256) *
                (TY == TY_Q6_KP ? 210
                 : TY == TY_Q5_K ? 176
-                : TY == TY_IQ4_XS ? 136
+                : TY == TY_IQ4_XSP ? 136
                 : TY == TY_Q3_KP ? 110
                                  : 144);
     }
@@ -350,7 +352,7 @@ struct KqRows {
 KQ_ALL(q4_k, TY_Q4_K, 2)
 KQ_ALL(q5_k, TY_Q5_K, 2)
 KQ_ALL(q6_k, TY_Q6_KP, 2)
-KQ_ALL(iq4_xs, TY_IQ4_XS, 2)
+KQ_ALL(iq4_xs, TY_IQ4_XSP, 2)
 KQ_ALL(q3_k, TY_Q3_KP, 2)
 
 // In-place packing of Q6_K rows (see the top of this file). One block of threads per group
@@ -397,6 +399,22 @@ extern "C" __global__ void __launch_bounds__(128) pack_q3_k(u8* w, u64 n_groups)
             }
             p[i] = group[from];
         }
+        __syncthreads();
+    }
+}
+
+// In-place packing of IQ4_XS rows: each group of 8 GGUF blocks (136 bytes: an 8-byte header,
+// then 128 bytes of qs; 1088 bytes, 544 u16) becomes the 8 headers, then the 8 qs, so qs
+// load 16 bytes at a time. Launch as pack_q6_k.
+extern "C" __global__ void __launch_bounds__(128) pack_iq4_xs(u8* w, u64 n_groups) {
+    PDL_ENTRY();
+    __shared__ u16 group[544];
+    for (u64 gi = blockIdx.x; gi < n_groups; gi += gridDim.x) {
+        u16* p = (u16*)(w + gi * 1088);
+        for (int i = threadIdx.x; i < 544; i += blockDim.x) group[i] = p[i];
+        __syncthreads();
+        for (int i = threadIdx.x; i < 544; i += blockDim.x)
+            p[i] = group[i < 32 ? 68 * (i / 4) + i % 4 : 68 * ((i - 32) / 64) + 4 + (i - 32) % 64];
         __syncthreads();
     }
 }

@@ -1,5 +1,5 @@
 //! Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS weights through the 8-bit K-quant decode kernels
-//! (kernels/matvec_kquant.cu; Q6_K and Q3_K packed by `finish_weight` first), the GEMM and the
+//! (kernels/matvec_kquant.cu; Q6_K, Q3_K and IQ4_XS packed by `finish_weight` first), the GEMM and the
 //! embedding rows: every result equals the cpu backend's within the 8-bit activations'
 //! error, at widths that take the kernels and widths that fall back to the f32 ones.
 //!
@@ -60,12 +60,14 @@ fn kquant_weights_give_the_cpus_products() {
         GgmlType::IQ4XS,
         GgmlType::Q3K,
     ] {
-        // Q6_K packs whole groups of 2048 values; 768 stays in GGUF's layout (f32 kernels).
+        // Q6_K, Q3_K and IQ4_XS pack whole groups of 2048 values; 768 stays in GGUF's layout
+        // (f32 kernels).
         for cols in [256usize, 768, 2048, 4096, 14336] {
             let rows = 67;
             let bytes = random_weights(&mut rng, ty, rows * cols);
             let w = finished(&g, &c, ty, &bytes, cols);
-            let packs = matches!(ty, GgmlType::Q6K | GgmlType::Q3K) && cols.is_multiple_of(2048);
+            let packs = matches!(ty, GgmlType::Q6K | GgmlType::Q3K | GgmlType::IQ4XS)
+                && cols.is_multiple_of(2048);
             assert_eq!(w.packed, packs, "{ty} {rows}x{cols}: packed");
             // Up to 8 tokens a launch; 13 is two launches; 17 and 64 take the GEMM.
             for n in [1usize, 2, 3, 5, 8, 13, 17, 64] {

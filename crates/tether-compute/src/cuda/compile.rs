@@ -244,6 +244,7 @@ const FILES: &[KernelFile] = &[
             "matveck3_q3_k_8",
             "matveck_swiglu_q3_k_8",
             "pack_q3_k",
+            "pack_iq4_xs",
             "pack_q6_k",
         ],
     },

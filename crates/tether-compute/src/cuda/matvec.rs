@@ -176,14 +176,14 @@ fn stem(ty: GgmlType) -> Option<&'static str> {
 }
 
 /// Whether products of `ty` weights (`packed` as stored), `cols` wide, take the 8-bit
-/// K-quant kernels (matvec_kquant.cu): Q4_K, Q5_K and IQ4_XS as GGUF stores them, Q6_K
-/// and Q3_K packed. On
+/// K-quant kernels (matvec_kquant.cu): Q4_K and Q5_K as GGUF stores them, Q6_K, Q3_K and
+/// IQ4_XS packed. On
 /// an H100 they replace f32-activation kernels that read 4 weight bytes a lane.
 fn kquant_int8(ty: GgmlType, packed: bool, cols: usize) -> bool {
     let fits = cols > 0 && cols.is_multiple_of(256) && cols <= XQ_MAX_COLS;
     fits && match ty {
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::IQ4XS => !packed,
-        GgmlType::Q6K | GgmlType::Q3K => packed,
+        GgmlType::Q4K | GgmlType::Q5K => !packed,
+        GgmlType::Q6K | GgmlType::Q3K | GgmlType::IQ4XS => packed,
         _ => false,
     }
 }

@@ -1,8 +1,9 @@
-//! Q4_0, Q8_0, Q6_K and Q3_K weights rewritten in place into the packed layouts of
+//! Q4_0, Q8_0, Q6_K, Q3_K and IQ4_XS weights rewritten in place into the packed layouts of
 //! kernels/matvec_packed.cu and kernels/matvec_kquant.cu once they are loaded
 //! ([`crate::Backend::finish_weight`]): each group of 8 blocks keeps its bytes but puts the 8
 //! scales first, so the decode kernels read a block's quants in 16-byte loads instead of
-//! 2-byte ones (GGUF's 18-, 34-, 210- and 110-byte blocks are only 2-byte aligned). Every kernel that reads a
+//! 2-byte ones (GGUF's 18-, 34-, 210- and 110-byte blocks are only 2-byte aligned, its
+//! 136-byte IQ4_XS blocks 8-byte). Every kernel that reads a
 //! weight (products, the GEMM's decoding, embedding rows) is told the layout through the
 //! type id [`kernel_type_id`] gives.
 
@@ -15,29 +16,31 @@ use super::matvec::XQ_MAX_COLS;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{DeviceBuffer, Result};
 
-/// Values per packed group of Q4_0 / Q8_0 (8 blocks of 32) and of Q6_K / Q3_K (8 blocks of
-/// 256);
+/// Values per packed group of Q4_0 / Q8_0 (8 blocks of 32) and of Q6_K / Q3_K / IQ4_XS (8
+/// blocks of 256);
 /// a packed row holds whole groups.
 fn group_values(ty: GgmlType) -> usize {
     8 * ty.block_elems()
 }
 /// Threads per block of the pack kernels; must match PACK_THREADS in matvec_packed.cu.
 const PACK_THREADS: u32 = 64;
-/// Threads per block of pack_q6_k and pack_q3_k (one block a group).
+/// Threads per block of pack_q6_k, pack_q3_k and pack_iq4_xs (one block a group).
 const PACK_K_THREADS: u32 = 128;
-/// Kernel type ids of the packed layouts; must match TY_Q4_0P / TY_Q8_0P / TY_Q6_KP / TY_Q3_KP in
+/// Kernel type ids of the packed layouts; must match TY_Q4_0P / TY_Q8_0P / TY_Q6_KP / TY_Q3_KP /
+/// TY_IQ4_XSP in
 /// common.cuh.
 const TY_Q4_0P: i32 = 1002;
 const TY_Q8_0P: i32 = 1008;
 const TY_Q6_KP: i32 = 1014;
 const TY_Q3_KP: i32 = 1011;
+const TY_IQ4_XSP: i32 = 1023;
 
 /// Whether rows of `row_len` values of `ty` can be packed: whole groups, and no wider than
 /// the 8-bit activation rows the packed kernels read (they have no f32 twin).
 pub(super) fn packable(ty: GgmlType, row_len: usize) -> bool {
     matches!(
         ty,
-        GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q6K | GgmlType::Q3K
+        GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q6K | GgmlType::Q3K | GgmlType::IQ4XS
     ) && row_len > 0
         && row_len.is_multiple_of(group_values(ty))
         && row_len <= XQ_MAX_COLS
@@ -52,20 +55,21 @@ pub(super) fn kernel_type_id(buf: &CudaBuffer, ty: GgmlType) -> i32 {
     }
 }
 
-/// The type id of `ty` in the packed layout (only Q4_0, Q8_0, Q6_K and Q3_K are ever
-/// packed).
+/// The type id of `ty` in the packed layout (only Q4_0, Q8_0, Q6_K, Q3_K and IQ4_XS are
+/// ever packed).
 pub(super) fn packed_type_id(ty: GgmlType) -> i32 {
     match ty {
         GgmlType::Q4_0 => TY_Q4_0P,
         GgmlType::Q8_0 => TY_Q8_0P,
         GgmlType::Q6K => TY_Q6_KP,
         GgmlType::Q3K => TY_Q3_KP,
+        GgmlType::IQ4XS => TY_IQ4_XSP,
         _ => ty.id() as i32,
     }
 }
 
 /// The name stem of the packed decode kernels of matvec_packed.cu for `ty` (`q4_0`,
-/// `q8_0`); packed Q6_K and Q3_K take matvec_kquant.cu's.
+/// `q8_0`); packed Q6_K, Q3_K and IQ4_XS take matvec_kquant.cu's.
 pub(super) fn packed_stem(ty: GgmlType) -> Option<&'static str> {
     match ty {
         GgmlType::Q4_0 => Some("q4_0"),
@@ -99,10 +103,10 @@ impl CudaBackend {
             GgmlType::Q4_0 => ("pack_q4_0", grid_for(n_groups, PACK_THREADS)),
             GgmlType::Q8_0 => ("pack_q8_0", grid_for(n_groups, PACK_THREADS)),
             _ => (
-                if ty == GgmlType::Q6K {
-                    "pack_q6_k"
-                } else {
-                    "pack_q3_k"
+                match ty {
+                    GgmlType::Q6K => "pack_q6_k",
+                    GgmlType::Q3K => "pack_q3_k",
+                    _ => "pack_iq4_xs",
                 },
                 LaunchConfig {
                     // Grid-stride: a block per group up to the cap.
@@ -133,6 +137,8 @@ mod tests {
         assert!(!packable(GgmlType::Q6K, 3584), "1.75 groups of 2048");
         assert!(packable(GgmlType::Q3K, 4096));
         assert!(!packable(GgmlType::Q2K, 4096));
+        assert!(packable(GgmlType::IQ4XS, 14336));
+        assert!(!packable(GgmlType::IQ4XS, 768));
         assert!(!packable(GgmlType::F16, 4096));
         assert!(!packable(GgmlType::Q8_0, 0));
         assert!(!packable(GgmlType::Q4_0, XQ_MAX_COLS + 256));
