@@ -19,6 +19,8 @@ mod avx2_panel;
 #[cfg(target_arch = "x86_64")]
 mod avx2_panel_q4k;
 #[cfg(target_arch = "x86_64")]
+mod avx2_panel_q6k;
+#[cfg(target_arch = "x86_64")]
 mod avx2_q5;
 
 use rayon::prelude::*;
@@ -77,6 +79,10 @@ pub(crate) fn matmul(
                 return avx2_panel::matmul(&panels, w, shape, x, out);
             }
             GgmlType::Q4K => return run(&avx2_kquant::Q4KKernel(cpu), w, shape, x, out),
+            GgmlType::Q6K if n_tokens >= avx2_panel::MIN_TOKENS => {
+                let panels = avx2_panel_q6k::Q6KPanels(cpu);
+                return avx2_panel::matmul(&panels, w, shape, x, out);
+            }
             GgmlType::Q6K => return run(&avx2_kquant::Q6KKernel(cpu), w, shape, x, out),
             GgmlType::Q5_0 => return run(&avx2_q5::Q5_0Kernel(cpu), w, shape, x, out),
             GgmlType::Q5K => return run(&avx2_q5::Q5KKernel(cpu), w, shape, x, out),

@@ -243,6 +243,12 @@ mod simd {
             GgmlType::Q4K,
             &[(13, 256, 8), (67, 768, 11), (130, 512, 9), (8, 256, 64)],
         );
+        panels_match_scalar(
+            &avx2_panel_q6k::Q6KPanels(cpu),
+            &scalar::Q6KKernel,
+            GgmlType::Q6K,
+            &[(13, 256, 8), (67, 768, 11), (130, 512, 9), (8, 256, 64)],
+        );
     }
 
     #[test]
