@@ -198,7 +198,11 @@ fn every_weight_type_matches_the_reference() {
         GgmlType::IQ4NL,
         GgmlType::IQ4XS,
     ];
-    for shape in [SynthShape::Tiny, SynthShape::TinyQwen2] {
+    for shape in [
+        SynthShape::Tiny,
+        SynthShape::TinyQwen2,
+        SynthShape::TinyQwen3,
+    ] {
         for ty in types {
             let (_tmp, file) = synth(shape, ty);
             let eight_bit = matches!(
@@ -212,20 +216,30 @@ fn every_weight_type_matches_the_reference() {
 
 /// Quantized caches on the GPU: within 3e-2 (q8_0) or 1.5e-1 (q4_0) of the cpu with the
 /// same cache type, and within the quantization's own error of the f16 cache (the cpu
-/// test's bounds: 5e-2 for q8_0, 3e-1 for q4_0).
+/// test's bounds: 5e-2 for q8_0, 3e-1 for q4_0). tiny-qwen3's heads of 128 are four
+/// cache blocks each.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn quantized_kv_caches_match_the_cpu() {
-    let (_tmp, file) = synth(SynthShape::Tiny, GgmlType::Q8_0);
-    let n_vocab = ModelConfig::from_gguf(&file).unwrap().n_vocab;
-    let f16 = compare_caches(&file, GgmlType::F16, 3e-2, "tiny q8_0, f16 cache");
-    // Against the cpu: both quantize K and V alike, but the cpu's attention also rounds its
-    // inputs to 8 bits, which a 4-bit cache's coarse values amplify (7.7e-2 measured).
-    for (cache, bound, tol) in [(GgmlType::Q8_0, 5e-2, 3e-2), (GgmlType::Q4_0, 3e-1, 1.5e-1)] {
-        let got = compare_caches(&file, cache, tol, &format!("tiny q8_0, {cache} cache"));
-        let err = worst_row_error(&got, &f16, n_vocab);
-        println!("{cache} cache vs f16 cache on the GPU: {err:.2e}");
-        assert!(err > 0.0 && err < bound, "{cache} cache: {err:e} vs f16");
+    for shape in [SynthShape::Tiny, SynthShape::TinyQwen3] {
+        let (_tmp, file) = synth(shape, GgmlType::Q8_0);
+        let name = shape.name();
+        let n_vocab = ModelConfig::from_gguf(&file).unwrap().n_vocab;
+        let f16 = compare_caches(
+            &file,
+            GgmlType::F16,
+            3e-2,
+            &format!("{name} q8_0, f16 cache"),
+        );
+        // Against the cpu: both quantize K and V alike, but the cpu's attention also rounds
+        // its inputs to 8 bits, which a 4-bit cache's coarse values amplify (7.7e-2 measured).
+        for (cache, bound, tol) in [(GgmlType::Q8_0, 5e-2, 3e-2), (GgmlType::Q4_0, 3e-1, 1.5e-1)] {
+            let what = format!("{name} q8_0, {cache} cache");
+            let got = compare_caches(&file, cache, tol, &what);
+            let err = worst_row_error(&got, &f16, n_vocab);
+            println!("{what} vs f16 cache on the GPU: {err:.2e}");
+            assert!(err > 0.0 && err < bound, "{what}: {err:e} vs f16");
+        }
     }
 }
 
@@ -273,7 +287,14 @@ fn stage_spec(first: usize, last: usize, embed: bool, head: bool) -> StageSpec {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_steps_split_over_two_backends_equal_one_stage() {
-    let (_tmp, file) = synth(SynthShape::Tiny, GgmlType::Q4K);
+    // tiny-qwen3's layers put their normed q/k and the attention output in other buffers.
+    for shape in [SynthShape::Tiny, SynthShape::TinyQwen3] {
+        decode_steps_split_equal_one_stage(shape);
+    }
+}
+
+fn decode_steps_split_equal_one_stage(shape: SynthShape) {
+    let (_tmp, file) = synth(shape, GgmlType::Q4K);
     let n = ModelConfig::from_gguf(&file).unwrap().n_layer;
     let mid = n / 2;
     assert!(
@@ -298,7 +319,8 @@ fn decode_steps_split_over_two_backends_equal_one_stage() {
         let err = worst_row_error(&got, &want, v);
         assert!(
             err < 1e-6,
-            "step {pos}: split logits {err} from the whole model's"
+            "{}: step {pos}: split logits {err} from the whole model's",
+            shape.name()
         );
         // The same step again, selecting 40 candidates on the device instead.
         let mut top = vec![Vec::new()];

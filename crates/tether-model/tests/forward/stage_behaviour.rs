@@ -35,9 +35,20 @@ fn model() -> TempModel {
 
 const IDS: [u32; 10] = [1, 300, 17, 260, 45, 299, 3, 270, 288, 100];
 
+/// The models the stage tests run on: llama, and qwen3 (q/k norms and heads wider than
+/// `n_embd / n_head` move the attention through other scratch buffers).
+fn models() -> [TempModel; 2] {
+    [model(), synth(SynthShape::TinyQwen3, GgmlType::Q4K, 5)]
+}
+
 #[test]
 fn two_half_stages_equal_one_stage() {
-    let m = model();
+    for m in models() {
+        two_half_stages_equal_one_stage_of(&m);
+    }
+}
+
+fn two_half_stages_equal_one_stage_of(m: &TempModel) {
     let mut one = whole(&m.file, 1, 4);
     let want = run(&mut one, &IDS, &batch(0, 0..10));
     let mut a = load_stage_from_file(backend(), &m.file, spec(0, 1, true, false, 1, 4)).unwrap();
@@ -164,7 +175,12 @@ fn decode_steps_past_the_replay_size_equal_embed_forward_and_logits() {
 
 #[test]
 fn decode_steps_across_two_stages_equal_the_whole_model() {
-    let m = model();
+    for m in models() {
+        decode_steps_across_two_stages_of(&m);
+    }
+}
+
+fn decode_steps_across_two_stages_of(m: &TempModel) {
     let mut one = whole(&m.file, 2, 4);
     let mut a = load_stage_from_file(backend(), &m.file, spec(0, 1, true, false, 2, 4)).unwrap();
     let mut b = load_stage_from_file(backend(), &m.file, spec(1, 2, false, true, 2, 4)).unwrap();
@@ -274,7 +290,13 @@ fn interleaved_sequences_equal_separate_runs() {
 
 #[test]
 fn bytes_equal_the_plan_and_serving_allocates_nothing() {
-    let m = synth(SynthShape::TinyQwen2, GgmlType::Q8_0, 6);
+    for shape in [SynthShape::TinyQwen2, SynthShape::TinyQwen3] {
+        bytes_equal_the_plan_of(shape);
+    }
+}
+
+fn bytes_equal_the_plan_of(shape: SynthShape) {
+    let m = synth(shape, GgmlType::Q8_0, 6);
     let cfg = ModelConfig::from_gguf(&m.file).unwrap();
     for s in [
         spec(0, 2, true, true, 2, 8),
