@@ -31,8 +31,8 @@ pub struct InspectArgs {
 pub struct SynthArgs {
     /// Output path.
     pub out: PathBuf,
-    /// Model shape: tiny, tiny-qwen2, llama3-1b, llama3-8b, llama3-70b, llama2-7b, qwen2-0.5b,
-    /// qwen2.5-14b.
+    /// Model shape: tiny, tiny-qwen2, tiny-qwen3, llama3-1b, llama3-8b, llama3-70b, llama2-7b,
+    /// qwen2-0.5b, qwen2.5-14b, qwen3-8b.
     #[arg(long, default_value = "tiny")]
     pub shape: String,
     /// Weight type of every matrix: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k,

@@ -178,6 +178,79 @@ mod tests {
         assert_eq!(out, want);
     }
 
+    /// The shape of the template Qwen3's GGUF files carry (tool parts left out): a reversed
+    /// scan with `namespace` for the last user turn, `<think>` blocks split off earlier
+    /// assistant turns with Python string methods, and `enable_thinking`.
+    const QWEN3: &str = r#"{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"#;
+
+    /// Qwen3's template renders: earlier assistant turns lose their `<think>` block, and
+    /// with `enable_thinking` undefined (the API has no way to set it) the generation prompt
+    /// leaves the model free to think, as Hugging Face's default does.
+    #[test]
+    fn qwen3_template_renders_with_thinking_on() {
+        let t = ChatTemplate::new(Some(QWEN3), "", "<|im_end|>").expect("compiles");
+        let out = t
+            .render(&msgs(&[
+                ("system", "Be brief."),
+                ("user", "Hi"),
+                ("assistant", "<think>\nThey greet me.\n</think>\n\nHello!"),
+                ("user", "Bye"),
+            ]))
+            .expect("renders");
+        let want = "<|im_start|>system\nBe brief.<|im_end|>\n\
+<|im_start|>user\nHi<|im_end|>\n\
+<|im_start|>assistant\nHello!<|im_end|>\n\
+<|im_start|>user\nBye<|im_end|>\n\
+<|im_start|>assistant\n";
+        assert_eq!(out, want);
+    }
+
     #[test]
     fn chatml_fallback_when_no_template() {
         let t = ChatTemplate::new(None, "<s>", "</s>").expect("compiles");
