@@ -86,12 +86,15 @@ fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m2
                 &ZERO
             }
         });
-        let mut q = [[_mm256_setzero_si256(); CHUNKS]; PANEL_ROWS];
-        for r in 0..PANEL_ROWS {
-            q[r] = unpack_row(blk[r]);
+        // Chunk-major: `q[c][r]` is chunk `c` of row `r`.
+        let mut q = [[_mm256_setzero_si256(); PANEL_ROWS]; CHUNKS];
+        for (r, &bk) in blk.iter().enumerate() {
+            for (c, v) in unpack_row(bk).into_iter().enumerate() {
+                q[c][r] = v;
+            }
         }
-        for c in 0..CHUNKS {
-            panel.extend(transpose8(std::array::from_fn(|r| q[r][c])));
+        for rows_of_chunk in q {
+            panel.extend(transpose8(rows_of_chunk));
         }
         let scale = |r: usize, s: usize| u32::from(blk[r][192 + s] as i8 as i16 as u16);
         // Each scale as both i16 halves of a lane, for `madd` against i16 pair sums.
