@@ -7,7 +7,9 @@ use tether_gguf::GgufError;
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     /// The file's architecture is not one this crate runs.
-    #[error("unsupported architecture '{0}' (general.architecture); supported: llama, qwen2")]
+    #[error(
+        "unsupported architecture '{0}' (general.architecture); supported: llama, qwen2, qwen3"
+    )]
     UnsupportedArchitecture(String),
     /// A required metadata key is missing or has the wrong type.
     #[error("metadata key '{key}' {problem}; the file is not a complete {arch} model")]
