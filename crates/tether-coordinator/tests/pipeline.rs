@@ -46,6 +46,14 @@ async fn a_qwen2_shape_with_k_quants_also_matches() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen3_shape_with_q_k_norms_also_matches() {
+    // Per-head q/k norms and heads wider than n_embd / n_head split over the workers.
+    let dir = TempDir::new("qwen3");
+    let path = support::synth_model(&dir, SynthShape::TinyQwen3, GgmlType::Q4K, 15);
+    check_through_workers(&path, "Hello there, how are you today? I am", 24).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quantized_kv_caches_through_two_workers_equal_the_generator() {
     let dir = TempDir::new("kv-quant");
     let path = tiny_model(&dir, 15);
