@@ -152,6 +152,25 @@ __device__ __forceinline__ int scale_iq4_xs(int ib, const u8* b) {
     return (low | (high << 4)) - 32;
 }
 
+// The hmask, qs and scale bytes and d of block blk of a Q3_K row, GGUF or packed.
+__device__ __forceinline__ void q3_k_block(int ty, const u8* row, int blk, const u8** hm,
+                                           const u8** qs, const u8** sc, float* d) {
+    if (ty == TY_Q3_KP) {
+        const u8* g = row + (blk >> 3) * 880;
+        int n = blk & 7;
+        *d = h2f(ld16(g + 2 * n));
+        *sc = g + 16 + 12 * n;
+        *hm = g + 112 + 32 * n;
+        *qs = g + 368 + 64 * n;
+    } else {
+        const u8* b = row + blk * 110;
+        *hm = b;
+        *qs = b + 32;
+        *sc = b + 96;
+        *d = h2f(ld16(b + 108));
+    }
+}
+
 // The 8-byte header and the 128 qs bytes of block blk of an IQ4_XS row, GGUF or packed.
 __device__ __forceinline__ void iq4_xs_block(int ty, const u8* row, int blk, const u8** head,
                                              const u8** qs) {
@@ -235,23 +254,9 @@ __device__ float dequant_at(int ty, const u8* row, int e) {
     case TY_Q3_KP: {
         // {hmask[32], qs[64], scales[12], f16 d}: low bits as in Q2_K; a clear bit 4h + j
         // of hmask[k] lowers the value by 4. The packed layout keeps the parts apart.
-        int blk = e / 256;
         const u8 *hm, *qs, *sc;
         float d;
-        if (ty == TY_Q3_KP) {
-            const u8* g = row + (blk >> 3) * 880;
-            int n = blk & 7;
-            d = h2f(ld16(g + 2 * n));
-            sc = g + 16 + 12 * n;
-            hm = g + 112 + 32 * n;
-            qs = g + 368 + 64 * n;
-        } else {
-            const u8* b = row + blk * 110;
-            hm = b;
-            qs = b + 32;
-            sc = b + 96;
-            d = h2f(ld16(b + 108));
-        }
+        q3_k_block(ty, row, e / 256, &hm, &qs, &sc, &d);
         int i = e % 256, h = i / 128, j = (i % 128) / 32, k = i % 32;
         float dl = d * (float)scale_q3_k(i / 16, sc);
         int q = (qs[32 * h + k] >> (2 * j)) & 3;
@@ -391,44 +396,12 @@ __device__ __forceinline__ void pk_store(float (&acc)[R][NT], int lane, int nrow
         }
 }
 
+// The rows of block b (PK_MV_WARPS warps of R rows) of a product: out[t][r] = w[r] . x[t],
+// or += with accum.
 template <class P, int NT, int R, int U>
-__device__ void pk_matvec(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
-                          int nt, float* out, int accum) {
-    pdl_trigger();
-    int lane = threadIdx.x & 31;
-    int r0 = (blockIdx.x * PK_MV_WARPS + (threadIdx.x >> 5)) * R;
-    int nrows = min(R, rows - r0);
-    if (nrows <= 0) return;
-    size_t row_bytes = P::row_bytes(cols);
-    float acc[R][NT];
-    pk_zero(acc);
-    bool waited = false;
-    const u8* rowp[R];
-    pk_row_ptrs(w + (size_t)r0 * row_bytes, row_bytes, nrows, rowp);
-    P::template rows<NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
-    pk_store(acc, lane, nrows, nt, out + r0, rows, accum);
-}
-
-// q, k and v of one input in one launch: the first ceil(r0 / rows per block) blocks take
-// matrix 0, the next ones matrix 1, then matrix 2.
-template <class P, int NT, int R, int U>
-__device__ void pk_matvec3(const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2,
-                           int cols, const i8* xq, const float2* xds, int nt, float* o0,
-                           float* o1, float* o2) {
-    pdl_trigger();
-    const int per_block = PK_MV_WARPS * R;
-    int b0 = (r0 + per_block - 1) / per_block, b1 = (r1 + per_block - 1) / per_block;
-    int b = blockIdx.x;
-    const u8* w;
-    float* out;
-    int rows;
-    if (b < b0) {
-        w = w0, out = o0, rows = r0;
-    } else if (b < b0 + b1) {
-        w = w1, out = o1, rows = r1, b -= b0;
-    } else {
-        w = w2, out = o2, rows = r2, b -= b0 + b1;
-    }
+__device__ __forceinline__ void pk_block_rows(const u8* w, int rows, int b, int cols,
+                                              const i8* xq, const float2* xds, int nt,
+                                              float* out, int accum) {
     int lane = threadIdx.x & 31;
     int first = (b * PK_MV_WARPS + (threadIdx.x >> 5)) * R;
     int nrows = min(R, rows - first);
@@ -440,7 +413,42 @@ __device__ void pk_matvec3(const u8* w0, const u8* w1, const u8* w2, int r0, int
     const u8* rowp[R];
     pk_row_ptrs(w + (size_t)first * row_bytes, row_bytes, nrows, rowp);
     P::template rows<NT, R, U>(rowp, cols, xq, xds, nt, lane, waited, acc);
-    pk_store(acc, lane, nrows, nt, out + first, rows, 0);
+    pk_store(acc, lane, nrows, nt, out + first, rows, accum);
+}
+
+template <class P, int NT, int R, int U>
+__device__ void pk_matvec(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
+                          int nt, float* out, int accum) {
+    pdl_trigger();
+    pk_block_rows<P, NT, R, U>(w, rows, blockIdx.x, cols, xq, xds, nt, out, accum);
+}
+
+// q, k and v of one input in one launch, each matrix with its own row policy (mixed files
+// keep v in another type): the first ceil(r0 / rows per block) blocks take matrix 0, the
+// next ones matrix 1, then matrix 2, so every branch is uniform across a block.
+template <class P0, class P1, class P2, int NT, int R, int U>
+__device__ void pk_matvec3_mixed(const u8* w0, const u8* w1, const u8* w2, int r0, int r1,
+                                 int r2, int cols, const i8* xq, const float2* xds, int nt,
+                                 float* o0, float* o1, float* o2) {
+    pdl_trigger();
+    const int per_block = PK_MV_WARPS * R;
+    int b0 = (r0 + per_block - 1) / per_block, b1 = (r1 + per_block - 1) / per_block;
+    int b = blockIdx.x;
+    if (b < b0) {
+        pk_block_rows<P0, NT, R, U>(w0, r0, b, cols, xq, xds, nt, o0, 0);
+    } else if (b < b0 + b1) {
+        pk_block_rows<P1, NT, R, U>(w1, r1, b - b0, cols, xq, xds, nt, o1, 0);
+    } else {
+        pk_block_rows<P2, NT, R, U>(w2, r2, b - b0 - b1, cols, xq, xds, nt, o2, 0);
+    }
+}
+
+// q, k and v of one type.
+template <class P, int NT, int R, int U>
+__device__ void pk_matvec3(const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2,
+                           int cols, const i8* xq, const float2* xds, int nt, float* o0,
+                           float* o1, float* o2) {
+    pk_matvec3_mixed<P, P, P, NT, R, U>(w0, w1, w2, r0, r1, r2, cols, xq, xds, nt, o0, o1, o2);
 }
 
 // The feed-forward gate: out[t][r] = silu(gate[r] . x[t]) * (up[r] . x[t]). A block's 32

@@ -105,23 +105,9 @@ __device__ __forceinline__ void decode8(int ty, const u8* row, int e0, float* v)
     case TY_Q3_K:
     case TY_Q3_KP: {
         // 8 values share one sub-block of 16 (one scale) and one 2-bit plane.
-        int blk = e0 / 256;
         const u8 *hm, *qs, *sc;
         float d;
-        if (ty == TY_Q3_KP) {
-            const u8* g = row + (blk >> 3) * 880;
-            int n = blk & 7;
-            d = h2f(ld16(g + 2 * n));
-            sc = g + 16 + 12 * n;
-            hm = g + 112 + 32 * n;
-            qs = g + 368 + 64 * n;
-        } else {
-            const u8* b = row + blk * 110;
-            hm = b;
-            qs = b + 32;
-            sc = b + 96;
-            d = h2f(ld16(b + 108));
-        }
+        q3_k_block(ty, row, e0 / 256, &hm, &qs, &sc, &d);
         int i = e0 % 256, h = i / 128, j = (i % 128) / 32, k0 = i % 32;
         float dl = d * (float)scale_q3_k(i / 16, sc);
         int bit = 4 * h + j;

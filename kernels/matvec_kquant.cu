@@ -355,6 +355,25 @@ KQ_ALL(q6_k, TY_Q6_KP, 2)
 KQ_ALL(iq4_xs, TY_IQ4_XSP, 2)
 KQ_ALL(q3_k, TY_Q3_KP, 2)
 
+// q/k/v launches of mixed files, whose v is of another type than q and k (llama.cpp's
+// Q3_K_M, Q4_K_M, Q5_K_M and IQ4_XS give attn_v more bits): q and k of type TA, v of TB.
+#define KQ3_MIXED(name, TA, TB, nt)                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matveck3_##name##_##nt(        \
+        const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,              \
+        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {               \
+        pk_matvec3_mixed<KqRows<TA>, KqRows<TA>, KqRows<TB>, nt, KQ_R, 2>(                      \
+            w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);                               \
+    }
+
+#define KQ3_MIXED_ALL(name, TA, TB) \
+    KQ3_MIXED(name, TA, TB, 1) KQ3_MIXED(name, TA, TB, 2) KQ3_MIXED(name, TA, TB, 4) KQ3_MIXED(name, TA, TB, 8)
+
+KQ3_MIXED_ALL(q4_k_q6_k, TY_Q4_K, TY_Q6_KP)
+KQ3_MIXED_ALL(q5_k_q6_k, TY_Q5_K, TY_Q6_KP)
+KQ3_MIXED_ALL(q3_k_q4_k, TY_Q3_KP, TY_Q4_K)
+KQ3_MIXED_ALL(q3_k_q5_k, TY_Q3_KP, TY_Q5_K)
+KQ3_MIXED_ALL(iq4_xs_q5_k, TY_IQ4_XSP, TY_Q5_K)
+
 // In-place packing of Q6_K rows (see the top of this file). One block of threads per group
 // of 8 GGUF blocks (1680 bytes, 840 u16): the group is copied to shared memory, then written
 // back in the packed order. Launch: blockDim.x = 128, any grid (grid-stride over groups);

@@ -6,47 +6,12 @@
 //! GPU tests, ignored by default: `cargo test -p tether-compute --test cuda_kquant --
 //! --ignored`. Without a GPU they fail.
 
-use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_compute::Backend;
 use tether_gguf::GgmlType;
 
 mod common;
+use common::fused::{Rig, finished, relative_error};
 use common::{Rng, cpu, f32_bytes, get, gpu, put, random_weights};
-
-/// ‖a − b‖ / ‖b‖, after checking every value is finite.
-fn relative_error(what: &str, a: &[f32], b: &[f32]) -> f64 {
-    assert!(a.iter().all(|v| v.is_finite()), "{what}: non-finite output");
-    let d: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
-        .sum();
-    let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (d / n.max(1e-30)).sqrt()
-}
-
-/// A finished weight on both backends and whether the GPU rewrote its bytes (packed).
-struct Finished {
-    g: <CudaBackend as Backend>::Buffer,
-    c: <CpuBackend as Backend>::Buffer,
-    packed: bool,
-}
-
-fn zeros<B: Backend>(be: &B, n: usize) -> B::Buffer {
-    be.alloc(n * 4).unwrap()
-}
-
-fn finished(g: &CudaBackend, c: &CpuBackend, ty: GgmlType, bytes: &[u8], cols: usize) -> Finished {
-    let (mut wg, mut wc) = (put(g, bytes), put(c, bytes));
-    g.finish_weight(&mut wg, ty, cols).unwrap();
-    c.finish_weight(&mut wc, ty, cols).unwrap();
-    let mut now = vec![0u8; bytes.len()];
-    g.download(&wg, 0, &mut now).unwrap();
-    Finished {
-        g: wg,
-        c: wc,
-        packed: now != bytes,
-    }
-}
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -127,96 +92,43 @@ fn kquant_weights_give_the_cpus_fused_products() {
         GgmlType::IQ4XS,
         GgmlType::Q3K,
     ] {
-        // Whole groups of 2048, so Q6_K is packed and every type takes the fused kernels.
-        let cols = 2048;
-        // 40 rows end inside a block of the packed q/k/v kernel.
-        let rows = [96usize, 40, 40];
-        let ws: Vec<Finished> = rows
-            .iter()
-            .map(|&r| finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols))
-            .collect();
-        for n in [1usize, 5, 8, 12] {
-            let x = rng.f32s(n * cols, 1.0);
-            let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
-            let mut og: Vec<_> = rows.iter().map(|r| g.alloc(n * r * 4).unwrap()).collect();
-            let mut oc: Vec<_> = rows.iter().map(|r| c.alloc(n * r * 4).unwrap()).collect();
-            let [g0, g1, g2] = &mut og[..] else {
-                unreachable!()
-            };
-            g.matmul3(
-                [&ws[0].g, &ws[1].g, &ws[2].g],
-                [ty; 3],
-                rows,
-                cols,
-                &xg,
-                n,
-                [g0, g1, g2],
-            )
-            .unwrap();
-            let [c0, c1, c2] = &mut oc[..] else {
-                unreachable!()
-            };
-            c.matmul3(
-                [&ws[0].c, &ws[1].c, &ws[2].c],
-                [ty; 3],
-                rows,
-                cols,
-                &xc,
-                n,
-                [c0, c1, c2],
-            )
-            .unwrap();
-            for i in 0..3 {
-                let what = format!("matmul3 {ty} output {i} n={n}");
-                let e = relative_error(
-                    &what,
-                    &get(&g, &og[i], n * rows[i]),
-                    &get(&c, &oc[i], n * rows[i]),
-                );
-                assert!(e < 2e-2, "{what}: relative error {e}");
-            }
+        // Whole groups of 2048, so Q6_K, Q3_K and IQ4_XS are packed and every type takes
+        // the fused kernels up to 8 tokens (12 runs them one by one).
+        let mut rig = Rig {
+            g: &g,
+            c: &c,
+            rng: &mut rng,
+            cols: 2048,
+            expect_packed: false,
+        };
+        let tokens = [1usize, 5, 8, 12];
+        rig.qkv([ty; 3], &tokens, 2e-2);
+        // The gate/up output is heavy-tailed, so both backends' 8-bit copies of it (blocks
+        // of 32 here, of 256 on the cpu) differ more in the down projection: 2.7% was seen.
+        rig.gate_up_down(ty, &tokens, 2e-2, 5e-2);
+    }
+}
 
-            // Gate and up, then down over their output: 256 rows are whole 8-bit blocks, so
-            // the gate/up kernel also writes the down projection's 8-bit input; 72 rows end
-            // inside a block and take the plain path.
-            for r in [256usize, 72] {
-                let gate = finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols);
-                let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols);
-                let (mut sg, mut g1, mut g2) =
-                    (zeros(&g, n * r), zeros(&g, n * r), zeros(&g, n * r));
-                let (mut sc, mut c1, mut c2) =
-                    (zeros(&c, n * r), zeros(&c, n * r), zeros(&c, n * r));
-                g.matmul_swiglu(
-                    &gate.g, &up.g, ty, r, cols, &xg, n, &mut sg, &mut g1, &mut g2,
-                )
-                .unwrap();
-                c.matmul_swiglu(
-                    &gate.c, &up.c, ty, r, cols, &xc, n, &mut sc, &mut c1, &mut c2,
-                )
-                .unwrap();
-                let what = format!("matmul_swiglu {ty} {r} rows n={n}");
-                let e = relative_error(&what, &get(&g, &sg, n * r), &get(&c, &sc, n * r));
-                assert!(e < 2e-2, "{what}: relative error {e}");
-                if !r.is_multiple_of(256) {
-                    continue;
-                }
-                let down_rows = 48;
-                let down = finished(&g, &c, ty, &random_weights(&mut rng, ty, down_rows * r), r);
-                let (mut dg, mut dc) = (zeros(&g, n * down_rows), zeros(&c, n * down_rows));
-                g.matmul(&down.g, ty, down_rows, r, &sg, n, &mut dg)
-                    .unwrap();
-                c.matmul(&down.c, ty, down_rows, r, &sc, n, &mut dc)
-                    .unwrap();
-                let what = format!("down after matmul_swiglu {ty} n={n}");
-                let e = relative_error(
-                    &what,
-                    &get(&g, &dg, n * down_rows),
-                    &get(&c, &dc, n * down_rows),
-                );
-                // The gate/up output is heavy-tailed, so both backends' 8-bit copies of it
-                // (blocks of 32 here, 256 on the cpu) differ more: 2.7% was seen.
-                assert!(e < 5e-2, "{what}: relative error {e}");
-            }
-        }
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn mixed_qkv_types_give_the_cpus_products() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(61);
+    let mut rig = Rig {
+        g: &g,
+        c: &c,
+        rng: &mut rng,
+        cols: 2048,
+        expect_packed: false,
+    };
+    // q and k of one type, v of another, as llama.cpp's mixes give attn_v more bits.
+    for (qt, vt) in [
+        (GgmlType::Q4K, GgmlType::Q6K),
+        (GgmlType::Q5K, GgmlType::Q6K),
+        (GgmlType::Q3K, GgmlType::Q4K),
+        (GgmlType::Q3K, GgmlType::Q5K),
+        (GgmlType::IQ4XS, GgmlType::Q5K),
+    ] {
+        rig.qkv([qt, qt, vt], &[1, 5, 8], 2e-2);
     }
 }

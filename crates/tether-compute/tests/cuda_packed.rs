@@ -9,44 +9,8 @@ use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::GgmlType;
 
 mod common;
+use common::fused::{Finished, Rig, finished, relative_error, zeros};
 use common::{Rng, cpu, f32_bytes, get, gpu, put, random_weights};
-
-/// ‖a − b‖ / ‖b‖, after checking every value is finite.
-fn zeros<B: Backend>(be: &B, n: usize) -> B::Buffer {
-    be.alloc(n * 4).unwrap()
-}
-
-fn relative_error(what: &str, a: &[f32], b: &[f32]) -> f64 {
-    assert!(a.iter().all(|v| v.is_finite()), "{what}: non-finite output");
-    let d: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
-        .sum();
-    let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (d / n.max(1e-30)).sqrt()
-}
-
-/// A weight on both backends, finished; returns the buffers and whether the GPU's bytes
-/// changed (packed).
-struct Finished {
-    g: <CudaBackend as Backend>::Buffer,
-    c: <CpuBackend as Backend>::Buffer,
-    packed: bool,
-}
-
-fn finished(g: &CudaBackend, c: &CpuBackend, ty: GgmlType, bytes: &[u8], cols: usize) -> Finished {
-    let (mut wg, mut wc) = (put(g, bytes), put(c, bytes));
-    g.finish_weight(&mut wg, ty, cols).unwrap();
-    c.finish_weight(&mut wc, ty, cols).unwrap();
-    let mut now = vec![0u8; bytes.len()];
-    g.download(&wg, 0, &mut now).unwrap();
-    Finished {
-        g: wg,
-        c: wc,
-        packed: now != bytes,
-    }
-}
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -97,95 +61,16 @@ fn packed_weights_give_the_cpus_fused_products_and_rows() {
     let mut rng = Rng(37);
     for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
         let cols = 512;
-        // 40 rows end inside a block of the packed q/k/v kernel.
-        let rows = [96usize, 40, 40];
-        let ws: Vec<Finished> = rows
-            .iter()
-            .map(|&r| finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols))
-            .collect();
-        assert!(ws.iter().all(|w| w.packed), "{ty}: packed");
-        for n in [1usize, 5, 8, 12] {
-            let x = rng.f32s(n * cols, 1.0);
-            let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
-            let mut og: Vec<_> = rows.iter().map(|r| g.alloc(n * r * 4).unwrap()).collect();
-            let mut oc: Vec<_> = rows.iter().map(|r| c.alloc(n * r * 4).unwrap()).collect();
-            let [g0, g1, g2] = &mut og[..] else {
-                unreachable!()
-            };
-            g.matmul3(
-                [&ws[0].g, &ws[1].g, &ws[2].g],
-                [ty; 3],
-                rows,
-                cols,
-                &xg,
-                n,
-                [g0, g1, g2],
-            )
-            .unwrap();
-            let [c0, c1, c2] = &mut oc[..] else {
-                unreachable!()
-            };
-            c.matmul3(
-                [&ws[0].c, &ws[1].c, &ws[2].c],
-                [ty; 3],
-                rows,
-                cols,
-                &xc,
-                n,
-                [c0, c1, c2],
-            )
-            .unwrap();
-            for i in 0..3 {
-                let what = format!("matmul3 {ty} output {i} n={n}");
-                let e = relative_error(
-                    &what,
-                    &get(&g, &og[i], n * rows[i]),
-                    &get(&c, &oc[i], n * rows[i]),
-                );
-                assert!(e < 1e-2, "{what}: relative error {e}");
-            }
-
-            // Gate and up, then down over their output: 256 rows are whole 8-bit blocks, so
-            // the gate/up kernel also writes the down projection's 8-bit input; 72 rows end
-            // inside a block and take the plain path.
-            for r in [256usize, 72] {
-                let gate = finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols);
-                let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, r * cols), cols);
-                let (mut sg, mut g1, mut g2) =
-                    (zeros(&g, n * r), zeros(&g, n * r), zeros(&g, n * r));
-                let (mut sc, mut c1, mut c2) =
-                    (zeros(&c, n * r), zeros(&c, n * r), zeros(&c, n * r));
-                g.matmul_swiglu(
-                    &gate.g, &up.g, ty, r, cols, &xg, n, &mut sg, &mut g1, &mut g2,
-                )
-                .unwrap();
-                c.matmul_swiglu(
-                    &gate.c, &up.c, ty, r, cols, &xc, n, &mut sc, &mut c1, &mut c2,
-                )
-                .unwrap();
-                let what = format!("matmul_swiglu {ty} {r} rows n={n}");
-                let e = relative_error(&what, &get(&g, &sg, n * r), &get(&c, &sc, n * r));
-                assert!(e < 1e-2, "{what}: relative error {e}");
-                if !r.is_multiple_of(256) {
-                    continue;
-                }
-                let down_rows = 48;
-                let down = finished(&g, &c, ty, &random_weights(&mut rng, ty, down_rows * r), r);
-                assert!(down.packed, "{ty}: down packed");
-                let (mut dg, mut dc) = (zeros(&g, n * down_rows), zeros(&c, n * down_rows));
-                g.matmul(&down.g, ty, down_rows, r, &sg, n, &mut dg)
-                    .unwrap();
-                c.matmul(&down.c, ty, down_rows, r, &sc, n, &mut dc)
-                    .unwrap();
-                let what = format!("down after matmul_swiglu {ty} n={n}");
-                let e = relative_error(
-                    &what,
-                    &get(&g, &dg, n * down_rows),
-                    &get(&c, &dc, n * down_rows),
-                );
-                assert!(e < 1e-2, "{what}: relative error {e}");
-            }
-        }
+        let mut rig = Rig {
+            g: &g,
+            c: &c,
+            rng: &mut rng,
+            cols,
+            expect_packed: true,
+        };
+        let tokens = [1usize, 5, 8, 12];
+        rig.qkv([ty; 3], &tokens, 1e-2);
+        rig.gate_up_down(ty, &tokens, 1e-2, 1e-2);
 
         // Embedding rows come out of a packed table exactly as the cpu decodes them.
         let table = finished(&g, &c, ty, &random_weights(&mut rng, ty, 7 * cols), cols);

@@ -188,6 +188,16 @@ fn kquant_int8(ty: GgmlType, packed: bool, cols: usize) -> bool {
     }
 }
 
+/// (q/k type, v type, kernel stem) of the mixed q/k/v kernels in matvec_kquant.cu
+/// (KQ3_MIXED_ALL).
+const MIXED_QKV: [(GgmlType, GgmlType, &str); 5] = [
+    (GgmlType::Q4K, GgmlType::Q6K, "q4_k_q6_k"),
+    (GgmlType::Q5K, GgmlType::Q6K, "q5_k_q6_k"),
+    (GgmlType::Q3K, GgmlType::Q4K, "q3_k_q4_k"),
+    (GgmlType::Q3K, GgmlType::Q5K, "q3_k_q5_k"),
+    (GgmlType::IQ4XS, GgmlType::Q5K, "iq4_xs_q5_k"),
+];
+
 /// Blocks of `per_block` rows that cover `rows`, as a grid dimension.
 fn blocks(op: &'static str, rows: usize, per_block: usize) -> Result<u32> {
     u32::try_from(rows.div_ceil(per_block))
@@ -427,6 +437,29 @@ impl CudaBackend {
             }),
             _ => None,
         }
+    }
+
+    /// The K-quant q/k/v kernel for q and k of one type and v of another (the mixes
+    /// llama.cpp's quantizer writes give attn_v more bits), when one is built for the pair
+    /// and all three take the K-quant kernels at this size.
+    pub(super) fn mixed_qkv_family(
+        &self,
+        weights: [(&CudaBuffer, GgmlType); 3],
+        cols: usize,
+        n_tokens: usize,
+    ) -> Option<Fused> {
+        let [(q, qt), (k, kt), (v, vt)] = weights;
+        let takes = |w: &CudaBuffer, t| kquant_int8(t, w.packed, cols);
+        if qt != kt || n_tokens > MV_MAX_TOKENS || !(takes(q, qt) && takes(k, kt) && takes(v, vt)) {
+            return None;
+        }
+        MIXED_QKV
+            .iter()
+            .find(|(a, b, _)| (*a, *b) == (qt, vt))
+            .map(|&(_, _, stem)| Fused {
+                prefix: "matveck",
+                stem,
+            })
     }
 
     /// `out[t] = silu(gate · x[t]) · (up · x[t])` in one launch (at most

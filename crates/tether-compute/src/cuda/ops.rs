@@ -280,11 +280,10 @@ impl Backend for CudaBackend {
         n_tokens: usize,
         outs: [&mut CudaBuffer; 3],
     ) -> Result<()> {
-        let family = self.fused_family(
-            [(ws[0], types[0]), (ws[1], types[1]), (ws[2], types[2])],
-            cols,
-            n_tokens,
-        );
+        let weights = [(ws[0], types[0]), (ws[1], types[1]), (ws[2], types[2])];
+        let family = self
+            .fused_family(weights, cols, n_tokens)
+            .or_else(|| self.mixed_qkv_family(weights, cols, n_tokens));
         let Some(family) = family else {
             for (i, out) in outs.into_iter().enumerate() {
                 self.matmul(ws[i], types[i], rows[i], cols, x, n_tokens, out)?;

@@ -2,6 +2,8 @@
 //! type, the two backends, and buffer transfers.
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod fused;
+
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::GgmlType;
 

@@ -1,0 +1,159 @@
+//! Checks shared by the GPU tests of the fused decode products (q/k/v in one launch; gate,
+//! up and SiLU in one launch, then the down projection over its output): the cuda
+//! backend's results against the cpu's on the same finished weights.
+
+use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_gguf::GgmlType;
+
+use super::{Rng, f32_bytes, get, put, random_weights};
+
+/// ‖a − b‖ / ‖b‖, after checking every value is finite.
+pub fn relative_error(what: &str, a: &[f32], b: &[f32]) -> f64 {
+    assert!(a.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+    let d: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2))
+        .sum();
+    let n: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (d / n.max(1e-30)).sqrt()
+}
+
+/// A zeroed-or-not buffer of `n` f32.
+pub fn zeros<B: Backend>(be: &B, n: usize) -> B::Buffer {
+    be.alloc(n * 4).unwrap()
+}
+
+/// A weight on both backends, finished; `packed` says whether the GPU's bytes changed.
+pub struct Finished {
+    pub g: <CudaBackend as Backend>::Buffer,
+    pub c: <CpuBackend as Backend>::Buffer,
+    pub packed: bool,
+}
+
+pub fn finished(
+    g: &CudaBackend,
+    c: &CpuBackend,
+    ty: GgmlType,
+    bytes: &[u8],
+    cols: usize,
+) -> Finished {
+    let (mut wg, mut wc) = (put(g, bytes), put(c, bytes));
+    g.finish_weight(&mut wg, ty, cols).unwrap();
+    c.finish_weight(&mut wc, ty, cols).unwrap();
+    let mut now = vec![0u8; bytes.len()];
+    g.download(&wg, 0, &mut now).unwrap();
+    Finished {
+        g: wg,
+        c: wc,
+        packed: now != bytes,
+    }
+}
+
+/// The backends on a test's random data, and what packing to expect of `finished` weights.
+pub struct Rig<'a> {
+    pub g: &'a CudaBackend,
+    pub c: &'a CpuBackend,
+    pub rng: &'a mut Rng,
+    pub cols: usize,
+    /// Whether every weight must come out packed.
+    pub expect_packed: bool,
+}
+
+impl Rig<'_> {
+    fn weight(&mut self, ty: GgmlType, rows: usize, cols: usize) -> Finished {
+        let bytes = random_weights(self.rng, ty, rows * cols);
+        let w = finished(self.g, self.c, ty, &bytes, cols);
+        if self.expect_packed {
+            assert!(w.packed, "{ty} {rows}x{cols}: packed");
+        }
+        w
+    }
+
+    /// q/k/v of `types` (40 rows end inside a block of the q/k/v kernels) for each token
+    /// count, within `tol` of the cpu.
+    pub fn qkv(&mut self, types: [GgmlType; 3], tokens: &[usize], tol: f64) {
+        let (g, c, cols) = (self.g, self.c, self.cols);
+        let rows = [96usize, 40, 40];
+        let ws: Vec<Finished> = (0..3)
+            .map(|i| self.weight(types[i], rows[i], cols))
+            .collect();
+        for &n in tokens {
+            let x = self.rng.f32s(n * cols, 1.0);
+            let (xg, xc) = (put(g, &f32_bytes(&x)), put(c, &f32_bytes(&x)));
+            let mut og: Vec<_> = rows.iter().map(|r| zeros(g, n * r)).collect();
+            let mut oc: Vec<_> = rows.iter().map(|r| zeros(c, n * r)).collect();
+            let [g0, g1, g2] = &mut og[..] else {
+                unreachable!()
+            };
+            let wg = [&ws[0].g, &ws[1].g, &ws[2].g];
+            g.matmul3(wg, types, rows, cols, &xg, n, [g0, g1, g2])
+                .unwrap();
+            let [c0, c1, c2] = &mut oc[..] else {
+                unreachable!()
+            };
+            let wc = [&ws[0].c, &ws[1].c, &ws[2].c];
+            c.matmul3(wc, types, rows, cols, &xc, n, [c0, c1, c2])
+                .unwrap();
+            for i in 0..3 {
+                let what = format!("matmul3 {types:?} output {i} n={n}");
+                let e = relative_error(
+                    &what,
+                    &get(g, &og[i], n * rows[i]),
+                    &get(c, &oc[i], n * rows[i]),
+                );
+                assert!(e < tol, "{what}: relative error {e}");
+            }
+        }
+    }
+
+    /// Gate and up of `ty`, then down over their output, for each token count: 256 rows
+    /// are whole 8-bit blocks, so the gate/up kernel also writes the down projection's
+    /// 8-bit input; 72 rows end inside a block and take the plain path. The gate/up output
+    /// must be within `tol` of the cpu's and the down projection within `down_tol`.
+    pub fn gate_up_down(&mut self, ty: GgmlType, tokens: &[usize], tol: f64, down_tol: f64) {
+        let (g, c, cols) = (self.g, self.c, self.cols);
+        for &n in tokens {
+            let x = self.rng.f32s(n * cols, 1.0);
+            let (xg, xc) = (put(g, &f32_bytes(&x)), put(c, &f32_bytes(&x)));
+            for r in [256usize, 72] {
+                let gate = self.weight(ty, r, cols);
+                let up = self.weight(ty, r, cols);
+                let (mut sg, mut g1, mut g2) = (zeros(g, n * r), zeros(g, n * r), zeros(g, n * r));
+                let (mut sc, mut c1, mut c2) = (zeros(c, n * r), zeros(c, n * r), zeros(c, n * r));
+                g.matmul_swiglu(
+                    &gate.g, &up.g, ty, r, cols, &xg, n, &mut sg, &mut g1, &mut g2,
+                )
+                .unwrap();
+                c.matmul_swiglu(
+                    &gate.c, &up.c, ty, r, cols, &xc, n, &mut sc, &mut c1, &mut c2,
+                )
+                .unwrap();
+                let what = format!("matmul_swiglu {ty} {r} rows n={n}");
+                let e = relative_error(&what, &get(g, &sg, n * r), &get(c, &sc, n * r));
+                assert!(e < tol, "{what}: relative error {e}");
+                if !r.is_multiple_of(256) {
+                    continue;
+                }
+                let down_rows = 48;
+                let bytes = random_weights(self.rng, ty, down_rows * r);
+                let down = finished(g, c, ty, &bytes, r);
+                if self.expect_packed {
+                    assert!(down.packed, "{ty}: down packed");
+                }
+                let (mut dg, mut dc) = (zeros(g, n * down_rows), zeros(c, n * down_rows));
+                g.matmul(&down.g, ty, down_rows, r, &sg, n, &mut dg)
+                    .unwrap();
+                c.matmul(&down.c, ty, down_rows, r, &sc, n, &mut dc)
+                    .unwrap();
+                let what = format!("down after matmul_swiglu {ty} n={n}");
+                let e = relative_error(
+                    &what,
+                    &get(g, &dg, n * down_rows),
+                    &get(c, &dc, n * down_rows),
+                );
+                assert!(e < down_tol, "{what}: relative error {e}");
+            }
+        }
+    }
+}
