@@ -15,6 +15,7 @@ use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
 use tether_coordinator::http::admin::admin_router;
+use tether_coordinator::http::template::TemplateBudget;
 use tether_coordinator::http::{HttpOptions, router, serve, serve_tls};
 use tether_coordinator::load::LoadOptions;
 use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile, WorkerDns};
@@ -87,6 +88,13 @@ pub struct ServeArgs {
     /// HTTP 400 `context_length_exceeded`.
     #[arg(long)]
     pub max_prompt_tokens: Option<usize>,
+    /// Template instructions one rendering of the chat template may execute; a template
+    /// that needs more (a runaway loop) fails its request with HTTP 500.
+    #[arg(long, default_value_t = TemplateBudget::default().fuel)]
+    pub template_fuel: u64,
+    /// Largest prompt the chat template may render, in bytes; more fails the request.
+    #[arg(long, default_value_t = TemplateBudget::default().max_output_bytes)]
+    pub template_max_output: usize,
     /// Lease of the worker sessions: a worker frees a session that has not heard a
     /// heartbeat for this long (heartbeats go every third of it).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -211,6 +219,11 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         max_tokens_limit: args.max_tokens_limit,
         max_prompt_tokens: args.max_prompt_tokens,
         model_id: args.model_id.clone(),
+        template_budget: TemplateBudget {
+            fuel: args.template_fuel,
+            max_output_bytes: args.template_max_output,
+            ..TemplateBudget::default()
+        },
     };
     let app = router(coordinator.clone(), opts).merge(admin_router(
         coordinator.clone(),

@@ -40,7 +40,7 @@ use tether_model::tokenizer::Tokenizer;
 use crate::api::{Generation, Health, ModelInfo};
 pub use error::ApiError;
 use metrics::Metrics;
-use template::ChatTemplate;
+use template::{ChatTemplate, TemplateBudget};
 
 /// How the HTTP API behaves.
 #[derive(Clone, Debug)]
@@ -55,6 +55,8 @@ pub struct HttpOptions {
     pub max_tokens_limit: usize,
     /// The model's id in the API instead of the engine's.
     pub model_id: Option<String>,
+    /// What one rendering of the chat template may cost.
+    pub template_budget: TemplateBudget,
 }
 
 impl Default for HttpOptions {
@@ -65,6 +67,7 @@ impl Default for HttpOptions {
             max_prompt_tokens: None,
             max_tokens_limit: 4096,
             model_id: None,
+            template_budget: TemplateBudget::default(),
         }
     }
 }
@@ -95,7 +98,7 @@ const ENDPOINTS: [&str; 5] = [
 pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
     let model = engine.model();
     let tokenizer = engine.tokenizer();
-    let template = ChatTemplate::for_model(&model, &tokenizer);
+    let template = ChatTemplate::for_model(&model, &tokenizer, opts.template_budget);
     let model_id = opts.model_id.clone().unwrap_or_else(|| model.id.clone());
     let state = Arc::new(AppState {
         engine,

@@ -99,10 +99,13 @@ pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiEr
             content,
         });
     }
-    let rendered = state
-        .template
-        .render(&messages)
-        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    let rendered = state.template.render(&messages).map_err(|e| {
+        if e.is_server_fault() {
+            ApiError::internal(e.to_string()).with_code("chat_template_budget")
+        } else {
+            ApiError::invalid_param("messages", e.to_string())
+        }
+    })?;
     let tokenizer = &state.tokenizer;
     let bos_text = state.template.bos_token();
     let template_added_bos = !bos_text.is_empty() && rendered.starts_with(bos_text);

@@ -18,6 +18,32 @@ pub const CHATML_END: &str = "<|im_end|>";
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// How much work one rendering of a chat template may do. A template comes from the model
+/// file, so it may be hostile: a loop of 10^10 steps or a prompt of gigabytes must fail the
+/// one request instead of holding a thread and memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TemplateBudget {
+    /// MiniJinja instructions one rendering may execute (its "fuel").
+    pub fuel: u64,
+    /// Largest rendered prompt, in bytes.
+    pub max_output_bytes: usize,
+    /// Deepest nesting of loops, blocks and macro calls.
+    pub recursion_limit: usize,
+}
+
+impl Default for TemplateBudget {
+    /// Real templates (Llama 3, Qwen3 with tools) spend a few hundred instructions a
+    /// message; 50 million is thousands of long conversations' worth and about a second of
+    /// one core.
+    fn default() -> Self {
+        Self {
+            fuel: 50_000_000,
+            max_output_bytes: 64 << 20,
+            recursion_limit: 100,
+        }
+    }
+}
+
 /// One message of a conversation, as the template sees it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ChatMessage {
@@ -36,11 +62,37 @@ pub enum TemplateError {
     /// Rendering failed, e.g. the template raised an exception about the messages.
     #[error("rendering the chat template: {0:#}")]
     Render(minijinja::Error),
+    /// The template ran out of its instruction budget (a runaway loop, likely hostile).
+    #[error(
+        "the chat template exceeded its rendering budget of {fuel} instructions \
+         (--template-fuel); the model's template loops too long for these messages"
+    )]
+    OutOfFuel {
+        /// The budget it ran out of.
+        fuel: u64,
+    },
+    /// The rendered prompt grew past the output limit.
+    #[error(
+        "the chat template's output exceeded its limit of {max_output_bytes} bytes \
+         (--template-max-output); send shorter messages"
+    )]
+    OutputTooLarge {
+        /// The limit it went past.
+        max_output_bytes: usize,
+    },
+}
+
+impl TemplateError {
+    /// Whether the model's template, not the request, is at fault (a server error).
+    pub fn is_server_fault(&self) -> bool {
+        matches!(self, Self::OutOfFuel { .. })
+    }
 }
 
 /// A compiled chat template with the special-token texts it may use.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    budget: TemplateBudget,
     bos_token: String,
     eos_token: String,
     chatml_fallback: bool,
@@ -57,16 +109,23 @@ impl std::fmt::Debug for ChatTemplate {
 }
 
 impl ChatTemplate {
-    /// Compiles `source` (ChatML when `None`).
+    /// Compiles `source` (ChatML when `None`) with the default budget.
     pub fn new(
         source: Option<&str>,
         bos_token: &str,
         eos_token: &str,
     ) -> Result<Self, TemplateError> {
-        // Hugging Face renders chat templates with these two Jinja options on.
-        let mut env = Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
+        Self::with_budget(source, bos_token, eos_token, TemplateBudget::default())
+    }
+
+    /// Compiles `source` (ChatML when `None`); each rendering runs under `budget`.
+    pub fn with_budget(
+        source: Option<&str>,
+        bos_token: &str,
+        eos_token: &str,
+        budget: TemplateBudget,
+    ) -> Result<Self, TemplateError> {
+        let mut env = budgeted_env(budget);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_function(
@@ -79,6 +138,7 @@ impl ChatTemplate {
             .map_err(TemplateError::Compile)?;
         Ok(Self {
             env,
+            budget,
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
             chatml_fallback: source.is_none(),
@@ -87,31 +147,30 @@ impl ChatTemplate {
 
     /// The template of `info`'s model, or ChatML when it has none or its template does not
     /// compile (logged, since replies will then likely be poor).
-    pub fn for_model(info: &ModelInfo, tokenizer: &Tokenizer) -> Self {
+    pub fn for_model(info: &ModelInfo, tokenizer: &Tokenizer, budget: TemplateBudget) -> Self {
         let text = |id: Option<u32>| {
             id.and_then(|id| tokenizer.token_text(id))
                 .unwrap_or("")
                 .to_owned()
         };
         let (bos, eos) = (text(tokenizer.bos()), text(tokenizer.eos()));
-        match ChatTemplate::new(info.chat_template.as_deref(), &bos, &eos) {
+        match ChatTemplate::with_budget(info.chat_template.as_deref(), &bos, &eos, budget) {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(model = %info.id, error = %e, "using ChatML instead of the model's chat template");
-                Self::chatml(&bos, &eos)
+                Self::chatml(&bos, &eos, budget)
             }
         }
     }
 
     /// The ChatML fallback.
-    fn chatml(bos_token: &str, eos_token: &str) -> Self {
-        let mut env = Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
+    fn chatml(bos_token: &str, eos_token: &str, budget: TemplateBudget) -> Self {
+        let mut env = budgeted_env(budget);
         // The built-in template is a constant that compiles; a failure would show in tests.
         let _ = env.add_template(TEMPLATE_NAME, CHATML_TEMPLATE);
         Self {
             env,
+            budget,
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
             chatml_fallback: true,
@@ -134,14 +193,68 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(TemplateError::Render)?;
-        template
-            .render(minijinja::context! {
+        let mut out = BoundedOutput {
+            bytes: Vec::new(),
+            limit: self.budget.max_output_bytes,
+            overflowed: false,
+        };
+        let rendered = template.render_captured_to(
+            minijinja::context! {
                 messages => messages,
                 add_generation_prompt => true,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
-            })
-            .map_err(TemplateError::Render)
+            },
+            &mut out,
+        );
+        match rendered {
+            Ok(_) => String::from_utf8(out.bytes).map_err(|_| {
+                TemplateError::Render(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    "the rendered prompt is not UTF-8",
+                ))
+            }),
+            Err(_) if out.overflowed => Err(TemplateError::OutputTooLarge {
+                max_output_bytes: self.budget.max_output_bytes,
+            }),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(TemplateError::OutOfFuel {
+                fuel: self.budget.fuel,
+            }),
+            Err(e) => Err(TemplateError::Render(e)),
+        }
+    }
+}
+
+/// An environment with Hugging Face's options and `budget`'s fuel and recursion limit.
+fn budgeted_env(budget: TemplateBudget) -> Environment<'static> {
+    // Hugging Face renders chat templates with these two Jinja options on.
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_fuel(Some(budget.fuel));
+    env.set_recursion_limit(budget.recursion_limit);
+    env
+}
+
+/// The rendered bytes, refusing to grow past `limit` (minijinja has no output limit).
+struct BoundedOutput {
+    bytes: Vec<u8>,
+    limit: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len().saturating_add(buf.len()) > self.limit {
+            self.overflowed = true;
+            return Err(std::io::Error::other("chat template output limit"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -310,8 +423,40 @@ mod tests {
     }
 
     #[test]
+    fn runaway_loops_run_out_of_fuel() {
+        let src =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let t = ChatTemplate::new(Some(src), "", "").expect("compiles");
+        let started = std::time::Instant::now();
+        let err = t.render(&msgs(&[("user", "x")])).expect_err("out of fuel");
+        assert!(matches!(err, TemplateError::OutOfFuel { .. }), "{err}");
+        assert!(err.to_string().contains("rendering budget"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    }
+
+    #[test]
+    fn output_past_the_limit_fails() {
+        let budget = TemplateBudget {
+            max_output_bytes: 1000,
+            ..TemplateBudget::default()
+        };
+        let src = "{% for i in range(10000) %}xxxxxxxxxx{% endfor %}";
+        let t = ChatTemplate::with_budget(Some(src), "", "", budget).expect("compiles");
+        let err = t.render(&msgs(&[("user", "x")])).expect_err("too large");
+        assert!(
+            matches!(
+                err,
+                TemplateError::OutputTooLarge {
+                    max_output_bytes: 1000
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn builtin_chatml_fallback_compiles() {
-        let t = ChatTemplate::chatml("<s>", "</s>");
+        let t = ChatTemplate::chatml("<s>", "</s>", TemplateBudget::default());
         assert!(
             t.render(&msgs(&[("user", "q")]))
                 .expect("renders")

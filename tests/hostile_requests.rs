@@ -1,0 +1,84 @@
+//! `tether serve` with an embedded worker against hostile input: a chat template that loops
+//! for ever fails its own request within the budget while other requests are served, and
+//! floods of oversized prompts leave the worker session alive and `/health` answering.
+
+mod support;
+
+use std::time::{Duration, Instant};
+use support::{Serve, TinyModel, http_deadline};
+
+/// Two nested loops of 10^5 steps: 10^10 iterations, hours of rendering without a budget.
+const RUNAWAY_TEMPLATE: &str =
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+
+/// The tiny model with `tokenizer.chat_template` set to `template`.
+fn with_chat_template(model: &TinyModel, template: &str) -> std::path::PathBuf {
+    let file = tether_gguf::GgufFile::open(&model.path).expect("open tiny model");
+    let mut w = tether_gguf::GgufWriter::new();
+    for (k, v) in file.metadata() {
+        if k != "tokenizer.chat_template" {
+            w.add_metadata(k.clone(), v.clone());
+        }
+    }
+    w.add_metadata(
+        "tokenizer.chat_template",
+        tether_gguf::MetaValue::String(template.into()),
+    );
+    for t in file.tensors() {
+        w.add_tensor(t.name.clone(), t.ty, &t.dims, file.tensor_data(t).to_vec())
+            .expect("copy tensor");
+    }
+    let path = model.dir.join("hostile-template.gguf");
+    w.write_file(&path).expect("write model");
+    path
+}
+
+/// `tether serve` over one embedded cpu worker.
+fn serve_embedded(model: &str, extra: &[&str]) -> Serve {
+    let mut args = vec!["--model", model, "--device", "cpu", "--threads", "1"];
+    args.extend_from_slice(extra);
+    Serve::start(&args)
+}
+
+fn health_ok(serve: &Serve, deadline: Duration) -> Result<Duration, String> {
+    let start = Instant::now();
+    let (status, body) = http_deadline(&serve.addr, "GET", "/health", None, deadline)?;
+    if status != 200 {
+        return Err(format!("/health answered {status}: {body}"));
+    }
+    Ok(start.elapsed())
+}
+
+#[test]
+fn runaway_chat_template_fails_its_request_and_nothing_else() {
+    let model = TinyModel::new();
+    let path = with_chat_template(&model, RUNAWAY_TEMPLATE);
+    let serve = serve_embedded(path.to_str().expect("utf-8 path"), &[]);
+
+    let chat = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
+    let started = Instant::now();
+    let (status, body) = http_deadline(
+        &serve.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(chat),
+        Duration::from_secs(30),
+    )
+    .unwrap_or_else(|e| panic!("the chat request hung: {e}; log:\n{}", serve.log()));
+    let took = started.elapsed();
+    assert_eq!(status, 500, "{body}");
+    assert!(body.contains("rendering budget"), "{body}");
+    assert!(took < Duration::from_secs(10), "the budget took {took:?}");
+
+    let completion = r#"{"prompt":"Once upon a time","max_tokens":2,"temperature":0}"#;
+    let (status, body) = http_deadline(
+        &serve.addr,
+        "POST",
+        "/v1/completions",
+        Some(completion),
+        Duration::from_secs(30),
+    )
+    .expect("completion");
+    assert_eq!(status, 200, "{body}");
+    health_ok(&serve, Duration::from_secs(5)).expect("health after the runaway template");
+}
