@@ -231,3 +231,97 @@ fn tether_serve_with_the_worker_token_serves_and_reads_worker_status() {
         "the log must not hold the token"
     );
 }
+
+/// One HTTP/1.1 request carrying `Authorization: Bearer KEY`: the status and the body.
+fn http_with_key(addr: &str, path: &str, key: &str, body: Option<&str>) -> (u16, String) {
+    use std::io::{BufReader, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to serve");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("read timeout");
+    let (method, body) = body.map_or(("GET", ""), |b| ("POST", b));
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).expect("write request");
+    let mut reader = BufReader::new(stream);
+    let (status, chunked) = support::http_read_head(&mut reader);
+    (status, support::http_read_body(&mut reader, chunked))
+}
+
+#[test]
+fn embedded_workers_of_tether_serve_refuse_callers_without_their_secret() {
+    const KEY: &str = "serve-api-key-31d0";
+    let model = TinyModel::new();
+    let serve = Serve::start(&[
+        "--model",
+        model.arg(),
+        "--api-key",
+        KEY,
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--ctx",
+        "32",
+        "--parallel",
+        "1",
+    ]);
+    // The coordinator reaches its worker's admin service with the generated secret.
+    let (code, workers) = http_with_key(&serve.addr, "/v1/admin/workers", KEY, None);
+    assert_eq!(code, 200, "{workers}");
+    let workers: serde_json::Value = serde_json::from_str(&workers).expect("JSON");
+    assert_eq!(workers[0]["status"]["sessions"], 1, "{workers}");
+    let worker = workers[0]["worker"].as_str().expect("worker address");
+    let (code, sessions) = http_with_key(&serve.addr, "/v1/admin/sessions", KEY, None);
+    assert_eq!(code, 200, "{sessions}");
+    let sessions: serde_json::Value = serde_json::from_str(&sessions).expect("JSON");
+    let session = sessions[0]["sessions"][0]["session_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a session id in {sessions}"))
+        .to_string();
+
+    // Another local process gets nothing: no session calls (Hello, then Forward, ...), no
+    // status, kill or drain, with no token, the API key, or a guess.
+    let rt = runtime();
+    for given in [None, Some(KEY), Some("guess")] {
+        let err = rt
+            .block_on(WorkerClient::connect(worker, &options(given)))
+            .err()
+            .unwrap_or_else(|| panic!("a session client with {given:?} was admitted"));
+        assert_eq!(err.kind(), ErrorKind::Unauthenticated, "{given:?}: {err}");
+        for args in [
+            vec!["status"],
+            vec!["kill", session.as_str()],
+            vec!["drain"],
+        ] {
+            let refused = tetherctl(worker, given, &args);
+            assert!(
+                !refused.status.success(),
+                "tetherctl {args:?} with {given:?}: {}",
+                text(&refused)
+            );
+            assert!(
+                text(&refused).to_lowercase().contains("token"),
+                "tetherctl {args:?}: {}",
+                text(&refused)
+            );
+        }
+    }
+
+    // Serving goes on over the same session, its forward passes on a data link that the
+    // secret opened (no fallback to gRPC).
+    let body = r#"{"prompt": [1, 2], "max_tokens": 3, "temperature": 0}"#;
+    let (code, reply) = http_with_key(&serve.addr, "/v1/completions", KEY, Some(body));
+    assert_eq!(code, 200, "{reply}");
+    let (code, health) = http(&serve.addr, "GET", "/health", None);
+    assert_eq!(code, 200, "{health}");
+    let (_, workers) = http_with_key(&serve.addr, "/v1/admin/workers", KEY, None);
+    let workers: serde_json::Value = serde_json::from_str(&workers).expect("JSON");
+    let status = &workers[0]["status"];
+    assert_eq!(status["sessions"], 1, "{workers}");
+    assert_eq!(status["draining"], false, "{workers}");
+    assert_eq!(status["counters"]["killed"], 0, "{workers}");
+    assert!(!serve.log().contains("no data link"), "{}", serve.log());
+}

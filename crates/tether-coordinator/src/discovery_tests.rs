@@ -38,6 +38,7 @@ async fn a_changed_worker_list_moves_the_model_to_the_new_workers() {
     let (old, new) = (&workers.workers[0], &workers.workers[1]);
     let model = ModelFile::open(&path).expect("model opens");
     let mut config = CoordinatorConfig::new(&model, vec![old.addr().to_string()]);
+    config.client = workers.client_options();
     config.ctx_per_seq = 256;
     config.ubatch = 8;
     config.retry_every = Duration::from_millis(50);

@@ -1,8 +1,15 @@
 //! Embedded workers: real tether workers serving gRPC on loopback inside this process, so
 //! `tether run` without `--worker` and the tests exercise the same protocol as a cluster.
+//!
+//! [`LocalWorkers`] guard their gRPC port and data links with a token generated at start
+//! and never logged, so only the coordinator given [`LocalWorkers::client_options`] can
+//! reach them: another user of the host cannot run Forward on the live session, kill it or
+//! drain it.
 
 use std::sync::Arc;
 use tether_compute::{CpuBackend, CudaBackend};
+use tether_worker::BearerToken;
+use tether_worker::client::ClientOptions;
 use tether_worker::model_stage::ModelStageFactory;
 use tether_worker::registry::{RegistryConfig, SessionRegistry};
 use tether_worker::server::{ServerOptions, serve};
@@ -45,13 +52,26 @@ pub struct LocalWorker {
 }
 
 impl LocalWorker {
-    /// Starts one worker on 127.0.0.1 with the given memory limit, on GPU `gpu` (cuda
-    /// backend) or else the cpu with `threads` threads.
+    /// Starts one open worker (no token: any local process may call it) on 127.0.0.1 with
+    /// the given memory limit, on GPU `gpu` (cuda backend) or else the cpu with `threads`
+    /// threads. For tests; [`LocalWorkers`] start guarded ones.
     pub async fn start(
         index: usize,
         threads: Option<usize>,
         max_memory: Option<u64>,
         gpu: Option<usize>,
+    ) -> Result<LocalWorker, LocalError> {
+        Self::start_guarded(index, threads, max_memory, gpu, None).await
+    }
+
+    /// As [`LocalWorker::start`], requiring `token` on every worker and admin call and on
+    /// every data link when one is given.
+    pub async fn start_guarded(
+        index: usize,
+        threads: Option<usize>,
+        max_memory: Option<u64>,
+        gpu: Option<usize>,
+        token: Option<BearerToken>,
     ) -> Result<LocalWorker, LocalError> {
         let err = |detail: String| LocalError { index, detail };
         let factory: Arc<dyn StageFactory> = match gpu {
@@ -91,7 +111,11 @@ impl LocalWorker {
             let shutdown = async {
                 let _ = stopped.await;
             };
-            if let Err(e) = serve(listener, serving, ServerOptions::default(), shutdown).await {
+            let options = ServerOptions {
+                token,
+                ..ServerOptions::default()
+            };
+            if let Err(e) = serve(listener, serving, options, shutdown).await {
                 tracing::warn!("embedded worker {index} stopped: {e}");
             }
         });
@@ -139,15 +163,17 @@ impl Drop for LocalWorker {
     }
 }
 
-/// Several embedded workers; dropping it shuts them all down.
+/// Several embedded workers sharing one secret; dropping it shuts them all down.
 pub struct LocalWorkers {
     /// The workers, in the order started.
     pub workers: Vec<LocalWorker>,
+    token: BearerToken,
 }
 
 impl LocalWorkers {
     /// Starts `n` workers (at least one), splitting the threads evenly between them; with
-    /// `options.gpus`, worker `i` serves GPU `gpus[i % gpus.len()]`.
+    /// `options.gpus`, worker `i` serves GPU `gpus[i % gpus.len()]`. They require a token
+    /// generated here: connect with [`LocalWorkers::client_options`].
     pub async fn start(n: usize, options: &LocalOptions) -> Result<LocalWorkers, LocalError> {
         let n = n.max(1);
         let total = options.threads.unwrap_or_else(|| {
@@ -156,13 +182,34 @@ impl LocalWorkers {
                 .unwrap_or(1)
         });
         let per_worker = (total / n).max(1);
+        let token = BearerToken::generate();
         let mut workers = Vec::with_capacity(n);
         for i in 0..n {
             let gpu = (!options.gpus.is_empty()).then(|| options.gpus[i % options.gpus.len()]);
-            let worker = LocalWorker::start(i, Some(per_worker), options.max_memory, gpu).await?;
+            let worker = LocalWorker::start_guarded(
+                i,
+                Some(per_worker),
+                options.max_memory,
+                gpu,
+                Some(token.clone()),
+            )
+            .await?;
             workers.push(worker);
         }
-        Ok(LocalWorkers { workers })
+        Ok(LocalWorkers { workers, token })
+    }
+
+    /// The secret every call to them must carry (worker, admin and data-link calls alike).
+    pub fn token(&self) -> &BearerToken {
+        &self.token
+    }
+
+    /// Connection settings that reach them: plaintext on loopback, carrying their token.
+    pub fn client_options(&self) -> ClientOptions {
+        ClientOptions {
+            token: Some(self.token.clone()),
+            ..ClientOptions::default()
+        }
     }
 
     /// Their addresses.

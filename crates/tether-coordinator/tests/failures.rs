@@ -12,10 +12,13 @@ use tether_coordinator::placement::{ServeShape, WorkerCapacity, place};
 use tether_coordinator::{
     Coordinator, CoordinatorConfig, CoordinatorError, LocalWorker, ModelFile,
 };
+use tether_worker::BearerToken;
 use tether_worker::client::{AdminClient, ClientOptions, WorkerClient};
 
-async fn sessions_and_bytes(addr: &str) -> (u32, u64) {
-    let mut admin = AdminClient::connect(addr, None, &ClientOptions::default())
+/// Sessions and bytes of the worker at `addr`, asking with `token` (an embedded cluster's).
+async fn sessions_and_bytes(addr: &str, token: Option<&BearerToken>) -> (u32, u64) {
+    let token = token.map(|t| t.expose().to_string());
+    let mut admin = AdminClient::connect(addr, token, &ClientOptions::default())
         .await
         .expect("admin connect");
     let status = admin.status().await.expect("status");
@@ -83,7 +86,7 @@ async fn a_refused_prepare_aborts_everywhere() {
     assert!(text.contains(&small), "the message names {small}: {text}");
     for a in &addrs {
         assert_eq!(
-            sessions_and_bytes(a).await,
+            sessions_and_bytes(a, None).await,
             (0, 0),
             "worker {a} keeps something"
         );
@@ -103,7 +106,7 @@ async fn a_refused_prepare_aborts_everywhere() {
     assert!(err.to_string().contains(&small), "{err}");
     for a in &addrs {
         assert_eq!(
-            sessions_and_bytes(a).await,
+            sessions_and_bytes(a, None).await,
             (0, 0),
             "worker {a} keeps something"
         );
@@ -146,7 +149,8 @@ async fn a_lost_worker_fails_requests_and_the_model_comes_back() {
         Err(GenError::Unavailable(_))
     ));
     // The remaining worker is the whole model now, and is loaded again.
-    let (remaining, _) = sessions_and_bytes(c.workers.workers[0].addr()).await;
+    let (remaining, _) =
+        sessions_and_bytes(c.workers.workers[0].addr(), Some(c.workers.token())).await;
     assert!(remaining <= 1);
     let started = Instant::now();
     while c.coordinator.health() != Health::Ready {
@@ -164,7 +168,8 @@ async fn a_lost_worker_fails_requests_and_the_model_comes_back() {
     assert!(end.is_ok(), "{end:?}");
     assert_eq!(tokens, expected);
     c.coordinator.shutdown().await;
-    let (sessions, bytes) = sessions_and_bytes(c.workers.workers[0].addr()).await;
+    let (sessions, bytes) =
+        sessions_and_bytes(c.workers.workers[0].addr(), Some(c.workers.token())).await;
     assert_eq!((sessions, bytes), (0, 0), "shutdown closes every session");
     c.workers.shutdown().await;
 }

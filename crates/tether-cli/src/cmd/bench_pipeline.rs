@@ -156,6 +156,7 @@ impl Setup {
             ubatch: args.device.ubatch,
             cache_k: args.cache.k(),
             cache_v: args.cache.v(),
+            client: workers.client_options(),
             ..CoordinatorConfig::new(model, workers.addrs())
         };
         config.load.data_links = !args.grpc_forward;

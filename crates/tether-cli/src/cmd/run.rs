@@ -130,10 +130,10 @@ pub fn run(args: RunArgs) -> Result<()> {
 
 async fn run_async(args: RunArgs) -> Result<()> {
     let params = args.sampling.params()?;
-    let client = if args.workers.is_empty() {
-        args.worker_link.embedded_options()?
-    } else {
-        args.worker_link.client_options()?
+    // Checked here so that a wrong flag fails before any worker starts.
+    let remote_client = match args.workers.is_empty() {
+        true => Default::default(),
+        false => args.worker_link.client_options()?,
     };
     let started = Instant::now();
     let resolved = args.model.resolve()?;
@@ -152,9 +152,9 @@ async fn run_async(args: RunArgs) -> Result<()> {
     } else {
         None
     };
-    let addrs = match &local {
-        Some(l) => l.addrs(),
-        None => args.workers.clone(),
+    let (addrs, client) = match &local {
+        Some(l) => (l.addrs(), args.worker_link.embedded_options(l)),
+        None => (args.workers.clone(), remote_client),
     };
     let mut config = CoordinatorConfig {
         split: args.split.clone(),

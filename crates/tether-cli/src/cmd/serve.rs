@@ -157,10 +157,10 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         None => None,
     };
     let embedded = args.workers.is_empty() && args.worker_dns.is_none();
-    let client = if embedded {
-        args.worker_link.embedded_options()?
-    } else {
-        args.worker_link.client_options()?
+    // Checked here so that a wrong flag fails before any worker starts.
+    let remote_client = match embedded {
+        true => Default::default(),
+        false => args.worker_link.client_options()?,
     };
     let resolved = args.model.resolve()?;
     if resolved.is_demo {
@@ -174,9 +174,9 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     } else {
         None
     };
-    let addrs = match &local {
-        Some(l) => l.addrs(),
-        None => args.workers.clone(),
+    let (addrs, client) = match &local {
+        Some(l) => (l.addrs(), args.worker_link.embedded_options(l)),
+        None => (args.workers.clone(), remote_client),
     };
     let defaults = CoordinatorConfig::new(&model, addrs.clone());
     let mut config = CoordinatorConfig {
@@ -228,11 +228,16 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     let app = router(coordinator.clone(), opts).merge(admin_router(
         coordinator.clone(),
         args.api_key.clone(),
-        // A worker without --admin-token takes its --token on admin calls.
-        args.admin_token
-            .clone()
-            .filter(|t| !t.is_empty())
-            .or_else(|| args.worker_link.worker_token.clone()),
+        // A worker without --admin-token takes its --token on admin calls; embedded
+        // workers take the secret they were started with on both.
+        match &local {
+            Some(l) => Some(l.token().expose().to_string()),
+            None => args
+                .admin_token
+                .clone()
+                .filter(|t| !t.is_empty())
+                .or_else(|| args.worker_link.worker_token.clone()),
+        },
     ));
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

@@ -5,6 +5,7 @@
 use crate::cmd::tls_args::WorkerTlsArgs;
 use anyhow::Context;
 use clap::Args;
+use tether_coordinator::LocalWorkers;
 use tether_worker::BearerToken;
 use tether_worker::client::ClientOptions;
 
@@ -37,17 +38,20 @@ impl WorkerLinkArgs {
         })
     }
 
-    /// The settings for workers embedded in this process, which listen on loopback in
-    /// plaintext: the TLS flags are meant for --worker processes.
-    pub fn embedded_options(&self) -> anyhow::Result<ClientOptions> {
+    /// The settings for `local`, the workers embedded in this process, which listen on
+    /// loopback in plaintext and require the token they generated: the TLS flags and
+    /// --worker-token are meant for --worker processes.
+    pub fn embedded_options(&self, local: &LocalWorkers) -> ClientOptions {
         if self.tls.any_given() {
             tracing::warn!(
                 "the --worker-tls-* settings apply to --worker processes; the embedded workers are reached in plaintext on loopback"
             );
         }
-        Ok(ClientOptions {
-            token: self.token()?,
-            ..ClientOptions::default()
-        })
+        if self.worker_token.as_deref().is_some_and(|t| !t.is_empty()) {
+            tracing::warn!(
+                "--worker-token applies to --worker processes; the embedded workers take a secret generated at start"
+            );
+        }
+        local.client_options()
     }
 }

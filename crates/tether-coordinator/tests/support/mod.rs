@@ -138,6 +138,7 @@ pub async fn cluster(path: &Path, n: usize, tune: impl FnOnce(&mut CoordinatorCo
     .expect("start workers");
     let model = ModelFile::open(path).expect("open model");
     let mut config = CoordinatorConfig::new(&model, workers.addrs());
+    config.client = workers.client_options();
     config.ctx_per_seq = 256;
     config.ubatch = 8;
     tune(&mut config);
