@@ -82,3 +82,80 @@ fn runaway_chat_template_fails_its_request_and_nothing_else() {
     assert_eq!(status, 200, "{body}");
     health_ok(&serve, Duration::from_secs(5)).expect("health after the runaway template");
 }
+
+/// How often the model was loaded, from the serve log.
+fn loads(serve: &Serve) -> usize {
+    serve.log().matches(" loaded:").count()
+}
+
+#[test]
+fn oversized_prompts_do_not_starve_the_lease_or_health() {
+    let model = TinyModel::new();
+    // A short lease, so that a runtime stalled for a second or two reaps the session; room
+    // for all 30 on the blocking pool, so that each is tokenized and refused.
+    let serve = serve_embedded(
+        model.arg(),
+        &["--lease-ttl", "2s", "--max-heavy-requests", "32"],
+    );
+    assert_eq!(loads(&serve), 1, "log:\n{}", serve.log());
+    health_ok(&serve, Duration::from_secs(5)).expect("health before");
+
+    let text = "Once upon a time there was a tiny model. ".repeat(1_900_000 / 41);
+    let body = serde_json::json!({ "prompt": text, "max_tokens": 1 }).to_string();
+    assert!(body.len() > 1_800_000);
+    let body = std::sync::Arc::new(body);
+    let addr = serve.addr.clone();
+    let clients: Vec<_> = (0..30)
+        .map(|_| {
+            let (addr, body) = (addr.clone(), std::sync::Arc::clone(&body));
+            std::thread::spawn(move || {
+                http_deadline(
+                    &addr,
+                    "POST",
+                    "/v1/completions",
+                    Some(&body),
+                    Duration::from_secs(120),
+                )
+            })
+        })
+        .collect();
+
+    // /health answers within a second all the while the prompts are being refused.
+    let mut slowest = Duration::ZERO;
+    let mut probes = 0;
+    while clients.iter().any(|c| !c.is_finished()) {
+        let took = health_ok(&serve, Duration::from_secs(1))
+            .unwrap_or_else(|e| panic!("under load: {e}; log:\n{}", serve.log()));
+        slowest = slowest.max(took);
+        probes += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut refused = 0;
+    for c in clients {
+        let (status, reply) = c.join().expect("client thread").expect("reply");
+        assert_eq!(status, 400, "{reply}");
+        assert!(reply.contains("context_length_exceeded"), "{reply}");
+        refused += 1;
+    }
+    eprintln!("{probes} health probes, slowest {slowest:?}, {refused} refused with 400");
+
+    // Two more lease periods: a session stalled past its lease would be gone by now.
+    std::thread::sleep(Duration::from_secs(4));
+    health_ok(&serve, Duration::from_secs(1)).expect("health after");
+    let log = serve.log();
+    assert!(
+        !log.contains("reaped"),
+        "the session was reaped; log:\n{log}"
+    );
+    assert_eq!(loads(&serve), 1, "the model was reloaded; log:\n{log}");
+    let completion = r#"{"prompt":"Once upon a time","max_tokens":2,"temperature":0}"#;
+    let (status, reply) = http_deadline(
+        &serve.addr,
+        "POST",
+        "/v1/completions",
+        Some(completion),
+        Duration::from_secs(30),
+    )
+    .expect("completion");
+    assert_eq!(status, 200, "{reply}");
+}

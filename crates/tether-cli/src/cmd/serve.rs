@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tether_coordinator::http::admin::admin_router;
 use tether_coordinator::http::template::TemplateBudget;
-use tether_coordinator::http::{HttpOptions, router, serve, serve_tls};
+use tether_coordinator::http::{
+    HttpOptions, default_max_heavy_requests, router, serve, serve_tls,
+};
 use tether_coordinator::load::LoadOptions;
 use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile, WorkerDns};
 use tether_worker::Lease;
@@ -95,6 +97,10 @@ pub struct ServeArgs {
     /// Largest prompt the chat template may render, in bytes; more fails the request.
     #[arg(long, default_value_t = TemplateBudget::default().max_output_bytes)]
     pub template_max_output: usize,
+    /// Requests prepared at once off the async runtime when their preparation is heavy (a
+    /// body of 16 KiB or more, or a chat template to render); more get HTTP 429 at once.
+    #[arg(long, default_value_t = default_max_heavy_requests())]
+    pub max_heavy_requests: usize,
     /// Lease of the worker sessions: a worker frees a session that has not heard a
     /// heartbeat for this long (heartbeats go every third of it).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -224,6 +230,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
             max_output_bytes: args.template_max_output,
             ..TemplateBudget::default()
         },
+        max_heavy_requests: args.max_heavy_requests,
     };
     let app = router(coordinator.clone(), opts).merge(admin_router(
         coordinator.clone(),

@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -13,10 +14,11 @@ use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-use super::SharedState;
 use super::error::ApiError;
+use super::heavy::HEAVY_BODY_BYTES;
 use super::prepare::{self, Prepared};
 use super::run::{Run, RunEvent};
+use super::{AppState, SharedState};
 use crate::api::FinishReason;
 
 /// Which of the two endpoints a reply is for.
@@ -32,7 +34,16 @@ pub(super) async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let started = Instant::now();
-    let prepared = parse(body).and_then(|req| prepare::completion(&state, req));
+    let prepared = match body {
+        Ok(bytes) if bytes.len() < HEAVY_BODY_BYTES => {
+            parse(Ok(bytes)).and_then(|req| prepare::completion(&state, req))
+        }
+        body => {
+            let work =
+                move |state: &AppState| parse(body).and_then(|req| prepare::completion(state, req));
+            state.heavy.run(Arc::clone(&state), work).await
+        }
+    };
     respond(&state, Kind::Completion, prepared, started).await
 }
 
@@ -42,7 +53,9 @@ pub(super) async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let started = Instant::now();
-    let prepared = parse(body).and_then(|req| prepare::chat(&state, req));
+    // The model's template may loop as long as its budget allows: always heavy.
+    let work = move |state: &AppState| parse(body).and_then(|req| prepare::chat(state, req));
+    let prepared = state.heavy.run(Arc::clone(&state), work).await;
     respond(&state, Kind::Chat, prepared, started).await
 }
 

@@ -7,6 +7,7 @@
 pub mod admin;
 mod endpoints;
 pub mod error;
+mod heavy;
 pub mod metrics;
 mod prepare;
 mod run;
@@ -39,6 +40,8 @@ use tether_model::tokenizer::Tokenizer;
 
 use crate::api::{Generation, Health, ModelInfo};
 pub use error::ApiError;
+use heavy::HeavyWork;
+pub use heavy::default_max_heavy_requests;
 use metrics::Metrics;
 use template::{ChatTemplate, TemplateBudget};
 
@@ -57,6 +60,9 @@ pub struct HttpOptions {
     pub model_id: Option<String>,
     /// What one rendering of the chat template may cost.
     pub template_budget: TemplateBudget,
+    /// Requests whose preparation is CPU-heavy (large bodies, chat templates) prepared at
+    /// once on the blocking pool; more are refused with 429.
+    pub max_heavy_requests: usize,
 }
 
 impl Default for HttpOptions {
@@ -68,6 +74,7 @@ impl Default for HttpOptions {
             max_tokens_limit: 4096,
             model_id: None,
             template_budget: TemplateBudget::default(),
+            max_heavy_requests: heavy::default_max_heavy_requests(),
         }
     }
 }
@@ -81,6 +88,7 @@ struct AppState {
     tokenizer: Arc<Tokenizer>,
     template: ChatTemplate,
     metrics: Arc<Metrics>,
+    heavy: HeavyWork,
 }
 
 type SharedState = Arc<AppState>;
@@ -100,6 +108,7 @@ pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
     let tokenizer = engine.tokenizer();
     let template = ChatTemplate::for_model(&model, &tokenizer, opts.template_budget);
     let model_id = opts.model_id.clone().unwrap_or_else(|| model.id.clone());
+    let heavy = HeavyWork::new(opts.max_heavy_requests);
     let state = Arc::new(AppState {
         engine,
         opts,
@@ -108,6 +117,7 @@ pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
         tokenizer,
         template,
         metrics: Arc::new(Metrics::default()),
+        heavy,
     });
     let v1 = Router::new()
         .route("/v1/completions", post(endpoints::completions))
