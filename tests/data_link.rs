@@ -329,3 +329,83 @@ fn a_same_host_socket_of_another_process_is_not_trusted() {
         Err(e) => panic!("the client never looked at the same-host socket: {e}"),
     }
 }
+
+#[test]
+fn hellos_dripped_a_byte_at_a_time_are_cut_at_the_deadline_and_a_real_link_still_opens() {
+    const TOKEN: &str = "data-link-drip-secret";
+    const DRIPPERS: usize = 32;
+    let model = TinyModel::new();
+    // A 1 s hello deadline and room for 8 connections without a hello, a quarter of the
+    // drippers.
+    let worker = Worker::start(&[
+        "--token",
+        TOKEN,
+        "--data-hello-timeout",
+        "1s",
+        "--data-max-unauthenticated",
+        "8",
+    ]);
+    runtime().block_on(async {
+        let options = ClientOptions {
+            token: BearerToken::parse(Some(TOKEN)).expect("token"),
+            ..ClientOptions::default()
+        };
+        let client = WorkerClient::connect(&worker.addr, &options)
+            .await
+            .expect("connect");
+        let (session, _) =
+            committed_session(&client, attach_options("drip"), &model.path, 16).await;
+        let at = data_addr(&client);
+        let mut drips: Vec<TcpStream> = (0..DRIPPERS)
+            .map(|_| TcpStream::connect(at).expect("connect to the data port"))
+            .collect();
+        // A 100-byte hello announced, then one byte of it every 300 ms: each read on its
+        // own is quick, the hello never completes.
+        let hello = [100u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let started = Instant::now();
+        let mut linked = false;
+        for byte in hello {
+            for drip in &mut drips {
+                let _ = drip.write_all(&[byte]);
+            }
+            if !linked && started.elapsed() >= Duration::from_millis(500) {
+                // The drippers hold every slot for unauthenticated connections now.
+                let link = client
+                    .open_data_link(session.id())
+                    .await
+                    .expect("open")
+                    .expect("a real coordinator still gets its link");
+                link.forward(&call(vec![1], &[0], Rows::ArgMax))
+                    .expect("a forward pass on it");
+                linked = true;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        assert!(linked);
+        assert!(started.elapsed() >= Duration::from_secs(3));
+        // Each dripper was closed: by the total deadline (1 s), or to make room.
+        for (i, drip) in drips.iter_mut().enumerate() {
+            drip.set_read_timeout(Some(Duration::from_millis(500)))
+                .expect("read timeout");
+            let mut buf = [0u8; 64];
+            let read = loop {
+                match drip.read(&mut buf) {
+                    Ok(n) if n > 0 => continue,
+                    other => break other,
+                }
+            };
+            match read {
+                Ok(_) => {}
+                Err(e) => assert!(
+                    !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ),
+                    "dripper {i} is still open after {:?}",
+                    started.elapsed()
+                ),
+            }
+        }
+        session.close().await;
+    });
+}

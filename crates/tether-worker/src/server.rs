@@ -53,6 +53,11 @@ pub struct ServerOptions {
     /// How long a link spins for its next request; `None`: 10 ms on a GPU, 0 on the cpu
     /// device, whose compute needs every core.
     pub data_spin: Option<Duration>,
+    /// How long a new data-link connection has to send its whole hello.
+    pub data_hello_within: Duration,
+    /// Most data-link connections waiting for their hello at once; a new one beyond it
+    /// closes the one that has waited longest.
+    pub data_max_unauthenticated: usize,
 }
 
 impl Default for ServerOptions {
@@ -69,6 +74,8 @@ impl Default for ServerOptions {
             data_links: true,
             data_port: 0,
             data_spin: None,
+            data_hello_within: crate::data::DEFAULT_HELLO_WITHIN,
+            data_max_unauthenticated: crate::data::DEFAULT_MAX_UNAUTHENTICATED,
         }
     }
 }
@@ -121,6 +128,8 @@ fn start_data_plane(
             token: options.token.clone(),
             max_frame_bytes: options.max_message_bytes,
             spin,
+            hello_within: options.data_hello_within,
+            max_unauthenticated: options.data_max_unauthenticated,
         },
     )
     .map_err(|e| {

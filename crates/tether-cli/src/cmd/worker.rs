@@ -103,6 +103,13 @@ pub struct WorkerArgs {
     /// (default: 10ms on a GPU, 0 on the cpu device, whose compute needs every core).
     #[arg(long, value_parser = parse_duration)]
     pub data_spin: Option<Duration>,
+    /// How long a new data-link connection has to send its whole hello before it is closed.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub data_hello_timeout: Duration,
+    /// Most data-link connections waiting for their hello at once; a new one beyond it
+    /// closes the one that has waited longest.
+    #[arg(long, default_value_t = tether_worker::data::DEFAULT_MAX_UNAUTHENTICATED)]
+    pub data_max_unauthenticated: usize,
     #[command(flatten)]
     pub tls: ServeTlsArgs,
 }
@@ -173,6 +180,8 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         data_links: !args.no_data_links,
         data_port: args.data_port,
         data_spin: args.data_spin,
+        data_hello_within: args.data_hello_timeout,
+        data_max_unauthenticated: args.data_max_unauthenticated,
     };
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics = match &args.metrics_listen {

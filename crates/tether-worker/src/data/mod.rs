@@ -10,7 +10,7 @@ mod server;
 mod wire;
 
 pub use client::{DataLink, LinkTarget};
-pub use server::{DataOptions, DataPlane};
+pub use server::{DEFAULT_HELLO_WITHIN, DEFAULT_MAX_UNAUTHENTICATED, DataOptions, DataPlane};
 
 use crate::error::WorkerError;
 use crate::ids::SessionId;

@@ -9,24 +9,27 @@
 
 use super::conn::{Conn, unix_name};
 use super::frame;
-use super::wire::{FRAME_WITHIN, FrameError, WaitEnd, read_frame, wait_for_frame};
+use super::wire::{FRAME_WITHIN, FrameError, WaitEnd, read_frame, read_frame_by, wait_for_frame};
 use crate::error::WorkerError;
 use crate::ids::SessionId;
 use crate::registry::SessionRegistry;
 use crate::token::BearerToken;
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tonic::Code;
 
 /// Most links open at once; a connection beyond it is closed unanswered.
 const MAX_LINKS: usize = 1024;
-/// How long a new connection has to send its hello.
-const HELLO_WITHIN: Duration = Duration::from_secs(5);
+/// How long a new connection has to send its whole hello, by default.
+pub const DEFAULT_HELLO_WITHIN: Duration = Duration::from_secs(5);
+/// Most connections waiting for their hello at once, by default.
+pub const DEFAULT_MAX_UNAUTHENTICATED: usize = 64;
 
 /// How data links are served.
 #[derive(Clone, Debug)]
@@ -38,6 +41,13 @@ pub struct DataOptions {
     /// How long a link's thread spins for its next request before it blocks; zero for
     /// workers whose compute shares the CPU with it.
     pub spin: Duration,
+    /// How long a new connection has to send its whole hello (one deadline, however the
+    /// bytes trickle in).
+    pub hello_within: Duration,
+    /// Most connections waiting for their hello at once; a new one beyond it closes the
+    /// one that has waited longest, so slow or silent peers cannot keep a coordinator,
+    /// whose hello comes in its first write, from linking.
+    pub max_unauthenticated: usize,
 }
 
 /// A listening data-link endpoint; dropping it stops the listener, and each link's thread
@@ -74,6 +84,7 @@ impl DataPlane {
             options,
             stop: Arc::clone(&stop),
             live,
+            greeting: Arc::new(Greeting::default()),
         };
         let mut accepts = Vec::new();
         let tcp = acceptor.clone();
@@ -140,6 +151,40 @@ pub(crate) fn answer(
     (frame::encode_output(&result), gone)
 }
 
+/// The connections still waiting for their hello, oldest first, each with a handle that
+/// can close it.
+#[derive(Default)]
+struct Greeting {
+    next_id: AtomicU64,
+    waiting: Mutex<VecDeque<(u64, Conn)>>,
+}
+
+impl Greeting {
+    /// Registers `conn`; when `max` already wait, closes the one that waited longest (its
+    /// thread sees its reads fail and ends). `None` when `conn` cannot be registered.
+    fn admit(&self, conn: &Conn, max: usize) -> Option<u64> {
+        let handle = conn.try_clone().ok()?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        while waiting.len() >= max.max(1) {
+            if let Some((_, oldest)) = waiting.pop_front() {
+                tracing::debug!("closed a data-link connection still without a hello");
+                let _ = oldest.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        waiting.push_back((id, handle));
+        Some(id)
+    }
+
+    /// Forgets `id`: its hello came, or it ended.
+    fn done(&self, id: u64) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(at) = waiting.iter().position(|(i, _)| *i == id) {
+            waiting.remove(at);
+        }
+    }
+}
+
 /// What an accept thread needs to start links.
 #[derive(Clone)]
 struct Acceptor {
@@ -147,6 +192,7 @@ struct Acceptor {
     options: DataOptions,
     stop: Arc<AtomicBool>,
     live: Arc<AtomicUsize>,
+    greeting: Arc<Greeting>,
 }
 
 impl Acceptor {
@@ -170,17 +216,26 @@ impl Acceptor {
                 tracing::warn!("{MAX_LINKS} data links are open; refused another");
                 continue;
             }
+            let Some(greeting_id) = self
+                .greeting
+                .admit(&stream, self.options.max_unauthenticated)
+            else {
+                self.live.fetch_sub(1, Ordering::SeqCst);
+                continue;
+            };
             let link = Link {
                 registry: Arc::clone(&self.registry),
                 options: self.options.clone(),
                 stop: Arc::clone(&self.stop),
                 live: Arc::clone(&self.live),
+                greeting: Arc::clone(&self.greeting),
+                greeting_id,
             };
             let spawned = std::thread::Builder::new()
                 .name("tether-data-link".into())
                 .spawn(move || link.serve(stream));
             if let Err(e) = spawned {
-                self.live.fetch_sub(1, Ordering::SeqCst);
+                // The link, dropped with the closure, gave its slots back.
                 tracing::warn!(error = %e, "could not start a data link thread");
             }
         }
@@ -193,10 +248,13 @@ struct Link {
     options: DataOptions,
     stop: Arc<AtomicBool>,
     live: Arc<AtomicUsize>,
+    greeting: Arc<Greeting>,
+    greeting_id: u64,
 }
 
 impl Drop for Link {
     fn drop(&mut self) {
+        self.greeting.done(self.greeting_id);
         self.live.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -206,9 +264,10 @@ impl Link {
         if let Conn::Tcp(s) = &stream {
             let _ = s.set_nodelay(true);
         }
-        let session = match self.welcome(&mut stream) {
-            Some(s) => s,
-            None => return,
+        let session = self.welcome(&mut stream);
+        self.greeting.done(self.greeting_id);
+        let Some(session) = session else {
+            return;
         };
         tracing::debug!(session = %session, "data link open");
         loop {
@@ -249,7 +308,8 @@ impl Link {
 
     /// Reads the hello and answers it; the session, when the link may serve it.
     fn welcome(&self, stream: &mut Conn) -> Option<SessionId> {
-        let body = match read_frame(stream, 64 + 4096, HELLO_WITHIN, Duration::ZERO) {
+        let deadline = Instant::now() + self.options.hello_within;
+        let body = match read_frame_by(stream, 64 + 4096, deadline) {
             Ok(body) => body,
             Err(FrameError::TooLong(_)) => {
                 // An HTTP request, say: its first four bytes read as a huge length.

@@ -104,6 +104,43 @@ pub(crate) fn read_frame(
     Ok(body)
 }
 
+/// Reads one frame's body, refusing one over `max` bytes, all of it by `deadline`: a peer
+/// that sends a byte now and then cannot stretch it, as it could a per-read timeout.
+pub(crate) fn read_frame_by(
+    stream: &mut Conn,
+    max: usize,
+    deadline: Instant,
+) -> Result<Vec<u8>, FrameError> {
+    let mut len = [0u8; 4];
+    fill_by(stream, &mut len, deadline).map_err(FrameError::Io)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(FrameError::TooLong(len));
+    }
+    let mut body = vec![0u8; len];
+    fill_by(stream, &mut body, deadline).map_err(FrameError::Io)?;
+    Ok(body)
+}
+
+/// Fills `buf` with blocking reads, each waiting at most until `deadline`.
+fn fill_by(stream: &mut Conn, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Fills `buf`: non-blocking reads while `spin` lasts, then blocking ones that give up after
 /// `within`.
 fn fill(stream: &mut Conn, buf: &mut [u8], within: Duration, spin: Duration) -> io::Result<()> {
