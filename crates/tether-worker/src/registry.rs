@@ -166,9 +166,10 @@ impl SessionRegistry {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Opens a session for `client_name` with the lease asked for (clamped to the limits).
+    /// Opens a session for `client_name` with the lease asked for (clamped to the limits;
+    /// refused when its heartbeat interval is under [`min_heartbeat_interval`]).
     pub fn open(&self, client_name: &str, asked: Lease) -> Result<SessionTicket> {
-        let lease = self.clamp_lease(asked);
+        let lease = self.clamp_lease(asked)?;
         let mut inner = self.lock();
         if inner.closed {
             return Err(WorkerError::Unavailable(
@@ -224,7 +225,7 @@ impl SessionRegistry {
         Ok(())
     }
 
-    fn clamp_lease(&self, asked: Lease) -> Lease {
+    fn clamp_lease(&self, asked: Lease) -> Result<Lease> {
         let c = &self.config;
         let ttl = if asked.ttl.is_zero() {
             c.default_lease.ttl
@@ -237,12 +238,20 @@ impl SessionRegistry {
         } else {
             asked.heartbeat_interval
         };
+        let floor = min_heartbeat_interval(ttl);
+        if interval < floor {
+            return Err(WorkerError::InvalidArgument(format!(
+                "heartbeat interval {interval:?} is too short for a lease of {ttl:?}: give at \
+                 least {floor:?} (TTL/60, and at least 50ms); heartbeats that often only cost \
+                 the worker CPU"
+            )));
+        }
         // A heartbeat slower than the TTL would reap a healthy client.
-        let interval = interval.clamp(Duration::from_millis(10), ttl / 2);
-        Lease {
+        let interval = interval.min(ttl / 2);
+        Ok(Lease {
             heartbeat_interval: interval,
             ttl,
-        }
+        })
     }
 
     /// Records a client heartbeat, renewing the lease.
@@ -458,4 +467,11 @@ pub(crate) fn unknown_session(id: SessionId) -> WorkerError {
     WorkerError::NotFound(format!(
         "session {id} is unknown to this worker (it ended or never existed); attach again"
     ))
+}
+
+/// The shortest heartbeat interval granted for a lease of `ttl`: a sixtieth of it and at
+/// least 50 ms, so that 300 sessions of 10 ms heartbeats cannot take a fifth of a core; for
+/// leases under 150 ms a third of the TTL, which coordinators ask for.
+pub fn min_heartbeat_interval(ttl: Duration) -> Duration {
+    (ttl / 60).max(Duration::from_millis(50).min(ttl / 3))
 }

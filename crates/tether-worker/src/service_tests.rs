@@ -318,3 +318,93 @@ async fn a_refused_local_read_is_marked_over_grpc_and_streaming_then_works() {
     h.stop.cancel();
     h.done.await.unwrap();
 }
+
+#[tokio::test]
+async fn a_heartbeat_far_shorter_than_the_lease_is_refused_naming_both() {
+    let h = start(1 << 20).await;
+    let client = WorkerClient::connect(&h.addr, &ClientOptions::default())
+        .await
+        .unwrap();
+    let asked = |heartbeat_ms, ttl_ms| AttachOptions {
+        client_name: "beats".into(),
+        lease: Lease {
+            heartbeat_interval: Duration::from_millis(heartbeat_ms),
+            ttl: Duration::from_millis(ttl_ms),
+        },
+        heartbeat: true,
+    };
+    // 10 ms beats on a 600 s lease: 300 such sessions took a fifth of a core.
+    let Err(err) = client.attach(asked(10, 600_000)).await else {
+        panic!("a 10 ms heartbeat on a 600 s lease was granted");
+    };
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("10ms") && text.contains("600s") && text.contains("10s"),
+        "{text}"
+    );
+    // The floor is 50 ms however short the lease...
+    let Err(err) = client.attach(asked(20, 2_000)).await else {
+        panic!("a 20 ms heartbeat was granted");
+    };
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    // ... and at or above it a lease is granted.
+    let session = client.attach(asked(50, 2_000)).await.unwrap();
+    assert_eq!(
+        session.lease().heartbeat_interval,
+        Duration::from_millis(50)
+    );
+    let session10 = client.attach(asked(10_000, 600_000)).await.unwrap();
+    drop((session, session10));
+    h.stop.cancel();
+    h.done.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_prepare_stream_without_begin_is_closed_after_the_deadline() {
+    let h = start(1 << 20).await;
+    let mut rpc =
+        tether_proto::v1::worker_client::WorkerClient::connect(format!("http://{}", h.addr))
+            .await
+            .unwrap();
+    let started = std::time::Instant::now();
+    let never = futures::stream::pending::<tether_proto::v1::PrepareRequest>();
+    let answer = tokio::time::timeout(Duration::from_secs(30), rpc.prepare(never))
+        .await
+        .expect("the worker held a Prepare stream without Begin for 30 s");
+    let status = answer.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status}");
+    assert!(status.message().contains("no Begin"), "{status}");
+    assert!(started.elapsed() < Duration::from_secs(15));
+    h.stop.cancel();
+    h.done.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_header_over_the_message_limit_names_the_limit() {
+    let h = start(1 << 20).await;
+    let options = ClientOptions {
+        max_message_bytes: 1 << 20,
+        ..ClientOptions::default()
+    };
+    let client = WorkerClient::connect(&h.addr, &options).await.unwrap();
+    let session = client
+        .attach(AttachOptions {
+            client_name: "big".into(),
+            lease: lease(2000),
+            heartbeat: true,
+        })
+        .await
+        .unwrap();
+    let (mut req, source) = load_request();
+    req.gguf_header = vec![0u8; 2 << 20];
+    let err = client.prepare(session.id(), req, source).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ResourceExhausted, "{err}");
+    assert!(err.to_string().contains("1048576"), "{err}");
+    assert!(!err.to_string().contains("h2 protocol"), "{err}");
+    // The session is still usable for a load that fits.
+    let (req, source) = load_request();
+    assert!(client.prepare(session.id(), req, source).await.unwrap() > 0);
+    h.stop.cancel();
+    h.done.await.unwrap();
+}

@@ -1,7 +1,7 @@
 //! Loading and serving through a worker: Prepare (streamed, checksummed), Commit, Abort,
 //! Forward and KV operations.
 
-use super::{ClientError, WorkerClient};
+use super::{ClientError, ErrorKind, WorkerClient};
 use crate::error::WorkerError;
 use crate::ids::{SessionId, TxnId};
 use crate::participant::{AbortCause, Outcome};
@@ -139,6 +139,21 @@ impl WorkerClient {
                 .map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX)),
             local_path: load.local_path.clone().unwrap_or_default(),
         };
+        // Over the limit, h2 would only say "protocol error"; say which limit instead.
+        let begin_bytes = prost::Message::encoded_len(&begin);
+        if begin_bytes > self.max_send_bytes {
+            return Err(ClientError::Rpc {
+                op: "prepare",
+                addr: self.addr.clone(),
+                kind: ErrorKind::ResourceExhausted,
+                message: format!(
+                    "the GGUF header and tensor list take {begin_bytes} bytes, over the gRPC \
+                     message limit of {} bytes (the smaller of this client's and the worker's \
+                     --max-message-bytes); raise both, or use a file with less metadata",
+                    self.max_send_bytes
+                ),
+            });
+        }
         let names = if load.local_path.is_some() {
             Vec::new()
         } else {

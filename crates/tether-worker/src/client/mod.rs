@@ -292,6 +292,8 @@ pub struct WorkerClient {
     token: Option<BearerToken>,
     tls: bool,
     connect_timeout: Duration,
+    /// Largest message this client may send: its own limit or the worker's, the smaller.
+    max_send_bytes: usize,
 }
 
 impl WorkerClient {
@@ -322,7 +324,9 @@ impl WorkerClient {
             data_port: u16::try_from(hello.data_port).unwrap_or(0),
             pid: hello.worker_pid,
         };
+        let worker_limit = usize::try_from(info.max_message_bytes).unwrap_or(usize::MAX);
         Ok(Self {
+            max_send_bytes: options.max_message_bytes.min(worker_limit),
             addr: addr.to_string(),
             rpc,
             info,

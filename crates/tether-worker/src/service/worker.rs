@@ -22,6 +22,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 /// How long a new Attach stream may take to send its Open message.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a Prepare stream may take to send its Begin.
+const BEGIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The worker service over a registry.
 pub struct WorkerService {
@@ -135,9 +137,17 @@ impl pb::worker_server::Worker for WorkerService {
         request: Request<Streaming<pb::PrepareRequest>>,
     ) -> Result<Response<pb::PrepareReply>, Status> {
         let mut inbound = request.into_inner();
+        // A stream that never sends Begin must not hold a connection's stream for ever.
+        let first = tokio::time::timeout(BEGIN_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "prepare: no Begin message within {BEGIN_TIMEOUT:?}; the stream is closed"
+                ))
+            })??;
         let Some(pb::PrepareRequest {
             kind: Some(pb::prepare_request::Kind::Begin(begin)),
-        }) = inbound.message().await?
+        }) = first
         else {
             return Err(Status::invalid_argument(
                 "prepare: the first message must be Begin",
