@@ -325,3 +325,57 @@ fn embedded_workers_of_tether_serve_refuse_callers_without_their_secret() {
     assert_eq!(status["counters"]["killed"], 0, "{workers}");
     assert!(!serve.log().contains("no data link"), "{}", serve.log());
 }
+
+#[test]
+fn connections_that_never_begin_a_handshake_are_closed_and_tetherctl_still_connects() {
+    use std::io::Read;
+    const SILENT: usize = 200;
+    let worker = Worker::start(&[
+        "--token",
+        TOKEN,
+        "--handshake-timeout",
+        "1s",
+        "--max-connections",
+        "64",
+    ]);
+    // Three times the cap, none of which ever sends the HTTP/2 preface.
+    let mut silent: Vec<std::net::TcpStream> = (0..SILENT)
+        .map(|_| std::net::TcpStream::connect(&worker.addr).expect("connect to the worker"))
+        .collect();
+    let started = std::time::Instant::now();
+    // Each is closed: those beyond the cap at once, the others at the 1 s deadline.
+    for (i, conn) in silent.iter_mut().enumerate() {
+        conn.set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("read timeout");
+        let mut buf = [0u8; 256];
+        let read = loop {
+            match conn.read(&mut buf) {
+                Ok(n) if n > 0 => continue,
+                other => break other,
+            }
+        };
+        if let Err(e) = read {
+            assert!(
+                !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ),
+                "silent connection {i} is still open after {:?}",
+                started.elapsed()
+            );
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // The operator's tool connects, and a real client serves.
+    let s = status(&worker.addr);
+    assert_eq!(sessions_and_bytes(&s), (0, 0), "{s}");
+    let rt = runtime();
+    let client = rt
+        .block_on(WorkerClient::connect(&worker.addr, &options(Some(TOKEN))))
+        .expect("a client with the token connects");
+    drop(client);
+    assert!(
+        !worker.log().contains(TOKEN),
+        "the log must not hold the token"
+    );
+}

@@ -6,6 +6,7 @@
 pub mod client;
 pub mod data;
 pub mod error;
+pub mod handshake;
 pub mod heap;
 pub mod ids;
 pub mod leak_watch;

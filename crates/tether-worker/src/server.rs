@@ -4,6 +4,7 @@
 //! period).
 
 use crate::data::{DataOptions, DataPlane};
+use crate::handshake::ConnectionLimits;
 use crate::reaper::run_reaper;
 use crate::registry::SessionRegistry;
 use crate::service::{AdminAuth, AdminService, HealthService, WorkerAuth, WorkerService};
@@ -58,7 +59,16 @@ pub struct ServerOptions {
     /// Most data-link connections waiting for their hello at once; a new one beyond it
     /// closes the one that has waited longest.
     pub data_max_unauthenticated: usize,
+    /// How long a new gRPC connection has to send the first bytes of its handshake.
+    pub handshake_timeout: Duration,
+    /// Most gRPC connections open at once; a new one beyond it is closed at once.
+    pub max_connections: usize,
 }
+
+/// How long a new gRPC connection has to begin its handshake, by default.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most gRPC connections open at once, by default.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 impl Default for ServerOptions {
     fn default() -> Self {
@@ -76,6 +86,8 @@ impl Default for ServerOptions {
             data_spin: None,
             data_hello_within: crate::data::DEFAULT_HELLO_WITHIN,
             data_max_unauthenticated: crate::data::DEFAULT_MAX_UNAUTHENTICATED,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -185,6 +197,7 @@ pub async fn serve(
         AdminService::new(Arc::clone(&registry)),
         AdminAuth::new(admin_token),
     );
+    let limits = ConnectionLimits::new(options.max_connections, options.handshake_timeout);
     let health = tonic_health::pb::health_server::HealthServer::new(HealthService::new(
         Arc::clone(&registry),
         stop.clone(),
@@ -201,11 +214,13 @@ pub async fn serve(
             // The builder's tcp_nodelay only reaches sockets it accepts itself; without it
             // here, Nagle's algorithm holds each small forward reply for a delayed ACK
             // (~40 ms a decode step).
-            TcpListenerStream::new(listener).map(|conn| {
-                if let Ok(stream) = &conn {
+            // Each connection also takes a slot and gets its handshake deadline here.
+            TcpListenerStream::new(listener).filter_map(move |conn| match conn {
+                Ok(stream) => {
                     let _ = stream.set_nodelay(true);
+                    limits.admit(stream).map(Ok)
                 }
-                conn
+                Err(e) => Some(Err(e)),
             }),
             stop.clone().cancelled_owned(),
         );

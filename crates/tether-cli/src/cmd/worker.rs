@@ -110,6 +110,12 @@ pub struct WorkerArgs {
     /// closes the one that has waited longest.
     #[arg(long, default_value_t = tether_worker::data::DEFAULT_MAX_UNAUTHENTICATED)]
     pub data_max_unauthenticated: usize,
+    /// How long a new gRPC connection has to begin its handshake before it is closed.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub handshake_timeout: Duration,
+    /// Most gRPC connections open at once; a new one beyond it is closed at once.
+    #[arg(long, default_value_t = tether_worker::server::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
     #[command(flatten)]
     pub tls: ServeTlsArgs,
 }
@@ -182,6 +188,8 @@ async fn serve_on<B: Backend>(args: WorkerArgs, backend: Arc<B>) -> anyhow::Resu
         data_spin: args.data_spin,
         data_hello_within: args.data_hello_timeout,
         data_max_unauthenticated: args.data_max_unauthenticated,
+        handshake_timeout: args.handshake_timeout,
+        max_connections: args.max_connections,
     };
     let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
     let metrics = match &args.metrics_listen {
