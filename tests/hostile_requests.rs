@@ -33,6 +33,9 @@ fn with_chat_template(model: &TinyModel, template: &str) -> std::path::PathBuf {
     path
 }
 
+/// The tests measure latency on a small machine: one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// `tether serve` over one embedded cpu worker.
 fn serve_embedded(model: &str, extra: &[&str]) -> Serve {
     let mut args = vec!["--model", model, "--device", "cpu", "--threads", "1"];
@@ -51,6 +54,7 @@ fn health_ok(serve: &Serve, deadline: Duration) -> Result<Duration, String> {
 
 #[test]
 fn runaway_chat_template_fails_its_request_and_nothing_else() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let model = TinyModel::new();
     let path = with_chat_template(&model, RUNAWAY_TEMPLATE);
     let serve = serve_embedded(path.to_str().expect("utf-8 path"), &[]);
@@ -90,6 +94,7 @@ fn loads(serve: &Serve) -> usize {
 
 #[test]
 fn oversized_prompts_do_not_starve_the_lease_or_health() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let model = TinyModel::new();
     // A short lease, so that a runtime stalled for a second or two reaps the session; room
     // for all 30 on the blocking pool, so that each is tokenized and refused.

@@ -33,11 +33,11 @@ pub struct TemplateBudget {
 
 impl Default for TemplateBudget {
     /// Real templates (Llama 3, Qwen3 with tools) spend a few hundred instructions a
-    /// message; 50 million is thousands of long conversations' worth and about a second of
-    /// one core.
+    /// message; 10 million is thousands of long conversations' worth and a fraction of a
+    /// second of one core.
     fn default() -> Self {
         Self {
-            fuel: 50_000_000,
+            fuel: 10_000_000,
             max_output_bytes: 64 << 20,
             recursion_limit: 100,
         }
