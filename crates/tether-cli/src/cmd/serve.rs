@@ -16,9 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tether_coordinator::http::admin::admin_router;
 use tether_coordinator::http::template::TemplateBudget;
-use tether_coordinator::http::{
-    HttpOptions, default_max_heavy_requests, router, serve, serve_tls,
-};
+use tether_coordinator::http::{HttpOptions, default_max_heavy_requests, router, serve, serve_tls};
 use tether_coordinator::load::LoadOptions;
 use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile, WorkerDns};
 use tether_worker::Lease;
