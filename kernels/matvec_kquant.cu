@@ -324,6 +324,16 @@ struct KqRows {
     }
 };
 
+// q/k/v in one launch: q and k of type TA, v of TB (TB differs in mixed files, whose attn_v
+// has more bits: llama.cpp's Q3_K_M, Q4_K_M, Q5_K_M and IQ4_XS).
+#define KQ3_MIXED(name, TA, TB, nt)                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matveck3_##name##_##nt(        \
+        const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,              \
+        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {               \
+        pk_matvec3_mixed<KqRows<TA>, KqRows<TA>, KqRows<TB>, nt, KQ_R, 2>(                      \
+            w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);                               \
+    }
+
 // The product, q/k/v and gate/up entries of one type and token width (the drivers' launch
 // shapes, common.cuh). The gate/up kernel loads one round at a time (U = 1): it holds gate
 // and up sums in registers capped for two 512-thread blocks an SM.
@@ -333,12 +343,7 @@ struct KqRows {
         int accum) {                                                                             \
         pk_matvec<KqRows<TY>, nt, KQ_R, U>(w, rows, cols, xq, xds, n, out, accum);              \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matveck3_##name##_##nt(        \
-        const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,              \
-        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {               \
-        pk_matvec3<KqRows<TY>, nt, KQ_R, U>(w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1,   \
-                                            o2);                                                 \
-    }                                                                                            \
+    KQ3_MIXED(name, TY, TY, nt)                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * PK_SW_ROWS / KQ_R, nt <= 2 ? 2 : 1)        \
         matveck_swiglu_##name##_##nt(const u8* wg, const u8* wu, int rows, int cols,             \
                                      const i8* xq, const float2* xds, int n, float* out, i8* oq, \
@@ -355,16 +360,6 @@ KQ_ALL(q6_k, TY_Q6_KP, 2)
 KQ_ALL(iq4_xs, TY_IQ4_XSP, 2)
 KQ_ALL(q3_k, TY_Q3_KP, 2)
 
-// q/k/v launches of mixed files, whose v is of another type than q and k (llama.cpp's
-// Q3_K_M, Q4_K_M, Q5_K_M and IQ4_XS give attn_v more bits): q and k of type TA, v of TB.
-#define KQ3_MIXED(name, TA, TB, nt)                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) matveck3_##name##_##nt(        \
-        const u8* w0, const u8* w1, const u8* w2, int r0, int r1, int r2, int cols,              \
-        const i8* xq, const float2* xds, int n, float* o0, float* o1, float* o2) {               \
-        pk_matvec3_mixed<KqRows<TA>, KqRows<TA>, KqRows<TB>, nt, KQ_R, 2>(                      \
-            w0, w1, w2, r0, r1, r2, cols, xq, xds, n, o0, o1, o2);                               \
-    }
-
 #define KQ3_MIXED_ALL(name, TA, TB) \
     KQ3_MIXED(name, TA, TB, 1) KQ3_MIXED(name, TA, TB, 2) KQ3_MIXED(name, TA, TB, 4) KQ3_MIXED(name, TA, TB, 8)
 
@@ -374,66 +369,60 @@ KQ3_MIXED_ALL(q3_k_q4_k, TY_Q3_KP, TY_Q4_K)
 KQ3_MIXED_ALL(q3_k_q5_k, TY_Q3_KP, TY_Q5_K)
 KQ3_MIXED_ALL(iq4_xs_q5_k, TY_IQ4_XSP, TY_Q5_K)
 
-// In-place packing of Q6_K rows (see the top of this file). One block of threads per group
-// of 8 GGUF blocks (1680 bytes, 840 u16): the group is copied to shared memory, then written
-// back in the packed order. Launch: blockDim.x = 128, any grid (grid-stride over groups);
+// In-place packing of a group of 8 blocks (WORDS u16 words) per block of threads: the group
+// is copied to shared memory, then word i of the packed group is written from word
+// M::from(i) of the GGUF one. Launch: blockDim.x = 128, any grid (grid-stride over groups);
 // w 16-byte aligned.
+template <int WORDS, class M>
+__device__ void pack_groups_u16(u8* w, u64 n_groups) {
+    __shared__ u16 group[WORDS];
+    for (u64 gi = blockIdx.x; gi < n_groups; gi += gridDim.x) {
+        u16* p = (u16*)(w + gi * (2 * WORDS));
+        for (int i = threadIdx.x; i < WORDS; i += blockDim.x) group[i] = p[i];
+        __syncthreads();
+        for (int i = threadIdx.x; i < WORDS; i += blockDim.x) p[i] = group[M::from(i)];
+        __syncthreads();
+    }
+}
+
+// Q6_K (210-byte blocks, 105 words): words 0..8 are block i's d (its bytes 208..210), then
+// the 104 other words of each block.
+struct Q6kPacking {
+    __device__ static int from(int i) {
+        return i < 8 ? 105 * i + 104 : 105 * ((i - 8) / 104) + (i - 8) % 104;
+    }
+};
+
+// Q3_K (110-byte blocks: hmask 32, qs 64, scales 12, d 2; 55 words): the 8 d, the 8 scale
+// sets (12 bytes each), the 8 hmasks (32), then the 8 qs (64).
+struct Q3kPacking {
+    __device__ static int from(int i) {
+        if (i < 8) return 55 * i + 54;
+        if (i < 56) return 55 * ((i - 8) / 6) + 48 + (i - 8) % 6;
+        if (i < 184) return 55 * ((i - 56) / 16) + (i - 56) % 16;
+        return 55 * ((i - 184) / 32) + 16 + (i - 184) % 32;
+    }
+};
+
+// IQ4_XS (136-byte blocks: an 8-byte header, then 128 bytes of qs; 68 words): the 8
+// headers, then the 8 qs.
+struct Iq4xsPacking {
+    __device__ static int from(int i) {
+        return i < 32 ? 68 * (i / 4) + i % 4 : 68 * ((i - 32) / 64) + 4 + (i - 32) % 64;
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(128) pack_q6_k(u8* w, u64 n_groups) {
     PDL_ENTRY();
-    __shared__ u16 group[840];
-    for (u64 gi = blockIdx.x; gi < n_groups; gi += gridDim.x) {
-        u16* p = (u16*)(w + gi * 1680);
-        for (int i = threadIdx.x; i < 840; i += blockDim.x) group[i] = p[i];
-        __syncthreads();
-        for (int i = threadIdx.x; i < 840; i += blockDim.x) {
-            // Words 0..8: block i's d (its bytes 208..210); then 104 words of each block.
-            int from = i < 8 ? 105 * i + 104 : 105 * ((i - 8) / 104) + (i - 8) % 104;
-            p[i] = group[from];
-        }
-        __syncthreads();
-    }
+    pack_groups_u16<840, Q6kPacking>(w, n_groups);
 }
 
-// In-place packing of Q3_K rows: each group of 8 GGUF blocks (110 bytes: hmask 32, qs 64,
-// scales 12, d 2; 880 bytes, 440 u16) becomes the 8 d (16 bytes), the 8 scale sets (12
-// bytes each), the 8 hmasks (32), then the 8 qs (64), so hmask and qs load 16 bytes at a
-// time. Launch as pack_q6_k.
 extern "C" __global__ void __launch_bounds__(128) pack_q3_k(u8* w, u64 n_groups) {
     PDL_ENTRY();
-    __shared__ u16 group[440];
-    for (u64 gi = blockIdx.x; gi < n_groups; gi += gridDim.x) {
-        u16* p = (u16*)(w + gi * 880);
-        for (int i = threadIdx.x; i < 440; i += blockDim.x) group[i] = p[i];
-        __syncthreads();
-        for (int i = threadIdx.x; i < 440; i += blockDim.x) {
-            int from;
-            if (i < 8) {
-                from = 55 * i + 54;
-            } else if (i < 56) {
-                from = 55 * ((i - 8) / 6) + 48 + (i - 8) % 6;
-            } else if (i < 184) {
-                from = 55 * ((i - 56) / 16) + (i - 56) % 16;
-            } else {
-                from = 55 * ((i - 184) / 32) + 16 + (i - 184) % 32;
-            }
-            p[i] = group[from];
-        }
-        __syncthreads();
-    }
+    pack_groups_u16<440, Q3kPacking>(w, n_groups);
 }
 
-// In-place packing of IQ4_XS rows: each group of 8 GGUF blocks (136 bytes: an 8-byte header,
-// then 128 bytes of qs; 1088 bytes, 544 u16) becomes the 8 headers, then the 8 qs, so qs
-// load 16 bytes at a time. Launch as pack_q6_k.
 extern "C" __global__ void __launch_bounds__(128) pack_iq4_xs(u8* w, u64 n_groups) {
     PDL_ENTRY();
-    __shared__ u16 group[544];
-    for (u64 gi = blockIdx.x; gi < n_groups; gi += gridDim.x) {
-        u16* p = (u16*)(w + gi * 1088);
-        for (int i = threadIdx.x; i < 544; i += blockDim.x) group[i] = p[i];
-        __syncthreads();
-        for (int i = threadIdx.x; i < 544; i += blockDim.x)
-            p[i] = group[i < 32 ? 68 * (i / 4) + i % 4 : 68 * ((i - 32) / 64) + 4 + (i - 32) % 64];
-        __syncthreads();
-    }
+    pack_groups_u16<544, Iq4xsPacking>(w, n_groups);
 }

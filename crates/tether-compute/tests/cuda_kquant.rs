@@ -6,12 +6,11 @@
 //! GPU tests, ignored by default: `cargo test -p tether-compute --test cuda_kquant --
 //! --ignored`. Without a GPU they fail.
 
-use tether_compute::Backend;
 use tether_gguf::GgmlType;
 
 mod common;
-use common::fused::{Rig, finished, relative_error};
-use common::{Rng, cpu, f32_bytes, get, gpu, put, random_weights};
+use common::fused::{Rig, finished};
+use common::{Rng, cpu, gpu, random_weights};
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -34,49 +33,28 @@ fn kquant_weights_give_the_cpus_products() {
             let packs = matches!(ty, GgmlType::Q6K | GgmlType::Q3K | GgmlType::IQ4XS)
                 && cols.is_multiple_of(2048);
             assert_eq!(w.packed, packs, "{ty} {rows}x{cols}: packed");
-            // Up to 8 tokens a launch; 13 is two launches; 17 and 64 take the GEMM.
-            for n in [1usize, 2, 3, 5, 8, 13, 17, 64] {
-                let x = rng.f32s(n * cols, 1.0);
-                let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
-                let mut og = g.alloc(n * rows * 4).unwrap();
-                let mut oc = c.alloc(n * rows * 4).unwrap();
-                g.matmul(&w.g, ty, rows, cols, &xg, n, &mut og).unwrap();
-                c.matmul(&w.c, ty, rows, cols, &xc, n, &mut oc).unwrap();
-                let what = format!("matmul {ty} {rows}x{cols} n={n}");
-                let e = relative_error(&what, &get(&g, &og, n * rows), &get(&c, &oc, n * rows));
-                // 8-bit activations (blocks of 32 here, of 256 on the cpu) against weights
-                // with a min offset: about 1% on 256-wide rows of random data.
-                assert!(e < 2e-2, "{what}: relative error {e}");
-
-                // The residual add fused into the product.
-                let start = f32_bytes(&rng.f32s(n * rows, 1.0));
-                let (mut ag, mut ac) = (put(&g, &start), put(&c, &start));
-                let mut tg = g.alloc(n * rows * 4).unwrap();
-                let mut tc = c.alloc(n * rows * 4).unwrap();
-                g.matmul_add(&w.g, ty, rows, cols, &xg, n, &mut ag, &mut tg)
-                    .unwrap();
-                c.matmul_add(&w.c, ty, rows, cols, &xc, n, &mut ac, &mut tc)
-                    .unwrap();
-                let what = format!("matmul_add {ty} {rows}x{cols} n={n}");
-                let e = relative_error(&what, &get(&g, &ag, n * rows), &get(&c, &ac, n * rows));
-                // 8-bit activations (blocks of 32 here, of 256 on the cpu) against weights
-                // with a min offset: about 1% on 256-wide rows of random data.
-                assert!(e < 2e-2, "{what}: relative error {e}");
-            }
+            // Up to 8 tokens a launch; 13 is two launches; 17 and 64 take the GEMM. 8-bit
+            // activations (blocks of 32 here, of 256 on the cpu) against weights with a min
+            // offset: about 1% on 256-wide rows of random data.
+            let mut rig = Rig {
+                g: &g,
+                c: &c,
+                rng: &mut rng,
+                cols,
+                expect_packed: false,
+            };
+            rig.products(&w, ty, rows, &[1, 2, 3, 5, 8, 13, 17, 64], 2e-2);
         }
 
         // Embedding rows of a (packed) table decode exactly as the cpu's.
-        let cols = 2048;
-        let table = finished(&g, &c, ty, &random_weights(&mut rng, ty, 7 * cols), cols);
-        let ids = [6u32, 0, 3, 3, 1];
-        let mut og = g.alloc(ids.len() * cols * 4).unwrap();
-        let mut oc = c.alloc(ids.len() * cols * 4).unwrap();
-        g.get_rows(&table.g, ty, cols, &ids, &mut og).unwrap();
-        c.get_rows(&table.c, ty, cols, &ids, &mut oc).unwrap();
-        let n = ids.len() * cols;
-        let what = format!("get_rows {ty}");
-        let e = relative_error(&what, &get(&g, &og, n), &get(&c, &oc, n));
-        assert!(e < 1e-6, "{what}: relative error {e}");
+        let mut rig = Rig {
+            g: &g,
+            c: &c,
+            rng: &mut rng,
+            cols: 2048,
+            expect_packed: false,
+        };
+        rig.embedding_rows(ty);
     }
 }
 

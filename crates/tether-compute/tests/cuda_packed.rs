@@ -26,30 +26,14 @@ fn packed_weights_give_the_cpus_products() {
             assert_eq!(w.packed, packs, "{ty} {rows}x{cols}: packed");
             // 8-48 tokens take the tensor cores (launches of up to 32: 40 is 32 + 8), fewer
             // dp4a, 64 and 65 the GEMM.
-            for n in [1usize, 2, 3, 8, 13, 24, 40, 64, 65] {
-                let x = rng.f32s(n * cols, 1.0);
-                let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
-                let mut og = g.alloc(n * rows * 4).unwrap();
-                let mut oc = c.alloc(n * rows * 4).unwrap();
-                g.matmul(&w.g, ty, rows, cols, &xg, n, &mut og).unwrap();
-                c.matmul(&w.c, ty, rows, cols, &xc, n, &mut oc).unwrap();
-                let what = format!("matmul {ty} {rows}x{cols} n={n}");
-                let e = relative_error(&what, &get(&g, &og, n * rows), &get(&c, &oc, n * rows));
-                assert!(e < 1e-2, "{what}: relative error {e}");
-
-                // The residual add fused into the product.
-                let start = f32_bytes(&rng.f32s(n * rows, 1.0));
-                let (mut ag, mut ac) = (put(&g, &start), put(&c, &start));
-                let mut tg = g.alloc(n * rows * 4).unwrap();
-                let mut tc = c.alloc(n * rows * 4).unwrap();
-                g.matmul_add(&w.g, ty, rows, cols, &xg, n, &mut ag, &mut tg)
-                    .unwrap();
-                c.matmul_add(&w.c, ty, rows, cols, &xc, n, &mut ac, &mut tc)
-                    .unwrap();
-                let what = format!("matmul_add {ty} {rows}x{cols} n={n}");
-                let e = relative_error(&what, &get(&g, &ag, n * rows), &get(&c, &ac, n * rows));
-                assert!(e < 1e-2, "{what}: relative error {e}");
-            }
+            let mut rig = Rig {
+                g: &g,
+                c: &c,
+                rng: &mut rng,
+                cols,
+                expect_packed: false,
+            };
+            rig.products(&w, ty, rows, &[1, 2, 3, 8, 13, 24, 40, 64, 65], 1e-2);
         }
     }
 }
@@ -73,17 +57,7 @@ fn packed_weights_give_the_cpus_fused_products_and_rows() {
         rig.gate_up_down(ty, &tokens, 1e-2, 1e-2);
 
         // Embedding rows come out of a packed table exactly as the cpu decodes them.
-        let table = finished(&g, &c, ty, &random_weights(&mut rng, ty, 7 * cols), cols);
-        assert!(table.packed);
-        let ids = [6u32, 0, 3, 3, 1];
-        let mut og = g.alloc(ids.len() * cols * 4).unwrap();
-        let mut oc = c.alloc(ids.len() * cols * 4).unwrap();
-        g.get_rows(&table.g, ty, cols, &ids, &mut og).unwrap();
-        c.get_rows(&table.c, ty, cols, &ids, &mut oc).unwrap();
-        let n = ids.len() * cols;
-        let what = format!("get_rows {ty}");
-        let e = relative_error(&what, &get(&g, &og, n), &get(&c, &oc, n));
-        assert!(e < 1e-6, "{what}: relative error {e}");
+        rig.embedding_rows(ty);
     }
 }
 

@@ -51,6 +51,26 @@ impl GgmlType {
         GgmlType::BF16,
     ];
 
+    /// Every type model files store weights in: all but Q8_1 and Q8_K, the intermediate
+    /// formats of ggml's dot products.
+    pub const WEIGHTS: [GgmlType; 15] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
+    ];
+
     /// The type for a GGUF type id, or `None` for ids this crate does not handle
     /// (removed Q4_2/Q4_3, the lattice i-quants IQ1..IQ3, integer types).
     pub fn from_id(id: u32) -> Option<Self> {

@@ -180,24 +180,8 @@ fn synth(shape: SynthShape, ty: GgmlType) -> (TempModel, GgufFile) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_weight_type_matches_the_reference() {
-    // Every type the synthesizer writes (all but Q8_1 and Q8_K, which no model file uses).
-    let types = [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::BF16,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q8_0,
-        GgmlType::Q2K,
-        GgmlType::Q3K,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-        GgmlType::IQ4NL,
-        GgmlType::IQ4XS,
-    ];
+    // Every type the synthesizer writes.
+    let types = GgmlType::WEIGHTS;
     for shape in [
         SynthShape::Tiny,
         SynthShape::TinyQwen2,

@@ -1,6 +1,7 @@
-//! Checks shared by the GPU tests of the fused decode products (q/k/v in one launch; gate,
-//! up and SiLU in one launch, then the down projection over its output): the cuda
-//! backend's results against the cpu's on the same finished weights.
+//! Checks shared by the GPU tests of finished (possibly packed) weights: products with and
+//! without the residual add, embedding rows, and the fused decode products (q/k/v in one
+//! launch; gate, up and SiLU in one launch, then the down projection over its output): the
+//! cuda backend's results against the cpu's on the same finished weights.
 
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::GgmlType;
@@ -68,6 +69,55 @@ impl Rig<'_> {
             assert!(w.packed, "{ty} {rows}x{cols}: packed");
         }
         w
+    }
+
+    /// `w` (`rows` x `self.cols` of `ty`) times each token count of random activations,
+    /// plain and added into a residual, within `tol` of the cpu.
+    pub fn products(
+        &mut self,
+        w: &Finished,
+        ty: GgmlType,
+        rows: usize,
+        tokens: &[usize],
+        tol: f64,
+    ) {
+        let (g, c, cols) = (self.g, self.c, self.cols);
+        for &n in tokens {
+            let x = self.rng.f32s(n * cols, 1.0);
+            let (xg, xc) = (put(g, &f32_bytes(&x)), put(c, &f32_bytes(&x)));
+            let (mut og, mut oc) = (zeros(g, n * rows), zeros(c, n * rows));
+            g.matmul(&w.g, ty, rows, cols, &xg, n, &mut og).unwrap();
+            c.matmul(&w.c, ty, rows, cols, &xc, n, &mut oc).unwrap();
+            let what = format!("matmul {ty} {rows}x{cols} n={n}");
+            let e = relative_error(&what, &get(g, &og, n * rows), &get(c, &oc, n * rows));
+            assert!(e < tol, "{what}: relative error {e}");
+
+            // The residual add fused into the product.
+            let start = f32_bytes(&self.rng.f32s(n * rows, 1.0));
+            let (mut ag, mut ac) = (put(g, &start), put(c, &start));
+            let (mut tg, mut tc) = (zeros(g, n * rows), zeros(c, n * rows));
+            g.matmul_add(&w.g, ty, rows, cols, &xg, n, &mut ag, &mut tg)
+                .unwrap();
+            c.matmul_add(&w.c, ty, rows, cols, &xc, n, &mut ac, &mut tc)
+                .unwrap();
+            let what = format!("matmul_add {ty} {rows}x{cols} n={n}");
+            let e = relative_error(&what, &get(g, &ag, n * rows), &get(c, &ac, n * rows));
+            assert!(e < tol, "{what}: relative error {e}");
+        }
+    }
+
+    /// Embedding rows of a finished 7-row table of `ty` decode exactly as the cpu's.
+    pub fn embedding_rows(&mut self, ty: GgmlType) {
+        let (g, c, cols) = (self.g, self.c, self.cols);
+        let table = self.weight(ty, 7, cols);
+        let ids = [6u32, 0, 3, 3, 1];
+        let (mut og, mut oc) = (zeros(g, ids.len() * cols), zeros(c, ids.len() * cols));
+        g.get_rows(&table.g, ty, cols, &ids, &mut og).unwrap();
+        c.get_rows(&table.c, ty, cols, &ids, &mut oc).unwrap();
+        let n = ids.len() * cols;
+        let what = format!("get_rows {ty}");
+        let e = relative_error(&what, &get(g, &og, n), &get(c, &oc, n));
+        assert!(e < 1e-6, "{what}: relative error {e}");
     }
 
     /// q/k/v of `types` (40 rows end inside a block of the q/k/v kernels) for each token

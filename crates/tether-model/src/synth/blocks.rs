@@ -103,23 +103,7 @@ mod tests {
 
     #[test]
     fn every_type_decodes_within_its_amplitude_and_is_not_constant() {
-        let types = [
-            GgmlType::F32,
-            GgmlType::F16,
-            GgmlType::BF16,
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q5_1,
-            GgmlType::Q8_0,
-            GgmlType::Q2K,
-            GgmlType::Q3K,
-            GgmlType::Q4K,
-            GgmlType::Q5K,
-            GgmlType::Q6K,
-            GgmlType::IQ4NL,
-            GgmlType::IQ4XS,
-        ];
+        let types = GgmlType::WEIGHTS;
         let mut rng = FastRng::new(3);
         for ty in types {
             let n = 1024;

@@ -74,23 +74,22 @@ fn stories260k_matches_reference() {
     compare(&file, &tokens, 1e-4, &[1], 32, 0, "stories260K");
 }
 
-const TYPES: [GgmlType; 15] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q2K,
-    GgmlType::Q3K,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-    GgmlType::IQ4NL,
-    GgmlType::IQ4XS,
-];
+/// A tiny model of `shape` in every weight type (seeds from `seed`) against the reference.
+fn every_type_matches(shape: SynthShape, seed: u64, label: &str) {
+    for (i, ty) in GgmlType::WEIGHTS.into_iter().enumerate() {
+        let m = synth(shape, ty, seed + i as u64);
+        let ties = if ty.is_quantized() { 2 } else { 0 };
+        compare(
+            &m.file,
+            &tiny_tokens(),
+            2e-2,
+            &[1, 300],
+            16,
+            ties,
+            &format!("{label} {ty}"),
+        );
+    }
+}
 
 fn tiny_tokens() -> Vec<u32> {
     vec![1, 300, 17, 260, 45, 299, 3, 270, 288, 100, 311, 5, 261]
@@ -98,53 +97,17 @@ fn tiny_tokens() -> Vec<u32> {
 
 #[test]
 fn tiny_llama_of_every_type_matches_reference() {
-    for (i, ty) in TYPES.into_iter().enumerate() {
-        let m = synth(SynthShape::Tiny, ty, 10 + i as u64);
-        let ties = if ty.is_quantized() { 2 } else { 0 };
-        compare(
-            &m.file,
-            &tiny_tokens(),
-            2e-2,
-            &[1, 300],
-            16,
-            ties,
-            &format!("tiny {ty}"),
-        );
-    }
+    every_type_matches(SynthShape::Tiny, 10, "tiny");
 }
 
 #[test]
 fn tiny_qwen2_of_every_type_matches_reference() {
-    for (i, ty) in TYPES.into_iter().enumerate() {
-        let m = synth(SynthShape::TinyQwen2, ty, 40 + i as u64);
-        let ties = if ty.is_quantized() { 2 } else { 0 };
-        compare(
-            &m.file,
-            &tiny_tokens(),
-            2e-2,
-            &[1, 300],
-            16,
-            ties,
-            &format!("tiny-qwen2 {ty}"),
-        );
-    }
+    every_type_matches(SynthShape::TinyQwen2, 40, "tiny-qwen2");
 }
 
 #[test]
 fn tiny_qwen3_of_every_type_matches_reference() {
-    for (i, ty) in TYPES.into_iter().enumerate() {
-        let m = synth(SynthShape::TinyQwen3, ty, 90 + i as u64);
-        let ties = if ty.is_quantized() { 2 } else { 0 };
-        compare(
-            &m.file,
-            &tiny_tokens(),
-            2e-2,
-            &[1, 300],
-            16,
-            ties,
-            &format!("tiny-qwen3 {ty}"),
-        );
-    }
+    every_type_matches(SynthShape::TinyQwen3, 90, "tiny-qwen3");
 }
 
 /// llama.cpp's per-tensor mixes (q6_k output, more bits on some attn_v and ffn_down) on the
