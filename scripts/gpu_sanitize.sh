@@ -14,7 +14,7 @@ dir=${GPU_DIR:-.gpu}
 logs=${OUT:-/tmp/tether-sanitize-logs}
 mkdir -p "$logs"
 # Gives wrong results under memcheck only (no error reported; passes outside it, and
-# racecheck finds no hazard): README, Limitations.
+# racecheck finds no hazard): docs/limitations.md.
 SKIP=${SKIP:-attention_over_spans_longer_than_one_block_takes_matches_cpu}
 TIMEOUT_S=${TIMEOUT_S:-540}
 # shellcheck source=scripts/lib/nvrtc.sh

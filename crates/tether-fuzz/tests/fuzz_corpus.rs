@@ -90,7 +90,7 @@ static ALLOC: Counting = Counting;
 
 /// The most one input may make the process allocate at once. Stream targets also allow
 /// what tonic's frame reader reserves for a frame header's announced length before the
-/// bytes arrive: up to the worker's message limit (README, Limitations).
+/// bytes arrive: up to the worker's message limit (docs/limitations.md).
 fn allocation_bound(target: Target, input_len: usize) -> usize {
     let bound = (64 << 20).max(16 * input_len);
     match target {
