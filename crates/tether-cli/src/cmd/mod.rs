@@ -5,6 +5,7 @@ pub mod bench;
 pub mod bench_parallel;
 pub mod bench_pipeline;
 pub mod cache_args;
+pub mod conn_args;
 pub mod context_shift;
 pub mod eval;
 pub mod gguf;

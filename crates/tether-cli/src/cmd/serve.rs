@@ -2,6 +2,7 @@
 //! layers on remote `--worker`s or on embedded workers in this process.
 
 use crate::cmd::cache_args::CacheArgs;
+use crate::cmd::conn_args::ConnArgs;
 use crate::cmd::context_shift::ContextShiftArgs;
 use crate::cmd::local::{DEMO_LABEL, start_local_workers};
 use crate::cmd::path_on_workers::PathOnWorkersArgs;
@@ -107,6 +108,8 @@ pub struct ServeArgs {
     /// every worker session is closed.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+    #[command(flatten)]
+    pub conn: ConnArgs,
     #[command(flatten)]
     pub cache: CacheArgs,
     #[command(flatten)]
@@ -217,7 +220,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     let loaded = Coordinator::start(model, config).await;
     bars.finish().await;
     let coordinator = Arc::new(loaded?);
-    let opts = HttpOptions {
+    let mut opts = HttpOptions {
         api_key: args.api_key.clone(),
         request_timeout: args.request_timeout,
         max_tokens_limit: args.max_tokens_limit,
@@ -229,7 +232,9 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
             ..TemplateBudget::default()
         },
         max_heavy_requests: args.max_heavy_requests,
+        ..HttpOptions::default()
     };
+    args.conn.apply(&mut opts);
     let app = router(coordinator.clone(), opts).merge(admin_router(
         coordinator.clone(),
         args.api_key.clone(),
@@ -256,9 +261,10 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         first_signal().await;
         let _ = signalled_tx.send(());
     };
+    let limits = args.conn.limits();
     let mut server = match https {
-        Some(config) => tokio::spawn(serve_tls(listener, config, app, shutdown)),
-        None => tokio::spawn(serve(listener, app, shutdown)),
+        Some(config) => tokio::spawn(serve_tls(listener, config, app, limits, shutdown)),
+        None => tokio::spawn(serve(listener, app, limits, shutdown)),
     };
     let served = tokio::select! {
         done = &mut server => done,

@@ -5,15 +5,16 @@
 //! chat templates, detokenizing as tokens stream, and cutting at stop strings.
 
 pub mod admin;
+mod body_deadline;
 mod endpoints;
 pub mod error;
 mod heavy;
+pub mod listen;
 pub mod metrics;
 mod prepare;
 mod run;
 pub mod template;
 pub mod text;
-pub mod tls_listener;
 pub mod types;
 
 #[cfg(test)]
@@ -39,9 +40,11 @@ use serde_json::json;
 use tether_model::tokenizer::Tokenizer;
 
 use crate::api::{Generation, Health, ModelInfo};
+pub use body_deadline::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES};
 pub use error::ApiError;
 use heavy::HeavyWork;
 pub use heavy::default_max_heavy_requests;
+pub use listen::ConnLimits;
 use metrics::Metrics;
 use template::{ChatTemplate, TemplateBudget};
 
@@ -63,6 +66,10 @@ pub struct HttpOptions {
     /// Requests whose preparation is CPU-heavy (large bodies, chat templates) prepared at
     /// once on the blocking pool; more are refused with 429.
     pub max_heavy_requests: usize,
+    /// Largest request body accepted; larger ones are refused with 413 before being read.
+    pub max_body_bytes: usize,
+    /// Time a client has to send its whole request body; slower ones get 408.
+    pub body_timeout: Duration,
 }
 
 impl Default for HttpOptions {
@@ -75,6 +82,8 @@ impl Default for HttpOptions {
             model_id: None,
             template_budget: TemplateBudget::default(),
             max_heavy_requests: heavy::default_max_heavy_requests(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
         }
     }
 }
@@ -123,10 +132,17 @@ pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
         .route("/v1/completions", post(endpoints::completions))
         .route("/v1/chat/completions", post(endpoints::chat_completions))
         .route("/v1/models", get(list_models))
+        // Inside the key check: a client without the key cannot make us wait on its body.
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            body_deadline::read_body_in_time,
+        ))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             require_api_key,
-        ));
+        ))
+        // The body was read under our own limit above.
+        .layer(axum::extract::DefaultBodyLimit::disable());
     Router::new()
         .merge(v1)
         .route("/health", get(health))
@@ -139,15 +155,15 @@ pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
         .with_state(state)
 }
 
-/// Serves `router` on `listener` until `shutdown` completes, then lets open requests finish.
+/// Serves `router` on `listener` under `limits` until `shutdown` completes, then lets
+/// open requests finish.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
+    limits: ConnLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    listen::serve_with_limits(listener, None, router, limits, shutdown).await
 }
 
 /// As [`serve`], over TLS with `config` (HTTPS).
@@ -155,12 +171,11 @@ pub async fn serve_tls(
     listener: tokio::net::TcpListener,
     config: tokio_rustls::rustls::ServerConfig,
     router: Router,
+    limits: ConnLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let listener = tls_listener::TlsListener::new(listener, config)?;
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    let tls = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    listen::serve_with_limits(listener, Some(tls), router, limits, shutdown).await
 }
 
 /// Counts each request by endpoint and status for `/metrics`.

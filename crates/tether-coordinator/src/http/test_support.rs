@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use super::{HttpOptions, router, serve};
+use super::{ConnLimits, HttpOptions, router, serve};
 use crate::single::{SingleOptions, SingleProcessEngine};
 
 /// Context of the test engines.
@@ -95,7 +95,7 @@ impl TestServer {
         let addr = listener.local_addr().expect("local address");
         let (tx, rx) = oneshot::channel::<()>();
         let app = router(engine, opts);
-        let task = tokio::spawn(serve(listener, app, async move {
+        let task = tokio::spawn(serve(listener, app, ConnLimits::default(), async move {
             let _ = rx.await;
         }));
         TestServer {

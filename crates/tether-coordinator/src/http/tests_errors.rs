@@ -9,7 +9,7 @@ use tether_model::tokenizer::Tokenizer;
 use tokio::sync::mpsc;
 
 use super::test_support::{post, send, tiny_model};
-use super::{HttpOptions, router, serve};
+use super::{ConnLimits, HttpOptions, router, serve};
 use crate::api::{
     EngineStats, FinishReason, GenError, GenEvent, GenRequest, Generation, Health, ModelInfo,
 };
@@ -112,9 +112,14 @@ async fn start(
         .expect("binds");
     let addr = listener.local_addr().expect("address");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve(listener, router(engine, opts), async move {
-        let _ = rx.await;
-    }));
+    tokio::spawn(serve(
+        listener,
+        router(engine, opts),
+        ConnLimits::default(),
+        async move {
+            let _ = rx.await;
+        },
+    ));
     (addr, tx)
 }
 
