@@ -5,7 +5,10 @@
 //! no worker died unless killed, that the workers free every session within the lease
 //! when no coordinator holds them, that a running serve answers again within
 //! [`RECOVERY`], that it then holds exactly one session per worker (no leak), and that no
-//! HTTP request hangs past its deadline.
+//! HTTP request hangs past its deadline. A hostile-clients phase follows the faults
+//! (`chaos_hostile`): idle and trickling connections, huge and oversized bodies, garbage
+//! and dropped streams, while `/health` must answer within a second and the model must
+//! stay loaded; `TETHER_CHAOS_HOSTILE` sets its number of bursts.
 //!
 //! Replay a failure with `TETHER_CHAOS_SEED=<printed seed>`. `TETHER_CHAOS_ITERATIONS`
 //! sets the number of steps (default [`DEFAULT_ITERATIONS`], well under a minute); soak
@@ -14,6 +17,7 @@
 //! for a duration: `TETHER_CHAOS_SECONDS=1800` runs steps until 30 minutes have passed
 //! (then the count is only an upper bound).
 
+mod chaos_hostile;
 mod support;
 
 use std::collections::BTreeMap;
@@ -35,6 +39,9 @@ const RELEASE_SLACK: Duration = Duration::from_secs(3);
 const RECOVERY: Duration = Duration::from_secs(15);
 /// A streamed response that delivers nothing for this long counts as a hang.
 const STREAM_STALL: Duration = Duration::from_secs(12);
+
+/// Bursts of hostile clients after the fault phase when `TETHER_CHAOS_HOSTILE` is unset.
+const DEFAULT_HOSTILE_BURSTS: u64 = 2;
 
 /// xorshift64*: small, seedable, good enough to pick faults.
 struct Rng(u64);
@@ -529,6 +536,33 @@ fn step(
     Ok(())
 }
 
+/// The hostile-clients phase: `bursts` bursts of every kind of hostile client against the
+/// serving cluster. `/health` answers within a second throughout, and afterwards the model
+/// is still loaded once (no reap, no reload), each worker holds one session, and a
+/// completion succeeds.
+fn hostile_phase(c: &mut Cluster, rng: &mut Rng, bursts: u64) -> Result<(), String> {
+    let serve = c.serve.as_ref().ok_or("no serve to attack")?;
+    let addr = serve.addr.clone();
+    let log_before = serve.log().len();
+    for b in 0..bursts {
+        let seed = rng.next();
+        let done = chaos_hostile::burst(&addr, seed)?;
+        println!(
+            "hostile burst {b} (seed {seed}): {} health probes, slowest {:?}",
+            done.probes, done.slowest
+        );
+    }
+    recover(&addr, &mut Stats::default())?;
+    let log = c.serve.as_ref().map(Serve::log).unwrap_or_default();
+    let during = log.get(log_before..).unwrap_or_default();
+    if during.contains(" loaded:") || during.contains("reaped") {
+        return Err(format!("the model was reloaded or reaped:\n{during}"));
+    }
+    c.wait_workers(LEASE_TTL + RELEASE_SLACK, |n, b| n == 1 && b > 0)
+        .ok_or_else(|| format!("after the hostile clients: {}", c.worker_states()))?;
+    Ok(())
+}
+
 #[test]
 fn seeded_chaos_keeps_workers_up_and_frees_every_session() {
     let seed = env_u64("TETHER_CHAOS_SEED").unwrap_or_else(|| {
@@ -585,6 +619,12 @@ fn seeded_chaos_keeps_workers_up_and_frees_every_session() {
                 .push(format!("step {i} {fault:?}/{moment:?}: {e}"));
             break;
         }
+    }
+    let bursts = env_u64("TETHER_CHAOS_HOSTILE").unwrap_or(DEFAULT_HOSTILE_BURSTS);
+    if stats.failures.is_empty()
+        && let Err(e) = hostile_phase(&mut c, &mut rng, bursts)
+    {
+        stats.failures.push(format!("hostile clients: {e}"));
     }
     if stats.failures.is_empty() {
         c.stop_serve(libc::SIGTERM);
