@@ -100,6 +100,18 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// The activation of a gated feed-forward, by the `act` argument its kernels take:
+// 0: silu(g) = g / (1 + e^-g) (LLaMA, Qwen, Phi-3); 1: GELU with the tanh approximation,
+// g/2 * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3))) (Gemma).
+#define GATE_SILU 0
+#define GATE_GELU_TANH 1
+__device__ __forceinline__ float gelu_tanh(float g) {
+    return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+}
+__device__ __forceinline__ float gate_act(float g, int act) {
+    return act == GATE_GELU_TANH ? gelu_tanh(g) : g / (1.f + expf(-g));
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -451,13 +463,13 @@ __device__ void pk_matvec3(const u8* w0, const u8* w1, const u8* w2, int r0, int
     pk_matvec3_mixed<P, P, P, NT, R, U>(w0, w1, w2, r0, r1, r2, cols, xq, xds, nt, o0, o1, o2);
 }
 
-// The feed-forward gate: out[t][r] = silu(gate[r] . x[t]) * (up[r] . x[t]). A block's 32
+// The feed-forward gate: out[t][r] = act(gate[r] . x[t]) * (up[r] . x[t]) (gate_act). A block's 32
 // rows meet in shared memory, where one warp per token writes them (coalesced) and, when oq
 // is set (rows a multiple of 32), their 8-bit copy for the down projection, which then
 // skips its quantize pass.
 template <class P, int NT, int R, int U>
 __device__ void pk_swiglu(const u8* wg, const u8* wu, int rows, int cols, const i8* xq,
-                          const float2* xds, int nt, float* out, i8* oq, float2* ods) {
+                          const float2* xds, int nt, float* out, i8* oq, float2* ods, int act) {
     __shared__ float vals[NT][PK_SW_ROWS];
     pdl_trigger();
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -482,7 +494,7 @@ __device__ void pk_swiglu(const u8* wg, const u8* wu, int rows, int cols, const 
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 float gs = warp_sum(g[r][t]), us = warp_sum(u[r][t]);
-                if (lane == 0) vals[t][warp * R + r] = gs / (1.f + expf(-gs)) * us;
+                if (lane == 0) vals[t][warp * R + r] = gate_act(gs, act) * us;
             }
     } else {
         pdl_wait();

@@ -111,6 +111,27 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, u64 n, flo
     }
 }
 
+// out[i] = gelu_tanh(gate[i]) * up[i] (common.cuh). Launch: any 1-D grid (grid-stride loop).
+extern "C" __global__ void geglu(const float* gate, const float* up, u64 n, float* out) {
+    PDL_ENTRY();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = gelu_tanh(gate[i]) * up[i];
+}
+
+// x[i] *= factor. Launch: any 1-D grid.
+extern "C" __global__ void scale(float* x, u64 n, float factor) {
+    PDL_ENTRY();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] *= factor;
+}
+
+// x[i] = cap * tanh(x[i] / cap), cap > 0 (checked by the caller). Launch: any 1-D grid.
+extern "C" __global__ void softcap(float* x, u64 n, float cap) {
+    PDL_ENTRY();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        x[i] = cap * tanhf(x[i] / cap);
+}
+
 // x[i] += y[i]. Launch: any 1-D grid.
 extern "C" __global__ void add(float* x, const float* y, u64 n) {
     PDL_ENTRY();

@@ -310,11 +310,11 @@ __device__ void mvq_q4_0(const u8* w, int rows, int cols, const i8* xq, const fl
     mv_store<NT>(acc, out, rows, r, nt, accum);
 }
 
-// The feed-forward gate: out[t][r] = silu(gate[r] . x[t]) * (up[r] . x[t]), both rows in
+// The feed-forward gate: out[t][r] = act(gate[r] . x[t]) * (up[r] . x[t]) (gate_act), both rows in
 // one warp, so the gate and up products never leave registers.
 template <int NT>
 __device__ void mvq_swiglu_q4_0(const u8* wg, const u8* wu, int rows, int cols, const i8* xq,
-                                const float2* xds, int nt, float* out) {
+                                const float2* xds, int nt, float* out, int act) {
     MV_PROLOGUE
     float up[NT];
 #pragma unroll
@@ -325,7 +325,7 @@ __device__ void mvq_swiglu_q4_0(const u8* wg, const u8* wu, int rows, int cols, 
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         float g = warp_sum(acc[t]), u = warp_sum(up[t]);
-        if (lane == 0 && t < nt) out[(size_t)t * rows + r] = g / (1.f + expf(-g)) * u;
+        if (lane == 0 && t < nt) out[(size_t)t * rows + r] = gate_act(g, act) * u;
     }
 }
 
@@ -370,8 +370,8 @@ MVQ3_ENTRY(8)
 #define MVQ_SWIGLU_ENTRY(nt)                                                                  \
     extern "C" __global__ void __launch_bounds__(128) matvecq_swiglu_q4_0_##nt(               \
         const u8* wg, const u8* wu, int rows, int cols, const i8* xq, const float2* xds,     \
-        int n, float* out) { PDL_ENTRY();                                                                  \
-        mvq_swiglu_q4_0<nt>(wg, wu, rows, cols, xq, xds, n, out);                             \
+        int n, float* out, int act) { PDL_ENTRY();                                                         \
+        mvq_swiglu_q4_0<nt>(wg, wu, rows, cols, xq, xds, n, out, act);                        \
     }
 
 MVQ_SWIGLU_ENTRY(1)

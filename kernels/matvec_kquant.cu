@@ -347,8 +347,8 @@ struct KqRows {
     extern "C" __global__ void __launch_bounds__(32 * PK_SW_ROWS / KQ_R, nt <= 2 ? 2 : 1)        \
         matveck_swiglu_##name##_##nt(const u8* wg, const u8* wu, int rows, int cols,             \
                                      const i8* xq, const float2* xds, int n, float* out, i8* oq, \
-                                     float2* ods) {                                              \
-        pk_swiglu<KqRows<TY>, nt, KQ_R, 1>(wg, wu, rows, cols, xq, xds, n, out, oq, ods);       \
+                                     float2* ods, int act) {                                     \
+        pk_swiglu<KqRows<TY>, nt, KQ_R, 1>(wg, wu, rows, cols, xq, xds, n, out, oq, ods, act);  \
     }
 
 #define KQ_ALL(name, TY, U) \

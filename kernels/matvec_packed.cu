@@ -143,8 +143,8 @@ struct PkRows {
     extern "C" __global__ void __launch_bounds__(32 * PK_SW_ROWS / R, nt <= 2 ? 2 : 1) \
         matvecp_swiglu_##ty##_##nt(const u8* wg, const u8* wu, int rows, int cols,    \
                                         const i8* xq, const float2* xds, int n, float* out, \
-                                        i8* oq, float2* ods) {                             \
-        pk_swiglu<PkRows<Q8>, nt, R, U>(wg, wu, rows, cols, xq, xds, n, out, oq, ods);          \
+                                        i8* oq, float2* ods, int act) {                    \
+        pk_swiglu<PkRows<Q8>, nt, R, U>(wg, wu, rows, cols, xq, xds, n, out, oq, ods, act);     \
     }
 
 #define PK_ENTRIES_Q4_0(nt) PK_MV_ENTRIES(q4_0, false, PK_R, 4, nt) PK_SW_ENTRY(q4_0, false, PK_R, 2, nt)

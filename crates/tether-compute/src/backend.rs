@@ -44,6 +44,15 @@ pub struct RopeParams {
     pub neox: bool,
 }
 
+/// The activation of a gated feed-forward (`act(gate · x) · (up · x)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateAct {
+    /// `silu(x) = x / (1 + e^-x)`: LLaMA, Qwen, Phi-3.
+    Silu,
+    /// GELU with the tanh approximation: Gemma.
+    GeluTanh,
+}
+
 /// The shape of multi-head attention with grouped KV heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
@@ -316,6 +325,64 @@ pub trait Backend: Send + Sync + 'static {
         n: usize,
         out: &mut Self::Buffer,
     ) -> Result<()>;
+
+    /// `out[i] = gelu(gate[i]) · up[i]` for `i < n`, with GELU's tanh approximation
+    /// `gelu(x) = x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))` (Gemma's feed-forward).
+    fn geglu(
+        &self,
+        gate: &Self::Buffer,
+        up: &Self::Buffer,
+        n: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// `out[i] = act(gate[i]) · up[i]`: [`Backend::swiglu`] or [`Backend::geglu`].
+    fn gated(
+        &self,
+        act: GateAct,
+        gate: &Self::Buffer,
+        up: &Self::Buffer,
+        n: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        match act {
+            GateAct::Silu => self.swiglu(gate, up, n, out),
+            GateAct::GeluTanh => self.geglu(gate, up, n, out),
+        }
+    }
+
+    /// [`Backend::matmul_swiglu`] with the activation `act`:
+    /// `out[t][r] = act(gate[r] · x[t]) · (up[r] · x[t])`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_gated(
+        &self,
+        act: GateAct,
+        gate: &Self::Buffer,
+        up: &Self::Buffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &Self::Buffer,
+        n_tokens: usize,
+        out: &mut Self::Buffer,
+        gate_tmp: &mut Self::Buffer,
+        up_tmp: &mut Self::Buffer,
+    ) -> Result<()> {
+        if act == GateAct::Silu {
+            return self
+                .matmul_swiglu(gate, up, ty, rows, cols, x, n_tokens, out, gate_tmp, up_tmp);
+        }
+        self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
+        self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
+        self.gated(act, gate_tmp, up_tmp, n_tokens * rows, out)
+    }
+
+    /// `x[i] *= factor` for `i < n` (Gemma's embedding scale).
+    fn scale(&self, x: &mut Self::Buffer, n: usize, factor: f32) -> Result<()>;
+
+    /// `x[i] = cap · tanh(x[i] / cap)` for `i < n`: soft-capping of logits (Gemma 2); `cap`
+    /// must be positive.
+    fn softcap(&self, x: &mut Self::Buffer, n: usize, cap: f32) -> Result<()>;
 
     /// `x[i] += y[i]` for `i < n`.
     fn add(&self, x: &mut Self::Buffer, y: &Self::Buffer, n: usize) -> Result<()>;

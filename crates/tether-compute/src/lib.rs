@@ -10,7 +10,8 @@ pub mod error;
 mod shape_check;
 
 pub use backend::{
-    AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams, top_rows_scratch,
+    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, MemoryInfo, Result, RopeParams,
+    top_rows_scratch,
 };
 pub use cpu::{CpuBackend, CpuBuffer};
 pub use cuda::{CudaBackend, CudaBuffer, CudaReplays};

@@ -71,3 +71,15 @@ pub(crate) fn rope_args(
     }
     Ok(())
 }
+
+/// A soft-cap must be a positive finite number (`cap · tanh(x / cap)`).
+pub(crate) fn softcap(op: &'static str, cap: f32) -> Result<()> {
+    if cap.is_finite() && cap > 0.0 {
+        Ok(())
+    } else {
+        Err(shape_err(
+            op,
+            format!("soft-cap {cap} must be a positive number"),
+        ))
+    }
+}

@@ -4,6 +4,7 @@ use tether_compute::RopeParams;
 use tether_gguf::GgufFile;
 
 use crate::arch::{Arch, TOKEN_EMBD};
+use crate::config_extras::ArchExtras;
 use crate::error::ModelError;
 
 /// Everything the forward pass needs to know about a model's shape.
@@ -36,6 +37,17 @@ pub struct ModelConfig {
     pub tied_output: bool,
     /// True when the file has `rope_freqs.weight` (llama3-style rope scaling factors).
     pub has_rope_freqs: bool,
+    /// Sliding-window layers' attention span in positions (`attention.sliding_window`);
+    /// `None` when every layer attends to the whole context.
+    pub sliding_window: Option<usize>,
+    /// Rotary embedding of the sliding-window layers (Gemma 3 gives them their own base).
+    pub rope_swa: RopeParams,
+    /// Softmax scale of the attention scores.
+    pub attn_scale: f32,
+    /// Embeddings are multiplied by this (Gemma: `sqrt(n_embd)`).
+    pub embed_scale: Option<f32>,
+    /// Logits become `cap · tanh(logits / cap)` (`final_logit_softcapping`).
+    pub final_softcap: Option<f32>,
 }
 
 impl ModelConfig {
@@ -47,6 +59,24 @@ impl ModelConfig {
     /// Width of one token's queries: `n_head · head_dim`.
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
+    }
+
+    /// Whether layer `layer` attends through the sliding window rather than to the whole
+    /// context.
+    pub fn is_sliding(&self, layer: usize) -> bool {
+        match (self.sliding_window, self.arch.traits().swa_period) {
+            (Some(_), Some(period)) => layer % period != period - 1,
+            _ => false,
+        }
+    }
+
+    /// The rotary embedding of layer `layer`.
+    pub fn layer_rope(&self, layer: usize) -> &RopeParams {
+        if self.is_sliding(layer) {
+            &self.rope_swa
+        } else {
+            &self.rope
+        }
     }
 
     /// Reads the hyper-parameters of `file` and checks every tensor's shape against them.
@@ -112,7 +142,35 @@ impl ModelConfig {
                 });
             }
         };
+        let traits = arch.traits();
+        let extras = ArchExtras::read(&meta, n_embd, n_head, head_dim)?;
+        let rope = RopeParams {
+            n_rot,
+            freq_base: file.get_f32(&meta.key("rope.freq_base")).unwrap_or(10000.0),
+            freq_scale,
+            neox: arch.rope_neox(),
+        };
+        let rope_swa = match traits.swa_rope_base {
+            Some(base) => RopeParams {
+                freq_base: base,
+                freq_scale: 1.0,
+                ..rope
+            },
+            None => rope,
+        };
+        if file.tensor(crate::arch::ROPE_FACTORS_LONG).is_some() {
+            return Err(ModelError::Config(format!(
+                "the file has {} (LongRoPE, Phi-3's 128k-context variants), which is not \
+                 supported: use the 4k-context variant",
+                crate::arch::ROPE_FACTORS_LONG
+            )));
+        }
         let cfg = ModelConfig {
+            sliding_window: extras.sliding_window,
+            rope_swa,
+            attn_scale: extras.attn_scale,
+            embed_scale: extras.embed_scale,
+            final_softcap: extras.final_softcap,
             arch,
             n_embd,
             n_layer: meta.usize_req("block_count")?,
@@ -121,12 +179,7 @@ impl ModelConfig {
             n_head_kv,
             head_dim,
             rms_eps: meta.f32_req("attention.layer_norm_rms_epsilon")?,
-            rope: RopeParams {
-                n_rot,
-                freq_base: file.get_f32(&meta.key("rope.freq_base")).unwrap_or(10000.0),
-                freq_scale,
-                neox: arch.rope_neox(),
-            },
+            rope,
             n_ctx_train: meta.usize_opt("context_length")?.unwrap_or(4096),
             n_vocab,
             tied_output: file.tensor(crate::arch::OUTPUT).is_none(),
@@ -192,17 +245,17 @@ fn head_dim(meta: &Meta<'_>, n_embd: usize, n_head: usize) -> Result<usize, Mode
 }
 
 /// Reads `{arch}.*` keys with errors that name the key.
-struct Meta<'a> {
-    file: &'a GgufFile,
-    arch: Arch,
+pub(crate) struct Meta<'a> {
+    pub(crate) file: &'a GgufFile,
+    pub(crate) arch: Arch,
 }
 
 impl Meta<'_> {
-    fn key(&self, suffix: &str) -> String {
+    pub(crate) fn key(&self, suffix: &str) -> String {
         format!("{}.{suffix}", self.arch.name())
     }
 
-    fn err(&self, suffix: &str, problem: &str) -> ModelError {
+    pub(crate) fn err(&self, suffix: &str, problem: &str) -> ModelError {
         ModelError::Metadata {
             arch: self.arch.name().into(),
             key: self.key(suffix),
@@ -210,7 +263,7 @@ impl Meta<'_> {
         }
     }
 
-    fn usize_opt(&self, suffix: &str) -> Result<Option<usize>, ModelError> {
+    pub(crate) fn usize_opt(&self, suffix: &str) -> Result<Option<usize>, ModelError> {
         let key = self.key(suffix);
         match self.file.get(&key) {
             None => Ok(None),
@@ -222,12 +275,12 @@ impl Meta<'_> {
         }
     }
 
-    fn usize_req(&self, suffix: &str) -> Result<usize, ModelError> {
+    pub(crate) fn usize_req(&self, suffix: &str) -> Result<usize, ModelError> {
         self.usize_opt(suffix)?
             .ok_or_else(|| self.err(suffix, "is missing"))
     }
 
-    fn f32_req(&self, suffix: &str) -> Result<f32, ModelError> {
+    pub(crate) fn f32_req(&self, suffix: &str) -> Result<f32, ModelError> {
         self.file
             .get_f32(&self.key(suffix))
             .ok_or_else(|| self.err(suffix, "is missing or not a number"))
@@ -323,6 +376,88 @@ mod tests {
             msg.contains("block_count") && msg.contains("only 2 tensors"),
             "{msg}"
         );
+    }
+
+    fn gemma3_keys(window: Option<u32>) -> Vec<(&'static str, MetaValue)> {
+        let mut keys = vec![
+            ("attention.key_length", MetaValue::U32(16)),
+            ("attention.value_length", MetaValue::U32(16)),
+            ("rope.freq_base", MetaValue::F32(1e6)),
+            ("rope.scaling.type", MetaValue::String("linear".into())),
+            ("rope.scaling.factor", MetaValue::F32(8.0)),
+        ];
+        if let Some(w) = window {
+            keys.push(("attention.sliding_window", MetaValue::U32(w)));
+        }
+        keys
+    }
+
+    #[test]
+    fn gemma3_reads_windows_two_ropes_and_scales() {
+        let cfg = ModelConfig::from_gguf(&file("gemma3", &gemma3_keys(Some(512)))).unwrap();
+        assert_eq!(cfg.sliding_window, Some(512));
+        assert_eq!((cfg.rope.freq_base, cfg.rope.freq_scale), (1e6, 0.125));
+        assert_eq!(
+            (cfg.rope_swa.freq_base, cfg.rope_swa.freq_scale),
+            (10000.0, 1.0)
+        );
+        assert!(cfg.rope.neox && cfg.rope_swa.neox);
+        assert_eq!(cfg.attn_scale, 0.25, "1/sqrt(key_length 16)");
+        assert_eq!(cfg.embed_scale, Some(8f32.sqrt()));
+        assert_eq!(cfg.final_softcap, None);
+        let global: Vec<usize> = (0..14).filter(|&l| !cfg.is_sliding(l)).collect();
+        assert_eq!(global, [5, 11]);
+        assert_eq!(cfg.layer_rope(5).freq_base, 1e6);
+        assert_eq!(cfg.layer_rope(4).freq_base, 10000.0);
+        // llama has no windows and one rope.
+        let cfg = ModelConfig::from_gguf(&file("llama", &[])).unwrap();
+        assert!(!cfg.is_sliding(0) && cfg.sliding_window.is_none());
+        assert_eq!(cfg.attn_scale, 0.5);
+    }
+
+    #[test]
+    fn bad_gemma3_and_phi3_metadata_is_refused_by_name() {
+        let err = ModelConfig::from_gguf(&file("gemma3", &gemma3_keys(None))).unwrap_err();
+        assert!(
+            err.to_string().contains("gemma3.attention.sliding_window")
+                && err.to_string().contains("missing"),
+            "{err}"
+        );
+        let err = ModelConfig::from_gguf(&file("gemma3", &gemma3_keys(Some(0)))).unwrap_err();
+        assert!(err.to_string().contains("sliding_window"), "{err}");
+        let mut keys = gemma3_keys(Some(4));
+        keys.push(("attn_logit_softcapping", MetaValue::F32(50.0)));
+        let err = ModelConfig::from_gguf(&file("gemma3", &keys)).unwrap_err();
+        assert!(err.to_string().contains("soft-capping"), "{err}");
+        let mut keys = gemma3_keys(Some(4));
+        keys.push(("final_logit_softcapping", MetaValue::F32(-1.0)));
+        let err = ModelConfig::from_gguf(&file("gemma3", &keys)).unwrap_err();
+        assert!(err.to_string().contains("final_logit_softcapping"), "{err}");
+        let mut keys = gemma3_keys(Some(4));
+        keys.push(("final_logit_softcapping", MetaValue::F32(30.0)));
+        let cfg = ModelConfig::from_gguf(&file("gemma3", &keys)).unwrap();
+        assert_eq!(cfg.final_softcap, Some(30.0));
+        // Phi-3's 128k variants carry LongRoPE factors.
+        let mut w = GgufWriter::new();
+        w.add_metadata("general.architecture", MetaValue::String("phi3".into()));
+        for (k, v) in [
+            ("embedding_length", MetaValue::U32(8)),
+            ("block_count", MetaValue::U32(0)),
+            ("feed_forward_length", MetaValue::U32(16)),
+            ("attention.head_count", MetaValue::U32(2)),
+            ("attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5)),
+        ] {
+            w.add_metadata(format!("phi3.{k}"), v);
+        }
+        w.add_tensor(TOKEN_EMBD, GgmlType::F32, &[8, 32], vec![0; 8 * 32 * 4])
+            .unwrap();
+        w.add_tensor("rope_factors_long.weight", GgmlType::F32, &[2], vec![0; 8])
+            .unwrap();
+        let mut bytes = Vec::new();
+        w.write_to(&mut bytes, "test").unwrap();
+        let f = GgufFile::from_bytes("test", bytes).unwrap();
+        let err = ModelConfig::from_gguf(&f).unwrap_err();
+        assert!(err.to_string().contains("LongRoPE"), "{err}");
     }
 
     #[test]

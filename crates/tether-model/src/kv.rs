@@ -119,6 +119,16 @@ impl KvState {
     }
 }
 
+/// `span` cut to its last `window` cells: a token of a sliding-window layer at position `p`
+/// sees positions `p - window + 1 ..= p` (HF's and llama.cpp's `p - j < window`).
+pub(crate) fn windowed(span: AttnSpan, window: u32) -> AttnSpan {
+    let n_cells = span.n_cells.min(window.max(1));
+    AttnSpan {
+        first_cell: span.first_cell + (span.n_cells - n_cells),
+        n_cells,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,6 +162,18 @@ mod tests {
                 n_cells: 6
             }
         );
+    }
+
+    #[test]
+    fn windows_keep_the_last_cells() {
+        let span = AttnSpan {
+            first_cell: 32,
+            n_cells: 6,
+        };
+        let w = windowed(span, 4);
+        assert_eq!((w.first_cell, w.n_cells), (34, 4));
+        assert_eq!(windowed(span, 6), span);
+        assert_eq!(windowed(span, 100), span);
     }
 
     #[test]

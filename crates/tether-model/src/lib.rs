@@ -2,6 +2,7 @@
 
 pub mod arch;
 pub mod config;
+mod config_extras;
 pub mod error;
 pub mod generate;
 pub mod kv;

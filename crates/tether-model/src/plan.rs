@@ -33,7 +33,8 @@ pub struct ScratchSizes {
     /// Keys and values `[ubatch][kv_dim]` each (layers).
     pub kv: u64,
     /// Feed-forward gate, up and activation `[ubatch][n_ff]` each (layers); at least
-    /// `[ubatch][kv_dim]`, since the gate buffer holds the normed keys of a Qwen3 layer.
+    /// `[ubatch][kv_dim]`, since the gate buffer holds the normed keys of a Qwen3 layer,
+    /// and `[ubatch][n_embd]` for Gemma, whose post-norms use gate and up.
     pub ff: u64,
     /// Logits `[ubatch][n_vocab]` (head).
     pub logits: u64,
@@ -53,12 +54,21 @@ pub fn scratch_sizes(cfg: &ModelConfig, spec: &StageSpec) -> ScratchSizes {
     let f32s = |n: usize| ub * n as u64 * 4;
     let layers = spec.last_layer > spec.first_layer;
     let when = |cond: bool, bytes: u64| if cond { bytes } else { 0 };
+    // Gemma's post-norms use the gate and up buffers for `[ubatch][n_embd]` rows.
+    let post_norm_width = if cfg.arch.traits().post_norms {
+        cfg.n_embd
+    } else {
+        0
+    };
     ScratchSizes {
         hidden: f32s(cfg.n_embd),
         normed: when(layers || spec.has_head, f32s(cfg.n_embd)),
         q: when(layers, f32s(cfg.q_dim())),
         kv: when(layers, f32s(cfg.kv_dim())),
-        ff: when(layers, f32s(cfg.n_ff.max(cfg.kv_dim()))),
+        ff: when(
+            layers,
+            f32s(cfg.n_ff.max(cfg.kv_dim()).max(post_norm_width)),
+        ),
         logits: when(spec.has_head, f32s(cfg.n_vocab)),
     }
 }

@@ -198,6 +198,35 @@ fn every_weight_type_matches_the_reference() {
     }
 }
 
+/// Gemma 3 (sliding windows of 8 positions under a 40-token prompt, two rope bases, GELU
+/// gate, post-norms, scaled and tied embedding) and Phi-3 (fused q/k/v and gate/up held as
+/// separate matrices) in every weight type against the reference; then 64 greedy tokens
+/// from a float model equal on the cpu and the GPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemma3_and_phi3_match_the_reference_and_the_cpu() {
+    for shape in [SynthShape::TinyGemma3, SynthShape::TinyPhi3] {
+        for ty in GgmlType::WEIGHTS {
+            let (_tmp, file) = synth(shape, ty);
+            let eight_bit = matches!(
+                ty,
+                GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K
+            );
+            check_against_reference(&file, &format!("{} {ty}", shape.name()), eight_bit);
+        }
+        let (_tmp, file) = synth(shape, GgmlType::F16);
+        let tokens = prompt(ModelConfig::from_gguf(&file).unwrap().n_vocab);
+        let mut on_gpu = Generator::from_file(gpu(), &file, CTX, UBATCH).unwrap();
+        let mut on_cpu = Generator::from_file(cpu(), &file, CTX, UBATCH).unwrap();
+        assert_eq!(
+            greedy(&mut on_gpu, &tokens[..8]),
+            greedy(&mut on_cpu, &tokens[..8]),
+            "{}: greedy tokens cpu vs cuda",
+            shape.name()
+        );
+    }
+}
+
 /// Quantized caches on the GPU: within 3e-2 (q8_0) or 1.5e-1 (q4_0) of the cpu with the
 /// same cache type, and within the quantization's own error of the f16 cache (the cpu
 /// test's bounds: 5e-2 for q8_0, 3e-1 for q4_0). tiny-qwen3's heads of 128 are four
@@ -271,8 +300,15 @@ fn stage_spec(first: usize, last: usize, embed: bool, head: bool) -> StageSpec {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_steps_split_over_two_backends_equal_one_stage() {
-    // tiny-qwen3's layers put their normed q/k and the attention output in other buffers.
-    for shape in [SynthShape::Tiny, SynthShape::TinyQwen3] {
+    // tiny-qwen3's layers put their normed q/k and the attention output in other buffers;
+    // tiny-gemma3's post-norms use the feed-forward's, and its stages split sliding layers
+    // from the global one; tiny-phi3 holds its fused tensors as parts.
+    for shape in [
+        SynthShape::Tiny,
+        SynthShape::TinyQwen3,
+        SynthShape::TinyGemma3,
+        SynthShape::TinyPhi3,
+    ] {
         decode_steps_split_equal_one_stage(shape);
     }
 }

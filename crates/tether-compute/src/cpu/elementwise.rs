@@ -33,6 +33,35 @@ pub(crate) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
         });
 }
 
+/// GELU with the tanh approximation: `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`.
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// `out[i] = gelu_tanh(gate[i]) · up[i]`.
+pub(crate) fn geglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    out.par_chunks_mut(PAR_CHUNK)
+        .zip(gate.par_chunks(PAR_CHUNK).zip(up.par_chunks(PAR_CHUNK)))
+        .for_each(|(o, (g, u))| {
+            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                *o = gelu_tanh(*g) * u;
+            }
+        });
+}
+
+/// `x[i] *= factor`.
+pub(crate) fn scale(x: &mut [f32], factor: f32) {
+    x.par_chunks_mut(PAR_CHUNK)
+        .for_each(|x| x.iter_mut().for_each(|v| *v *= factor));
+}
+
+/// `x[i] = cap · tanh(x[i] / cap)`.
+pub(crate) fn softcap(x: &mut [f32], cap: f32) {
+    x.par_chunks_mut(PAR_CHUNK)
+        .for_each(|x| x.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh()));
+}
+
 /// `x[i] += y[i]`.
 pub(crate) fn add(x: &mut [f32], y: &[f32]) {
     x.par_chunks_mut(PAR_CHUNK)
@@ -139,6 +168,42 @@ mod tests {
         for (i, v) in x.iter().enumerate() {
             assert_eq!(*v, g[i] + bias[i % 100]);
         }
+    }
+
+    #[test]
+    fn geglu_scale_and_softcap_match_f64() {
+        let mut rng = Rng::new(24);
+        let n = 40_000;
+        let g = random_f32(&mut rng, n, 6.0);
+        let u = random_f32(&mut rng, n, 2.0);
+        let mut out = vec![0.0; n];
+        geglu(&g, &u, &mut out);
+        let gelu = |x: f64| {
+            0.5 * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+        };
+        let want: Vec<f64> = g
+            .iter()
+            .zip(&u)
+            .map(|(g, u)| gelu(f64::from(*g)) * f64::from(*u))
+            .collect();
+        assert!(relative_error(&out, &want) < 1e-6);
+        // gelu(-x) = gelu(x) - x: negative inputs give small negative values, not zero.
+        assert!(gelu_tanh(-1.0) < -0.15 && gelu_tanh(-1.0) > -0.16);
+
+        let mut x = g.clone();
+        scale(&mut x, 3.5);
+        let want: Vec<f64> = g.iter().map(|v| f64::from(*v) * 3.5).collect();
+        assert!(relative_error(&x, &want) < 1e-7);
+
+        let mut x = g.clone();
+        softcap(&mut x, 2.0);
+        let want: Vec<f64> = g
+            .iter()
+            .map(|v| 2.0 * (f64::from(*v) / 2.0).tanh())
+            .collect();
+        assert!(relative_error(&x, &want) < 1e-6);
+        assert!(x.iter().all(|v| v.abs() <= 2.0));
     }
 
     fn rope_reference(

@@ -311,6 +311,27 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn geglu(&self, gate: &CpuBuffer, up: &CpuBuffer, n: usize, out: &mut CpuBuffer) -> Result<()> {
+        let gate = f32s("geglu", "gate", gate, n)?;
+        let up = f32s("geglu", "up", up, n)?;
+        let out = f32s_mut("geglu", "output", out, n)?;
+        self.install(|| elementwise::geglu(gate, up, out));
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut CpuBuffer, n: usize, factor: f32) -> Result<()> {
+        let x = f32s_mut("scale", "x", x, n)?;
+        self.install(|| elementwise::scale(x, factor));
+        Ok(())
+    }
+
+    fn softcap(&self, x: &mut CpuBuffer, n: usize, cap: f32) -> Result<()> {
+        check::softcap("softcap", cap)?;
+        let x = f32s_mut("softcap", "x", x, n)?;
+        self.install(|| elementwise::softcap(x, cap));
+        Ok(())
+    }
+
     fn add(&self, x: &mut CpuBuffer, y: &CpuBuffer, n: usize) -> Result<()> {
         let x = f32s_mut("add", "x", x, n)?;
         let y = f32s("add", "y", y, n)?;

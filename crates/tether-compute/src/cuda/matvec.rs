@@ -15,10 +15,11 @@ use cudarc::driver::LaunchConfig;
 use tether_gguf::GgmlType;
 
 use super::check::shape_err;
+use super::gated::kernel_code;
 use super::launch::{Arg, int};
 use super::packed::packed_stem;
 use super::{CudaBackend, CudaBuffer};
-use crate::backend::Result;
+use crate::backend::{GateAct, Result};
 
 /// Weight rows per matvec block (one warp each); must match `MV_WARPS` in matvec.cu.
 const MV_ROWS_PER_BLOCK: usize = 4;
@@ -462,11 +463,12 @@ impl CudaBackend {
             })
     }
 
-    /// `out[t] = silu(gate · x[t]) · (up · x[t])` in one launch (at most
-    /// [`MV_MAX_TOKENS`] tokens; see `fused_family`).
+    /// `out[t] = act(gate · x[t]) · (up · x[t])` in one launch (at most
+    /// [`MV_MAX_TOKENS`] tokens; see `fused_family`), `act` being silu or GELU-tanh.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn matvec_swiglu(
         &self,
+        act: GateAct,
         family: Fused,
         gate: u64,
         up: u64,
@@ -519,6 +521,7 @@ impl CudaBackend {
             };
             args.extend([Arg::Ptr(oq), Arg::Ptr(ods)]);
         }
+        args.push(Arg::I32(kernel_code(act)));
         let width = n.next_power_of_two();
         let Fused { prefix, stem } = family;
         self.launch_kernel(&format!("{prefix}_swiglu_{stem}_{width}"), cfg, &args)?;

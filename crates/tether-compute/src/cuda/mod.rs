@@ -11,6 +11,7 @@ mod attention;
 mod check;
 mod compile;
 mod device;
+mod gated;
 mod gemm;
 mod graph;
 mod launch;

@@ -13,7 +13,9 @@ use super::launch::{Arg, grid_for, int};
 use super::matvec::{MV_MAX_TOKENS, MatmulArgs};
 use super::staging;
 use super::{CudaBackend, CudaBuffer};
-use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
+use crate::backend::{
+    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, MemoryInfo, Result, RopeParams,
+};
 use crate::cuda::device::driver_err;
 use crate::shape_check::rope_args;
 
@@ -44,7 +46,7 @@ impl CudaBackend {
     /// Checks a matmul's type and buffer sizes; returns the weight, input and output
     /// addresses.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_operands(
+    pub(super) fn matmul_operands(
         &self,
         w: &CudaBuffer,
         ty: GgmlType,
@@ -317,18 +319,60 @@ impl Backend for CudaBackend {
         gate_tmp: &mut CudaBuffer,
         up_tmp: &mut CudaBuffer,
     ) -> Result<()> {
-        let family = self.fused_family([(gate, ty), (up, ty)], cols, n_tokens);
-        let Some(family) = family else {
-            self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
-            self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
-            return self.swiglu(gate_tmp, up_tmp, n_tokens * rows, out);
-        };
-        let (gp, xp, op) = self.matmul_operands(gate, ty, rows, cols, x, n_tokens, out)?;
-        let (up_p, _, _) = self.matmul_operands(up, ty, rows, cols, x, n_tokens, out)?;
-        if rows == 0 || n_tokens == 0 {
-            return Ok(());
-        }
-        self.matvec_swiglu(family, gp, up_p, rows, cols, xp, n_tokens, op)
+        self.gated_product(
+            GateAct::Silu,
+            (gate, up, ty),
+            rows,
+            cols,
+            x,
+            n_tokens,
+            out,
+            (gate_tmp, up_tmp),
+        )
+    }
+
+    fn matmul_gated(
+        &self,
+        act: GateAct,
+        gate: &CudaBuffer,
+        up: &CudaBuffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &CudaBuffer,
+        n_tokens: usize,
+        out: &mut CudaBuffer,
+        gate_tmp: &mut CudaBuffer,
+        up_tmp: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.gated_product(
+            act,
+            (gate, up, ty),
+            rows,
+            cols,
+            x,
+            n_tokens,
+            out,
+            (gate_tmp, up_tmp),
+        )
+    }
+
+    fn geglu(
+        &self,
+        gate: &CudaBuffer,
+        up: &CudaBuffer,
+        n: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.gated_elementwise(GateAct::GeluTanh, gate, up, n, out)
+    }
+
+    fn scale(&self, x: &mut CudaBuffer, n: usize, factor: f32) -> Result<()> {
+        self.scalar_op("scale", x, n, factor)
+    }
+
+    fn softcap(&self, x: &mut CudaBuffer, n: usize, cap: f32) -> Result<()> {
+        self.scalar_op("softcap", x, n, cap)
     }
 
     fn matmul_add(
@@ -634,17 +678,7 @@ impl Backend for CudaBackend {
         n: usize,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        const OP: &str = "swiglu";
-        f32s(OP, "gate", gate, n)?;
-        f32s(OP, "up", up, n)?;
-        f32s(OP, "output", out, n)?;
-        let (g, u) = (self.addr(OP, "gate", gate)?, self.addr(OP, "up", up)?);
-        let o = self.addr(OP, "output", out)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let args = [Arg::Ptr(g), Arg::Ptr(u), Arg::U64(n as u64), Arg::Ptr(o)];
-        self.run("swiglu", grid_for(n, THREADS), &args)
+        self.gated_elementwise(GateAct::Silu, gate, up, n, out)
     }
 
     fn add(&self, x: &mut CudaBuffer, y: &CudaBuffer, n: usize) -> Result<()> {

@@ -147,7 +147,14 @@ impl<B: Backend> Stage<B> {
                 stage
                     .backend
                     .get_rows(&w.buf, w.ty, e, ids, &mut stage.scratch.hidden)
-                    .map_err(compute("embedding lookup"))
+                    .map_err(compute("embedding lookup"))?;
+                match stage.cfg.embed_scale {
+                    Some(f) => stage
+                        .backend
+                        .scale(&mut stage.scratch.hidden, ids.len() * e, f)
+                        .map_err(compute("embedding scale")),
+                    None => Ok(()),
+                }
             }
             Source::Host(h) => stage.upload_hidden(h),
         })?;

@@ -1,10 +1,18 @@
 //! The forward pass of a stage: embedding, layers, output head — in micro-batches.
 
-use tether_compute::{AttnShape, AttnSpan, Backend};
+use tether_compute::{AttnShape, AttnSpan, Backend, GateAct};
 
-use super::Stage;
+use super::{Stage, Weight};
 use crate::error::{ModelError, compute, compute_in};
-use crate::kv::BatchToken;
+use crate::kv::{BatchToken, windowed};
+
+/// The spans of one micro-batch's tokens for global layers and for sliding-window layers
+/// (empty when the model has none).
+#[derive(Clone, Copy)]
+pub(super) struct LayerSpans<'a> {
+    full: &'a [AttnSpan],
+    window: &'a [AttnSpan],
+}
 
 pub(super) fn as_bytes(x: &[f32]) -> &[u8] {
     // SAFETY: u8 has alignment 1 and the byte length covers exactly the f32s.
@@ -47,6 +55,11 @@ impl<B: Backend> Stage<B> {
             self.backend
                 .get_rows(&w.buf, w.ty, e, ids, hidden)
                 .map_err(compute("embedding lookup"))?;
+            if let Some(f) = self.cfg.embed_scale {
+                self.backend
+                    .scale(hidden, ids.len() * e, f)
+                    .map_err(compute("embedding scale"))?;
+            }
             self.backend
                 .download(hidden, 0, as_bytes_mut(out))
                 .map_err(compute("downloading embeddings"))?;
@@ -116,6 +129,18 @@ impl<B: Backend> Stage<B> {
             cells.push(cell);
             spans.push(span);
         }
+        // Sliding-window layers see only the last `window` cells of each span.
+        let window_spans: Vec<AttnSpan> = match self.cfg.sliding_window {
+            Some(w) => spans
+                .iter()
+                .map(|&s| windowed(s, u32::try_from(w).unwrap_or(u32::MAX)))
+                .collect(),
+            None => Vec::new(),
+        };
+        let spans = LayerSpans {
+            full: &spans,
+            window: &window_spans,
+        };
         if toks.len() <= REPLAY_MAX_TOKENS {
             // Decode steps repeat the same ops on the same buffers: let the backend
             // replay them (CUDA graphs) instead of issuing each op.
@@ -123,14 +148,14 @@ impl<B: Backend> Stage<B> {
             let backend = self.backend.clone();
             let step = backend.replay(&mut replays, toks.len() as u64, || {
                 input(self)?;
-                (0..self.layers.len()).try_for_each(|i| self.layer(i, &positions, &cells, &spans))
+                (0..self.layers.len()).try_for_each(|i| self.layer(i, &positions, &cells, spans))
             });
             self.replays = replays;
             step.map_err(compute("running a recorded decode step"))??;
         } else {
             input(self)?;
             for i in 0..self.layers.len() {
-                self.layer(i, &positions, &cells, &spans)?;
+                self.layer(i, &positions, &cells, spans)?;
             }
         }
         Ok(())
@@ -142,9 +167,12 @@ impl<B: Backend> Stage<B> {
         i: usize,
         positions: &[u32],
         cells: &[u32],
-        spans: &[AttnSpan],
+        spans: LayerSpans<'_>,
     ) -> Result<(), ModelError> {
         let layer_no = self.spec.first_layer + i;
+        let sliding = self.cfg.is_sliding(layer_no);
+        let spans = if sliding { spans.window } else { spans.full };
+        let rope = self.cfg.layer_rope(layer_no);
         let ce = |op| compute_in(op, layer_no);
         let cfg = &self.cfg;
         let spec = &self.spec;
@@ -222,7 +250,7 @@ impl<B: Backend> Stage<B> {
             &ls.v,
             shape,
             positions,
-            &cfg.rope,
+            rope,
             freqs,
             cells,
             kc,
@@ -230,23 +258,35 @@ impl<B: Backend> Stage<B> {
             spec.cache_k,
         )
         .map_err(ce("rope and cache write"))?;
-        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
-        be.attention(q, kc, vc, spec.cache_k, spans, shape, scale, attn_out)
-            .map_err(ce("attention"))?;
-        // Output projection added straight into the residual stream (`normed` is scratch).
-        be.matmul_add(
-            &w[lw.wo].buf,
-            w[lw.wo].ty,
-            e,
-            qd,
+        be.attention(
+            q,
+            kc,
+            vc,
+            spec.cache_k,
+            spans,
+            shape,
+            cfg.attn_scale,
             attn_out,
-            n,
-            &mut s.hidden,
-            normed,
         )
-        .map_err(ce("attention output projection"))?;
+        .map_err(ce("attention"))?;
+        // Gemma's post-norm uses `up` (free until the feed-forward, at least n_embd wide).
+        let post_attn = lw.post_norms.map(|[a, _]| (&w[a].buf, cfg.rms_eps));
+        residual_add(
+            be,
+            &w[lw.wo],
+            (e, qd, attn_out, n),
+            post_attn,
+            &mut s.hidden,
+            [normed, &mut ls.up],
+        )
+        .map_err(ce("attention output"))?;
         be.rms_norm(&s.hidden, &w[lw.ffn_norm].buf, n, e, cfg.rms_eps, normed)
             .map_err(ce("ffn norm"))?;
+        let act = if cfg.arch.traits().gelu_gate {
+            GateAct::GeluTanh
+        } else {
+            GateAct::Silu
+        };
         if w[lw.gate].ty != w[lw.up].ty {
             // Mixed-type files (some quantization mixes) take the three steps apart.
             be.matmul(
@@ -261,10 +301,11 @@ impl<B: Backend> Stage<B> {
             .map_err(ce("ffn gate"))?;
             be.matmul(&w[lw.up].buf, w[lw.up].ty, ff, e, normed, n, &mut ls.up)
                 .map_err(ce("ffn up"))?;
-            be.swiglu(&ls.gate, &ls.up, n * ff, &mut ls.act)
-                .map_err(ce("swiglu"))?;
+            be.gated(act, &ls.gate, &ls.up, n * ff, &mut ls.act)
+                .map_err(ce("gated activation"))?;
         } else {
-            be.matmul_swiglu(
+            be.matmul_gated(
+                act,
                 &w[lw.gate].buf,
                 &w[lw.up].buf,
                 w[lw.gate].ty,
@@ -278,15 +319,14 @@ impl<B: Backend> Stage<B> {
             )
             .map_err(ce("ffn gate and up"))?;
         }
-        be.matmul_add(
-            &w[lw.down].buf,
-            w[lw.down].ty,
-            e,
-            ff,
-            &ls.act,
-            n,
+        let post_ffw = lw.post_norms.map(|[_, f]| (&w[f].buf, cfg.rms_eps));
+        residual_add(
+            be,
+            &w[lw.down],
+            (e, ff, &ls.act, n),
+            post_ffw,
             &mut s.hidden,
-            normed,
+            [&mut ls.gate, normed],
         )
         .map_err(ce("ffn down"))?;
         Ok(())
@@ -367,7 +407,34 @@ impl<B: Backend> Stage<B> {
         be.rms_norm(&s.hidden, &nw.buf, n, e, self.cfg.rms_eps, normed)
             .map_err(compute("output norm"))?;
         be.matmul(&hw.buf, hw.ty, v, e, normed, n, logits)
-            .map_err(compute("output head"))
+            .map_err(compute("output head"))?;
+        match self.cfg.final_softcap {
+            Some(cap) => be
+                .softcap(logits, n * v, cap)
+                .map_err(compute("logit soft-capping")),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Adds `w · x` (`w`: `[rows][cols]`, `x`: `[n][cols]`) into `hidden` (`[n][rows]`): straight into the
+/// stream (`scratch[0]` may serve as scratch), or, with Gemma's `post_norm` (weight and
+/// epsilon), the product into `scratch[0]`, its norm into `scratch[1]`, then added.
+fn residual_add<B: Backend>(
+    be: &B,
+    w: &Weight<B::Buffer>,
+    (rows, cols, x, n): (usize, usize, &B::Buffer, usize),
+    post_norm: Option<(&B::Buffer, f32)>,
+    hidden: &mut B::Buffer,
+    [product, norm_out]: [&mut B::Buffer; 2],
+) -> tether_compute::Result<()> {
+    match post_norm {
+        None => be.matmul_add(&w.buf, w.ty, rows, cols, x, n, hidden, product),
+        Some((norm, eps)) => {
+            be.matmul(&w.buf, w.ty, rows, cols, x, n, product)?;
+            be.rms_norm(product, norm, n, rows, eps, norm_out)?;
+            be.add(hidden, norm_out, n * rows)
+        }
     }
 }
 

@@ -23,9 +23,56 @@ impl<B: Backend> Stage<B> {
     /// Writes `data` into tensor `name` at byte `offset` (chunks may come in any order).
     /// The stage does not run again until [`Self::finish_load`] has checked the load.
     pub fn load_tensor(&mut self, name: &str, offset: u64, data: &[u8]) -> Result<(), ModelError> {
+        if let Some(parts) = self.parts.get(name).cloned() {
+            return self.load_fused(name, &parts, offset, data);
+        }
         let &i = self.by_name.get(name).ok_or_else(|| {
             ModelError::InvalidArgument(format!("tensor '{name}' is not part of this stage"))
         })?;
+        self.write_weight(i, name, offset, data)
+    }
+
+    /// Writes a chunk of fused tensor `name` into the weights that hold its `parts`: the
+    /// rows of each part are one byte range of the file tensor.
+    fn load_fused(
+        &mut self,
+        name: &str,
+        parts: &[(usize, u64)],
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), ModelError> {
+        let total: u64 = parts
+            .iter()
+            .map(|&(i, _)| self.weights[i].buf.bytes() as u64)
+            .sum();
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= total);
+        let Some(end) = end else {
+            return Err(ModelError::InvalidArgument(format!(
+                "tensor '{name}': {} bytes at offset {offset} run past its {total} bytes",
+                data.len()
+            )));
+        };
+        for &(i, start) in parts {
+            let part_end = start + self.weights[i].buf.bytes() as u64;
+            let (lo, hi) = (offset.max(start), end.min(part_end));
+            if lo < hi {
+                let chunk = &data[(lo - offset) as usize..(hi - offset) as usize];
+                self.write_weight(i, name, lo - start, chunk)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset` of weight `i` (of file tensor `name`).
+    fn write_weight(
+        &mut self,
+        i: usize,
+        name: &str,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), ModelError> {
         let w = &mut self.weights[i];
         if w.finished {
             return Err(ModelError::FailedPrecondition(format!(

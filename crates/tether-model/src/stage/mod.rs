@@ -6,6 +6,7 @@
 
 mod decode;
 mod forward;
+mod layout;
 mod load;
 
 use std::collections::HashMap;
@@ -109,8 +110,10 @@ struct LayerWeights {
     wk: usize,
     wv: usize,
     bias: Option<[usize; 3]>,
-    /// Per-head norm weights of Q and K (Qwen3).
+    /// Per-head norm weights of Q and K (Qwen3, Gemma 3).
     qk_norm: Option<[usize; 2]>,
+    /// Norms of the attention and the feed-forward outputs (Gemma).
+    post_norms: Option<[usize; 2]>,
     wo: usize,
     ffn_norm: usize,
     gate: usize,
@@ -144,6 +147,9 @@ pub struct Stage<B: Backend> {
     spec: StageSpec,
     weights: Vec<Weight<B::Buffer>>,
     by_name: HashMap<String, usize>,
+    /// Fused file tensors held as several weights: the file name's parts, each as (weight
+    /// index, its first byte in the file tensor).
+    parts: HashMap<String, Vec<(usize, u64)>>,
     layers: Vec<LayerWeights>,
     embd: Option<usize>,
     out_norm: Option<usize>,
@@ -287,7 +293,8 @@ impl<B: Backend> Stage<B> {
         let k_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_k);
         let v_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_v);
         let sizes = scratch_sizes(&cfg, &spec);
-        let mut wanted: Vec<u64> = tensors.iter().map(|t| t.bytes).collect();
+        let layout = layout::weight_layout(&cfg, tensors)?;
+        let mut wanted: Vec<u64> = layout.iter().map(|l| l.bytes).collect();
         for _ in spec.first_layer..spec.last_layer {
             wanted.extend([k_bytes, v_bytes]);
         }
@@ -323,12 +330,26 @@ impl<B: Backend> Stage<B> {
                 ModelError::FailedPrecondition("the backend returned too few buffers".into())
             })
         };
-        let mut weights = Vec::with_capacity(tensors.len());
-        for t in tensors {
+        let mut weights = Vec::with_capacity(layout.len());
+        let mut parts: HashMap<String, Vec<(usize, u64)>> = HashMap::new();
+        for layout::WeightSlot {
+            name,
+            ty,
+            row_len,
+            part_of,
+            ..
+        } in layout
+        {
+            if let Some((file_name, start)) = part_of {
+                parts
+                    .entry(file_name)
+                    .or_default()
+                    .push((weights.len(), start));
+            }
             weights.push(Weight {
-                name: t.name.clone(),
-                ty: t.ty,
-                row_len: t.dims.first().map_or(0, |&d| d as usize),
+                name,
+                ty,
+                row_len,
                 buf: next()?,
                 written: Vec::new(),
                 finished: false,
@@ -375,11 +396,30 @@ impl<B: Backend> Stage<B> {
         let mut layers = Vec::with_capacity(n_layers);
         for l in spec.first_layer..spec.last_layer {
             let n = |s: &str| idx(&arch::layer_tensor(l, s));
+            let traits = cfg.arch.traits();
+            let [wq, wk, wv] = if traits.fused_qkv {
+                let qkv = arch::layer_tensor(l, arch::ATTN_QKV);
+                let part = |p: &str| idx(&arch::part_name(&qkv, p));
+                [part("q")?, part("k")?, part("v")?]
+            } else {
+                [
+                    n("attn_q.weight")?,
+                    n("attn_k.weight")?,
+                    n("attn_v.weight")?,
+                ]
+            };
+            let [gate, up] = if traits.fused_gate_up {
+                let up = arch::layer_tensor(l, "ffn_up.weight");
+                let part = |p: &str| idx(&arch::part_name(&up, p));
+                [part("gate")?, part("up")?]
+            } else {
+                [n("ffn_gate.weight")?, n("ffn_up.weight")?]
+            };
             layers.push(LayerWeights {
                 attn_norm: n("attn_norm.weight")?,
-                wq: n("attn_q.weight")?,
-                wk: n("attn_k.weight")?,
-                wv: n("attn_v.weight")?,
+                wq,
+                wk,
+                wv,
                 bias: if cfg.arch.has_qkv_bias() {
                     Some([n("attn_q.bias")?, n("attn_k.bias")?, n("attn_v.bias")?])
                 } else {
@@ -390,10 +430,15 @@ impl<B: Backend> Stage<B> {
                 } else {
                     None
                 },
+                post_norms: if traits.post_norms {
+                    Some([n(arch::POST_ATTN_NORM)?, n(arch::POST_FFW_NORM)?])
+                } else {
+                    None
+                },
                 wo: n("attn_output.weight")?,
                 ffn_norm: n("ffn_norm.weight")?,
-                gate: n("ffn_gate.weight")?,
-                up: n("ffn_up.weight")?,
+                gate,
+                up,
                 down: n("ffn_down.weight")?,
             });
         }
@@ -413,6 +458,7 @@ impl<B: Backend> Stage<B> {
             spec,
             weights,
             by_name,
+            parts,
             layers,
             embd,
             out_norm,

@@ -2,6 +2,7 @@
 //! tests and benchmarks without downloading anything.
 
 mod blocks;
+mod extra;
 mod mix;
 mod vocab;
 
@@ -9,6 +10,7 @@ use std::path::Path;
 
 use tether_gguf::{GgmlType, GgufWriter, MetaValue};
 
+use crate::arch::{POST_ATTN_NORM, POST_FFW_NORM};
 use crate::error::ModelError;
 use blocks::{FastRng, fill_random};
 pub use mix::{MatrixRole, QuantMix, SynthType};
@@ -37,6 +39,15 @@ pub enum SynthShape {
     TinyQwen3,
     /// Qwen3 8B.
     Qwen3_8b,
+    /// A 6-layer gemma3 (five sliding-window layers of 8 positions, then a global one) as
+    /// small as `Tiny`.
+    TinyGemma3,
+    /// Gemma 3 12B (text).
+    Gemma3_12b,
+    /// A 2-layer phi3 (fused q/k/v and gate/up) as small as `Tiny`.
+    TinyPhi3,
+    /// Phi-3 mini (4k context).
+    Phi3Mini,
 }
 
 /// Hyper-parameters of a shape.
@@ -58,11 +69,21 @@ struct Dims {
     head_dim: Option<usize>,
     /// Qwen3's per-head `attn_q_norm` and `attn_k_norm`.
     qk_norm: bool,
+    /// Gemma's `post_attention_norm` and `post_ffw_norm`.
+    post_norms: bool,
+    /// `attention.sliding_window`, written when set.
+    window: Option<usize>,
+    /// Linear `rope.scaling.factor`, written when set.
+    rope_linear: Option<f32>,
+    /// Phi-3's fused `attn_qkv` and gate-and-up `ffn_up`.
+    fused: bool,
+    /// `attention.layer_norm_rms_epsilon`.
+    eps: f32,
 }
 
 impl SynthShape {
     /// Every shape.
-    pub const ALL: [SynthShape; 10] = [
+    pub const ALL: [SynthShape; 14] = [
         SynthShape::Tiny,
         SynthShape::TinyQwen2,
         SynthShape::Llama3_1b,
@@ -73,6 +94,10 @@ impl SynthShape {
         SynthShape::Qwen2_5_14b,
         SynthShape::TinyQwen3,
         SynthShape::Qwen3_8b,
+        SynthShape::TinyGemma3,
+        SynthShape::Gemma3_12b,
+        SynthShape::TinyPhi3,
+        SynthShape::Phi3Mini,
     ];
 
     /// The command-line name (`tiny`, `llama3-8b`, `qwen2.5-14b`).
@@ -88,6 +113,10 @@ impl SynthShape {
             SynthShape::Qwen2_5_14b => "qwen2.5-14b",
             SynthShape::TinyQwen3 => "tiny-qwen3",
             SynthShape::Qwen3_8b => "qwen3-8b",
+            SynthShape::TinyGemma3 => "tiny-gemma3",
+            SynthShape::Gemma3_12b => "gemma3-12b",
+            SynthShape::TinyPhi3 => "tiny-phi3",
+            SynthShape::Phi3Mini => "phi3-mini",
         }
     }
 
@@ -112,6 +141,11 @@ impl SynthShape {
             rope_freqs: false,
             head_dim: None,
             qk_norm: false,
+            post_norms: false,
+            window: None,
+            rope_linear: None,
+            fused: false,
+            eps: 1e-5,
         };
         let qwen = |n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, tied| Dims {
             arch: "qwen2",
@@ -126,7 +160,32 @@ impl SynthShape {
             ctx: 40960,
             ..qwen(n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, tied)
         };
+        // Gemma 3's text model as llama.cpp converts it: heads of key_length, tied output,
+        // global layers with base 1e6 and linear scaling 8, eps 1e-6.
+        let gemma3 = |n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab, window| Dims {
+            arch: "gemma3",
+            qk_norm: true,
+            post_norms: true,
+            head_dim: Some(head_dim),
+            window: Some(window),
+            rope_linear: Some(8.0),
+            ctx: 131072,
+            eps: 1e-6,
+            ..llama(n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, 1e6, true)
+        };
+        let phi3 = |n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab| Dims {
+            arch: "phi3",
+            fused: true,
+            ctx: 4096,
+            ..llama(
+                n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, 10000.0, false,
+            )
+        };
         match self {
+            SynthShape::TinyGemma3 => gemma3(256, 6, 4, 2, 64, 512, 320, 8),
+            SynthShape::Gemma3_12b => gemma3(3840, 48, 16, 8, 256, 15360, 262_144, 1024),
+            SynthShape::TinyPhi3 => phi3(256, 2, 4, 2, 512, 320),
+            SynthShape::Phi3Mini => phi3(3072, 32, 32, 32, 8192, 32064),
             SynthShape::Tiny => Dims {
                 rope_freqs: true,
                 ..llama(256, 2, 4, 2, 512, 320, 10000.0, false)
@@ -269,8 +328,15 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
     w.add_metadata(key("attention.head_count_kv"), u32v(d.n_head_kv));
     w.add_metadata(
         key("attention.layer_norm_rms_epsilon"),
-        MetaValue::F32(1e-5),
+        MetaValue::F32(d.eps),
     );
+    if let Some(window) = d.window {
+        w.add_metadata(key("attention.sliding_window"), u32v(window));
+    }
+    if let Some(factor) = d.rope_linear {
+        w.add_metadata(key("rope.scaling.type"), MetaValue::String("linear".into()));
+        w.add_metadata(key("rope.scaling.factor"), MetaValue::F32(factor));
+    }
     w.add_metadata(key("rope.freq_base"), MetaValue::F32(d.rope_base));
     let head_dim = d.head_dim.unwrap_or(d.n_embd / d.n_head);
     if d.head_dim.is_some() {
@@ -299,17 +365,28 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
     let mut vec_rng = FastRng::new(seed ^ 0x5eed);
     // Uniform(±amp) has standard deviation amp/√3; ±√(3/cols) keeps each output near unit size.
     let amp = |cols: usize| (3.0 / cols as f32).sqrt();
+    // Gemma multiplies embeddings by sqrt(n_embd): rows of that much smaller values keep
+    // the residual stream near the size of the layers' outputs (as in the real models),
+    // else it echoes its input token forever.
+    let scaled = crate::Arch::from_name(d.arch).is_some_and(|a| a.traits().scaled_embedding);
+    let embd_amp = if scaled { 1.0 / (e as f32).sqrt() } else { 1.0 };
     add_random(
         &mut w,
         "token_embd.weight".into(),
         pick(embd_role, 0, e),
         &[e, d.n_vocab],
-        1.0,
+        embd_amp,
         next_seed(),
     )?;
     for l in 0..d.n_layer {
         let n = |s: &str| format!("blk.{l}.{s}");
         add_vector(&mut w, n("attn_norm.weight"), e, 1.0, 0.1, &mut vec_rng)?;
+        if d.fused {
+            let seeds = [next_seed(), next_seed(), next_seed(), next_seed()];
+            extra::add_fused_layer(&mut w, l, (e, q, kv, ff), &pick, seeds)?;
+            add_vector(&mut w, n("ffn_norm.weight"), e, 1.0, 0.1, &mut vec_rng)?;
+            continue;
+        }
         add_random(
             &mut w,
             n("attn_q.weight"),
@@ -365,6 +442,9 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
             amp(q),
             next_seed(),
         )?;
+        if d.post_norms {
+            add_vector(&mut w, n(POST_ATTN_NORM), e, 1.0, 0.1, &mut vec_rng)?;
+        }
         add_vector(&mut w, n("ffn_norm.weight"), e, 1.0, 0.1, &mut vec_rng)?;
         add_random(
             &mut w,
@@ -390,6 +470,9 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
             amp(ff),
             next_seed(),
         )?;
+        if d.post_norms {
+            add_vector(&mut w, n(POST_FFW_NORM), e, 1.0, 0.1, &mut vec_rng)?;
+        }
     }
     if d.rope_freqs {
         // llama3's shape of factors: 1 for the fast-turning pairs, rising to 8 for the slow ones.
@@ -423,130 +506,4 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::ModelConfig;
-
-    #[test]
-    fn shapes_round_trip_through_config() {
-        let dir = std::env::temp_dir().join(format!("tether-synth-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        for (shape, ty) in [
-            (SynthShape::Tiny, GgmlType::Q4K),
-            (SynthShape::TinyQwen2, GgmlType::Q8_0),
-            (SynthShape::TinyQwen3, GgmlType::Q4K),
-        ] {
-            let path = dir.join(format!("{}.gguf", shape.name()));
-            synthesize(&path, shape, ty, 1).unwrap();
-            let file = tether_gguf::GgufFile::open(&path).unwrap();
-            let cfg = ModelConfig::from_gguf(&file).unwrap();
-            let d = shape.dims();
-            assert_eq!(
-                (cfg.n_embd, cfg.n_layer, cfg.n_vocab),
-                (d.n_embd, d.n_layer, d.n_vocab)
-            );
-            assert_eq!(cfg.tied_output, d.tied);
-            assert_eq!(cfg.rope.neox, d.arch != "llama");
-            assert_eq!(cfg.head_dim, d.head_dim.unwrap_or(d.n_embd / d.n_head));
-            assert_eq!(cfg.rope.n_rot, cfg.head_dim);
-            assert_eq!(file.tensor("blk.1.attn_k_norm.weight").is_some(), d.qk_norm);
-            assert_eq!(cfg.has_rope_freqs, d.rope_freqs);
-            assert_eq!(file.tensor("blk.1.ffn_down.weight").unwrap().ty, ty);
-            assert_eq!(
-                file.get_str_array("tokenizer.ggml.tokens").unwrap().len(),
-                d.n_vocab
-            );
-            std::fs::remove_file(&path).unwrap();
-        }
-    }
-
-    #[test]
-    fn q4_k_m_file_has_llama_cpp_types_per_tensor() {
-        let path =
-            std::env::temp_dir().join(format!("tether-synth-q4km-{}.gguf", std::process::id()));
-        synthesize(&path, SynthShape::Tiny, QuantMix::Q4KM, 3).unwrap();
-        let file = tether_gguf::GgufFile::open(&path).unwrap();
-        let ty = |name: &str| file.tensor(name).unwrap().ty;
-        assert_eq!(ty("output.weight"), GgmlType::Q6K);
-        assert_eq!(ty("token_embd.weight"), GgmlType::Q4K);
-        // Two layers: only layer 1 (the last eighth) gets more bits.
-        for (layer, more) in [(0, GgmlType::Q4K), (1, GgmlType::Q6K)] {
-            assert_eq!(ty(&format!("blk.{layer}.attn_v.weight")), more);
-            assert_eq!(ty(&format!("blk.{layer}.ffn_down.weight")), more);
-            for m in ["attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"] {
-                assert_eq!(ty(&format!("blk.{layer}.{m}.weight")), GgmlType::Q4K, "{m}");
-            }
-        }
-        assert_eq!(ty("blk.0.attn_norm.weight"), GgmlType::F32);
-        assert!(file.get_str("general.name").unwrap().contains("q4_k_m"));
-        std::fs::remove_file(&path).unwrap();
-    }
-
-    #[test]
-    fn tied_output_gives_token_embd_the_output_type() {
-        let w = build(SynthShape::TinyQwen2, QuantMix::Q3KM.into(), 1).unwrap();
-        let mut bytes = Vec::new();
-        w.write_to(&mut bytes, "mem").unwrap();
-        let file = tether_gguf::GgufFile::from_bytes("mem", bytes).unwrap();
-        let ty = |name: &str| file.tensor(name).unwrap().ty;
-        assert!(file.tensor("output.weight").is_none());
-        assert_eq!(ty("token_embd.weight"), GgmlType::Q6K);
-        assert_eq!(ty("blk.1.attn_v.weight"), GgmlType::Q5K);
-        assert_eq!(ty("blk.1.attn_output.weight"), GgmlType::Q4K);
-        assert_eq!(ty("blk.1.ffn_down.weight"), GgmlType::Q4K);
-        assert_eq!(ty("blk.1.ffn_up.weight"), GgmlType::Q3K);
-    }
-
-    /// llama.cpp's Q4_K_M of Llama 3.1 8B is 4.58 GiB (4.92 GB); ours has the same tensor
-    /// types, so the same size up to its tokenizer metadata. Counted without writing.
-    #[test]
-    fn llama3_8b_q4_k_m_is_the_size_llama_cpp_writes() {
-        let w = build(SynthShape::Llama3_8b, QuantMix::Q4KM.into(), 1).unwrap();
-        // 4 912 898 304 bytes: the sum of the tensor sizes by the mix rules.
-        let gib = w.tensor_data_bytes() as f64 / f64::from(1u32 << 30);
-        assert!((4.55..4.60).contains(&gib), "{gib} GiB");
-    }
-
-    /// llama.cpp's Q4_K_M of Qwen3 8B is 4.68 GiB (5.03 GB); ours has the same tensor types.
-    #[test]
-    fn qwen3_8b_q4_k_m_is_the_size_llama_cpp_writes() {
-        let w = build(SynthShape::Qwen3_8b, QuantMix::Q4KM.into(), 1).unwrap();
-        let gib = w.tensor_data_bytes() as f64 / f64::from(1u32 << 30);
-        assert!((4.6..4.75).contains(&gib), "{gib} GiB");
-    }
-
-    /// The 70B shape in the mix that fills two 80 GB GPUs: about 40 GiB, as llama.cpp's
-    /// Q4_K_M of Llama 3.1 70B (39.6 GiB). Counted without writing.
-    #[test]
-    fn llama3_70b_q4_k_m_is_about_40_gib() {
-        let w = build(SynthShape::Llama3_70b, QuantMix::Q4KM.into(), 1).unwrap();
-        let gib = w.tensor_data_bytes() as f64 / f64::from(1u32 << 30);
-        assert!((39.0..40.5).contains(&gib), "{gib} GiB");
-    }
-
-    #[test]
-    fn types_fall_back_where_blocks_do_not_fit() {
-        assert_eq!(fit_type(GgmlType::Q4K, 896), GgmlType::Q5_0);
-        assert_eq!(fit_type(GgmlType::Q6K, 896), GgmlType::Q8_0);
-        assert_eq!(fit_type(GgmlType::Q4K, 4096), GgmlType::Q4K);
-        assert_eq!(fit_type(GgmlType::Q4_0, 20), GgmlType::F16);
-        assert_eq!(fit_type(GgmlType::IQ4XS, 896), GgmlType::IQ4NL);
-    }
-
-    /// Slow (writes about 4.6 GB): `cargo test -p tether-model -- --ignored synth_8b`.
-    #[test]
-    #[ignore]
-    fn synth_8b_q4_k_takes_well_under_a_minute() {
-        let path =
-            std::env::temp_dir().join(format!("tether-synth-8b-{}.gguf", std::process::id()));
-        let start = std::time::Instant::now();
-        synthesize(&path, SynthShape::Llama3_8b, GgmlType::Q4K, 1).unwrap();
-        let took = start.elapsed();
-        let file = tether_gguf::GgufFile::open(&path).unwrap();
-        let cfg = ModelConfig::from_gguf(&file).unwrap();
-        assert_eq!((cfg.n_layer, cfg.n_vocab, cfg.n_head_kv), (32, 128256, 8));
-        std::fs::remove_file(&path).unwrap();
-        println!("llama3-8b q4_k synthesized in {took:?}");
-        assert!(took.as_secs() < 45, "{took:?}");
-    }
-}
+mod tests;

@@ -1,6 +1,8 @@
-//! An independent float64 forward pass of llama/qwen2/qwen3 GGUF models: plain loops over
-//! dequantized weights, its own metadata reading, rope, attention and softmax. It shares no
-//! code with `Stage` or any backend; only the GGUF reader and dequantizer are common.
+//! An independent float64 forward pass of llama/qwen2/qwen3/gemma3/phi3 GGUF models: plain
+//! loops over dequantized weights, its own metadata reading, rope, attention and softmax. It
+//! shares no code with `Stage` or any backend; only the GGUF reader and dequantizer are
+//! common. Gemma 3 and Phi-3 follow HF transformers' model definitions (`Gemma3ForCausalLM`,
+//! `Phi3ForCausalLM`) and llama.cpp's converter's tensor conventions.
 //!
 //! Keys and values are rounded to f16 before attention, because the model as served keeps
 //! its KV cache in f16; everything else is f64.
@@ -22,7 +24,16 @@ pub struct Reference {
     rope_scale: f64,
     n_rot: usize,
     neox: bool,
+    /// Gemma 3: scaled embedding, (1 + w) norms, post-norms, GELU gate, sliding windows.
+    gemma3: Option<Gemma3>,
     w: HashMap<String, Vec<f64>>,
+}
+
+/// What Gemma 3's HF config gives beyond LLaMA's.
+struct Gemma3 {
+    sliding_window: usize,
+    /// `rope_local_base_freq`: the sliding layers' rope base (they take no scaling).
+    local_base: f64,
 }
 
 fn round_f16(x: f64) -> f64 {
@@ -70,7 +81,11 @@ impl Reference {
                 .map_or(10000.0, f64::from),
             rope_scale: scale,
             n_rot: u("rope.dimension_count").unwrap_or(head_dim),
-            neox: arch == "qwen2" || arch == "qwen3",
+            neox: matches!(arch.as_str(), "qwen2" | "qwen3" | "gemma3" | "phi3"),
+            gemma3: (arch == "gemma3").then(|| Gemma3 {
+                sliding_window: u("attention.sliding_window").unwrap(),
+                local_base: 10000.0,
+            }),
             w,
         }
     }
@@ -101,7 +116,32 @@ impl Reference {
     fn norm(&self, name: &str, x: &[f64]) -> Vec<f64> {
         let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
         let k = 1.0 / (ms + self.eps).sqrt();
-        x.iter().zip(self.t(name)).map(|(v, g)| v * k * g).collect()
+        x.iter()
+            .zip(self.t(name))
+            .map(|(v, g)| v * k * self.norm_gain(*g))
+            .collect()
+    }
+
+    /// The factor a stored norm weight applies. HF's Gemma RMSNorm multiplies by `1 + w`
+    /// and llama.cpp's converter stores `w + 1`: undo the shift, then apply HF's formula.
+    fn norm_gain(&self, stored: f64) -> f64 {
+        if self.gemma3.is_some() {
+            let w_hf = stored - 1.0;
+            1.0 + w_hf
+        } else {
+            stored
+        }
+    }
+
+    /// A layer's matrix `name`, or rows `[first, first + rows)` of fused matrix `fused`
+    /// (Phi-3's `qkv_proj` and `gate_up_proj` are concatenations along the output axis).
+    fn proj(&self, name: &str, fused: (&str, usize, usize), x: &[f64]) -> Vec<f64> {
+        if self.w.contains_key(name) {
+            return self.mat(name, x);
+        }
+        let (fused, first, rows) = fused;
+        let all = self.mat(fused, x);
+        all[first..first + rows].to_vec()
     }
 
     /// Qwen3's QK-norm: each `head_dim` slice of `x` divided by its root mean square, then
@@ -113,18 +153,29 @@ impl Reference {
         for head in x.chunks_mut(self.head_dim) {
             let ms = head.iter().map(|v| v * v).sum::<f64>() / self.head_dim as f64;
             let k = 1.0 / (ms + self.eps).sqrt();
-            head.iter_mut().zip(g).for_each(|(v, g)| *v *= k * g);
+            head.iter_mut()
+                .zip(g)
+                .for_each(|(v, g)| *v *= k * self.norm_gain(*g));
         }
     }
 
-    fn rope(&self, x: &mut [f64], n_heads: usize, pos: usize) {
+    /// Whether layer `l` is one of Gemma 3's sliding-window layers: HF's
+    /// `(layer_idx + 1) % sliding_window_pattern != 0`, with a pattern of 6.
+    fn sliding(&self, l: usize) -> bool {
+        self.gemma3.is_some() && !(l + 1).is_multiple_of(6)
+    }
+
+    fn rope(&self, x: &mut [f64], n_heads: usize, pos: usize, sliding: bool) {
         let factors = self.w.get("rope_freqs.weight");
+        let (base, scale) = match &self.gemma3 {
+            Some(g) if sliding => (g.local_base, 1.0),
+            _ => (self.rope_base, self.rope_scale),
+        };
         for h in 0..n_heads {
             let head = &mut x[h * self.head_dim..(h + 1) * self.head_dim];
             for i in 0..self.n_rot / 2 {
-                let mut theta = pos as f64
-                    * self.rope_scale
-                    * self.rope_base.powf(-((2 * i) as f64) / self.n_rot as f64);
+                let mut theta =
+                    pos as f64 * scale * base.powf(-((2 * i) as f64) / self.n_rot as f64);
                 if let Some(f) = factors {
                     theta /= f[i];
                 }
@@ -144,10 +195,22 @@ impl Reference {
     pub fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {
         let (e, hd) = (self.embd, self.head_dim);
         let table = self.t("token_embd.weight");
+        // Gemma3TextScaledWordEmbedding multiplies by sqrt(hidden_size).
+        let embed_scale = if self.gemma3.is_some() {
+            (e as f64).sqrt()
+        } else {
+            1.0
+        };
         let mut xs: Vec<Vec<f64>> = tokens
             .iter()
-            .map(|&id| table[id as usize * e..(id as usize + 1) * e].to_vec())
+            .map(|&id| {
+                table[id as usize * e..(id as usize + 1) * e]
+                    .iter()
+                    .map(|v| v * embed_scale)
+                    .collect()
+            })
             .collect();
+        let (qd, kvd) = (self.heads * hd, self.kv_heads * hd);
         let bias = |name: String, v: &mut Vec<f64>| {
             if let Some(b) = self.w.get(&name) {
                 v.iter_mut().zip(b).for_each(|(x, b)| *x += b);
@@ -158,18 +221,20 @@ impl Reference {
             let mut qs = Vec::new();
             let mut ks = Vec::new();
             let mut vs = Vec::new();
+            let sliding = self.sliding(l);
+            let qkv = n("attn_qkv.weight");
             for (pos, x) in xs.iter().enumerate() {
                 let h = self.norm(&n("attn_norm.weight"), x);
-                let mut q = self.mat(&n("attn_q.weight"), &h);
-                let mut k = self.mat(&n("attn_k.weight"), &h);
-                let mut v = self.mat(&n("attn_v.weight"), &h);
+                let mut q = self.proj(&n("attn_q.weight"), (&qkv, 0, qd), &h);
+                let mut k = self.proj(&n("attn_k.weight"), (&qkv, qd, kvd), &h);
+                let mut v = self.proj(&n("attn_v.weight"), (&qkv, qd + kvd, kvd), &h);
                 bias(n("attn_q.bias"), &mut q);
                 bias(n("attn_k.bias"), &mut k);
                 bias(n("attn_v.bias"), &mut v);
                 self.per_head_norm(&n("attn_q_norm.weight"), &mut q);
                 self.per_head_norm(&n("attn_k_norm.weight"), &mut k);
-                self.rope(&mut q, self.heads, pos);
-                self.rope(&mut k, self.kv_heads, pos);
+                self.rope(&mut q, self.heads, pos, sliding);
+                self.rope(&mut k, self.kv_heads, pos, sliding);
                 qs.push(q);
                 ks.push(k.into_iter().map(round_f16).collect::<Vec<_>>());
                 vs.push(v.into_iter().map(round_f16).collect::<Vec<_>>());
@@ -180,7 +245,14 @@ impl Reference {
                 for h in 0..self.heads {
                     let kh = h / group;
                     let q = &qs[pos][h * hd..(h + 1) * hd];
-                    let scores: Vec<f64> = (0..=pos)
+                    // Gemma's scaling is query_pre_attn_scalar^-0.5, which is head_dim for
+                    // the sizes tested here; everyone else's is head_dim^-0.5.
+                    // Sliding layers see keys j with pos - j < sliding_window.
+                    let first = match &self.gemma3 {
+                        Some(g) if sliding => (pos + 1).saturating_sub(g.sliding_window),
+                        _ => 0,
+                    };
+                    let scores: Vec<f64> = (first..=pos)
                         .map(|j| {
                             let k = &ks[j][kh * hd..(kh + 1) * hd];
                             q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
@@ -189,25 +261,37 @@ impl Reference {
                     let max = scores.iter().cloned().fold(f64::MIN, f64::max);
                     let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                     let z: f64 = exps.iter().sum();
-                    for (j, p) in exps.iter().enumerate() {
+                    for (j, p) in (first..=pos).zip(&exps) {
                         let v = &vs[j][kh * hd..(kh + 1) * hd];
                         for d in 0..hd {
                             att[h * hd + d] += p / z * v[d];
                         }
                     }
                 }
-                let o = self.mat(&n("attn_output.weight"), &att);
+                let mut o = self.mat(&n("attn_output.weight"), &att);
+                if self.gemma3.is_some() {
+                    o = self.norm(&n("post_attention_norm.weight"), &o);
+                }
                 x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
                 let h = self.norm(&n("ffn_norm.weight"), x);
-                let g = self.mat(&n("ffn_gate.weight"), &h);
-                let u = self.mat(&n("ffn_up.weight"), &h);
+                let (g, u) = if self.w.contains_key(&n("ffn_gate.weight")) {
+                    let g = self.mat(&n("ffn_gate.weight"), &h);
+                    (g, self.mat(&n("ffn_up.weight"), &h))
+                } else {
+                    // Phi3MLP: gate_up_proj's output chunked in two, gate first.
+                    let gu = self.mat(&n("ffn_up.weight"), &h);
+                    (gu[..self.ff].to_vec(), gu[self.ff..].to_vec())
+                };
                 assert_eq!(g.len(), self.ff);
                 let act: Vec<f64> = g
                     .iter()
                     .zip(&u)
-                    .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                    .map(|(g, u)| self.gate_activation(*g) * u)
                     .collect();
-                let d = self.mat(&n("ffn_down.weight"), &act);
+                let mut d = self.mat(&n("ffn_down.weight"), &act);
+                if self.gemma3.is_some() {
+                    d = self.norm(&n("post_ffw_norm.weight"), &d);
+                }
                 x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
             }
         }
@@ -219,6 +303,16 @@ impl Reference {
         xs.iter()
             .map(|x| self.mat(head, &self.norm("output_norm.weight", x)))
             .collect()
+    }
+
+    /// Gemma's `gelu_pytorch_tanh`; SiLU for the others.
+    fn gate_activation(&self, g: f64) -> f64 {
+        if self.gemma3.is_some() {
+            let inner = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3));
+            0.5 * g * (1.0 + inner.tanh())
+        } else {
+            g / (1.0 + (-g).exp())
+        }
     }
 
     /// Greedy continuation of `prompt` by `n` tokens, recomputing everything each step.

@@ -1,0 +1,98 @@
+//! Gated feed-forwards on the GPU (SiLU or Gemma's GELU: the fused gate/up product kernels
+//! take their activation as an argument), and Gemma's embedding scale and soft-capping.
+
+use super::check::{f32s, shape_err};
+use super::launch::{Arg, grid_for};
+use super::{CudaBackend, CudaBuffer};
+use crate::backend::{Backend, GateAct, Result};
+use tether_gguf::GgmlType;
+
+/// Threads per block of the element-wise kernels here.
+const THREADS: u32 = 256;
+
+/// The `act` argument of the gate/up kernels (`GATE_SILU`, `GATE_GELU_TANH` in
+/// common.cuh).
+pub(super) fn kernel_code(act: GateAct) -> i32 {
+    match act {
+        GateAct::Silu => 0,
+        GateAct::GeluTanh => 1,
+    }
+}
+
+impl CudaBackend {
+    /// `out = act(gate · x) · (up · x)`: one fused launch where a matvec family takes both
+    /// weights at this size, else two products and the element-wise activation.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gated_product(
+        &self,
+        act: GateAct,
+        (gate, up, ty): (&CudaBuffer, &CudaBuffer, GgmlType),
+        rows: usize,
+        cols: usize,
+        x: &CudaBuffer,
+        n_tokens: usize,
+        out: &mut CudaBuffer,
+        (gate_tmp, up_tmp): (&mut CudaBuffer, &mut CudaBuffer),
+    ) -> Result<()> {
+        let family = self.fused_family([(gate, ty), (up, ty)], cols, n_tokens);
+        let Some(family) = family else {
+            self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
+            self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
+            return self.gated(act, gate_tmp, up_tmp, n_tokens * rows, out);
+        };
+        let (gp, xp, op) = self.matmul_operands(gate, ty, rows, cols, x, n_tokens, out)?;
+        let (up_p, _, _) = self.matmul_operands(up, ty, rows, cols, x, n_tokens, out)?;
+        if rows == 0 || n_tokens == 0 {
+            return Ok(());
+        }
+        self.matvec_swiglu(act, family, gp, up_p, rows, cols, xp, n_tokens, op)
+    }
+
+    /// `out[i] = act(gate[i]) · up[i]` by the element-wise kernel of `act`.
+    pub(super) fn gated_elementwise(
+        &self,
+        act: GateAct,
+        gate: &CudaBuffer,
+        up: &CudaBuffer,
+        n: usize,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let op = match act {
+            GateAct::Silu => "swiglu",
+            GateAct::GeluTanh => "geglu",
+        };
+        f32s(op, "gate", gate, n)?;
+        f32s(op, "up", up, n)?;
+        f32s(op, "output", out, n)?;
+        let (g, u) = (self.addr(op, "gate", gate)?, self.addr(op, "up", up)?);
+        let o = self.addr(op, "output", out)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [Arg::Ptr(g), Arg::Ptr(u), Arg::U64(n as u64), Arg::Ptr(o)];
+        self.run(op, grid_for(n, THREADS), &args)
+    }
+
+    /// `x[i] *= factor` (`kernel` "scale") or `x[i] = cap · tanh(x[i] / cap)` ("softcap").
+    pub(super) fn scalar_op(
+        &self,
+        kernel: &'static str,
+        x: &mut CudaBuffer,
+        n: usize,
+        value: f32,
+    ) -> Result<()> {
+        if kernel == "softcap" && !(value.is_finite() && value > 0.0) {
+            return Err(shape_err(
+                "softcap",
+                format!("soft-cap {value} must be a positive number"),
+            ));
+        }
+        f32s(kernel, "x", x, n)?;
+        let xp = self.addr(kernel, "x", x)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [Arg::Ptr(xp), Arg::U64(n as u64), Arg::F32(value)];
+        self.run(kernel, grid_for(n, THREADS), &args)
+    }
+}
