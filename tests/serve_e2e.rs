@@ -8,8 +8,8 @@ mod support;
 use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 use support::{
-    Serve, TinyModel, Worker, completion_body, http, http_json, http_read_head, http_send,
-    process_alive, reference, send_signal, sessions_and_bytes,
+    Serve, TinyModel, Worker, completion_body, http, http_deadline, http_json, http_read_head,
+    http_send, process_alive, reference, send_signal, sessions_and_bytes,
 };
 
 /// The lease the coordinator asks for in the crash tests.
@@ -539,8 +539,23 @@ fn a_streaming_chat_completion_works_through_an_http_client_library() {
     let model = TinyModel::new();
     let (a, b) = two_workers();
     let serve = Serve::start(&serve_args(&model, &a, &b));
+    // As a client does: the model's id from /v1/models (a name it does not serve is 404).
+    let (status, models) = http_deadline(
+        &serve.addr,
+        "GET",
+        "/v1/models",
+        None,
+        Duration::from_secs(10),
+    )
+    .expect("list models");
+    assert_eq!(status, 200, "{models}");
+    let models: serde_json::Value = serde_json::from_str(&models).expect("models JSON");
+    let id = models["data"][0]["id"]
+        .as_str()
+        .expect("a model id")
+        .to_string();
     let body = serde_json::json!({
-        "model": "anything",
+        "model": id,
         "messages": [
             {"role": "system", "content": "You are terse."},
             {"role": "user", "content": [{"type": "text", "text": "Say something."}]},

@@ -18,6 +18,7 @@ use super::error::ApiError;
 use super::heavy::HEAVY_BODY_BYTES;
 use super::prepare::{self, Prepared};
 use super::run::{Run, RunEvent};
+use super::strict::{self, Endpoint};
 use super::{AppState, SharedState};
 use crate::api::FinishReason;
 
@@ -36,11 +37,14 @@ pub(super) async fn completions(
     let started = Instant::now();
     let prepared = match body {
         Ok(bytes) if bytes.len() < HEAVY_BODY_BYTES => {
-            parse(Ok(bytes)).and_then(|req| prepare::completion(&state, req))
+            parse(Ok(bytes), Endpoint::Completion, &state.model_id)
+                .and_then(|req| prepare::completion(&state, req))
         }
         body => {
-            let work =
-                move |state: &AppState| parse(body).and_then(|req| prepare::completion(state, req));
+            let work = move |state: &AppState| {
+                parse(body, Endpoint::Completion, &state.model_id)
+                    .and_then(|req| prepare::completion(state, req))
+            };
             state.heavy.run(Arc::clone(&state), work).await
         }
     };
@@ -54,13 +58,20 @@ pub(super) async fn chat_completions(
 ) -> Response {
     let started = Instant::now();
     // The model's template may loop as long as its budget allows: always heavy.
-    let work = move |state: &AppState| parse(body).and_then(|req| prepare::chat(state, req));
+    let work = move |state: &AppState| {
+        parse(body, Endpoint::Chat, &state.model_id).and_then(|req| prepare::chat(state, req))
+    };
     let prepared = state.heavy.run(Arc::clone(&state), work).await;
     respond(&state, Kind::Chat, prepared, started).await
 }
 
-/// The JSON body, or a 400 that says what is wrong with it.
-fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+/// The JSON body, or a 400 that says what is wrong with it (a field this server does not
+/// implement, an unknown model, a value of the wrong kind).
+fn parse<T: DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    endpoint: Endpoint,
+    model_id: &str,
+) -> Result<T, ApiError> {
     let bytes = body.map_err(|rejection| ApiError {
         status: rejection.status(),
         ..ApiError::invalid(format!(
@@ -68,11 +79,7 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, 
             rejection.body_text()
         ))
     })?;
-    serde_json::from_slice(&bytes).map_err(|e| {
-        ApiError::invalid(format!(
-            "the request body is not valid JSON for this endpoint: {e}"
-        ))
-    })
+    strict::parse_checked(&bytes, endpoint, model_id)
 }
 
 async fn respond(

@@ -13,6 +13,7 @@ pub mod listen;
 pub mod metrics;
 mod prepare;
 mod run;
+mod strict;
 pub mod template;
 pub mod text;
 pub mod types;

@@ -1,5 +1,5 @@
-//! Request bodies of the OpenAI-style endpoints. Unknown fields are ignored, as OpenAI's
-//! clients send many we have no use for.
+//! Request bodies of the OpenAI-style endpoints. `strict` checks every field of a body
+//! before it is parsed into these: fields not listed here are refused, not ignored.
 
 use serde::Deserialize;
 
