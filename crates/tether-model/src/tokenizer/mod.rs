@@ -151,6 +151,14 @@ impl Tokenizer {
                 if vocab.merges.is_empty() {
                     return Err(TokenizerError::MissingMerges);
                 }
+                if !PreTokenizerKind::is_known(&pre_name) {
+                    tracing::warn!(
+                        pre = %pre_name,
+                        "tokenizer.ggml.pre '{pre_name}' is not known: splitting text with \
+                         GPT-2's regex, so some texts may tokenize unlike the model's own \
+                         tokenizer"
+                    );
+                }
                 let byte_chars = Box::new(bpe::byte_to_char_table());
                 let engine = Engine::Bpe {
                     ranks: MergeRanks::parse(&vocab.merges)?,

@@ -186,3 +186,49 @@ fn tokenizer_can_be_shared_across_threads() {
     let tokenizer = Tokenizer::from_vocab(spm_vocab()).expect("valid");
     assert!(format!("{tokenizer:?}").contains("Spm"));
 }
+
+/// Writes what a tracing subscriber formats into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .map_err(|_| std::io::Error::other("poisoned"))?
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// An unknown BPE pre-tokenizer name is logged by name (it still loads, split as GPT-2);
+/// known ones, and SentencePiece files (which ignore it), log nothing.
+#[test]
+fn unknown_pre_tokenizer_names_are_logged_by_name() {
+    let logged = |pre: &str| {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            Tokenizer::from_vocab(bpe_vocab(pre, WORDS, &["x y"])).expect("valid")
+        });
+        let bytes = out.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    };
+    let text = logged("deepseek-v9");
+    assert!(
+        text.contains("WARN") && text.contains("'deepseek-v9'"),
+        "{text}"
+    );
+    for known in ["qwen2", "llama-bpe", "default", "gpt2"] {
+        assert!(PreTokenizerKind::is_known(known));
+        assert_eq!(logged(known), "", "{known}");
+    }
+}

@@ -38,6 +38,15 @@ impl PreTokenizerKind {
         }
     }
 
+    /// Whether `name` is a `tokenizer.ggml.pre` value this crate splits as its model does
+    /// (the names [`Self::from_name`] lists, and GPT-2's own).
+    pub fn is_known(name: &str) -> bool {
+        matches!(
+            name,
+            "default" | "gpt2" | "gpt-2" | "llama-bpe" | "llama3" | "llama-v3" | "qwen2"
+        )
+    }
+
     fn pattern(self) -> &'static str {
         match self {
             PreTokenizerKind::Gpt2 => GPT2,
