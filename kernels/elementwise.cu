@@ -146,12 +146,36 @@ extern "C" __global__ void add_bias(float* x, const float* bias, u64 n, u64 dim)
         x[i] += bias[i % dim];
 }
 
-// Rotates pair i of each head of each token by positions[t] * freq_scale *
-// base^(-2i/n_rot) / factors[i] (factors may be null). Angles in f64 as on the cpu.
+// cos and sin of pair i's angle at position pos, times mscale (crate::rope::pair_angle):
+// base^(-2i/n_rot) turned pos times, divided by its llama3 factor (factors may be null),
+// times freq_scale; with YaRN (yarn_high >= 0) blended with the unscaled angle over the ramp
+// [yarn_low, yarn_high] of pair indices, and mscale applied (1 otherwise). Angles in f64 as
+// on the cpu.
+__device__ __forceinline__ void rope_cos_sin(int i, int n_rot, u32 pos, float freq_base,
+                                             float freq_scale, const float* factors,
+                                             float yarn_low, float yarn_high, float mscale,
+                                             float* c, float* s) {
+    double freq = pow((double)freq_base, -2.0 * (double)i / (double)n_rot);
+    double factor = factors ? (double)factors[i] : 1.0;
+    double extrapolated = (double)pos * freq / factor;
+    double theta = extrapolated * (double)freq_scale;
+    double m = 1.0;
+    if (yarn_high >= 0.f) {
+        double y = ((double)i - (double)yarn_low) / fmax(0.001, (double)(yarn_high - yarn_low));
+        double keep = 1.0 - fmin(fmax(y, 0.0), 1.0);
+        theta = theta * (1.0 - keep) + extrapolated * keep;
+        m = (double)mscale;
+    }
+    *c = (float)(cos(theta) * m);
+    *s = (float)(sin(theta) * m);
+}
+
+// Rotates pair i of each head of each token by its angle at positions[t] (rope_cos_sin).
 // Launch: any 1-D grid over n_tokens * n_heads * (n_rot / 2) pairs.
 extern "C" __global__ void rope(float* x, int n_tokens, int n_heads, int head_dim,
                                 const u32* positions, int n_rot, float freq_base,
-                                float freq_scale, int neox, const float* factors) {
+                                float freq_scale, int neox, const float* factors,
+                                float yarn_low, float yarn_high, float mscale) {
     PDL_ENTRY();
     int half = n_rot / 2;
     u64 total = (u64)n_tokens * n_heads * half;
@@ -161,10 +185,9 @@ extern "C" __global__ void rope(float* x, int n_tokens, int n_heads, int head_di
         u64 th = idx / half;
         int t = (int)(th / n_heads);
         float* head = x + th * head_dim;
-        double freq = pow((double)freq_base, -2.0 * (double)i / (double)n_rot);
-        double factor = factors ? (double)factors[i] : 1.0;
-        double theta = (double)positions[t] * (double)freq_scale * freq / factor;
-        float c = (float)cos(theta), s = (float)sin(theta);
+        float c, s;
+        rope_cos_sin(i, n_rot, positions[t], freq_base, freq_scale, factors, yarn_low,
+                     yarn_high, mscale, &c, &s);
         int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
         float x0 = head[a], x1 = head[b];
         head[a] = x0 * c - x1 * s;
@@ -179,7 +202,8 @@ extern "C" __global__ void rope(float* x, int n_tokens, int n_heads, int head_di
 extern "C" __global__ void rope_store_f16(float* q, float* k, const float* v, int n_heads,
                                           int n_kv_heads, int head_dim, const u32* positions,
                                           int n_rot, float freq_base, float freq_scale,
-                                          int neox, const float* factors, const u32* cells,
+                                          int neox, const float* factors, float yarn_low,
+                                          float yarn_high, float mscale, const u32* cells,
                                           u16* kc, u16* vc) {
     PDL_ENTRY();
     int h = blockIdx.x, t = blockIdx.y;
@@ -189,10 +213,9 @@ extern "C" __global__ void rope_store_f16(float* q, float* k, const float* v, in
                        : k + ((u64)t * n_kv_heads + kh) * head_dim;
     int half = n_rot / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        double freq = pow((double)freq_base, -2.0 * (double)i / (double)n_rot);
-        double factor = factors ? (double)factors[i] : 1.0;
-        double theta = (double)positions[t] * (double)freq_scale * freq / factor;
-        float c = (float)cos(theta), s = (float)sin(theta);
+        float c, s;
+        rope_cos_sin(i, n_rot, positions[t], freq_base, freq_scale, factors, yarn_low,
+                     yarn_high, mscale, &c, &s);
         int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
         float x0 = head[a], x1 = head[b];
         head[a] = x0 * c - x1 * s;

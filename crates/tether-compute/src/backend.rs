@@ -42,6 +42,8 @@ pub struct RopeParams {
     pub freq_scale: f32,
     /// NEOX style rotates pairs `(i, i + n_rot/2)` (qwen2); normal style rotates `(2i, 2i+1)` (llama).
     pub neox: bool,
+    /// YaRN scaling (with `freq_scale` = 1 / its factor); `None` for plain or linear rope.
+    pub yarn: Option<crate::rope::YarnParams>,
 }
 
 /// The activation of a gated feed-forward (`act(gate · x) · (up · x)`).

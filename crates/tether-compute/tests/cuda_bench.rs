@@ -121,6 +121,7 @@ fn bench_decode_layer() {
         freq_base: 500000.0,
         freq_scale: 1.0,
         neox: false,
+        yarn: None,
     };
     for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
         let upload = |rows: usize, cols: usize| {

@@ -182,6 +182,7 @@ fn rope_matches_cpu_in_both_styles() {
                 freq_base: 500_000.0,
                 freq_scale: 0.5,
                 neox,
+                yarn: None,
             };
             let mut x = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
             let (fg, fc) = if use_factors {
@@ -727,6 +728,7 @@ fn rope_and_store_matches_cpu() {
             freq_base: 500000.0,
             freq_scale: 1.0,
             neox,
+            yarn: None,
         };
         for (positions, cells) in [(vec![5u32], vec![7u32]), (vec![9, 10, 11], vec![2, 3, 15])] {
             let n = positions.len();

@@ -4,7 +4,7 @@ use tether_compute::RopeParams;
 use tether_gguf::GgufFile;
 
 use crate::arch::{Arch, TOKEN_EMBD};
-use crate::config_extras::ArchExtras;
+use crate::config_extras::{ArchExtras, rope_scaling};
 use crate::error::ModelError;
 
 /// Everything the forward pass needs to know about a model's shape.
@@ -106,27 +106,7 @@ impl ModelConfig {
                 "rope.dimension_count {n_rot} must be even and at most head_dim {head_dim}"
             )));
         }
-        let freq_scale = match file.get_str(&meta.key("rope.scaling.type")) {
-            None | Some("none") => 1.0,
-            Some("linear") => {
-                let factor = file
-                    .get_f32(&meta.key("rope.scaling.factor"))
-                    .unwrap_or(1.0);
-                if !(factor.is_finite() && factor > 0.0) {
-                    return Err(ModelError::Config(format!(
-                        "rope.scaling.factor {factor} must be a positive number"
-                    )));
-                }
-                1.0 / factor
-            }
-            // llama3-style scaling lives in rope_freqs.weight; yarn etc. are not implemented.
-            Some("llama3") => 1.0,
-            Some(other) => {
-                return Err(ModelError::Config(format!(
-                    "rope.scaling.type '{other}' is not supported (only none, linear)"
-                )));
-            }
-        };
+        let (freq_scale, yarn) = rope_scaling(&meta)?;
         let embd = file
             .tensor(TOKEN_EMBD)
             .ok_or_else(|| ModelError::MissingTensor(TOKEN_EMBD.into()))?;
@@ -149,11 +129,13 @@ impl ModelConfig {
             freq_base: file.get_f32(&meta.key("rope.freq_base")).unwrap_or(10000.0),
             freq_scale,
             neox: arch.rope_neox(),
+            yarn,
         };
         let rope_swa = match traits.swa_rope_base {
             Some(base) => RopeParams {
                 freq_base: base,
                 freq_scale: 1.0,
+                yarn: None,
                 ..rope
             },
             None => rope,
@@ -458,6 +440,51 @@ mod tests {
         let f = GgufFile::from_bytes("test", bytes).unwrap();
         let err = ModelConfig::from_gguf(&f).unwrap_err();
         assert!(err.to_string().contains("LongRoPE"), "{err}");
+    }
+
+    #[test]
+    fn yarn_scaling_is_read_and_bad_values_refused() {
+        let yarn = |extra: &[(&'static str, MetaValue)]| {
+            let mut keys = vec![
+                ("rope.scaling.type", MetaValue::String("yarn".into())),
+                ("rope.scaling.factor", MetaValue::F32(4.0)),
+                (
+                    "rope.scaling.original_context_length",
+                    MetaValue::U32(32768),
+                ),
+            ];
+            keys.extend(extra.iter().cloned());
+            ModelConfig::from_gguf(&file("qwen3", &keys))
+        };
+        let cfg = yarn(&[]).unwrap();
+        assert_eq!(cfg.rope.freq_scale, 0.25);
+        let y = cfg.rope.yarn.unwrap();
+        assert_eq!(
+            (y.orig_ctx, y.beta_fast, y.beta_slow, y.attn_factor),
+            (32768, 32.0, 1.0, 1.0)
+        );
+        let cfg = yarn(&[("rope.scaling.attn_factor", MetaValue::F32(0.5))]).unwrap();
+        assert_eq!(cfg.rope.yarn.unwrap().attn_factor, 0.5);
+        for (key, bad) in [
+            ("rope.scaling.original_context_length", MetaValue::U32(0)),
+            ("rope.scaling.factor", MetaValue::F32(-2.0)),
+            ("rope.scaling.yarn_beta_fast", MetaValue::F32(f32::NAN)),
+        ] {
+            let err = yarn(&[(key, bad)]).unwrap_err().to_string();
+            assert!(err.contains(key), "{key}: {err}");
+        }
+        let err = ModelConfig::from_gguf(&file(
+            "qwen3",
+            &[("rope.scaling.type", MetaValue::String("yarn".into()))],
+        ))
+        .unwrap_err();
+        assert!(err.to_string().contains("original_context_length"), "{err}");
+        let err = ModelConfig::from_gguf(&file(
+            "qwen3",
+            &[("rope.scaling.type", MetaValue::String("longrope".into()))],
+        ))
+        .unwrap_err();
+        assert!(err.to_string().contains("'longrope'"), "{err}");
     }
 
     #[test]

@@ -2,8 +2,63 @@
 //! overrides, embedding scale, logit soft-capping), read from GGUF metadata as llama.cpp's
 //! converter writes it.
 
+use tether_compute::rope::YarnParams;
+
 use crate::config::Meta;
 use crate::error::ModelError;
+
+/// `rope.scaling.*`: the frequency scale (1 / factor) and YaRN's parameters. llama3-style
+/// scaling lives in `rope_freqs.weight` and needs nothing here.
+pub(crate) fn rope_scaling(meta: &Meta<'_>) -> Result<(f32, Option<YarnParams>), ModelError> {
+    let kind = meta.file.get_str(&meta.key("rope.scaling.type"));
+    let factor = || {
+        let factor = meta
+            .file
+            .get_f32(&meta.key("rope.scaling.factor"))
+            .unwrap_or(1.0);
+        if factor.is_finite() && factor > 0.0 {
+            Ok(factor)
+        } else {
+            Err(meta.err(
+                "rope.scaling.factor",
+                &format!("is {factor}; it must be a positive number"),
+            ))
+        }
+    };
+    let positive = |key: &str, default: f32| {
+        let v = meta.file.get_f32(&meta.key(key)).unwrap_or(default);
+        if v.is_finite() && v > 0.0 {
+            Ok(v)
+        } else {
+            Err(meta.err(key, &format!("is {v}; it must be a positive number")))
+        }
+    };
+    match kind {
+        None | Some("none") | Some("llama3") => Ok((1.0, None)),
+        Some("linear") => Ok((1.0 / factor()?, None)),
+        Some("yarn") => {
+            let factor = factor()?;
+            let orig = meta.usize_req("rope.scaling.original_context_length")?;
+            let orig_ctx = u32::try_from(orig).ok().filter(|&c| c > 0).ok_or_else(|| {
+                meta.err(
+                    "rope.scaling.original_context_length",
+                    &format!("is {orig}; it must be a positive 32-bit count"),
+                )
+            })?;
+            let yarn = YarnParams {
+                orig_ctx,
+                beta_fast: positive("rope.scaling.yarn_beta_fast", 32.0)?,
+                beta_slow: positive("rope.scaling.yarn_beta_slow", 1.0)?,
+                attn_factor: positive("rope.scaling.attn_factor", 1.0)?,
+            };
+            Ok((1.0 / factor, Some(yarn)))
+        }
+        Some(other) => Err(meta.err(
+            "rope.scaling.type",
+            &format!("is '{other}', which is not supported (none, linear, llama3, yarn)"),
+        )),
+    }
+}
 
 /// What [`crate::ModelConfig`] takes from these keys.
 pub(crate) struct ArchExtras {

@@ -200,12 +200,16 @@ fn every_weight_type_matches_the_reference() {
 
 /// Gemma 3 (sliding windows of 8 positions under a 40-token prompt, two rope bases, GELU
 /// gate, post-norms, scaled and tied embedding) and Phi-3 (fused q/k/v and gate/up held as
-/// separate matrices) in every weight type against the reference; then 64 greedy tokens
-/// from a float model equal on the cpu and the GPU.
+/// separate matrices) and Qwen3 with YaRN in every weight type against the reference; then
+/// 64 greedy tokens from a float model equal on the cpu and the GPU.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn gemma3_and_phi3_match_the_reference_and_the_cpu() {
-    for shape in [SynthShape::TinyGemma3, SynthShape::TinyPhi3] {
+fn gemma3_phi3_and_yarn_match_the_reference_and_the_cpu() {
+    for shape in [
+        SynthShape::TinyGemma3,
+        SynthShape::TinyPhi3,
+        SynthShape::TinyQwen3Yarn,
+    ] {
         for ty in GgmlType::WEIGHTS {
             let (_tmp, file) = synth(shape, ty);
             let eight_bit = matches!(

@@ -185,6 +185,7 @@ fn element_wise_ops_check_sizes_and_compute() {
         freq_base: 1e4,
         freq_scale: 1.0,
         neox: false,
+        yarn: None,
     };
     assert!(is_shape(be.rope(&mut x, 1, 1, 4, &[0], &p, None)));
     let p = RopeParams { n_rot: 4, ..p };

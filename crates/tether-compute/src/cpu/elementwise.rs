@@ -4,6 +4,7 @@
 use rayon::prelude::*;
 
 use crate::backend::RopeParams;
+use crate::rope::{pair_angle, yarn_ramp};
 
 /// Elements per parallel task for the element-wise ops (small inputs stay on one thread).
 const PAR_CHUNK: usize = 1 << 14;
@@ -76,7 +77,8 @@ pub(crate) fn add_bias(x: &mut [f32], bias: &[f32]) {
 }
 
 /// Rotates each head of each token row of `x` (`[tokens][n_heads][head_dim]`) by its
-/// position: pair `i` turns by `pos · freq_scale · base^(-2i/n_rot) / freq_factors[i]`.
+/// position: pair `i` turns by `pos · freq_scale · base^(-2i/n_rot) / freq_factors[i]`, or
+/// by YaRN's blend ([`crate::rope`]).
 /// Elements past `n_rot` stay as they are.
 pub(crate) fn rope(
     x: &mut [f32],
@@ -87,17 +89,15 @@ pub(crate) fn rope(
     freq_factors: Option<&[f32]>,
 ) {
     let half = p.n_rot / 2;
+    let ramp = yarn_ramp(p);
     x.par_chunks_mut(n_heads * head_dim)
         .zip(positions.par_iter())
         .for_each_init(Vec::new, |table: &mut Vec<(f32, f32)>, (row, &pos)| {
             table.clear();
             for i in 0..half {
-                // Angles in f64: positions reach 10^5+ and the f32 angle would be off by
-                // far more than the f32 result can show.
-                let freq = f64::from(p.freq_base).powf(-2.0 * i as f64 / p.n_rot as f64);
                 let factor = freq_factors.map_or(1.0, |f| f64::from(f[i]));
-                let theta = f64::from(pos) * f64::from(p.freq_scale) * freq / factor;
-                table.push((theta.cos() as f32, theta.sin() as f32));
+                let (theta, mscale) = pair_angle(p, ramp, i, pos, factor);
+                table.push(((theta.cos() * mscale) as f32, (theta.sin() * mscale) as f32));
             }
             for head in row.chunks_exact_mut(head_dim) {
                 for (i, &(c, s)) in table.iter().enumerate() {
@@ -250,6 +250,7 @@ mod tests {
                     freq_base: 10000.0,
                     freq_scale: 0.5,
                     neox,
+                    yarn: None,
                 };
                 let mut got = x.clone();
                 rope(&mut got, heads, hd, &pos, &p, factors);

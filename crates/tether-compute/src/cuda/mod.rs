@@ -19,6 +19,7 @@ mod matvec;
 mod nvml;
 mod ops;
 mod packed;
+mod rope;
 mod staging;
 
 pub use device::CudaBuffer;

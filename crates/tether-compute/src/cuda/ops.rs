@@ -17,7 +17,6 @@ use crate::backend::{
     AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, MemoryInfo, Result, RopeParams,
 };
 use crate::cuda::device::driver_err;
-use crate::shape_check::rope_args;
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
@@ -491,36 +490,15 @@ impl Backend for CudaBackend {
         params: &RopeParams,
         freq_factors: Option<&CudaBuffer>,
     ) -> Result<()> {
-        const OP: &str = "rope";
-        rope_args(OP, n_tokens, head_dim, positions, params)?;
-        f32s(OP, "input", x, elems(OP, &[n_tokens, n_heads, head_dim])?)?;
-        let factors = match freq_factors {
-            Some(f) => {
-                f32s(OP, "freq_factors", f, params.n_rot / 2)?;
-                self.addr(OP, "freq_factors", f)?
-            }
-            None => 0,
-        };
-        let xp = self.addr(OP, "input", x)?;
-        let pairs = elems(OP, &[n_tokens, n_heads, params.n_rot / 2])?;
-        if pairs == 0 {
-            return Ok(());
-        }
-        let mut staging = self.lock_staging();
-        let pos_at = staging.stage_u32(&positions[..n_tokens])?;
-        let args = [
-            Arg::Ptr(xp),
-            int(OP, "n_tokens", n_tokens)?,
-            int(OP, "n_heads", n_heads)?,
-            int(OP, "head_dim", head_dim)?,
-            Arg::Ptr(pos_at),
-            int(OP, "n_rot", params.n_rot)?,
-            Arg::F32(params.freq_base),
-            Arg::F32(params.freq_scale),
-            Arg::I32(i32::from(params.neox)),
-            Arg::Ptr(factors),
-        ];
-        self.run("rope", grid_for(pairs, THREADS), &args)
+        self.rope_on_device(
+            x,
+            n_tokens,
+            n_heads,
+            head_dim,
+            positions,
+            params,
+            freq_factors,
+        )
     }
 
     fn rope_and_store(
@@ -537,74 +515,16 @@ impl Backend for CudaBackend {
         v_cache: &mut CudaBuffer,
         cache_ty: GgmlType,
     ) -> Result<()> {
-        const OP: &str = "rope_and_store";
-        let (n, hd) = (positions.len(), shape.head_dim);
-        let kv_dim = shape.n_kv_heads * hd;
-        // Quantized caches and prefill batches take the four ops apart.
-        if cache_ty != GgmlType::F16 || n > 8 || n != cells.len() || n == 0 {
-            self.rope(q, n, shape.n_heads, hd, positions, params, freq_factors)?;
-            self.rope(k, n, shape.n_kv_heads, hd, positions, params, freq_factors)?;
-            self.kv_store(k, kv_dim, cells, k_cache, cache_ty)?;
-            return self.kv_store(v, kv_dim, cells, v_cache, cache_ty);
-        }
-        rope_args(OP, n, hd, positions, params)?;
-        f32s(OP, "queries", q, elems(OP, &[n, shape.n_heads, hd])?)?;
-        f32s(OP, "keys", k, elems(OP, &[n, kv_dim])?)?;
-        f32s(OP, "values", v, elems(OP, &[n, kv_dim])?)?;
-        let row = elems(OP, &[kv_dim, 2])?;
-        for (cache, what) in [(&*k_cache, "key cache"), (&*v_cache, "value cache")] {
-            let n_cells = cache.bytes().checked_div(row).unwrap_or(0);
-            if let Some(&bad) = cells.iter().find(|&&c| c as usize >= n_cells) {
-                return Err(shape_err(
-                    OP,
-                    format!("cell {bad} is outside the {what} of {n_cells} cells"),
-                ));
-            }
-        }
-        let factors = match freq_factors {
-            Some(f) => {
-                f32s(OP, "freq_factors", f, params.n_rot / 2)?;
-                self.addr(OP, "freq_factors", f)?
-            }
-            None => 0,
-        };
-        let (qp, kp, vp) = (
-            self.addr(OP, "queries", q)?,
-            self.addr(OP, "keys", k)?,
-            self.addr(OP, "values", v)?,
-        );
-        let (kc, vc) = (
-            self.addr(OP, "key cache", k_cache)?,
-            self.addr(OP, "value cache", v_cache)?,
-        );
-        let heads = u32::try_from(shape.n_heads + shape.n_kv_heads)
-            .map_err(|_| shape_err(OP, "too many heads".to_string()))?;
-        let mut staging = self.lock_staging();
-        let pos_at = staging.stage_u32(positions)?;
-        let cells_at = staging.stage_u32(cells)?;
-        let cfg = LaunchConfig {
-            grid_dim: (heads, n as u32, 1),
-            block_dim: (64, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let args = [
-            Arg::Ptr(qp),
-            Arg::Ptr(kp),
-            Arg::Ptr(vp),
-            int(OP, "n_heads", shape.n_heads)?,
-            int(OP, "n_kv_heads", shape.n_kv_heads)?,
-            int(OP, "head_dim", hd)?,
-            Arg::Ptr(pos_at),
-            int(OP, "n_rot", params.n_rot)?,
-            Arg::F32(params.freq_base),
-            Arg::F32(params.freq_scale),
-            Arg::I32(i32::from(params.neox)),
-            Arg::Ptr(factors),
-            Arg::Ptr(cells_at),
-            Arg::Ptr(kc),
-            Arg::Ptr(vc),
-        ];
-        self.run("rope_store_f16", cfg, &args)
+        self.rope_and_store_on_device(
+            (q, k, v),
+            shape,
+            positions,
+            params,
+            freq_factors,
+            cells,
+            (k_cache, v_cache),
+            cache_ty,
+        )
     }
 
     fn kv_store(

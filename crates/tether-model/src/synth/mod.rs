@@ -48,6 +48,8 @@ pub enum SynthShape {
     TinyPhi3,
     /// Phi-3 mini (4k context).
     Phi3Mini,
+    /// `TinyQwen3` with Qwen3's long-context YaRN (factor 4 over 32768 positions).
+    TinyQwen3Yarn,
 }
 
 /// Hyper-parameters of a shape.
@@ -75,6 +77,8 @@ struct Dims {
     window: Option<usize>,
     /// Linear `rope.scaling.factor`, written when set.
     rope_linear: Option<f32>,
+    /// YaRN `rope.scaling.factor` and `original_context_length`, written when set.
+    yarn: Option<(f32, usize)>,
     /// Phi-3's fused `attn_qkv` and gate-and-up `ffn_up`.
     fused: bool,
     /// `attention.layer_norm_rms_epsilon`.
@@ -83,7 +87,7 @@ struct Dims {
 
 impl SynthShape {
     /// Every shape.
-    pub const ALL: [SynthShape; 14] = [
+    pub const ALL: [SynthShape; 15] = [
         SynthShape::Tiny,
         SynthShape::TinyQwen2,
         SynthShape::Llama3_1b,
@@ -98,6 +102,7 @@ impl SynthShape {
         SynthShape::Gemma3_12b,
         SynthShape::TinyPhi3,
         SynthShape::Phi3Mini,
+        SynthShape::TinyQwen3Yarn,
     ];
 
     /// The command-line name (`tiny`, `llama3-8b`, `qwen2.5-14b`).
@@ -117,6 +122,7 @@ impl SynthShape {
             SynthShape::Gemma3_12b => "gemma3-12b",
             SynthShape::TinyPhi3 => "tiny-phi3",
             SynthShape::Phi3Mini => "phi3-mini",
+            SynthShape::TinyQwen3Yarn => "tiny-qwen3-yarn",
         }
     }
 
@@ -144,6 +150,7 @@ impl SynthShape {
             post_norms: false,
             window: None,
             rope_linear: None,
+            yarn: None,
             fused: false,
             eps: 1e-5,
         };
@@ -209,6 +216,10 @@ impl SynthShape {
             SynthShape::Qwen2_5_14b => qwen(5120, 48, 40, 8, 13824, 152064, false),
             // Heads of 128 where n_embd / n_head is 64, as Qwen3 0.6B (1024 wide, 16 heads).
             SynthShape::TinyQwen3 => qwen3(256, 2, 4, 2, 128, 512, 320, true),
+            SynthShape::TinyQwen3Yarn => Dims {
+                yarn: Some((4.0, 32768)),
+                ..qwen3(256, 2, 4, 2, 128, 512, 320, true)
+            },
             SynthShape::Qwen3_8b => qwen3(4096, 36, 32, 8, 128, 12288, 151936, false),
         }
     }
@@ -332,6 +343,11 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
     );
     if let Some(window) = d.window {
         w.add_metadata(key("attention.sliding_window"), u32v(window));
+    }
+    if let Some((factor, orig)) = d.yarn {
+        w.add_metadata(key("rope.scaling.type"), MetaValue::String("yarn".into()));
+        w.add_metadata(key("rope.scaling.factor"), MetaValue::F32(factor));
+        w.add_metadata(key("rope.scaling.original_context_length"), u32v(orig));
     }
     if let Some(factor) = d.rope_linear {
         w.add_metadata(key("rope.scaling.type"), MetaValue::String("linear".into()));

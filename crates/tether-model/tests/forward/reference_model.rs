@@ -26,6 +26,9 @@ pub struct Reference {
     neox: bool,
     /// Gemma 3: scaled embedding, (1 + w) norms, post-norms, GELU gate, sliding windows.
     gemma3: Option<Gemma3>,
+    /// YaRN (HF's `rope_type: yarn`): each pair's inverse frequency and the factor on cos
+    /// and sin.
+    yarn: Option<(Vec<f64>, f64)>,
     w: HashMap<String, Vec<f64>>,
 }
 
@@ -82,6 +85,7 @@ impl Reference {
             rope_scale: scale,
             n_rot: u("rope.dimension_count").unwrap_or(head_dim),
             neox: matches!(arch.as_str(), "qwen2" | "qwen3" | "gemma3" | "phi3"),
+            yarn: yarn_frequencies(file, &arch, u("rope.dimension_count").unwrap_or(head_dim)),
             gemma3: (arch == "gemma3").then(|| Gemma3 {
                 sliding_window: u("attention.sliding_window").unwrap(),
                 local_base: 10000.0,
@@ -176,6 +180,11 @@ impl Reference {
             for i in 0..self.n_rot / 2 {
                 let mut theta =
                     pos as f64 * scale * base.powf(-((2 * i) as f64) / self.n_rot as f64);
+                let mut m = 1.0;
+                if let Some((inv_freq, attention_factor)) = &self.yarn {
+                    theta = pos as f64 * inv_freq[i];
+                    m = *attention_factor;
+                }
                 if let Some(f) = factors {
                     theta /= f[i];
                 }
@@ -185,8 +194,9 @@ impl Reference {
                     (2 * i, 2 * i + 1)
                 };
                 let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * theta.cos() - x1 * theta.sin();
-                head[b] = x0 * theta.sin() + x1 * theta.cos();
+                let (c, sn) = (theta.cos() * m, theta.sin() * m);
+                head[a] = x0 * c - x1 * sn;
+                head[b] = x0 * sn + x1 * c;
             }
         }
     }
@@ -366,6 +376,36 @@ impl Reference {
         );
         ties
     }
+}
+
+/// HF transformers' YaRN (`_compute_yarn_parameters`), from the paper: the correction
+/// range of pair indices where a pair turns between beta_fast (32) and beta_slow (1) times
+/// over the original context, a linear ramp over it mixing interpolated (`/ factor`) and
+/// extrapolated inverse frequencies, and `0.1 ln(factor) + 1` on cos and sin.
+fn yarn_frequencies(file: &GgufFile, arch: &str, dim: usize) -> Option<(Vec<f64>, f64)> {
+    let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+    if file.get_str(&key("type")) != Some("yarn") {
+        return None;
+    }
+    let factor = f64::from(file.get_f32(&key("factor")).unwrap());
+    let orig = file.get_u64(&key("original_context_length")).unwrap() as f64;
+    let base = f64::from(file.get_f32(&format!("{arch}.rope.freq_base")).unwrap());
+    let correction_dim = |rotations: f64| {
+        dim as f64 * (orig / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+    };
+    let low = correction_dim(32.0).floor().max(0.0);
+    let high = correction_dim(1.0).ceil().min(dim as f64 - 1.0);
+    let high = if high == low { high + 0.001 } else { high };
+    let inv_freq = (0..dim / 2)
+        .map(|i| {
+            let extrapolation = 1.0 / base.powf((2 * i) as f64 / dim as f64);
+            let interpolation = extrapolation / factor;
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let extrapolation_factor = 1.0 - ramp;
+            interpolation * (1.0 - extrapolation_factor) + extrapolation * extrapolation_factor
+        })
+        .collect();
+    Some((inv_freq, 0.1 * factor.ln() + 1.0))
 }
 
 /// ‖a − b‖ / ‖b‖.

@@ -134,6 +134,19 @@ fn tiny_gemma3_of_every_type_matches_reference() {
     every_type_within(SynthShape::TinyGemma3, 130, "tiny-gemma3", 1e-3, 1e-1);
 }
 
+/// YaRN of Qwen3's long context (factor 4 over 32768): the ramp runs over pairs 23..40 of
+/// the 64, so interpolated, extrapolated and blended pairs all count.
+#[test]
+fn tiny_qwen3_with_yarn_matches_reference() {
+    every_type_within(
+        SynthShape::TinyQwen3Yarn,
+        190,
+        "tiny-qwen3-yarn",
+        1e-3,
+        2e-2,
+    );
+}
+
 #[test]
 fn tiny_phi3_of_every_type_matches_reference() {
     every_type_within(SynthShape::TinyPhi3, 160, "tiny-phi3", 1e-3, 3e-2);

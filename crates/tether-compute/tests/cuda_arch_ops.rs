@@ -1,12 +1,14 @@
-//! Gemma's ops on the GPU against the cpu backend: the GELU-gated products (the fused
-//! gate/up kernels of every family with the GELU epilogue, and the unfused path for
-//! prefill-sized batches), the element-wise GELU gate, the embedding scale and soft-capping.
+//! The ops Gemma and YaRN added, on the GPU against the cpu backend: the GELU-gated
+//! products (the fused gate/up kernels of every family with the GELU epilogue, and the
+//! unfused path for prefill-sized batches), the element-wise GELU gate, the embedding scale,
+//! soft-capping, and YaRN rope in the plain and the fused rope-and-store kernels.
 //!
 //! Ignored by default (CI has no GPU); run with
-//! `cargo test -p tether-compute --test cuda_gelu -- --ignored --test-threads=1`. Without a
+//! `cargo test -p tether-compute --test cuda_arch_ops -- --ignored --test-threads=1`. Without a
 //! GPU they fail (the backend cannot be created), they do not skip.
 
-use tether_compute::{Backend, ComputeError, GateAct};
+use tether_compute::rope::YarnParams;
+use tether_compute::{AttnShape, Backend, ComputeError, GateAct, RopeParams};
 use tether_gguf::GgmlType;
 
 mod common;
@@ -149,5 +151,98 @@ fn matmul_gated_gelu_matches_cpu_for_every_fused_family() {
                 assert!(e < 5e-2, "{what}: relative error {e}");
             }
         }
+    }
+}
+
+/// YaRN rope (Qwen3's factor 4 over 32768 positions, heads of 128) on the GPU: the plain
+/// kernel at prefill size and the fused rope-and-store kernel at decode size, whose keys and
+/// values land in the f16 cache, against the cpu.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn yarn_rope_and_the_fused_store_match_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(33);
+    let params = RopeParams {
+        n_rot: 128,
+        freq_base: 1e6,
+        freq_scale: 0.25,
+        neox: true,
+        yarn: Some(YarnParams {
+            orig_ctx: 32768,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attn_factor: 1.0,
+        }),
+    };
+    let shape = AttnShape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 128,
+    };
+    for positions in [
+        vec![0u32, 1, 5000, 131_000, 7, 9, 11, 13, 20, 21],
+        vec![3, 70_000, 4],
+    ] {
+        let n = positions.len();
+        let (qd, kvd) = (n * shape.n_heads * 128, n * shape.n_kv_heads * 128);
+        let (q, k, v) = (rng.f32s(qd, 1.0), rng.f32s(kvd, 1.0), rng.f32s(kvd, 1.0));
+        let (mut qg, mut qc) = (put(&g, &f32_bytes(&q)), put(&c, &f32_bytes(&q)));
+        let (mut kg, mut kc) = (put(&g, &f32_bytes(&k)), put(&c, &f32_bytes(&k)));
+        let (vg, vc) = (put(&g, &f32_bytes(&v)), put(&c, &f32_bytes(&v)));
+        let cells: Vec<u32> = (0..n as u32).map(|i| 2 * i + 1).collect();
+        let cache_bytes = (2 * n + 2) * shape.n_kv_heads * 128 * 2;
+        let (mut kcg, mut vcg) = (g.alloc(cache_bytes).unwrap(), g.alloc(cache_bytes).unwrap());
+        let (mut kcc, mut vcc) = (c.alloc(cache_bytes).unwrap(), c.alloc(cache_bytes).unwrap());
+        g.rope_and_store(
+            &mut qg,
+            &mut kg,
+            &vg,
+            shape,
+            &positions,
+            &params,
+            None,
+            &cells,
+            &mut kcg,
+            &mut vcg,
+            GgmlType::F16,
+        )
+        .unwrap();
+        c.rope_and_store(
+            &mut qc,
+            &mut kc,
+            &vc,
+            shape,
+            &positions,
+            &params,
+            None,
+            &cells,
+            &mut kcc,
+            &mut vcc,
+            GgmlType::F16,
+        )
+        .unwrap();
+        let what = format!("yarn rope, {n} tokens");
+        let e = relative_error(&what, &get(&g, &qg, qd), &get(&c, &qc, qd));
+        assert!(e < 1e-5, "{what}: queries {e}");
+        let (mut cache_g, mut cache_c) = (vec![0u8; cache_bytes], vec![0u8; cache_bytes]);
+        g.download(&kcg, 0, &mut cache_g).unwrap();
+        c.download(&kcc, 0, &mut cache_c).unwrap();
+        let halves = |b: &[u8]| -> Vec<f32> {
+            b.chunks(2)
+                .map(|h| half::f16::from_le_bytes([h[0], h[1]]).to_f32())
+                .collect()
+        };
+        let e = relative_error(&what, &halves(&cache_g), &halves(&cache_c));
+        assert!(e < 1e-3, "{what}: key cache {e}");
+        // YaRN changed something: the plain linear rope gives other queries.
+        let linear = RopeParams {
+            yarn: None,
+            ..params
+        };
+        let mut ql = put(&c, &f32_bytes(&q));
+        c.rope(&mut ql, n, shape.n_heads, 128, &positions, &linear, None)
+            .unwrap();
+        let e = relative_error(&what, &get(&c, &ql, qd), &get(&c, &qc, qd));
+        assert!(e > 1e-2, "{what}: YaRN and linear rope agree ({e})");
     }
 }
