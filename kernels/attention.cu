@@ -80,14 +80,15 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
 // [n_kv_heads][head_dim] of ty (F16, Q8_0, Q4_0), head_bytes per head.
 // Launch: gridDim = (n_heads, n_tokens, n_splits), blockDim.x = 128, dynamic shared memory
 // 4 * chunk bytes, head_dim <= 256.
+// Scores are scale * q . k, soft-capped by cap_score when softcap > 0 (Gemma 2).
 // Three passes over the block's cells: scores (a warp per cell, lanes over the head),
 // softmax in shared memory, then values (a thread per element of the head, so each cell's
 // value row is one coalesced read). With one split the block writes out[t][h]; with several
 // it writes (o[head_dim], max, sum) to partial[t][h][z] for attention_merge.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention(const float* q, const u8* k, const u8* v, int ty, const u32* spans, int n_heads,
-              int n_kv_heads, int head_dim, u64 head_bytes, float scale, u32 chunk, float* out,
-              float* partial) {
+              int n_kv_heads, int head_dim, u64 head_bytes, float scale, float softcap,
+              u32 chunk, float* out, float* partial) {
     PDL_ENTRY();
     extern __shared__ float scores[];
     __shared__ float red[ATT_WARPS];
@@ -125,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 #pragma unroll
         for (int i = 0; i < ATT_CPW; i++) {
             float r = warp_sum(s[i]);
-            if (lane == 0 && c + i < nc) scores[c + i] = r;
+            if (lane == 0 && c + i < nc) scores[c + i] = cap_score(r, softcap);
         }
     }
     __syncthreads();
@@ -167,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_f16v(const float* q, const u8* k, const u8* v, int ty, const u32* spans,
                    int n_heads, int n_kv_heads, int head_dim, u64 head_bytes, float scale,
-                   u32 chunk, float* out, float* partial) {
+                   float softcap, u32 chunk, float* out, float* partial) {
     PDL_ENTRY();
     extern __shared__ float scores[];
     __shared__ float red[ATT_WARPS];
@@ -208,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
                 s += qr[2 * e] * h2f((u16)(w[e] & 0xffff)) + qr[2 * e + 1] * h2f((u16)(w[e] >> 16));
             for (int o = G >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
             int c = base + i * groups + gi;
-            if (gl == 0 && c < nc) scores[c] = s;
+            if (gl == 0 && c < nc) scores[c] = cap_score(s, softcap);
         }
     }
     __syncthreads();

@@ -15,7 +15,8 @@ __device__ __forceinline__ float2 h2f2(u32 w) {
 }
 
 // out[t][h] = softmax over the cells of spans[t] (pairs first_cell, n_cells) of
-// scale * q[t][h] . k[cell][kh], applied to v[cell][kh]; kh = h / (n_heads / n_kv_heads),
+// cap_score(scale * q[t][h] . k[cell][kh], softcap), applied to v[cell][kh];
+// kh = h / (n_heads / n_kv_heads),
 // cache rows [n_kv_heads][D] f16. A token with no cells gets zeros.
 // Launch: grid (n_heads, ceil(n_tokens / AP_TQ)), 128 threads, no dynamic shared memory.
 // D is 64 or 128. Queries are handled by their warp: lanes take 2 cells each for the
@@ -26,7 +27,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
                                                   const u16* __restrict__ v,
                                                   const u32* __restrict__ spans, int n_tokens,
                                                   int n_heads, int n_kv_heads, float scale,
-                                                  float* __restrict__ out) {
+                                                  float softcap, float* __restrict__ out) {
     constexpr int H2 = D / 2;         // half2 columns of a row
     constexpr int KS = H2 + 1;        // key row stride in words: lanes on 32 rows, 32 banks
     constexpr int COLS = H2 / 32;     // half2 columns a lane owns in the value pass
@@ -109,6 +110,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 u32 cell = c0 + lane + 32 * i;
+                s[j][i] = cap_score(s[j][i], softcap);
                 if (cell < first[j] || cell >= end[j]) s[j][i] = NEG_INF;
             }
             float mt = warp_max(fmaxf(s[j][0], s[j][1]));
@@ -167,14 +169,16 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 
 extern "C" __global__ void __launch_bounds__(128)
     attention_prefill_64(const float* q, const u16* k, const u16* v, const u32* spans,
-                         int n_tokens, int n_heads, int n_kv_heads, float scale, float* out) {
+                         int n_tokens, int n_heads, int n_kv_heads, float scale, float softcap,
+                         float* out) {
     PDL_ENTRY();
-    attention_prefill<64>(q, k, v, spans, n_tokens, n_heads, n_kv_heads, scale, out);
+    attention_prefill<64>(q, k, v, spans, n_tokens, n_heads, n_kv_heads, scale, softcap, out);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
     attention_prefill_128(const float* q, const u16* k, const u16* v, const u32* spans,
-                          int n_tokens, int n_heads, int n_kv_heads, float scale, float* out) {
+                          int n_tokens, int n_heads, int n_kv_heads, float scale, float softcap,
+                         float* out) {
     PDL_ENTRY();
-    attention_prefill<128>(q, k, v, spans, n_tokens, n_heads, n_kv_heads, scale, out);
+    attention_prefill<128>(q, k, v, spans, n_tokens, n_heads, n_kv_heads, scale, softcap, out);
 }

@@ -112,6 +112,11 @@ __device__ __forceinline__ float gate_act(float g, int act) {
     return act == GATE_GELU_TANH ? gelu_tanh(g) : g / (1.f + expf(-g));
 }
 
+// An attention score soft-capped to cap * tanh(s / cap) (Gemma 2); cap 0: unchanged.
+__device__ __forceinline__ float cap_score(float s, float cap) {
+    return cap > 0.f ? cap * tanhf(s / cap) : s;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -293,6 +293,23 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// [`Backend::attention`] with each scaled score soft-capped to
+    /// `softcap · tanh(score / softcap)` before the softmax (Gemma 2); a `softcap` of 0
+    /// caps nothing, any other must be positive.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_capped(
+        &self,
+        q: &Self::Buffer,
+        k_cache: &Self::Buffer,
+        v_cache: &Self::Buffer,
+        cache_ty: GgmlType,
+        spans: &[AttnSpan],
+        shape: AttnShape,
+        scale: f32,
+        softcap: f32,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+
     /// One step's rotary embedding and cache write: [`Backend::rope`] on `q` (`shape.n_heads`
     /// heads) and on `k` (`shape.n_kv_heads`), then [`Backend::kv_store`] of `k` into
     /// `k_cache` and of `v` into `v_cache`, both of `cache_ty`. A backend may do it in one pass.

@@ -8,7 +8,7 @@
 //! GPU they fail (the backend cannot be created), they do not skip.
 
 use tether_compute::rope::YarnParams;
-use tether_compute::{AttnShape, Backend, ComputeError, GateAct, RopeParams};
+use tether_compute::{AttnShape, AttnSpan, Backend, ComputeError, GateAct, RopeParams};
 use tether_gguf::GgmlType;
 
 mod common;
@@ -244,5 +244,99 @@ fn yarn_rope_and_the_fused_store_match_cpu() {
             .unwrap();
         let e = relative_error(&what, &get(&c, &ql, qd), &get(&c, &qc, qd));
         assert!(e > 1e-2, "{what}: YaRN and linear rope agree ({e})");
+    }
+}
+
+/// Gemma 2's soft-capped attention on the GPU against the cpu: a prefill batch (the tiled
+/// kernel for heads of 64 and 128, the per-token one for 256) and a decode step (the f16
+/// kernel, split over blocks), with a cap small enough to bend the scores; and the cap
+/// changes the result.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn soft_capped_attention_matches_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(34);
+    for head_dim in [64usize, 128, 256] {
+        let shape = AttnShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim,
+        };
+        let kv_dim = 2 * head_dim;
+        let n_cells = 300;
+        let cells: Vec<u32> = (0..n_cells as u32).collect();
+        let (kr, vr) = (
+            rng.f32s(n_cells * kv_dim, 2.0),
+            rng.f32s(n_cells * kv_dim, 1.0),
+        );
+        let bytes = n_cells * kv_dim * 2;
+        let (mut kg, mut vg) = (g.alloc(bytes).unwrap(), g.alloc(bytes).unwrap());
+        let (mut kc, mut vc) = (c.alloc(bytes).unwrap(), c.alloc(bytes).unwrap());
+        for (rows, cg, cc) in [(&kr, &mut kg, &mut kc), (&vr, &mut vg, &mut vc)] {
+            let (sg, sc) = (put(&g, &f32_bytes(rows)), put(&c, &f32_bytes(rows)));
+            g.kv_store(&sg, kv_dim, &cells, cg, GgmlType::F16).unwrap();
+            c.kv_store(&sc, kv_dim, &cells, cc, GgmlType::F16).unwrap();
+        }
+        let prefill: Vec<AttnSpan> = (0..40u32)
+            .map(|t| AttnSpan {
+                first_cell: 3 + t.saturating_sub(16),
+                n_cells: 1 + t.min(16),
+            })
+            .collect();
+        let decode = vec![AttnSpan {
+            first_cell: 0,
+            n_cells: 290,
+        }];
+        for spans in [prefill, decode] {
+            let n = spans.len() * 4 * head_dim;
+            let qv = rng.f32s(n, 2.0);
+            let (qg, qc) = (put(&g, &f32_bytes(&qv)), put(&c, &f32_bytes(&qv)));
+            let (mut og, mut oc) = (zeros(&g, n), zeros(&c, n));
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            g.attention_capped(
+                &qg,
+                &kg,
+                &vg,
+                GgmlType::F16,
+                &spans,
+                shape,
+                scale,
+                1.5,
+                &mut og,
+            )
+            .unwrap();
+            c.attention_capped(
+                &qc,
+                &kc,
+                &vc,
+                GgmlType::F16,
+                &spans,
+                shape,
+                scale,
+                1.5,
+                &mut oc,
+            )
+            .unwrap();
+            let what = format!(
+                "capped attention, heads of {head_dim}, {} tokens",
+                spans.len()
+            );
+            let e = relative_error(&what, &get(&g, &og, n), &get(&c, &oc, n));
+            assert!(e < 1e-4, "{what}: {e}");
+            let mut plain = zeros(&c, n);
+            c.attention(
+                &qc,
+                &kc,
+                &vc,
+                GgmlType::F16,
+                &spans,
+                shape,
+                scale,
+                &mut plain,
+            )
+            .unwrap();
+            let e = relative_error(&what, &get(&c, &plain, n), &get(&c, &oc, n));
+            assert!(e > 1e-2, "{what}: the cap changed nothing ({e})");
+        }
     }
 }

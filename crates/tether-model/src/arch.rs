@@ -35,6 +35,9 @@ pub enum Arch {
     /// Gemma 3 (text): scaled embeddings, GELU-gated feed-forward, norms after attention
     /// and feed-forward, Q/K norms, five sliding-window layers to one global.
     Gemma3,
+    /// Gemma 2: Gemma 3's layer without Q/K norms, sliding-window layers alternating with
+    /// global ones (one rope), attention and final logits soft-capped.
+    Gemma2,
     /// Phi-3: LLaMA's layer with Q, K and V in one matrix and gate and up in another.
     Phi3,
 }
@@ -94,6 +97,7 @@ impl Arch {
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
             "gemma3" => Some(Arch::Gemma3),
+            "gemma2" => Some(Arch::Gemma2),
             "phi3" => Some(Arch::Phi3),
             _ => None,
         }
@@ -106,6 +110,7 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Gemma2 => "gemma2",
             Arch::Phi3 => "phi3",
         }
     }
@@ -136,6 +141,17 @@ impl Arch {
                 swa_period: Some(6),
                 swa_rope_base: Some(10000.0),
                 embd_scaled_query_at_layers: Some(62),
+                ..LLAMA_TRAITS
+            },
+            // HF's Gemma2: even layers slide, odd ones are global; 27B (46 layers) has
+            // query_pre_attn_scalar = hidden_size / heads.
+            Arch::Gemma2 => ArchTraits {
+                rope_neox: true,
+                gelu_gate: true,
+                post_norms: true,
+                scaled_embedding: true,
+                swa_period: Some(2),
+                embd_scaled_query_at_layers: Some(46),
                 ..LLAMA_TRAITS
             },
             // llama.cpp runs phi3 with NEOX rope (as HF's Phi3 rotates halves).
@@ -345,6 +361,9 @@ mod tests {
         assert_eq!(Arch::from_name("gemma"), None);
         assert_eq!(Arch::from_name("gemma3"), Some(Arch::Gemma3));
         assert_eq!(Arch::from_name("phi3"), Some(Arch::Phi3));
+        assert_eq!(Arch::from_name("gemma2"), Some(Arch::Gemma2));
+        let g2 = Arch::Gemma2.traits();
+        assert!(g2.post_norms && !g2.qk_norm && g2.swa_rope_base.is_none());
         let g = Arch::Gemma3.traits();
         assert!(g.rope_neox && g.qk_norm && g.post_norms && g.gelu_gate && g.scaled_embedding);
         assert_eq!(g.swa_period, Some(6));

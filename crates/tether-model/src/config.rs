@@ -48,6 +48,8 @@ pub struct ModelConfig {
     pub embed_scale: Option<f32>,
     /// Logits become `cap · tanh(logits / cap)` (`final_logit_softcapping`).
     pub final_softcap: Option<f32>,
+    /// Scaled attention scores become `cap · tanh(score / cap)` (`attn_logit_softcapping`).
+    pub attn_softcap: Option<f32>,
 }
 
 impl ModelConfig {
@@ -153,6 +155,7 @@ impl ModelConfig {
             attn_scale: extras.attn_scale,
             embed_scale: extras.embed_scale,
             final_softcap: extras.final_softcap,
+            attn_softcap: extras.attn_softcap,
             arch,
             n_embd,
             n_layer: meta.usize_req("block_count")?,
@@ -408,9 +411,19 @@ mod tests {
         let err = ModelConfig::from_gguf(&file("gemma3", &gemma3_keys(Some(0)))).unwrap_err();
         assert!(err.to_string().contains("sliding_window"), "{err}");
         let mut keys = gemma3_keys(Some(4));
-        keys.push(("attn_logit_softcapping", MetaValue::F32(50.0)));
+        keys.push(("attn_logit_softcapping", MetaValue::F32(0.0)));
         let err = ModelConfig::from_gguf(&file("gemma3", &keys)).unwrap_err();
-        assert!(err.to_string().contains("soft-capping"), "{err}");
+        assert!(
+            err.to_string().contains("gemma3.attn_logit_softcapping"),
+            "{err}"
+        );
+        let mut keys = gemma3_keys(Some(4));
+        keys.push(("attn_logit_softcapping", MetaValue::F32(50.0)));
+        let cfg = ModelConfig::from_gguf(&file("gemma2", &keys)).unwrap();
+        assert_eq!(cfg.attn_softcap, Some(50.0));
+        // Gemma 2: every other layer slides, one rope for all.
+        assert!(cfg.is_sliding(0) && !cfg.is_sliding(1) && cfg.is_sliding(2));
+        assert_eq!(cfg.rope_swa, cfg.rope);
         let mut keys = gemma3_keys(Some(4));
         keys.push(("final_logit_softcapping", MetaValue::F32(-1.0)));
         let err = ModelConfig::from_gguf(&file("gemma3", &keys)).unwrap_err();

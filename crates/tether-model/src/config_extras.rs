@@ -65,6 +65,7 @@ pub(crate) struct ArchExtras {
     pub(crate) sliding_window: Option<usize>,
     pub(crate) attn_scale: f32,
     pub(crate) embed_scale: Option<f32>,
+    pub(crate) attn_softcap: Option<f32>,
     pub(crate) final_softcap: Option<f32>,
 }
 
@@ -95,30 +96,23 @@ impl ArchExtras {
             _ => head_dim,
         };
         let attn_scale = 1.0 / (query_width as f32).sqrt();
-        if meta.file.get(&meta.key("attn_logit_softcapping")).is_some() {
-            return Err(meta.err(
-                "attn_logit_softcapping",
-                "is set: attention logit soft-capping (Gemma 2) is not supported yet",
-            ));
-        }
-        let final_softcap = match meta.file.get(&meta.key("final_logit_softcapping")) {
-            None => None,
+        let cap = |key: &str| match meta.file.get(&meta.key(key)) {
+            None => Ok(None),
             Some(_) => {
-                let cap = meta.f32_req("final_logit_softcapping")?;
-                if !(cap.is_finite() && cap > 0.0) {
-                    return Err(meta.err(
-                        "final_logit_softcapping",
-                        &format!("is {cap}; it must be a positive number"),
-                    ));
+                let cap = meta.f32_req(key)?;
+                if cap.is_finite() && cap > 0.0 {
+                    Ok(Some(cap))
+                } else {
+                    Err(meta.err(key, &format!("is {cap}; it must be a positive number")))
                 }
-                Some(cap)
             }
         };
         Ok(Self {
             sliding_window,
             attn_scale,
             embed_scale: traits.scaled_embedding.then(|| (n_embd as f32).sqrt()),
-            final_softcap,
+            attn_softcap: cap("attn_logit_softcapping")?,
+            final_softcap: cap("final_logit_softcapping")?,
         })
     }
 }

@@ -200,13 +200,16 @@ fn every_weight_type_matches_the_reference() {
 
 /// Gemma 3 (sliding windows of 8 positions under a 40-token prompt, two rope bases, GELU
 /// gate, post-norms, scaled and tied embedding) and Phi-3 (fused q/k/v and gate/up held as
-/// separate matrices) and Qwen3 with YaRN in every weight type against the reference; then
+/// separate matrices), Gemma 2 (alternating windows, attention and logit soft-caps in the
+/// decode and prefill attention kernels) and Qwen3 with YaRN in every weight type against
+/// the reference; then
 /// 64 greedy tokens from a float model equal on the cpu and the GPU.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn gemma3_phi3_and_yarn_match_the_reference_and_the_cpu() {
+fn gemma_phi3_and_yarn_match_the_reference_and_the_cpu() {
     for shape in [
         SynthShape::TinyGemma3,
+        SynthShape::TinyGemma2,
         SynthShape::TinyPhi3,
         SynthShape::TinyQwen3Yarn,
     ] {
@@ -311,6 +314,7 @@ fn decode_steps_split_over_two_backends_equal_one_stage() {
         SynthShape::Tiny,
         SynthShape::TinyQwen3,
         SynthShape::TinyGemma3,
+        SynthShape::TinyGemma2,
         SynthShape::TinyPhi3,
     ] {
         decode_steps_split_equal_one_stage(shape);

@@ -30,7 +30,7 @@ pub(crate) fn kv_store(ty: GgmlType, src: &[f32], kv_dim: usize, cells: &[u32], 
 /// Per-task scratch: scores (cell-major, `[cell][head of group]`) and one decoded row.
 type Scratch = (Vec<f32>, Vec<f32>);
 
-/// `out[t][h] = Σ_c softmax_c(scale · q[t][h] · k[c][h/g]) · v[c][h/g]` over the cells of
+/// `out[t][h] = Σ_c softmax_c(cap(scale · q[t][h] · k[c][h/g])) · v[c][h/g]` over the cells of
 /// `spans[t]`, with `g = n_heads / n_kv_heads`; `k`/`v` rows are `[n_kv_heads][head_dim]`
 /// of `ty`, `head_bytes` per head.
 #[allow(clippy::too_many_arguments)]
@@ -41,9 +41,18 @@ pub(crate) fn attention(
     ty: GgmlType,
     spans: &[AttnSpan],
     shape: AttnShape,
-    scale: f32,
+    (scale, softcap): (f32, f32),
     out: &mut [f32],
 ) {
+    // Gemma 2 caps each scaled score at `softcap · tanh(score / softcap)`; 0: no cap.
+    let score = |s: f32| {
+        let s = scale * s;
+        if softcap > 0.0 {
+            softcap * (s / softcap).tanh()
+        } else {
+            s
+        }
+    };
     let AttnShape {
         n_heads,
         n_kv_heads,
@@ -106,10 +115,10 @@ pub(crate) fn attention(
                 let max = scores[g..]
                     .iter()
                     .step_by(group)
-                    .fold(f32::NEG_INFINITY, |m, s| m.max(scale * s));
+                    .fold(f32::NEG_INFINITY, |m, s| m.max(score(*s)));
                 let mut sum = 0.0f32;
                 for s in scores[g..].iter_mut().step_by(group) {
-                    *s = (scale * *s - max).exp();
+                    *s = (score(*s) - max).exp();
                     sum += *s;
                 }
                 *inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
@@ -209,7 +218,7 @@ mod tests {
         let q = random_f32(&mut rng, spans.len() * qd, 4.0);
         let scale = 0.5;
         let mut out = vec![0.0; q.len()];
-        attention(&q, &k, &v, ty, &spans, shape, scale, &mut out);
+        attention(&q, &k, &v, ty, &spans, shape, (scale, 0.0), &mut out);
 
         let mut want = vec![0.0f64; q.len()];
         for (t, sp) in spans.iter().enumerate() {
@@ -298,7 +307,16 @@ mod bench {
             let mut best = f64::MAX;
             for _ in 0..10 {
                 let start = Instant::now();
-                attention(&q, &k, &v, GgmlType::F16, &spans, shape, 0.125, &mut out);
+                attention(
+                    &q,
+                    &k,
+                    &v,
+                    GgmlType::F16,
+                    &spans,
+                    shape,
+                    (0.125, 0.0),
+                    &mut out,
+                );
                 best = best.min(start.elapsed().as_secs_f64());
             }
             eprintln!(

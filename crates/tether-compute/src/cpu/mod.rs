@@ -283,7 +283,25 @@ impl Backend for CpuBackend {
         scale: f32,
         out: &mut CpuBuffer,
     ) -> Result<()> {
+        self.attention_capped(q, k_cache, v_cache, cache_ty, spans, shape, scale, 0.0, out)
+    }
+
+    fn attention_capped(
+        &self,
+        q: &CpuBuffer,
+        k_cache: &CpuBuffer,
+        v_cache: &CpuBuffer,
+        cache_ty: GgmlType,
+        spans: &[AttnSpan],
+        shape: AttnShape,
+        scale: f32,
+        softcap: f32,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
         const OP: &str = "attention";
+        if softcap != 0.0 {
+            check::softcap(OP, softcap)?;
+        }
         check::attention_shape(OP, shape)?;
         let head_bytes = check::cache_bytes(OP, cache_ty, shape.head_dim, "head_dim")?;
         let n = elems(OP, &[spans.len(), shape.n_heads, shape.head_dim])?;
@@ -293,7 +311,8 @@ impl Backend for CpuBackend {
         let n_cells = k_cache.bytes().min(v_cache.bytes()) / cell_bytes;
         check::spans(OP, spans, n_cells)?;
         let (k, v) = (k_cache.as_bytes(), v_cache.as_bytes());
-        self.install(|| attention::attention(q, k, v, cache_ty, spans, shape, scale, out));
+        let scores = (scale, softcap);
+        self.install(|| attention::attention(q, k, v, cache_ty, spans, shape, scores, out));
         Ok(())
     }
 

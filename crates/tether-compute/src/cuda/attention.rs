@@ -74,11 +74,17 @@ impl CudaBackend {
         cache_ty: GgmlType,
         spans: &[AttnSpan],
         shape: AttnShape,
-        scale: f32,
+        (scale, softcap): (f32, f32),
         out: &mut CudaBuffer,
     ) -> Result<()> {
         const OP: &str = "attention";
         attention_shape(OP, shape)?;
+        if softcap != 0.0 && !(softcap.is_finite() && softcap > 0.0) {
+            return Err(shape_err(
+                OP,
+                format!("soft-cap {softcap} must be a positive number"),
+            ));
+        }
         if !cache_type_supported(cache_ty) {
             return Err(unsupported(OP, cache_ty));
         }
@@ -119,6 +125,7 @@ impl CudaBackend {
             n_tokens: spans.len(),
             shape,
             scale,
+            softcap,
         };
         // Held until the last launch, so no other thread recycles the spans' slot.
         let mut staging = self.lock_staging();
@@ -171,6 +178,7 @@ impl CudaBackend {
             int(OP, "n_heads", shape.n_heads)?,
             int(OP, "n_kv_heads", shape.n_kv_heads)?,
             Arg::F32(at.scale),
+            Arg::F32(at.softcap),
             Arg::Ptr(at.out + first * row),
         ];
         self.run(kernel, cfg, &args)
@@ -254,6 +262,7 @@ impl CudaBackend {
                 int(OP, "head_dim", shape.head_dim)?,
                 Arg::U64(at.head_bytes as u64),
                 Arg::F32(at.scale),
+                Arg::F32(at.softcap),
                 Arg::I32(chunk as i32),
                 Arg::Ptr(at.out + token * row),
                 Arg::Ptr(partial),
@@ -298,7 +307,7 @@ impl CudaBackend {
 }
 
 /// What an attention call reads and writes, checked: device addresses, the cache's type,
-/// bytes of one head's row, cells, the call's query tokens, the heads and the score scale.
+/// bytes of one head's row, cells, the call's query tokens, the heads, the score scale and cap.
 struct Operands {
     q: u64,
     k: u64,
@@ -311,6 +320,8 @@ struct Operands {
     n_tokens: usize,
     shape: AttnShape,
     scale: f32,
+    /// Gemma 2's cap on the scaled scores; 0: none.
+    softcap: f32,
 }
 
 /// The tokens of a prefill-sized batch in runs of whole query groups of the tiled kernel

@@ -588,7 +588,32 @@ impl Backend for CudaBackend {
         scale: f32,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        self.run_attention(q, k_cache, v_cache, cache_ty, spans, shape, scale, out)
+        self.run_attention(
+            q,
+            k_cache,
+            v_cache,
+            cache_ty,
+            spans,
+            shape,
+            (scale, 0.0),
+            out,
+        )
+    }
+
+    fn attention_capped(
+        &self,
+        q: &CudaBuffer,
+        k_cache: &CudaBuffer,
+        v_cache: &CudaBuffer,
+        cache_ty: GgmlType,
+        spans: &[AttnSpan],
+        shape: AttnShape,
+        scale: f32,
+        softcap: f32,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let scores = (scale, softcap);
+        self.run_attention(q, k_cache, v_cache, cache_ty, spans, shape, scores, out)
     }
 
     fn swiglu(

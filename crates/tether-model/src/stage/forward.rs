@@ -258,7 +258,9 @@ impl<B: Backend> Stage<B> {
             spec.cache_k,
         )
         .map_err(ce("rope and cache write"))?;
-        be.attention(
+        // Gemma 2 soft-caps the scores; 0 caps nothing.
+        let softcap = cfg.attn_softcap.unwrap_or(0.0);
+        be.attention_capped(
             q,
             kc,
             vc,
@@ -266,6 +268,7 @@ impl<B: Backend> Stage<B> {
             spans,
             shape,
             cfg.attn_scale,
+            softcap,
             attn_out,
         )
         .map_err(ce("attention"))?;

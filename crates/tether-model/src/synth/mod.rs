@@ -50,6 +50,10 @@ pub enum SynthShape {
     Phi3Mini,
     /// `TinyQwen3` with Qwen3's long-context YaRN (factor 4 over 32768 positions).
     TinyQwen3Yarn,
+    /// A 4-layer gemma2 (sliding-window layers of 8 positions alternating with global ones;
+    /// soft-caps of 2 on the attention scores and 1 on the logits, small enough to bend
+    /// this model's values, where Gemma 2's own 50 and 30 would barely touch them).
+    TinyGemma2,
 }
 
 /// Hyper-parameters of a shape.
@@ -79,6 +83,8 @@ struct Dims {
     rope_linear: Option<f32>,
     /// YaRN `rope.scaling.factor` and `original_context_length`, written when set.
     yarn: Option<(f32, usize)>,
+    /// `attn_logit_softcapping` and `final_logit_softcapping`, written when set.
+    softcaps: Option<(f32, f32)>,
     /// Phi-3's fused `attn_qkv` and gate-and-up `ffn_up`.
     fused: bool,
     /// `attention.layer_norm_rms_epsilon`.
@@ -87,7 +93,7 @@ struct Dims {
 
 impl SynthShape {
     /// Every shape.
-    pub const ALL: [SynthShape; 15] = [
+    pub const ALL: [SynthShape; 16] = [
         SynthShape::Tiny,
         SynthShape::TinyQwen2,
         SynthShape::Llama3_1b,
@@ -103,6 +109,7 @@ impl SynthShape {
         SynthShape::TinyPhi3,
         SynthShape::Phi3Mini,
         SynthShape::TinyQwen3Yarn,
+        SynthShape::TinyGemma2,
     ];
 
     /// The command-line name (`tiny`, `llama3-8b`, `qwen2.5-14b`).
@@ -123,6 +130,7 @@ impl SynthShape {
             SynthShape::TinyPhi3 => "tiny-phi3",
             SynthShape::Phi3Mini => "phi3-mini",
             SynthShape::TinyQwen3Yarn => "tiny-qwen3-yarn",
+            SynthShape::TinyGemma2 => "tiny-gemma2",
         }
     }
 
@@ -151,6 +159,7 @@ impl SynthShape {
             window: None,
             rope_linear: None,
             yarn: None,
+            softcaps: None,
             fused: false,
             eps: 1e-5,
         };
@@ -216,6 +225,14 @@ impl SynthShape {
             SynthShape::Qwen2_5_14b => qwen(5120, 48, 40, 8, 13824, 152064, false),
             // Heads of 128 where n_embd / n_head is 64, as Qwen3 0.6B (1024 wide, 16 heads).
             SynthShape::TinyQwen3 => qwen3(256, 2, 4, 2, 128, 512, 320, true),
+            SynthShape::TinyGemma2 => Dims {
+                arch: "gemma2",
+                qk_norm: false,
+                rope_linear: None,
+                rope_base: 10000.0,
+                softcaps: Some((2.0, 1.0)),
+                ..gemma3(256, 4, 4, 2, 64, 512, 320, 8)
+            },
             SynthShape::TinyQwen3Yarn => Dims {
                 yarn: Some((4.0, 32768)),
                 ..qwen3(256, 2, 4, 2, 128, 512, 320, true)
@@ -343,6 +360,10 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
     );
     if let Some(window) = d.window {
         w.add_metadata(key("attention.sliding_window"), u32v(window));
+    }
+    if let Some((attn, last)) = d.softcaps {
+        w.add_metadata(key("attn_logit_softcapping"), MetaValue::F32(attn));
+        w.add_metadata(key("final_logit_softcapping"), MetaValue::F32(last));
     }
     if let Some((factor, orig)) = d.yarn {
         w.add_metadata(key("rope.scaling.type"), MetaValue::String("yarn".into()));

@@ -12,6 +12,8 @@ fn shapes_round_trip_through_config() {
         (SynthShape::TinyQwen3, GgmlType::Q4K),
         (SynthShape::TinyGemma3, GgmlType::Q4K),
         (SynthShape::TinyPhi3, GgmlType::Q4K),
+        (SynthShape::TinyGemma2, GgmlType::Q4K),
+        (SynthShape::TinyQwen3Yarn, GgmlType::Q4K),
     ] {
         let path = dir.join(format!("{}.gguf", shape.name()));
         synthesize(&path, shape, ty, 1).unwrap();

@@ -1,4 +1,4 @@
-//! Gemma 3 and Phi-3 stages: split by layers they decode what the whole model decodes, they
+//! Gemma 2, Gemma 3 and Phi-3 stages: split by layers they decode what the whole model decodes, they
 //! hold what the plan says, and Phi-3's fused tensors load from chunks in any order.
 
 use tether_compute::CpuBackend;
@@ -83,6 +83,12 @@ fn gemma3_split_by_layers_decodes_like_the_whole_model() {
 }
 
 #[test]
+fn gemma2_split_by_layers_decodes_like_the_whole_model() {
+    let m = synth(SynthShape::TinyGemma2, GgmlType::Q8_0, 26);
+    split_decodes_like_whole(&m, 1);
+}
+
+#[test]
 fn phi3_split_by_layers_decodes_like_the_whole_model() {
     let m = synth(SynthShape::TinyPhi3, GgmlType::Q8_0, 22);
     split_decodes_like_whole(&m, 1);
@@ -90,7 +96,11 @@ fn phi3_split_by_layers_decodes_like_the_whole_model() {
 
 #[test]
 fn bytes_equal_the_plan() {
-    for shape in [SynthShape::TinyGemma3, SynthShape::TinyPhi3] {
+    for shape in [
+        SynthShape::TinyGemma3,
+        SynthShape::TinyPhi3,
+        SynthShape::TinyGemma2,
+    ] {
         let m = synth(shape, GgmlType::Q8_0, 23);
         let cfg = ModelConfig::from_gguf(&m.file).unwrap();
         for s in [

@@ -1,8 +1,9 @@
-//! An independent float64 forward pass of llama/qwen2/qwen3/gemma3/phi3 GGUF models: plain
-//! loops over dequantized weights, its own metadata reading, rope, attention and softmax. It
-//! shares no code with `Stage` or any backend; only the GGUF reader and dequantizer are
-//! common. Gemma 3 and Phi-3 follow HF transformers' model definitions (`Gemma3ForCausalLM`,
-//! `Phi3ForCausalLM`) and llama.cpp's converter's tensor conventions.
+//! An independent float64 forward pass of llama/qwen2/qwen3/gemma2/gemma3/phi3 GGUF
+//! models: plain loops over dequantized weights, its own metadata reading, rope, attention
+//! and softmax. It shares no code with `Stage` or any backend; only the GGUF reader and
+//! dequantizer are common. Gemma 2/3 and Phi-3 follow HF transformers' model definitions
+//! (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`, `Phi3ForCausalLM`) and llama.cpp's
+//! converter's tensor conventions.
 //!
 //! Keys and values are rounded to f16 before attention, because the model as served keeps
 //! its KV cache in f16; everything else is f64.
@@ -24,19 +25,26 @@ pub struct Reference {
     rope_scale: f64,
     n_rot: usize,
     neox: bool,
-    /// Gemma 3: scaled embedding, (1 + w) norms, post-norms, GELU gate, sliding windows.
-    gemma3: Option<Gemma3>,
+    /// Gemma 2 and 3: scaled embedding, (1 + w) norms, post-norms, GELU gate, sliding
+    /// windows (and Gemma 2's soft-caps).
+    gemma: Option<Gemma>,
     /// YaRN (HF's `rope_type: yarn`): each pair's inverse frequency and the factor on cos
     /// and sin.
     yarn: Option<(Vec<f64>, f64)>,
     w: HashMap<String, Vec<f64>>,
 }
 
-/// What Gemma 3's HF config gives beyond LLaMA's.
-struct Gemma3 {
+/// What Gemma 2's and 3's HF configs give beyond LLaMA's.
+struct Gemma {
+    /// Gemma 2 (else 3).
+    v2: bool,
     sliding_window: usize,
-    /// `rope_local_base_freq`: the sliding layers' rope base (they take no scaling).
-    local_base: f64,
+    /// Gemma 3's `rope_local_base_freq`: the sliding layers' rope base (they take no
+    /// scaling); Gemma 2's layers share one rope.
+    local_base: Option<f64>,
+    /// Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`.
+    attn_cap: Option<f64>,
+    final_cap: Option<f64>,
 }
 
 fn round_f16(x: f64) -> f64 {
@@ -84,11 +92,21 @@ impl Reference {
                 .map_or(10000.0, f64::from),
             rope_scale: scale,
             n_rot: u("rope.dimension_count").unwrap_or(head_dim),
-            neox: matches!(arch.as_str(), "qwen2" | "qwen3" | "gemma3" | "phi3"),
+            neox: matches!(
+                arch.as_str(),
+                "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3"
+            ),
             yarn: yarn_frequencies(file, &arch, u("rope.dimension_count").unwrap_or(head_dim)),
-            gemma3: (arch == "gemma3").then(|| Gemma3 {
+            gemma: arch.starts_with("gemma").then(|| Gemma {
+                v2: arch == "gemma2",
                 sliding_window: u("attention.sliding_window").unwrap(),
-                local_base: 10000.0,
+                local_base: (arch == "gemma3").then_some(10000.0),
+                attn_cap: file
+                    .get_f32(&format!("{arch}.attn_logit_softcapping"))
+                    .map(f64::from),
+                final_cap: file
+                    .get_f32(&format!("{arch}.final_logit_softcapping"))
+                    .map(f64::from),
             }),
             w,
         }
@@ -129,7 +147,7 @@ impl Reference {
     /// The factor a stored norm weight applies. HF's Gemma RMSNorm multiplies by `1 + w`
     /// and llama.cpp's converter stores `w + 1`: undo the shift, then apply HF's formula.
     fn norm_gain(&self, stored: f64) -> f64 {
-        if self.gemma3.is_some() {
+        if self.gemma.is_some() {
             let w_hf = stored - 1.0;
             1.0 + w_hf
         } else {
@@ -163,16 +181,21 @@ impl Reference {
         }
     }
 
-    /// Whether layer `l` is one of Gemma 3's sliding-window layers: HF's
-    /// `(layer_idx + 1) % sliding_window_pattern != 0`, with a pattern of 6.
+    /// Whether layer `l` is a sliding-window layer: Gemma 3's
+    /// `(layer_idx + 1) % sliding_window_pattern != 0` with a pattern of 6; Gemma 2's
+    /// `not bool(layer_idx % 2)`.
     fn sliding(&self, l: usize) -> bool {
-        self.gemma3.is_some() && !(l + 1).is_multiple_of(6)
+        match &self.gemma {
+            Some(g) if g.v2 => l.is_multiple_of(2),
+            Some(_) => !(l + 1).is_multiple_of(6),
+            None => false,
+        }
     }
 
     fn rope(&self, x: &mut [f64], n_heads: usize, pos: usize, sliding: bool) {
         let factors = self.w.get("rope_freqs.weight");
-        let (base, scale) = match &self.gemma3 {
-            Some(g) if sliding => (g.local_base, 1.0),
+        let (base, scale) = match self.gemma.as_ref().and_then(|g| g.local_base) {
+            Some(local) if sliding => (local, 1.0),
             _ => (self.rope_base, self.rope_scale),
         };
         for h in 0..n_heads {
@@ -206,7 +229,7 @@ impl Reference {
         let (e, hd) = (self.embd, self.head_dim);
         let table = self.t("token_embd.weight");
         // Gemma3TextScaledWordEmbedding multiplies by sqrt(hidden_size).
-        let embed_scale = if self.gemma3.is_some() {
+        let embed_scale = if self.gemma.is_some() {
             (e as f64).sqrt()
         } else {
             1.0
@@ -258,14 +281,20 @@ impl Reference {
                     // Gemma's scaling is query_pre_attn_scalar^-0.5, which is head_dim for
                     // the sizes tested here; everyone else's is head_dim^-0.5.
                     // Sliding layers see keys j with pos - j < sliding_window.
-                    let first = match &self.gemma3 {
+                    let first = match &self.gemma {
                         Some(g) if sliding => (pos + 1).saturating_sub(g.sliding_window),
                         _ => 0,
                     };
                     let scores: Vec<f64> = (first..=pos)
                         .map(|j| {
                             let k = &ks[j][kh * hd..(kh + 1) * hd];
-                            q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
+                            let s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>()
+                                / (hd as f64).sqrt();
+                            // Gemma 2: tanh(s / cap) * cap after the scaling.
+                            match self.gemma.as_ref().and_then(|g| g.attn_cap) {
+                                Some(cap) => (s / cap).tanh() * cap,
+                                None => s,
+                            }
                         })
                         .collect();
                     let max = scores.iter().cloned().fold(f64::MIN, f64::max);
@@ -279,7 +308,7 @@ impl Reference {
                     }
                 }
                 let mut o = self.mat(&n("attn_output.weight"), &att);
-                if self.gemma3.is_some() {
+                if self.gemma.is_some() {
                     o = self.norm(&n("post_attention_norm.weight"), &o);
                 }
                 x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
@@ -299,7 +328,7 @@ impl Reference {
                     .map(|(g, u)| self.gate_activation(*g) * u)
                     .collect();
                 let mut d = self.mat(&n("ffn_down.weight"), &act);
-                if self.gemma3.is_some() {
+                if self.gemma.is_some() {
                     d = self.norm(&n("post_ffw_norm.weight"), &d);
                 }
                 x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
@@ -310,14 +339,22 @@ impl Reference {
         } else {
             "token_embd.weight"
         };
+        let final_cap = self.gemma.as_ref().and_then(|g| g.final_cap);
         xs.iter()
-            .map(|x| self.mat(head, &self.norm("output_norm.weight", x)))
+            .map(|x| {
+                let logits = self.mat(head, &self.norm("output_norm.weight", x));
+                // Gemma 2: logits / cap, tanh, * cap.
+                match final_cap {
+                    Some(cap) => logits.iter().map(|l| (l / cap).tanh() * cap).collect(),
+                    None => logits,
+                }
+            })
             .collect()
     }
 
     /// Gemma's `gelu_pytorch_tanh`; SiLU for the others.
     fn gate_activation(&self, g: f64) -> f64 {
-        if self.gemma3.is_some() {
+        if self.gemma.is_some() {
             let inner = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3));
             0.5 * g * (1.0 + inner.tanh())
         } else {

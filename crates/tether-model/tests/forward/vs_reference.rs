@@ -147,6 +147,13 @@ fn tiny_qwen3_with_yarn_matches_reference() {
     );
 }
 
+/// Gemma 2: alternating sliding and global layers, both soft-caps. Quantized types as
+/// Gemma 3's (same normalized residual; measured up to 3.7e-2 here).
+#[test]
+fn tiny_gemma2_of_every_type_matches_reference() {
+    every_type_within(SynthShape::TinyGemma2, 220, "tiny-gemma2", 1e-3, 1e-1);
+}
+
 #[test]
 fn tiny_phi3_of_every_type_matches_reference() {
     every_type_within(SynthShape::TinyPhi3, 160, "tiny-phi3", 1e-3, 3e-2);
