@@ -516,3 +516,115 @@ __device__ void pk_swiglu(const u8* wg, const u8* wu, int rows, int cols, const 
     }
 }
 
+// The 8 consecutive values e0..e0+8 of a row of type ty, e0 a multiple of 8, every one of
+// them < cols (the prefill GEMM's weight decoding and the MoE expert products). Quantized rows hold whole blocks of 32 (or 256) values, so the 8 values
+// share one block and one scale.
+__device__ __forceinline__ void decode8(int ty, const u8* row, int e0, float* v) {
+    switch (ty) {
+    case TY_Q4_0: {
+        const u8* b = row + (e0 / 32) * 18;
+        float d = h2f(ld16(b));
+        int j0 = e0 % 32;
+        const u8* q = b + 2 + (j0 % 16);
+        int shift = j0 < 16 ? 0 : 4;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = (float)(((q[i] >> shift) & 15) - 8) * d;
+        return;
+    }
+    case TY_Q8_0: {
+        const u8* b = row + (e0 / 32) * 34;
+        float d = h2f(ld16(b));
+        const u8* q = b + 2 + e0 % 32;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = (float)(i8)q[i] * d;
+        return;
+    }
+    case TY_Q4_0P: {
+        int blk = e0 / 32, j0 = e0 % 32;
+        const u8* g = row + (blk >> 3) * 144;
+        float d = h2f(ld16(g + 2 * (blk & 7)));
+        const u8* q = g + 16 + 16 * (blk & 7) + (j0 % 16);
+        int shift = j0 < 16 ? 0 : 4;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = (float)(((q[i] >> shift) & 15) - 8) * d;
+        return;
+    }
+    case TY_Q8_0P: {
+        int blk = e0 / 32;
+        const u8* g = row + (blk >> 3) * 272;
+        float d = h2f(ld16(g + 2 * (blk & 7)));
+        const u8* q = g + 16 + 32 * (blk & 7) + e0 % 32;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = (float)(i8)q[i] * d;
+        return;
+    }
+    case TY_Q4_K:
+    case TY_Q5_K: {
+        bool five = ty == TY_Q5_K;
+        const u8* b = row + (e0 / 256) * (five ? 176 : 144);
+        int i = e0 % 256, g = i / 64, k = i % 64, s = 2 * g + (k >= 32), l0 = k % 32;
+        int sc, m;
+        scale_min_k4(s, b + 4, &sc, &m);
+        float d = h2f(ld16(b)) * (float)sc, dm = h2f(ld16(b + 2)) * (float)m;
+        const u8* q = b + (five ? 48 : 16) + 32 * g + l0;
+        int shift = k < 32 ? 0 : 4;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int qv = (q[j] >> shift) & 15;
+            if (five) qv += ((b[16 + l0 + j] >> s) & 1) << 4;
+            v[j] = d * (float)qv - dm;
+        }
+        return;
+    }
+    case TY_Q6_K:
+    case TY_Q6_KP: {
+        const u8* b;
+        float d;
+        q6_k_block(ty, row, e0 / 256, &b, &d);
+        int i = e0 % 256, h = i / 128, r = i % 128, k = r / 32, l0 = r % 32;
+        // l0..l0+8 stays inside one half of 16, so one scale serves all 8.
+        d *= (float)(i8)b[192 + 8 * h + l0 / 16 + 2 * k];
+        const u8* ql = b + 64 * h + 32 * (k & 1) + l0;
+        const u8* qh = b + 128 + 32 * h + l0;
+        int shift = k < 2 ? 0 : 4;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int q = (((ql[j] >> shift) & 15) | (((qh[j] >> (2 * k)) & 3) << 4)) - 32;
+            v[j] = d * (float)q;
+        }
+        return;
+    }
+    case TY_IQ4_XS:
+    case TY_IQ4_XSP: {
+        const u8 *b, *qs;
+        iq4_xs_block(ty, row, e0 / 256, &b, &qs);
+        int i = e0 % 256, ib = i / 32, j0 = i % 32;
+        float dl = h2f(ld16(b)) * (float)scale_iq4_xs(ib, b);
+        const u8* q = qs + 16 * ib + (j0 & 15);
+        int shift = j0 < 16 ? 0 : 4;
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = dl * iq4_value((q[j] >> shift) & 15);
+        return;
+    }
+    case TY_Q3_K:
+    case TY_Q3_KP: {
+        // 8 values share one sub-block of 16 (one scale) and one 2-bit plane.
+        const u8 *hm, *qs, *sc;
+        float d;
+        q3_k_block(ty, row, e0 / 256, &hm, &qs, &sc, &d);
+        int i = e0 % 256, h = i / 128, j = (i % 128) / 32, k0 = i % 32;
+        float dl = d * (float)scale_q3_k(i / 16, sc);
+        int bit = 4 * h + j;
+#pragma unroll
+        for (int l = 0; l < 8; l++) {
+            int q = (qs[32 * h + k0 + l] >> (2 * j)) & 3;
+            if (!((hm[k0 + l] >> bit) & 1)) q -= 4;
+            v[l] = dl * (float)q;
+        }
+        return;
+    }
+    default:
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = dequant_at(ty, row, e0 + j);
+    }
+}

@@ -10,6 +10,7 @@
 //! (at Prepare), so serving allocates no device memory.
 
 use crate::error::ComputeError;
+use crate::moe::{MoeFfn, MoeRouting, MoeScratch};
 use tether_gguf::GgmlType;
 
 /// Result type of every backend call.
@@ -335,6 +336,31 @@ pub trait Backend: Send + Sync + 'static {
         self.kv_store(k, kv_dim, cells, k_cache, cache_ty)?;
         self.kv_store(v, kv_dim, cells, v_cache, cache_ty)
     }
+
+    /// Mixture-of-experts routing ([`crate::moe::route_token`] for each of `n_tokens`
+    /// rows of `logits`, `[n_tokens][n_expert]` f32): writes the chosen experts to `ids`
+    /// (`[n_tokens][n_used]` u32) and their weights to `weights` (same shape, f32), on the
+    /// device, so [`Backend::moe_ffn`] reads them without a host round trip.
+    fn moe_route(
+        &self,
+        logits: &Self::Buffer,
+        n_tokens: usize,
+        routing: MoeRouting,
+        ids: &mut Self::Buffer,
+        weights: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// Mixture-of-experts feed-forward added into the residual stream:
+    /// `acc[t] += Σ_j weights[t][j] · down_e(silu(gate_e · x[t]) · (up_e · x[t]))` with
+    /// `e = ids[t][j]`, reading only the chosen experts' rows. An id outside the layer's
+    /// experts is an error (cpu) or contributes nothing (a device backend, which cannot
+    /// report it from inside a recorded step).
+    fn moe_ffn(
+        &self,
+        ffn: MoeFfn<'_, Self::Buffer>,
+        acc: &mut Self::Buffer,
+        scratch: MoeScratch<'_, Self::Buffer>,
+    ) -> Result<()>;
 
     /// `out[i] = silu(gate[i]) · up[i]` for `i < n`.
     fn swiglu(

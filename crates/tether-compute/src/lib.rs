@@ -7,6 +7,7 @@ pub mod backend;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
+pub mod moe;
 pub mod rope;
 mod shape_check;
 

@@ -10,6 +10,7 @@ mod check;
 mod elementwise;
 mod f16_rows;
 mod matmul;
+mod moe;
 mod q8;
 mod simd;
 
@@ -25,6 +26,7 @@ use tether_gguf::{GgmlType, dequantize};
 
 use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
 use crate::error::ComputeError;
+use crate::moe::{MoeFfn, MoeRouting, MoeScratch};
 use crate::shape_check::rope_args;
 use check::{elems, f32s, f32s_mut, need, shape_err};
 
@@ -349,6 +351,26 @@ impl Backend for CpuBackend {
         let x = f32s_mut("softcap", "x", x, n)?;
         self.install(|| elementwise::softcap(x, cap));
         Ok(())
+    }
+
+    fn moe_route(
+        &self,
+        logits: &CpuBuffer,
+        n_tokens: usize,
+        routing: MoeRouting,
+        ids: &mut CpuBuffer,
+        weights: &mut CpuBuffer,
+    ) -> Result<()> {
+        self.moe_route_rows(logits, n_tokens, routing, ids, weights)
+    }
+
+    fn moe_ffn(
+        &self,
+        ffn: MoeFfn<'_, CpuBuffer>,
+        acc: &mut CpuBuffer,
+        scratch: MoeScratch<'_, CpuBuffer>,
+    ) -> Result<()> {
+        self.moe_ffn_rows(ffn, acc, scratch)
     }
 
     fn add(&self, x: &mut CpuBuffer, y: &CpuBuffer, n: usize) -> Result<()> {

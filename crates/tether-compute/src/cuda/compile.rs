@@ -289,6 +289,12 @@ const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "moe",
+        source: include_str!("../../../../kernels/moe.cu"),
+        dependent_launch: true,
+        entries: &["moe_route", "moe_gate_up", "moe_down"],
+    },
+    KernelFile {
         name: "select",
         source: include_str!("../../../../kernels/select.cu"),
         dependent_launch: true,

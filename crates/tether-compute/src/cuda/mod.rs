@@ -16,6 +16,7 @@ mod gemm;
 mod graph;
 mod launch;
 mod matvec;
+mod moe;
 mod nvml;
 mod ops;
 mod packed;

@@ -17,6 +17,7 @@ use crate::backend::{
     AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, MemoryInfo, Result, RopeParams,
 };
 use crate::cuda::device::driver_err;
+use crate::moe::{MoeFfn, MoeRouting, MoeScratch};
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
@@ -624,6 +625,26 @@ impl Backend for CudaBackend {
         out: &mut CudaBuffer,
     ) -> Result<()> {
         self.gated_elementwise(GateAct::Silu, gate, up, n, out)
+    }
+
+    fn moe_route(
+        &self,
+        logits: &CudaBuffer,
+        n_tokens: usize,
+        routing: MoeRouting,
+        ids: &mut CudaBuffer,
+        weights: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.moe_route_on_device(logits, n_tokens, routing, ids, weights)
+    }
+
+    fn moe_ffn(
+        &self,
+        ffn: MoeFfn<'_, CudaBuffer>,
+        acc: &mut CudaBuffer,
+        scratch: MoeScratch<'_, CudaBuffer>,
+    ) -> Result<()> {
+        self.moe_ffn_on_device(ffn, acc, scratch)
     }
 
     fn add(&self, x: &mut CudaBuffer, y: &CudaBuffer, n: usize) -> Result<()> {

@@ -1,0 +1,154 @@
+//! Mixture-of-experts on the GPU (kernels/moe.cu): routing into device buffers, then two
+//! launches over the chosen experts' rows, reading the ids where the router wrote them.
+
+use cudarc::driver::LaunchConfig;
+
+use super::check::{row_bytes, shape_err, unsupported, weight_type_supported};
+use super::launch::{Arg, int};
+use super::packed::kernel_type_id;
+use super::{CudaBackend, CudaBuffer};
+use crate::backend::Result;
+use crate::moe::{MoeFfn, MoeRouting, MoeScratch, check_route};
+
+/// Rows per block of `moe_gate_up` and `moe_down`; must match MOE_WARPS in moe.cu.
+const MOE_WARPS: usize = 4;
+/// The largest grid y dimension CUDA allows.
+const MAX_GRID_Y: usize = 65_535;
+
+fn grid(op: &'static str, rows: usize, y: usize) -> Result<LaunchConfig> {
+    let x = u32::try_from(rows.div_ceil(MOE_WARPS))
+        .map_err(|_| shape_err(op, format!("{rows} rows are too many for one launch")))?;
+    if y == 0 || y > MAX_GRID_Y {
+        return Err(shape_err(
+            op,
+            format!("{y} token rows: one launch takes 1 to {MAX_GRID_Y}"),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (x.max(1), y as u32, 1),
+        block_dim: (32 * MOE_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+impl CudaBackend {
+    pub(super) fn moe_route_on_device(
+        &self,
+        logits: &CudaBuffer,
+        n_tokens: usize,
+        routing: MoeRouting,
+        ids: &mut CudaBuffer,
+        weights: &mut CudaBuffer,
+    ) -> Result<()> {
+        const OP: &str = "moe_route";
+        check_route(OP, logits, n_tokens, routing, ids, weights)?;
+        let args = [
+            Arg::Ptr(self.addr(OP, "router logits", logits)?),
+            int(OP, "expert count", routing.n_expert)?,
+            int(OP, "experts used", routing.n_used)?,
+            Arg::I32(i32::from(routing.norm_weights)),
+            int(OP, "token count", n_tokens)?,
+            Arg::Ptr(self.addr(OP, "expert ids", ids)?),
+            Arg::Ptr(self.addr(OP, "expert weights", weights)?),
+        ];
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let blocks = u32::try_from(n_tokens)
+            .map_err(|_| shape_err(OP, format!("{n_tokens} tokens in one launch")))?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.run("moe_route", cfg, &args)
+    }
+
+    pub(super) fn moe_ffn_on_device(
+        &self,
+        ffn: MoeFfn<'_, CudaBuffer>,
+        acc: &mut CudaBuffer,
+        scratch: MoeScratch<'_, CudaBuffer>,
+    ) -> Result<()> {
+        const OP: &str = "moe_ffn";
+        let one = ffn.check(OP, acc)?;
+        scratch.check(OP, &ffn)?;
+        for ty in [ffn.gate.ty, ffn.up.ty, ffn.down.ty] {
+            if !weight_type_supported(ty) {
+                return Err(unsupported(OP, ty));
+            }
+        }
+        let (e, ff, k, n) = (ffn.n_embd, ffn.n_ff, ffn.routing.n_used, ffn.n_tokens);
+        // Each lane decodes 8 values at a time (moe.cu).
+        if !e.is_multiple_of(8) || !ff.is_multiple_of(8) {
+            return Err(shape_err(
+                OP,
+                format!("experts of {ff}x{e}: both widths must be multiples of 8"),
+            ));
+        }
+        let ids = Arg::Ptr(self.addr(OP, "expert ids", ffn.ids)?);
+        let n_expert = int(OP, "expert count", ffn.routing.n_expert)?;
+        let (ea, fa, ka) = (
+            int(OP, "embedding width", e)?,
+            int(OP, "expert width", ff)?,
+            int(OP, "experts used", k)?,
+        );
+        // The activations go to the gate scratch; rows and up are not needed here.
+        let act = Arg::Ptr(self.addr(OP, "gate scratch", scratch.gate)?);
+        let gate_up = [
+            Arg::Ptr(self.addr(OP, "gate experts", ffn.gate.buf)?),
+            Arg::Ptr(self.addr(OP, "up experts", ffn.up.buf)?),
+            Arg::I32(kernel_type_id(ffn.gate.buf, ffn.gate.ty)),
+            Arg::I32(kernel_type_id(ffn.up.buf, ffn.up.ty)),
+            Arg::U64(one.gate as u64),
+            Arg::U64(one.up as u64),
+            Arg::U64(row_bytes(OP, ffn.gate.ty, e)? as u64),
+            Arg::U64(row_bytes(OP, ffn.up.ty, e)? as u64),
+            Arg::Ptr(self.addr(OP, "input", ffn.x)?),
+            ids,
+            n_expert,
+            ea,
+            fa,
+            ka,
+            act,
+        ];
+        let down = [
+            Arg::Ptr(self.addr(OP, "down experts", ffn.down.buf)?),
+            Arg::I32(kernel_type_id(ffn.down.buf, ffn.down.ty)),
+            Arg::U64(one.down as u64),
+            Arg::U64(row_bytes(OP, ffn.down.ty, ff)? as u64),
+            act,
+            ids,
+            Arg::Ptr(self.addr(OP, "expert weights", ffn.weights)?),
+            n_expert,
+            ea,
+            fa,
+            ka,
+            Arg::Ptr(self.addr(OP, "accumulator", acc)?),
+        ];
+        if n == 0 || e == 0 || ff == 0 {
+            return Ok(());
+        }
+        // Batches past the grid's y limit go in slices of whole tokens.
+        let step = (MAX_GRID_Y / k).max(1);
+        for t0 in (0..n).step_by(step) {
+            let nt = step.min(n - t0);
+            let shift = |a: Arg, bytes_per_token: usize| match a {
+                Arg::Ptr(p) => Arg::Ptr(p + (t0 * bytes_per_token) as u64),
+                other => other,
+            };
+            let mut gu = gate_up;
+            gu[8] = shift(gu[8], e * 4);
+            gu[9] = shift(gu[9], k * 4);
+            gu[14] = shift(gu[14], k * ff * 4);
+            self.run("moe_gate_up", grid(OP, ff, nt * k)?, &gu)?;
+            let mut dn = down;
+            dn[4] = shift(dn[4], k * ff * 4);
+            dn[5] = shift(dn[5], k * 4);
+            dn[6] = shift(dn[6], k * 4);
+            dn[11] = shift(dn[11], e * 4);
+            self.run("moe_down", grid(OP, e, nt)?, &dn)?;
+        }
+        Ok(())
+    }
+}
