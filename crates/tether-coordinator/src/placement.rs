@@ -319,6 +319,10 @@ mod tests {
     use tether_model::{SynthShape, synthesize};
 
     fn tiny() -> (ModelConfig, Vec<TensorInfo>) {
+        synth(SynthShape::Tiny)
+    }
+
+    fn synth(shape: SynthShape) -> (ModelConfig, Vec<TensorInfo>) {
         let dir = std::env::temp_dir().join(format!(
             "tether-placement-{}-{:?}",
             std::process::id(),
@@ -326,7 +330,7 @@ mod tests {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tiny.gguf");
-        synthesize(&path, SynthShape::Tiny, GgmlType::Q8_0, 3).unwrap();
+        synthesize(&path, shape, GgmlType::Q8_0, 3).unwrap();
         let file = GgufFile::open(&path).unwrap();
         let cfg = ModelConfig::from_gguf(&file).unwrap();
         let tensors = file.tensors().to_vec();
@@ -450,5 +454,31 @@ mod tests {
             place(&cfg, &t, SHAPE, &many, None),
             Err(PlacementError::TooManyWorkers { .. })
         ));
+    }
+
+    /// A mixture-of-experts layer is weighed with its stacked experts: the cut follows
+    /// bytes, so a layer of experts counts as much as its tensors, not as one layer.
+    #[test]
+    fn moe_layers_weigh_their_experts() {
+        let (cfg, t) = synth(SynthShape::TinyMixtral);
+        let units = unit_bytes(&cfg, &t, SHAPE).unwrap();
+        let size = |name: &str| t.iter().find(|x| x.name == name).unwrap().bytes;
+        let experts: u64 = [
+            "ffn_gate_exps",
+            "ffn_up_exps",
+            "ffn_down_exps",
+            "ffn_gate_inp",
+        ]
+        .iter()
+        .map(|s| size(&format!("blk.0.{s}.weight")))
+        .sum();
+        assert!(units[1] > experts, "{} <= {experts}", units[1]);
+        assert!(experts > 4 * size("token_embd.weight"));
+        // Free memory 3:1 gives the first worker the embedding and both layers.
+        let plan = place(&cfg, &t, SHAPE, &workers(&[3 << 30, 1 << 30]), None).unwrap();
+        check_covers(&plan, cfg.n_layer);
+        assert_eq!(plan.assignments[0].spec.last_layer, 2);
+        let plan = place(&cfg, &t, SHAPE, &workers(&[1 << 30, 1 << 30]), None).unwrap();
+        assert_eq!(plan.assignments[0].spec.last_layer, 1, "one layer each");
     }
 }

@@ -40,6 +40,8 @@ pub enum Arch {
     Gemma2,
     /// Phi-3: LLaMA's layer with Q, K and V in one matrix and gate and up in another.
     Phi3,
+    /// Qwen3-MoE: Qwen3's attention with a mixture-of-experts feed-forward in every layer.
+    Qwen3Moe,
 }
 
 /// How an architecture's layer differs from LLaMA's, as data: the forward pass, the tensor
@@ -73,6 +75,9 @@ pub struct ArchTraits {
     /// rather than `1/sqrt(head_dim)` (Gemma's 27B sets `query_pre_attn_scalar` so, and
     /// GGUF files do not record it; llama.cpp recognizes the variant the same way).
     pub embd_scaled_query_at_layers: Option<usize>,
+    /// Every layer's feed-forward is a mixture of experts whatever the metadata says
+    /// (`llama` files are MoE, Mixtral, only when they give `expert_count`).
+    pub always_moe: bool,
 }
 
 const LLAMA_TRAITS: ArchTraits = ArchTraits {
@@ -87,6 +92,7 @@ const LLAMA_TRAITS: ArchTraits = ArchTraits {
     swa_period: None,
     swa_rope_base: None,
     embd_scaled_query_at_layers: None,
+    always_moe: false,
 };
 
 impl Arch {
@@ -99,6 +105,7 @@ impl Arch {
             "gemma3" => Some(Arch::Gemma3),
             "gemma2" => Some(Arch::Gemma2),
             "phi3" => Some(Arch::Phi3),
+            "qwen3moe" => Some(Arch::Qwen3Moe),
             _ => None,
         }
     }
@@ -112,6 +119,7 @@ impl Arch {
             Arch::Gemma3 => "gemma3",
             Arch::Gemma2 => "gemma2",
             Arch::Phi3 => "phi3",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -155,6 +163,12 @@ impl Arch {
                 ..LLAMA_TRAITS
             },
             // llama.cpp runs phi3 with NEOX rope (as HF's Phi3 rotates halves).
+            Arch::Qwen3Moe => ArchTraits {
+                rope_neox: true,
+                qk_norm: true,
+                always_moe: true,
+                ..LLAMA_TRAITS
+            },
             Arch::Phi3 => ArchTraits {
                 rope_neox: true,
                 fused_qkv: true,
@@ -178,6 +192,12 @@ impl Arch {
     /// `attn_k_norm`, `[head_dim]` each) after the projections and before rope.
     pub fn has_qk_norm(self) -> bool {
         self.traits().qk_norm
+    }
+
+    /// Whether every layer's feed-forward is a mixture of experts whatever the metadata
+    /// says (see [`ArchTraits::always_moe`]).
+    pub fn always_moe(self) -> bool {
+        self.traits().always_moe
     }
 }
 
@@ -206,7 +226,7 @@ pub fn layer_tensor(layer: usize, suffix: &str) -> String {
     format!("blk.{layer}.{suffix}")
 }
 
-fn spec(name: String, dims: &[usize], role: TensorRole) -> TensorSpec {
+pub(crate) fn spec(name: String, dims: &[usize], role: TensorRole) -> TensorSpec {
     TensorSpec {
         name,
         dims: dims.iter().map(|&d| d as u64).collect(),
@@ -245,7 +265,9 @@ pub fn layer_tensors(cfg: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
         out.push(spec(n(POST_ATTN_NORM), &[e], Vector));
     }
     out.push(spec(n("ffn_norm.weight"), &[e], Vector));
-    if traits.fused_gate_up {
+    if let Some(moe) = &cfg.moe {
+        out.extend(crate::moe::expert_tensors(e, moe, layer));
+    } else if traits.fused_gate_up {
         out.push(spec(n("ffn_up.weight"), &[e, 2 * ff], Matrix));
     } else {
         out.extend([
@@ -253,7 +275,9 @@ pub fn layer_tensors(cfg: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
             spec(n("ffn_up.weight"), &[e, ff], Matrix),
         ]);
     }
-    out.push(spec(n("ffn_down.weight"), &[ff, e], Matrix));
+    if cfg.moe.is_none() {
+        out.push(spec(n("ffn_down.weight"), &[ff, e], Matrix));
+    }
     if traits.post_norms {
         out.push(spec(n(POST_FFW_NORM), &[e], Vector));
     }
@@ -371,7 +395,8 @@ mod tests {
         assert!(p.fused_qkv && p.fused_gate_up && p.rope_neox && !p.post_norms);
         assert!(Arch::Qwen2.rope_neox() && !Arch::Llama.rope_neox());
         assert_eq!(Arch::from_name("qwen3"), Some(Arch::Qwen3));
-        assert_eq!(Arch::from_name("qwen3moe"), None);
+        assert_eq!(Arch::from_name("qwen3moe"), Some(Arch::Qwen3Moe));
+        assert!(Arch::Qwen3Moe.has_qk_norm() && Arch::Qwen3Moe.always_moe());
         assert!(Arch::Qwen3.rope_neox() && Arch::Qwen3.has_qk_norm());
         assert!(!Arch::Qwen3.has_qkv_bias() && !Arch::Qwen2.has_qk_norm());
     }

@@ -6,6 +6,7 @@ use tether_gguf::GgufFile;
 use crate::arch::{Arch, TOKEN_EMBD};
 use crate::config_extras::{ArchExtras, rope_scaling};
 use crate::error::ModelError;
+use crate::moe::{self, MoeConfig, MoeKeys};
 
 /// Everything the forward pass needs to know about a model's shape.
 #[derive(Clone, Debug, PartialEq)]
@@ -50,6 +51,8 @@ pub struct ModelConfig {
     pub final_softcap: Option<f32>,
     /// Scaled attention scores become `cap · tanh(score / cap)` (`attn_logit_softcapping`).
     pub attn_softcap: Option<f32>,
+    /// The experts of every layer's feed-forward; `None` for a dense model.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -149,7 +152,19 @@ impl ModelConfig {
                 crate::arch::ROPE_FACTORS_LONG
             )));
         }
+        let n_ff = meta.usize_req("feed_forward_length")?;
+        let moe = moe::read(
+            arch,
+            MoeKeys {
+                expert_count: meta.usize_opt("expert_count")?,
+                expert_used_count: meta.usize_opt("expert_used_count")?,
+                expert_feed_forward_length: meta.usize_opt("expert_feed_forward_length")?,
+                feed_forward_length: n_ff,
+                expert_weights_norm: meta.bool_opt("expert_weights_norm")?,
+            },
+        )?;
         let cfg = ModelConfig {
+            moe,
             sliding_window: extras.sliding_window,
             rope_swa,
             attn_scale: extras.attn_scale,
@@ -159,7 +174,7 @@ impl ModelConfig {
             arch,
             n_embd,
             n_layer: meta.usize_req("block_count")?,
-            n_ff: meta.usize_req("feed_forward_length")?,
+            n_ff,
             n_head,
             n_head_kv,
             head_dim,
@@ -257,6 +272,16 @@ impl Meta<'_> {
                 .and_then(|n| usize::try_from(n).ok())
                 .map(Some)
                 .ok_or_else(|| self.err(suffix, "is not a non-negative integer")),
+        }
+    }
+
+    fn bool_opt(&self, suffix: &str) -> Result<Option<bool>, ModelError> {
+        match self.file.get(&self.key(suffix)) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(suffix, "is not a boolean")),
         }
     }
 

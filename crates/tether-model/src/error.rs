@@ -8,7 +8,7 @@ use tether_gguf::GgufError;
 pub enum ModelError {
     /// The file's architecture is not one this crate runs.
     #[error(
-        "unsupported architecture '{0}' (general.architecture); supported: llama, qwen2, qwen3"
+        "unsupported architecture '{0}' (general.architecture); supported: llama, qwen2, qwen3, qwen3moe"
     )]
     UnsupportedArchitecture(String),
     /// A required metadata key is missing or has the wrong type.

@@ -6,6 +6,7 @@ mod config_extras;
 pub mod error;
 pub mod generate;
 pub mod kv;
+pub mod moe;
 pub mod plan;
 pub mod sampling;
 pub mod stage;
@@ -17,6 +18,7 @@ pub use config::ModelConfig;
 pub use error::ModelError;
 pub use generate::{Generator, StopReason, load_stage_from_file};
 pub use kv::BatchToken;
+pub use moe::MoeConfig;
 pub use plan::{StagePlan, plan_stage};
 pub use sampling::{Sampler, SamplingParams};
 pub use stage::{

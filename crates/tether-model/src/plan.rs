@@ -38,13 +38,30 @@ pub struct ScratchSizes {
     pub ff: u64,
     /// Logits `[ubatch][n_vocab]` (head).
     pub logits: u64,
+    /// MoE router scores `[ubatch][n_expert]` (MoE layers).
+    pub moe_logits: u64,
+    /// Chosen expert ids, and their weights, `[ubatch][n_used]` each (MoE layers).
+    pub moe_picks: u64,
+    /// Expert inputs and outputs `[ubatch · n_used][n_embd]` (MoE layers).
+    pub moe_rows: u64,
+    /// Expert gate and up products `[ubatch · n_used][n_ff_exp]` each (MoE layers).
+    pub moe_ff: u64,
 }
 
 impl ScratchSizes {
-    /// Sum over every buffer, counting the ones allocated twice (q/attn, k/v) and
-    /// three times (gate/up/act).
+    /// Sum over every buffer, counting the ones allocated twice (q/attn, k/v, expert
+    /// ids/weights, expert gate/up) and three times (gate/up/act).
     pub fn total(&self) -> u64 {
-        self.hidden + self.normed + 2 * self.q + 2 * self.kv + 3 * self.ff + self.logits
+        self.hidden
+            + self.normed
+            + 2 * self.q
+            + 2 * self.kv
+            + 3 * self.ff
+            + self.logits
+            + self.moe_logits
+            + 2 * self.moe_picks
+            + self.moe_rows
+            + 2 * self.moe_ff
     }
 }
 
@@ -60,6 +77,13 @@ pub fn scratch_sizes(cfg: &ModelConfig, spec: &StageSpec) -> ScratchSizes {
     } else {
         0
     };
+    // A MoE model has no dense feed-forward: its gate buffer only holds normed keys.
+    let dense_ff = if cfg.moe.is_some() { 0 } else { cfg.n_ff };
+    // Zero for dense models and stages without layers.
+    let (n_expert, n_used, ff_exp) = cfg
+        .moe
+        .filter(|_| layers)
+        .map_or((0, 0, 0), |m| (m.n_expert, m.n_used, m.n_ff_exp));
     ScratchSizes {
         hidden: f32s(cfg.n_embd),
         normed: when(layers || spec.has_head, f32s(cfg.n_embd)),
@@ -67,9 +91,13 @@ pub fn scratch_sizes(cfg: &ModelConfig, spec: &StageSpec) -> ScratchSizes {
         kv: when(layers, f32s(cfg.kv_dim())),
         ff: when(
             layers,
-            f32s(cfg.n_ff.max(cfg.kv_dim()).max(post_norm_width)),
+            f32s(dense_ff.max(cfg.kv_dim()).max(post_norm_width)),
         ),
         logits: when(spec.has_head, f32s(cfg.n_vocab)),
+        moe_logits: f32s(n_expert),
+        moe_picks: f32s(n_used),
+        moe_rows: f32s(n_used * cfg.n_embd),
+        moe_ff: f32s(n_used * ff_exp),
     }
 }
 

@@ -186,6 +186,8 @@ fn every_weight_type_matches_the_reference() {
         SynthShape::Tiny,
         SynthShape::TinyQwen2,
         SynthShape::TinyQwen3,
+        SynthShape::TinyQwen3Moe,
+        SynthShape::TinyMixtral,
     ] {
         for ty in types {
             let (_tmp, file) = synth(shape, ty);
@@ -222,15 +224,7 @@ fn gemma_phi3_and_yarn_match_the_reference_and_the_cpu() {
             check_against_reference(&file, &format!("{} {ty}", shape.name()), eight_bit);
         }
         let (_tmp, file) = synth(shape, GgmlType::F16);
-        let tokens = prompt(ModelConfig::from_gguf(&file).unwrap().n_vocab);
-        let mut on_gpu = Generator::from_file(gpu(), &file, CTX, UBATCH).unwrap();
-        let mut on_cpu = Generator::from_file(cpu(), &file, CTX, UBATCH).unwrap();
-        assert_eq!(
-            greedy(&mut on_gpu, &tokens[..8]),
-            greedy(&mut on_cpu, &tokens[..8]),
-            "{}: greedy tokens cpu vs cuda",
-            shape.name()
-        );
+        greedy_tokens_equal_on_both(&file, shape.name());
     }
 }
 
@@ -309,13 +303,16 @@ fn stage_spec(first: usize, last: usize, embed: bool, head: bool) -> StageSpec {
 fn decode_steps_split_over_two_backends_equal_one_stage() {
     // tiny-qwen3's layers put their normed q/k and the attention output in other buffers;
     // tiny-gemma3's post-norms use the feed-forward's, and its stages split sliding layers
-    // from the global one; tiny-phi3 holds its fused tensors as parts.
+    // from the global one; tiny-phi3 holds its fused tensors as parts; the MoE shapes'
+    // recorded steps read expert ids the router wrote on the device.
     for shape in [
         SynthShape::Tiny,
         SynthShape::TinyQwen3,
         SynthShape::TinyGemma3,
         SynthShape::TinyGemma2,
         SynthShape::TinyPhi3,
+        SynthShape::TinyQwen3Moe,
+        SynthShape::TinyMixtral,
     ] {
         decode_steps_split_equal_one_stage(shape);
     }
@@ -370,4 +367,29 @@ fn decode_steps_split_equal_one_stage(shape: SynthShape) {
         );
         id = next;
     }
+}
+
+/// Mixture-of-experts models in f32 and f16 generate the same 64 greedy tokens on the GPU
+/// as on the cpu (prefill in micro-batches, then recorded decode steps).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn moe_greedy_tokens_equal_the_cpus() {
+    for shape in [SynthShape::TinyQwen3Moe, SynthShape::TinyMixtral] {
+        for ty in [GgmlType::F32, GgmlType::F16] {
+            let (_tmp, file) = synth(shape, ty);
+            greedy_tokens_equal_on_both(&file, &format!("{} {ty}", shape.name()));
+        }
+    }
+}
+
+/// 64 greedy tokens from an 8-token prompt are the same on the GPU as on the cpu.
+fn greedy_tokens_equal_on_both(file: &GgufFile, what: &str) {
+    let tokens = prompt(ModelConfig::from_gguf(file).unwrap().n_vocab);
+    let mut on_gpu = Generator::from_file(gpu(), file, CTX, UBATCH).unwrap();
+    let mut on_cpu = Generator::from_file(cpu(), file, CTX, UBATCH).unwrap();
+    assert_eq!(
+        greedy(&mut on_gpu, &tokens[..8]),
+        greedy(&mut on_cpu, &tokens[..8]),
+        "{what}: greedy tokens cpu vs cuda"
+    );
 }

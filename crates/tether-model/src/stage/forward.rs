@@ -2,7 +2,7 @@
 
 use tether_compute::{AttnShape, AttnSpan, Backend, GateAct};
 
-use super::{Stage, Weight};
+use super::{FfnWeights, Stage, Weight};
 use crate::error::{ModelError, compute, compute_in};
 use crate::kv::{BatchToken, windowed};
 
@@ -285,33 +285,33 @@ impl<B: Backend> Stage<B> {
         .map_err(ce("attention output"))?;
         be.rms_norm(&s.hidden, &w[lw.ffn_norm].buf, n, e, cfg.rms_eps, normed)
             .map_err(ce("ffn norm"))?;
+        // MoE architectures have no post-norms: their experts add into the stream directly.
+        let (gate, up, down) = match &lw.ffn {
+            FfnWeights::Dense { gate, up, down } => (*gate, *up, *down),
+            FfnWeights::Moe(m) => {
+                let ms = s.moe.as_mut();
+                return super::moe::moe_ffn(be, cfg, m, w, normed, &mut s.hidden, ms, n, layer_no);
+            }
+        };
         let act = if cfg.arch.traits().gelu_gate {
             GateAct::GeluTanh
         } else {
             GateAct::Silu
         };
-        if w[lw.gate].ty != w[lw.up].ty {
+        if w[gate].ty != w[up].ty {
             // Mixed-type files (some quantization mixes) take the three steps apart.
-            be.matmul(
-                &w[lw.gate].buf,
-                w[lw.gate].ty,
-                ff,
-                e,
-                normed,
-                n,
-                &mut ls.gate,
-            )
-            .map_err(ce("ffn gate"))?;
-            be.matmul(&w[lw.up].buf, w[lw.up].ty, ff, e, normed, n, &mut ls.up)
+            be.matmul(&w[gate].buf, w[gate].ty, ff, e, normed, n, &mut ls.gate)
+                .map_err(ce("ffn gate"))?;
+            be.matmul(&w[up].buf, w[up].ty, ff, e, normed, n, &mut ls.up)
                 .map_err(ce("ffn up"))?;
             be.gated(act, &ls.gate, &ls.up, n * ff, &mut ls.act)
                 .map_err(ce("gated activation"))?;
         } else {
             be.matmul_gated(
                 act,
-                &w[lw.gate].buf,
-                &w[lw.up].buf,
-                w[lw.gate].ty,
+                &w[gate].buf,
+                &w[up].buf,
+                w[gate].ty,
                 ff,
                 e,
                 normed,
@@ -325,7 +325,7 @@ impl<B: Backend> Stage<B> {
         let post_ffw = lw.post_norms.map(|[_, f]| (&w[f].buf, cfg.rms_eps));
         residual_add(
             be,
-            &w[lw.down],
+            &w[down],
             (e, ff, &ls.act, n),
             post_ffw,
             &mut s.hidden,

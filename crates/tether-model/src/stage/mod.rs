@@ -8,6 +8,7 @@ mod decode;
 mod forward;
 mod layout;
 mod load;
+mod moe;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -116,9 +117,18 @@ struct LayerWeights {
     post_norms: Option<[usize; 2]>,
     wo: usize,
     ffn_norm: usize,
-    gate: usize,
-    up: usize,
-    down: usize,
+    ffn: FfnWeights,
+}
+
+/// Indices into `Stage::weights` of one layer's feed-forward.
+enum FfnWeights {
+    Dense {
+        gate: usize,
+        up: usize,
+        down: usize,
+    },
+    /// Router and stacked experts (`stage/moe.rs`).
+    Moe(moe::MoeWeights),
 }
 
 /// Activation buffers of the layers.
@@ -138,6 +148,8 @@ struct Scratch<Buf> {
     normed: Option<Buf>,
     layer: Option<LayerScratch<Buf>>,
     logits: Option<Buf>,
+    /// Router and expert buffers of MoE layers.
+    moe: Option<moe::MoeBuffers<Buf>>,
 }
 
 /// A block of layers with its weights, KV cache and scratch on one backend.
@@ -304,6 +316,10 @@ impl<B: Backend> Stage<B> {
                 sizes.q, sizes.q, sizes.kv, sizes.kv, sizes.ff, sizes.ff, sizes.ff,
             ]);
         }
+        let has_moe = n_layers > 0 && cfg.moe.is_some();
+        if has_moe {
+            wanted.extend(moe::MoeBuffers::<B::Buffer>::sizes(&sizes));
+        }
         let total: u64 = wanted.iter().sum();
         let as_usize: Vec<usize> = wanted
             .iter()
@@ -379,6 +395,11 @@ impl<B: Backend> Stage<B> {
         } else {
             None
         };
+        let moe_scratch = if has_moe {
+            Some(moe::MoeBuffers::take(&mut next)?)
+        } else {
+            None
+        };
         let hidden = hidden.ok_or_else(|| {
             ModelError::InvalidArgument("a stage needs a non-empty hidden state".into())
         })?;
@@ -408,12 +429,21 @@ impl<B: Backend> Stage<B> {
                     n("attn_v.weight")?,
                 ]
             };
-            let [gate, up] = if traits.fused_gate_up {
-                let up = arch::layer_tensor(l, "ffn_up.weight");
-                let part = |p: &str| idx(&arch::part_name(&up, p));
-                [part("gate")?, part("up")?]
+            let ffn = if cfg.moe.is_some() {
+                FfnWeights::Moe(moe::MoeWeights::find(n)?)
             } else {
-                [n("ffn_gate.weight")?, n("ffn_up.weight")?]
+                let [gate, up] = if traits.fused_gate_up {
+                    let up = arch::layer_tensor(l, "ffn_up.weight");
+                    let part = |p: &str| idx(&arch::part_name(&up, p));
+                    [part("gate")?, part("up")?]
+                } else {
+                    [n("ffn_gate.weight")?, n("ffn_up.weight")?]
+                };
+                FfnWeights::Dense {
+                    gate,
+                    up,
+                    down: n("ffn_down.weight")?,
+                }
             };
             layers.push(LayerWeights {
                 attn_norm: n("attn_norm.weight")?,
@@ -437,9 +467,7 @@ impl<B: Backend> Stage<B> {
                 },
                 wo: n("attn_output.weight")?,
                 ffn_norm: n("ffn_norm.weight")?,
-                gate,
-                up,
-                down: n("ffn_down.weight")?,
+                ffn,
             });
         }
         let embd = by_name.get(TOKEN_EMBD).copied().filter(|_| spec.has_embed);
@@ -470,6 +498,7 @@ impl<B: Backend> Stage<B> {
                 normed,
                 layer,
                 logits,
+                moe: moe_scratch,
             },
             kv,
             allocs,
@@ -516,6 +545,7 @@ impl<B: Backend> Stage<B> {
                 .map(|b| b.bytes())
                 .sum::<usize>();
         }
+        scratch += s.moe.as_ref().map_or(0, moe::MoeBuffers::bytes);
         (weights + kv + scratch) as u64
     }
 

@@ -4,6 +4,7 @@
 mod blocks;
 mod extra;
 mod mix;
+mod moe;
 mod vocab;
 
 use std::path::Path;
@@ -54,6 +55,14 @@ pub enum SynthShape {
     /// soft-caps of 2 on the attention scores and 1 on the logits, small enough to bend
     /// this model's values, where Gemma 2's own 50 and 30 would barely touch them).
     TinyGemma2,
+    /// A 2-layer qwen3moe of 8 experts, 2 used a token, as small as `TinyQwen3`.
+    TinyQwen3Moe,
+    /// A 2-layer Mixtral-style llama of 8 experts, 2 used a token.
+    TinyMixtral,
+    /// Qwen3-30B-A3B: 48 layers of 128 experts, 8 used a token.
+    Qwen3_30bA3b,
+    /// Mixtral 8x7B: 32 layers of 8 experts, 2 used a token.
+    Mixtral8x7b,
 }
 
 /// Hyper-parameters of a shape.
@@ -89,11 +98,13 @@ struct Dims {
     fused: bool,
     /// `attention.layer_norm_rms_epsilon`.
     eps: f32,
+    /// Mixture-of-experts feed-forward instead of the dense one.
+    moe: Option<moe::Experts>,
 }
 
 impl SynthShape {
     /// Every shape.
-    pub const ALL: [SynthShape; 16] = [
+    pub const ALL: [SynthShape; 20] = [
         SynthShape::Tiny,
         SynthShape::TinyQwen2,
         SynthShape::Llama3_1b,
@@ -110,6 +121,10 @@ impl SynthShape {
         SynthShape::Phi3Mini,
         SynthShape::TinyQwen3Yarn,
         SynthShape::TinyGemma2,
+        SynthShape::TinyQwen3Moe,
+        SynthShape::TinyMixtral,
+        SynthShape::Qwen3_30bA3b,
+        SynthShape::Mixtral8x7b,
     ];
 
     /// The command-line name (`tiny`, `llama3-8b`, `qwen2.5-14b`).
@@ -131,6 +146,10 @@ impl SynthShape {
             SynthShape::Phi3Mini => "phi3-mini",
             SynthShape::TinyQwen3Yarn => "tiny-qwen3-yarn",
             SynthShape::TinyGemma2 => "tiny-gemma2",
+            SynthShape::TinyQwen3Moe => "tiny-qwen3moe",
+            SynthShape::TinyMixtral => "tiny-mixtral",
+            SynthShape::Qwen3_30bA3b => "qwen3-30b-a3b",
+            SynthShape::Mixtral8x7b => "mixtral-8x7b",
         }
     }
 
@@ -162,6 +181,7 @@ impl SynthShape {
             softcaps: None,
             fused: false,
             eps: 1e-5,
+            moe: None,
         };
         let qwen = |n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, tied| Dims {
             arch: "qwen2",
@@ -238,6 +258,27 @@ impl SynthShape {
                 ..qwen3(256, 2, 4, 2, 128, 512, 320, true)
             },
             SynthShape::Qwen3_8b => qwen3(4096, 36, 32, 8, 128, 12288, 151936, false),
+            SynthShape::TinyQwen3Moe => Dims {
+                arch: "qwen3moe",
+                moe: Some(moe::Experts::new(8, 2, 256)),
+                ..qwen3(256, 2, 4, 2, 64, 384, 320, true)
+            },
+            SynthShape::TinyMixtral => Dims {
+                moe: Some(moe::Experts::new(8, 2, 256)),
+                ..llama(256, 2, 4, 2, 256, 320, 1e6, false)
+            },
+            // Its feed_forward_length (6144) sizes no tensor: every layer is experts.
+            SynthShape::Qwen3_30bA3b => Dims {
+                arch: "qwen3moe",
+                eps: 1e-6,
+                moe: Some(moe::Experts::new(128, 8, 768)),
+                ..qwen3(2048, 48, 32, 4, 128, 6144, 151936, false)
+            },
+            SynthShape::Mixtral8x7b => Dims {
+                ctx: 32768,
+                moe: Some(moe::Experts::new(8, 2, 14336)),
+                ..llama(4096, 32, 32, 8, 14336, 32000, 1e6, false)
+            },
         }
     }
 }
@@ -374,6 +415,9 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
         w.add_metadata(key("rope.scaling.type"), MetaValue::String("linear".into()));
         w.add_metadata(key("rope.scaling.factor"), MetaValue::F32(factor));
     }
+    if let Some(experts) = &d.moe {
+        experts.add_metadata(&mut w, d.arch);
+    }
     w.add_metadata(key("rope.freq_base"), MetaValue::F32(d.rope_base));
     let head_dim = d.head_dim.unwrap_or(d.n_embd / d.n_head);
     if d.head_dim.is_some() {
@@ -483,6 +527,11 @@ fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, Mode
             add_vector(&mut w, n(POST_ATTN_NORM), e, 1.0, 0.1, &mut vec_rng)?;
         }
         add_vector(&mut w, n("ffn_norm.weight"), e, 1.0, 0.1, &mut vec_rng)?;
+        if let Some(experts) = &d.moe {
+            let pick = |role, cols| pick(role, l, cols);
+            experts.add_layer(&mut w, l, e, pick, &mut next_seed)?;
+            continue;
+        }
         add_random(
             &mut w,
             n("ffn_gate.weight"),

@@ -1,8 +1,9 @@
-//! An independent float64 forward pass of llama/qwen2/qwen3/gemma2/gemma3/phi3 GGUF
-//! models: plain loops over dequantized weights, its own metadata reading, rope, attention
-//! and softmax. It shares no code with `Stage` or any backend; only the GGUF reader and
-//! dequantizer are common. Gemma 2/3 and Phi-3 follow HF transformers' model definitions
-//! (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`, `Phi3ForCausalLM`) and llama.cpp's
+//! An independent float64 forward pass of llama/qwen2/qwen3/gemma2/gemma3/phi3/qwen3moe/
+//! Mixtral GGUF models: plain loops over dequantized weights, its own metadata reading,
+//! rope, attention and softmax. It shares no code with `Stage` or any backend; only the
+//! GGUF reader and dequantizer are common. Gemma 2/3, Phi-3 and the MoE feed-forward follow
+//! HF transformers' model definitions (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`,
+//! `Phi3ForCausalLM`, `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`) and llama.cpp's
 //! converter's tensor conventions.
 //!
 //! Keys and values are rounded to f16 before attention, because the model as served keeps
@@ -31,6 +32,8 @@ pub struct Reference {
     /// YaRN (HF's `rope_type: yarn`): each pair's inverse frequency and the factor on cos
     /// and sin.
     yarn: Option<(Vec<f64>, f64)>,
+    /// `(experts, experts used a token, expert width, renormalize the chosen weights)`.
+    experts: Option<(usize, usize, usize, bool)>,
     w: HashMap<String, Vec<f64>>,
 }
 
@@ -75,7 +78,19 @@ impl Reference {
             }
             _ => 1.0,
         };
+        // Mixture of experts, as the GGUF keys describe it; Mixtral (llama) files give the
+        // expert width as feed_forward_length.
+        let experts = u("expert_count").filter(|&n| n > 0).map(|n| {
+            let width = u("expert_feed_forward_length")
+                .or(u("feed_forward_length"))
+                .unwrap();
+            let norm = file
+                .get_bool(&format!("{arch}.expert_weights_norm"))
+                .unwrap_or(true);
+            (n, u("expert_used_count").unwrap(), width, norm)
+        });
         Reference {
+            experts,
             embd,
             layers: u("block_count").unwrap(),
             heads,
@@ -94,7 +109,7 @@ impl Reference {
             n_rot: u("rope.dimension_count").unwrap_or(head_dim),
             neox: matches!(
                 arch.as_str(),
-                "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3"
+                "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3" | "qwen3moe"
             ),
             yarn: yarn_frequencies(file, &arch, u("rope.dimension_count").unwrap_or(head_dim)),
             gemma: arch.starts_with("gemma").then(|| Gemma {
@@ -224,6 +239,54 @@ impl Reference {
         }
     }
 
+    /// `down(silu(g) * u)`.
+    fn swiglu_mlp(&self, g: &[f64], u: &[f64], down: impl Fn(&[f64]) -> Vec<f64>) -> Vec<f64> {
+        let act: Vec<f64> = g
+            .iter()
+            .zip(u)
+            .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        down(&act)
+    }
+
+    /// `W_x h` for expert `x` of the stacked tensor `name` (experts of `rows` rows).
+    fn expert_mat(&self, name: &str, x: usize, rows: usize, h: &[f64]) -> Vec<f64> {
+        let w = &self.t(name)[x * rows * h.len()..(x + 1) * rows * h.len()];
+        w.chunks(h.len())
+            .map(|row| row.iter().zip(h).map(|(a, b)| a * b).sum())
+            .collect()
+    }
+
+    /// The sparse MoE block of HF transformers' Qwen3-MoE and Mixtral: router scores,
+    /// softmax over all experts, the top k (the lower index first among equals), their
+    /// probabilities renormalized to sum to 1 (Qwen3-MoE's norm_topk_prob; for Mixtral the
+    /// same as a softmax over the top-k scores), and the weighted sum of those experts'
+    /// SwiGLU MLPs.
+    fn experts_ffn(&self, layer: usize, h: &[f64]) -> Vec<f64> {
+        let (n_expert, k, width, norm) = self.experts.unwrap();
+        let n = |s: &str| format!("blk.{layer}.{s}");
+        let scores = self.mat(&n("ffn_gate_inp.weight"), h);
+        assert_eq!(scores.len(), n_expert);
+        let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+        let probs: Vec<f64> = scores.iter().map(|s| (s - max).exp() / z).collect();
+        let mut order: Vec<usize> = (0..n_expert).collect();
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        let chosen = &order[..k];
+        let total: f64 = chosen.iter().map(|&x| probs[x]).sum();
+        let mut out = vec![0.0; self.embd];
+        for &x in chosen {
+            let weight = if norm { probs[x] / total } else { probs[x] };
+            let g = self.expert_mat(&n("ffn_gate_exps.weight"), x, width, h);
+            let u = self.expert_mat(&n("ffn_up_exps.weight"), x, width, h);
+            let y = self.swiglu_mlp(&g, &u, |a| {
+                self.expert_mat(&n("ffn_down_exps.weight"), x, self.embd, a)
+            });
+            out.iter_mut().zip(&y).for_each(|(o, y)| *o += weight * y);
+        }
+        out
+    }
+
     /// Logits `[tokens.len()][vocab]`.
     pub fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {
         let (e, hd) = (self.embd, self.head_dim);
@@ -313,24 +376,29 @@ impl Reference {
                 }
                 x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
                 let h = self.norm(&n("ffn_norm.weight"), x);
-                let (g, u) = if self.w.contains_key(&n("ffn_gate.weight")) {
-                    let g = self.mat(&n("ffn_gate.weight"), &h);
-                    (g, self.mat(&n("ffn_up.weight"), &h))
+                let d = if self.experts.is_some() {
+                    self.experts_ffn(l, &h)
                 } else {
-                    // Phi3MLP: gate_up_proj's output chunked in two, gate first.
-                    let gu = self.mat(&n("ffn_up.weight"), &h);
-                    (gu[..self.ff].to_vec(), gu[self.ff..].to_vec())
+                    let (g, u) = if self.w.contains_key(&n("ffn_gate.weight")) {
+                        let g = self.mat(&n("ffn_gate.weight"), &h);
+                        (g, self.mat(&n("ffn_up.weight"), &h))
+                    } else {
+                        // Phi3MLP: gate_up_proj's output chunked in two, gate first.
+                        let gu = self.mat(&n("ffn_up.weight"), &h);
+                        (gu[..self.ff].to_vec(), gu[self.ff..].to_vec())
+                    };
+                    assert_eq!(g.len(), self.ff);
+                    let act: Vec<f64> = g
+                        .iter()
+                        .zip(&u)
+                        .map(|(g, u)| self.gate_activation(*g) * u)
+                        .collect();
+                    let mut d = self.mat(&n("ffn_down.weight"), &act);
+                    if self.gemma.is_some() {
+                        d = self.norm(&n("post_ffw_norm.weight"), &d);
+                    }
+                    d
                 };
-                assert_eq!(g.len(), self.ff);
-                let act: Vec<f64> = g
-                    .iter()
-                    .zip(&u)
-                    .map(|(g, u)| self.gate_activation(*g) * u)
-                    .collect();
-                let mut d = self.mat(&n("ffn_down.weight"), &act);
-                if self.gemma.is_some() {
-                    d = self.norm(&n("post_ffw_norm.weight"), &d);
-                }
                 x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
             }
         }

@@ -35,10 +35,16 @@ fn model() -> TempModel {
 
 const IDS: [u32; 10] = [1, 300, 17, 260, 45, 299, 3, 270, 288, 100];
 
-/// The models the stage tests run on: llama, and qwen3 (q/k norms and heads wider than
-/// `n_embd / n_head` move the attention through other scratch buffers).
-fn models() -> [TempModel; 2] {
-    [model(), synth(SynthShape::TinyQwen3, GgmlType::Q4K, 5)]
+/// The models the stage tests run on: llama, qwen3 (q/k norms and heads wider than
+/// `n_embd / n_head` move the attention through other scratch buffers), and the two
+/// mixture-of-experts shapes (router and expert scratch of their own).
+fn models() -> [TempModel; 4] {
+    [
+        model(),
+        synth(SynthShape::TinyQwen3, GgmlType::Q4K, 5),
+        synth(SynthShape::TinyQwen3Moe, GgmlType::Q4K, 5),
+        synth(SynthShape::TinyMixtral, GgmlType::Q4K, 5),
+    ]
 }
 
 #[test]
@@ -290,7 +296,12 @@ fn interleaved_sequences_equal_separate_runs() {
 
 #[test]
 fn bytes_equal_the_plan_and_serving_allocates_nothing() {
-    for shape in [SynthShape::TinyQwen2, SynthShape::TinyQwen3] {
+    for shape in [
+        SynthShape::TinyQwen2,
+        SynthShape::TinyQwen3,
+        SynthShape::TinyQwen3Moe,
+        SynthShape::TinyMixtral,
+    ] {
         bytes_equal_the_plan_of(shape);
     }
 }

@@ -184,3 +184,39 @@ fn tiny_models_of_every_quant_mix_match_reference() {
         }
     }
 }
+
+/// Mixture-of-experts models in f32: the routing, the chosen experts and their weighted
+/// sum agree with the reference's float64 within 1e-3, and greedy tokens are equal.
+#[test]
+fn tiny_moe_models_in_f32_match_reference() {
+    for (shape, seed) in [
+        (SynthShape::TinyQwen3Moe, 130),
+        (SynthShape::TinyMixtral, 140),
+    ] {
+        let m = synth(shape, GgmlType::F32, seed);
+        compare(
+            &m.file,
+            &tiny_tokens(),
+            1e-3,
+            &[1, 300],
+            16,
+            0,
+            &format!("{} f32", shape.name()),
+        );
+    }
+}
+
+/// The MoE shapes in every type: float types within 1e-3 (measured up to 5e-5), quantized
+/// ones within 4e-2 rather than the dense models' 2e-2: kernels that quantize activations
+/// to 8 bits move the router's scores too, so the experts' weights carry that noise on top
+/// of the products' (typical positions measure 1e-2 to 1.7e-2 as dense models do; single
+/// positions of q8_0 and q4_k 2.6e-2 and 3.2e-2).
+#[test]
+fn tiny_qwen3moe_of_every_type_matches_reference() {
+    every_type_within(SynthShape::TinyQwen3Moe, 150, "tiny-qwen3moe", 1e-3, 4e-2);
+}
+
+#[test]
+fn tiny_mixtral_of_every_type_matches_reference() {
+    every_type_within(SynthShape::TinyMixtral, 170, "tiny-mixtral", 1e-3, 4e-2);
+}
