@@ -19,8 +19,8 @@ __device__ __forceinline__ float2 h2f2(u32 w) {
 // kh = h / (n_heads / n_kv_heads),
 // cache rows [n_kv_heads][D] f16. A token with no cells gets zeros.
 // Launch: grid (n_heads, ceil(n_tokens / AP_TQ)), 128 threads, no dynamic shared memory.
-// D is 64 or 128. Queries are handled by their warp: lanes take 2 cells each for the
-// scores and D / 32 output elements (D / 64 half2 columns) each for the values.
+// D is 64, 96 or 128. Queries are handled by their warp: lanes take 2 cells each for the
+// scores and up to COLS half2 columns each for the values (lane + 32 c, while under D / 2).
 template <int D>
 __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
                                                   const u16* __restrict__ k,
@@ -30,7 +30,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
                                                   float softcap, float* __restrict__ out) {
     constexpr int H2 = D / 2;         // half2 columns of a row
     constexpr int KS = H2 + 1;        // key row stride in words: lanes on 32 rows, 32 banks
-    constexpr int COLS = H2 / 32;     // half2 columns a lane owns in the value pass
+    constexpr int COLS = (H2 + 31) / 32;  // half2 columns a lane owns in the value pass
     __shared__ u32 ks[AP_TC * KS];
     __shared__ __align__(16) u32 vs[AP_TC * H2];
     __shared__ __align__(8) float qs[AP_TQ * D];
@@ -140,7 +140,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
             float2 vv[COLS];
 #pragma unroll
             for (int c = 0; c < COLS; c++)
-                vv[c] = h2f2(vs[cell * H2 + lane + 32 * c]);
+                vv[c] = lane + 32 * c < H2 ? h2f2(vs[cell * H2 + lane + 32 * c]) : make_float2(0.f, 0.f);
 #pragma unroll
             for (int j = 0; j < AP_QW; j++) {
                 float p = ps[warp][j][cell];
@@ -162,7 +162,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 #pragma unroll
         for (int c = 0; c < COLS; c++) {
             int d = 2 * (lane + 32 * c);
-            *(float2*)(o + d) = make_float2(acc[j][c][0] * inv, acc[j][c][1] * inv);
+            if (d < D) *(float2*)(o + d) = make_float2(acc[j][c][0] * inv, acc[j][c][1] * inv);
         }
     }
 }
@@ -173,6 +173,14 @@ extern "C" __global__ void __launch_bounds__(128)
                          float* out) {
     PDL_ENTRY();
     attention_prefill<64>(q, k, v, spans, n_tokens, n_heads, n_kv_heads, scale, softcap, out);
+}
+
+// Phi-3's heads.
+extern "C" __global__ void __launch_bounds__(128)
+    attention_prefill_96(const float* q, const u16* k, const u16* v, const u32* spans,
+                         int n_tokens, int n_heads, int n_kv_heads, float scale, float* out) {
+    PDL_ENTRY();
+    attention_prefill<96>(q, k, v, spans, n_tokens, n_heads, n_kv_heads, scale, out);
 }
 
 extern "C" __global__ void __launch_bounds__(128)

@@ -67,10 +67,18 @@ fn matmul_gated_gelu_matches_cpu_for_every_fused_family() {
     ] {
         for n in [1usize, 2, 3, 8, 20] {
             let x = rng.f32s(n * cols, 1.0);
-            let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
             for rows in [256usize, 72] {
                 let gate = finished(&g, &c, ty, &random_weights(&mut rng, ty, rows * cols), cols);
                 let up = finished(&g, &c, ty, &random_weights(&mut rng, ty, rows * cols), cols);
+                // Random weights make pre-activations of tens, where SiLU and GELU are both
+                // ReLU: scale x so the gate's are about 1, where the two differ.
+                let mut pre = zeros(&c, n * rows);
+                let xc = put(&c, &f32_bytes(&x));
+                c.matmul(&gate.c, ty, rows, cols, &xc, n, &mut pre).unwrap();
+                let pre = get(&c, &pre, n * rows);
+                let rms = (pre.iter().map(|v| v * v).sum::<f32>() / pre.len() as f32).sqrt();
+                let x: Vec<f32> = x.iter().map(|v| v / rms.max(1e-6)).collect();
+                let (xg, xc) = (put(&g, &f32_bytes(&x)), put(&c, &f32_bytes(&x)));
                 let (mut sg, mut g1, mut g2) = (
                     zeros(&g, n * rows),
                     zeros(&g, n * rows),

@@ -323,7 +323,12 @@ fn tiled_prefill_attention_matches_cpu() {
     // a token count that leaves the last group part empty.
     let (g, c) = (gpu(), cpu());
     let mut rng = Rng(9);
-    for (n_heads, n_kv_heads, head_dim) in [(32usize, 8usize, 128usize), (6, 2, 64), (4, 4, 128)] {
+    for (n_heads, n_kv_heads, head_dim) in [
+        (32usize, 8usize, 128usize),
+        (6, 2, 64),
+        (4, 4, 128),
+        (8, 8, 96),
+    ] {
         let shape = AttnShape {
             n_heads,
             n_kv_heads,

@@ -33,7 +33,7 @@ const PREFILL_TOKENS_PER_BLOCK: usize = 16;
 const PREFILL_TILE_CELLS: u64 = 64;
 
 /// The tiled prefill kernel for a batch of `n_tokens` queries, when there is one: prefill
-/// batches over an F16 cache with heads of 64 or 128. Decode batches keep the per-token
+/// batches over an F16 cache with heads of 64, 96 or 128. Decode batches keep the per-token
 /// kernel, whose cell splits fill the GPU with few tokens.
 fn prefill_kernel(n_tokens: usize, cache_ty: GgmlType, head_dim: usize) -> Option<&'static str> {
     if n_tokens <= DECODE_TOKENS || cache_ty != GgmlType::F16 {
@@ -41,6 +41,7 @@ fn prefill_kernel(n_tokens: usize, cache_ty: GgmlType, head_dim: usize) -> Optio
     }
     match head_dim {
         64 => Some("attention_prefill_64"),
+        96 => Some("attention_prefill_96"),
         128 => Some("attention_prefill_128"),
         _ => None,
     }

@@ -317,7 +317,11 @@ const FILES: &[KernelFile] = &[
         name: "attention_prefill",
         source: include_str!("../../../../kernels/attention_prefill.cu"),
         dependent_launch: true,
-        entries: &["attention_prefill_64", "attention_prefill_128"],
+        entries: &[
+            "attention_prefill_64",
+            "attention_prefill_96",
+            "attention_prefill_128",
+        ],
     },
     KernelFile {
         name: "gemm",
