@@ -89,8 +89,9 @@ extern "C" __global__ void moe_route(const float* logits, int n_expert, int k, i
 
 // act[p][r] = silu(gate_x[r] . x[p / k]) * (up_x[r] . x[p / k]) for pick p (token p / k,
 // its (p % k)-th expert x = ids[p]); a pick whose id is out of range gets 0.
-// Launch: gridDim = (ceil(ff / MOE_WARPS), picks), blockDim.x = 32 * MOE_WARPS; one warp
-// per (row, pick). Assumes: e is whole blocks of both types and a multiple of 8, x and act
+// Launch: gridDim = (picks, ceil(ff / MOE_WARPS)), blockDim.x = 32 * MOE_WARPS; one warp
+// per (row, pick). Picks vary fastest, so the blocks running at once read the same rows of
+// the experts (a prefill batch finds them in L2 instead of reading each expert per token). Assumes: e is whole blocks of both types and a multiple of 8, x and act
 // f32 rows 16-byte aligned (checked on the host).
 extern "C" __global__ void moe_gate_up(const u8* wg, const u8* wu, int tyg, int tyu,
                                        u64 gate_bytes, u64 up_bytes, u64 row_bytes_g,
@@ -98,8 +99,8 @@ extern "C" __global__ void moe_gate_up(const u8* wg, const u8* wu, int tyg, int 
                                        int n_expert, int e, int ff, int k, float* act) {
     PDL_ENTRY();
     int lane = threadIdx.x & 31;
-    int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
-    int p = blockIdx.y;
+    int r = blockIdx.y * MOE_WARPS + (threadIdx.x >> 5);
+    int p = blockIdx.x;
     if (r >= ff) return;
     u32 id = ids[p];
     float* o = act + (size_t)p * ff + r;
@@ -117,16 +118,17 @@ extern "C" __global__ void moe_gate_up(const u8* wg, const u8* wu, int tyg, int 
 
 // acc[t][r] += sum_j weights[t][j] * (down_x[r] . act[t * k + j]) with x = ids[t][j];
 // picks with an out-of-range id add nothing.
-// Launch: gridDim = (ceil(e / MOE_WARPS), nt), blockDim.x = 32 * MOE_WARPS; one warp per
-// (row, token), which sums its token's experts, so no two warps write one value.
+// Launch: gridDim = (nt, ceil(e / MOE_WARPS)), blockDim.x = 32 * MOE_WARPS; one warp per
+// (row, token), which sums its token's experts, so no two warps write one value; tokens
+// vary fastest, as in moe_gate_up.
 // Assumes: ff is whole blocks of tyd and a multiple of 8 (checked on the host).
 extern "C" __global__ void moe_down(const u8* wd, int tyd, u64 down_bytes, u64 row_bytes_d,
                                     const float* act, const u32* ids, const float* weights,
                                     int n_expert, int e, int ff, int k, float* acc) {
     PDL_ENTRY();
     int lane = threadIdx.x & 31;
-    int r = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
-    int t = blockIdx.y;
+    int r = blockIdx.y * MOE_WARPS + (threadIdx.x >> 5);
+    int t = blockIdx.x;
     if (r >= e) return;
     float total = 0.f;
     for (int j = 0; j < k; j++) {

@@ -12,20 +12,27 @@ use crate::moe::{MoeFfn, MoeRouting, MoeScratch, check_route};
 
 /// Rows per block of `moe_gate_up` and `moe_down`; must match MOE_WARPS in moe.cu.
 const MOE_WARPS: usize = 4;
-/// The largest grid y dimension CUDA allows.
+/// The largest grid y dimension CUDA allows (x allows 2^31 - 1; launches keep both below).
 const MAX_GRID_Y: usize = 65_535;
 
-fn grid(op: &'static str, rows: usize, y: usize) -> Result<LaunchConfig> {
-    let x = u32::try_from(rows.div_ceil(MOE_WARPS))
-        .map_err(|_| shape_err(op, format!("{rows} rows are too many for one launch")))?;
-    if y == 0 || y > MAX_GRID_Y {
+/// `items` (picks or tokens) along x, fastest, and the rows in blocks of [`MOE_WARPS`]
+/// along y (see moe.cu).
+fn grid(op: &'static str, rows: usize, items: usize) -> Result<LaunchConfig> {
+    let row_blocks = rows.div_ceil(MOE_WARPS);
+    if row_blocks > MAX_GRID_Y {
         return Err(shape_err(
             op,
-            format!("{y} token rows: one launch takes 1 to {MAX_GRID_Y}"),
+            format!("{rows} rows are too many for one launch"),
+        ));
+    }
+    if items == 0 || items > MAX_GRID_Y {
+        return Err(shape_err(
+            op,
+            format!("{items} token rows: one launch takes 1 to {MAX_GRID_Y}"),
         ));
     }
     Ok(LaunchConfig {
-        grid_dim: (x.max(1), y as u32, 1),
+        grid_dim: (items as u32, row_blocks.max(1) as u32, 1),
         block_dim: (32 * MOE_WARPS as u32, 1, 1),
         shared_mem_bytes: 0,
     })
@@ -129,7 +136,7 @@ impl CudaBackend {
         if n == 0 || e == 0 || ff == 0 {
             return Ok(());
         }
-        // Batches past the grid's y limit go in slices of whole tokens.
+        // Batches past the launch limit go in slices of whole tokens.
         let step = (MAX_GRID_Y / k).max(1);
         for t0 in (0..n).step_by(step) {
             let nt = step.min(n - t0);
