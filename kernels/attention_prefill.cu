@@ -178,9 +178,10 @@ extern "C" __global__ void __launch_bounds__(128)
 // Phi-3's heads.
 extern "C" __global__ void __launch_bounds__(128)
     attention_prefill_96(const float* q, const u16* k, const u16* v, const u32* spans,
-                         int n_tokens, int n_heads, int n_kv_heads, float scale, float* out) {
+                         int n_tokens, int n_heads, int n_kv_heads, float scale, float softcap,
+                         float* out) {
     PDL_ENTRY();
-    attention_prefill<96>(q, k, v, spans, n_tokens, n_heads, n_kv_heads, scale, out);
+    attention_prefill<96>(q, k, v, spans, n_tokens, n_heads, n_kv_heads, scale, softcap, out);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
