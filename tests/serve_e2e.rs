@@ -104,6 +104,50 @@ fn read_stream(reader: &mut impl BufRead) -> Streamed {
     }
 }
 
+/// Gemma 2 and 3 (sliding windows split across the workers, post-norms, tied and scaled
+/// embedding on the first worker and head on the last) and Phi-3 (fused tensors each worker
+/// loads as parts) served by two workers generate what one process does.
+#[test]
+fn two_workers_serve_gemma_and_phi3_as_a_single_process_runs_them() {
+    use tether_model::SynthShape;
+    for shape in [
+        SynthShape::TinyGemma3,
+        SynthShape::TinyGemma2,
+        SynthShape::TinyPhi3,
+    ] {
+        let model = TinyModel::of(shape);
+        let (a, b) = two_workers();
+        let serve = Serve::start(&serve_args(&model, &a, &b));
+        // Ten prompt tokens and sixteen more: past the tiny Gemmas' windows of 8.
+        let prompt = [1u32, 17, 42, 99, 7, 300, 12, 45, 260, 5];
+        let n = 16;
+        let (ref_tokens, ref_text) = reference(&model, &prompt, n);
+        let (status, body) = http(
+            &serve.addr,
+            "POST",
+            "/v1/completions",
+            Some(&completion_body(&prompt, n, false)),
+        );
+        assert_eq!(status, 200, "{}: {body}", shape.name());
+        let reply: serde_json::Value = serde_json::from_str(&body).expect("JSON completion");
+        assert_eq!(
+            reply["choices"][0]["text"].as_str(),
+            Some(ref_text.as_str()),
+            "{}: {reply}",
+            shape.name()
+        );
+        assert_eq!(
+            reply["usage"]["completion_tokens"].as_u64(),
+            Some(ref_tokens.len() as u64),
+            "{}: {reply}",
+            shape.name()
+        );
+        let placement = http_json(&serve.addr, "/v1/admin/model")["placement"].clone();
+        let placement = placement.as_array().expect("placement list");
+        assert_eq!(placement.len(), 2, "{}: {placement:?}", shape.name());
+    }
+}
+
 #[test]
 fn serve_over_two_workers_matches_a_single_process_run() {
     let model = TinyModel::new();

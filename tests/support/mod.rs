@@ -243,7 +243,8 @@ pub fn model_path() -> std::path::PathBuf {
     std::path::PathBuf::from("/work/shared/models/stories260K.gguf")
 }
 
-/// A synthetic tiny llama (f32) in a temporary directory, removed on drop.
+/// A synthetic tiny model (f32; llama unless asked) in a temporary directory, removed on
+/// drop.
 pub struct TinyModel {
     pub dir: std::path::PathBuf,
     pub path: std::path::PathBuf,
@@ -252,6 +253,11 @@ pub struct TinyModel {
 impl TinyModel {
     /// Writes the model.
     pub fn new() -> TinyModel {
+        Self::of(tether_model::SynthShape::Tiny)
+    }
+
+    /// Writes a tiny model of `shape` (f32).
+    pub fn of(shape: tether_model::SynthShape) -> TinyModel {
         let dir = std::env::temp_dir().join(format!(
             "tether-e2e-{}-{}",
             std::process::id(),
@@ -259,13 +265,8 @@ impl TinyModel {
         ));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join("tiny.gguf");
-        tether_model::synthesize(
-            &path,
-            tether_model::SynthShape::Tiny,
-            tether_gguf::GgmlType::F32,
-            11,
-        )
-        .expect("synthesize tiny model");
+        tether_model::synthesize(&path, shape, tether_gguf::GgmlType::F32, 11)
+            .expect("synthesize tiny model");
         TinyModel { dir, path }
     }
 

@@ -21,6 +21,8 @@ pub const POST_ATTN_NORM: &str = "post_attention_norm.weight";
 pub const POST_FFW_NORM: &str = "post_ffw_norm.weight";
 /// Phi-3 LongRoPE factors (128k variants), which this crate does not implement.
 pub const ROPE_FACTORS_LONG: &str = "rope_factors_long.weight";
+/// Phi-3 LongRoPE factors for short contexts (128k variants), not implemented either.
+pub const ROPE_FACTORS_SHORT: &str = "rope_factors_short.weight";
 
 /// A model architecture this crate runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -145,11 +145,14 @@ impl ModelConfig {
             },
             None => rope,
         };
-        if file.tensor(crate::arch::ROPE_FACTORS_LONG).is_some() {
+        let long_rope = [
+            crate::arch::ROPE_FACTORS_LONG,
+            crate::arch::ROPE_FACTORS_SHORT,
+        ];
+        if let Some(name) = long_rope.into_iter().find(|n| file.tensor(n).is_some()) {
             return Err(ModelError::Config(format!(
-                "the file has {} (LongRoPE, Phi-3's 128k-context variants), which is not \
-                 supported: use the 4k-context variant",
-                crate::arch::ROPE_FACTORS_LONG
+                "the file has {name} (LongRoPE, Phi-3's 128k-context variants), which is not \
+                 supported: use the 4k-context variant"
             )));
         }
         let n_ff = meta.usize_req("feed_forward_length")?;
