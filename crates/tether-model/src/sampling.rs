@@ -1,5 +1,5 @@
-//! Token sampling in llama.cpp's order: penalties (repetition, then frequency and presence)
-//! → top-k → top-p → min-p → temperature → a draw from a seeded, deterministic generator.
+//! Token sampling in llama.cpp's order: logit biases (and tokens held back) → penalties
+//! (repetition, then frequency and presence) → top-k → top-p → min-p → temperature → a draw from a seeded, deterministic generator.
 
 /// How to pick the next token from logits.
 #[derive(Clone, Debug, PartialEq)]
@@ -24,6 +24,15 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// Seed of the random generator.
     pub seed: u64,
+    /// Added to the logits of the listed tokens before anything else (OpenAI's
+    /// `logit_bias`): sorted by id, one entry per id. `-inf` bans the token: it is never
+    /// drawn unless every token is banned.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Tokens banned from the first [`SamplingParams::min_tokens`] draws (the
+    /// end-of-generation tokens, for vLLM's `min_tokens`), sorted.
+    pub held_back: Vec<u32>,
+    /// How many draws `held_back` is banned from.
+    pub min_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -39,6 +48,9 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
             seed: 0,
+            logit_bias: Vec::new(),
+            held_back: Vec::new(),
+            min_tokens: 0,
         }
     }
 }
@@ -87,6 +99,10 @@ pub struct Sampler {
     candidates: Vec<(u32, f32)>,
     /// Reused between calls: each candidate's `exp(logit - max)`.
     mass: Vec<f64>,
+    /// Reused between calls: every logit with the biases added.
+    biased: Vec<f32>,
+    /// Tokens drawn so far (for `min_tokens`).
+    drawn: usize,
 }
 
 impl Sampler {
@@ -98,6 +114,8 @@ impl Sampler {
             rng,
             candidates: Vec::new(),
             mass: Vec::new(),
+            biased: Vec::new(),
+            drawn: 0,
         }
     }
 
@@ -106,11 +124,20 @@ impl Sampler {
         &self.params
     }
 
-    /// Whether every choice is the arg-max of the logits ([`greedy`]): temperature 0 and
-    /// no penalty. Such a sampler keeps no state, so the arg-max may be taken where the
-    /// logits are (a worker) instead.
+    /// Whether every choice from now on is the arg-max of the raw logits ([`greedy`]):
+    /// temperature 0, no penalty, no bias and no token held back. Such a sampler needs no
+    /// more state, so the arg-max may be taken where the logits are (a worker) instead.
+    /// Once true it stays true (a token is held back only for the first draws).
     pub fn is_greedy(&self) -> bool {
-        self.params.temperature <= 0.0 && !penalizes(&self.params)
+        self.params.temperature <= 0.0
+            && !penalizes(&self.params)
+            && self.params.logit_bias.is_empty()
+            && !self.holding_back()
+    }
+
+    /// Whether the next draw bans [`SamplingParams::held_back`].
+    fn holding_back(&self) -> bool {
+        self.drawn < self.params.min_tokens && !self.params.held_back.is_empty()
     }
 
     /// The next token given `logits` (one per vocabulary entry) and the tokens so far.
@@ -121,7 +148,27 @@ impl Sampler {
             // 128k vocabulary the list cost more host time per token than a decode kernel).
             return greedy(logits);
         }
-        let p = &self.params;
+        let shifts = !self.params.logit_bias.is_empty() || self.holding_back();
+        let logits = if shifts {
+            // Indexing a copy by id costs one pass; a search per candidate would cost more.
+            self.biased.clear();
+            self.biased.extend_from_slice(logits);
+            for &(id, bias) in &self.params.logit_bias {
+                if let Some(l) = self.biased.get_mut(id as usize) {
+                    *l = shifted(*l, bias);
+                }
+            }
+            if self.holding_back() {
+                for &id in &self.params.held_back {
+                    if let Some(l) = self.biased.get_mut(id as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            &self.biased[..]
+        } else {
+            logits
+        };
         self.candidates.clear();
         self.candidates.extend(
             logits
@@ -130,7 +177,11 @@ impl Sampler {
                 .filter(|(_, l)| !l.is_nan())
                 .map(|(i, &l)| (i as u32, l)),
         );
-        penalize(&mut self.candidates, p, history);
+        if shifts {
+            drop_banned(&mut self.candidates);
+        }
+        self.drawn += 1;
+        penalize(&mut self.candidates, &self.params, history);
         self.choose()
     }
 
@@ -140,7 +191,9 @@ impl Sampler {
     /// lower logits (a repeat penalty of at least 1, frequency and presence penalties of
     /// at least 0) touch the `w` distinct tokens of their window, so the k best after them
     /// are among the `k + w` best before: at least k of those are not penalized, and they
-    /// still come before any token outside them. `None`: it needs every logit.
+    /// still come before any token outside them. Negative biases and held-back tokens
+    /// count the same way; a positive bias may lift a token from anywhere, so it needs
+    /// every logit. `None`: it needs every logit.
     pub fn candidates_needed(&self, history: &[u32]) -> Option<usize> {
         let p = &self.params;
         if self.is_greedy() {
@@ -153,13 +206,21 @@ impl Sampler {
         } else {
             return None;
         };
+        // `!(b <= 0)` rather than `b > 0`, so that a NaN bias also asks for every logit.
+        if p.logit_bias.iter().any(|&(_, b)| !(b <= 0.0)) {
+            return None;
+        }
+        let mut lowered = p.logit_bias.len();
+        if self.holding_back() {
+            lowered += p.held_back.len();
+        }
         if !penalizes(p) {
-            return Some(keep);
+            return Some(keep + lowered);
         }
         // A penalty that raises logits may lift any token; NaN is none to reason about.
         let lowers =
             p.repeat_penalty >= 1.0 && p.frequency_penalty >= 0.0 && p.presence_penalty >= 0.0;
-        lowers.then(|| keep + window(p, history).len())
+        lowers.then(|| keep + lowered + window(p, history).len())
     }
 
     /// [`Sampler::sample`] given only the most likely candidates, as [`top_candidates`]
@@ -171,6 +232,20 @@ impl Sampler {
         }
         self.candidates.clear();
         self.candidates.extend_from_slice(candidates);
+        let holding_back = self.holding_back();
+        if holding_back || !self.params.logit_bias.is_empty() {
+            let p = &self.params;
+            for cand in self.candidates.iter_mut() {
+                if let Ok(at) = p.logit_bias.binary_search_by_key(&cand.0, |&(t, _)| t) {
+                    cand.1 = shifted(cand.1, p.logit_bias[at].1);
+                }
+                if holding_back && p.held_back.binary_search(&cand.0).is_ok() {
+                    cand.1 = f32::NEG_INFINITY;
+                }
+            }
+            drop_banned(&mut self.candidates);
+        }
+        self.drawn += 1;
         penalize(&mut self.candidates, &self.params, history);
         self.choose()
     }
@@ -314,6 +389,24 @@ fn sort_to_top_p(order: &mut [((u32, f32), f64)], top_p: f32, sum: f64) -> usize
     order.len()
 }
 
+/// `logit` with `bias` added; a bias of `-inf` bans the token whatever its logit (`+inf`
+/// plus `-inf` would be NaN).
+fn shifted(logit: f32, bias: f32) -> f32 {
+    if bias == f32::NEG_INFINITY {
+        f32::NEG_INFINITY
+    } else {
+        logit + bias
+    }
+}
+
+/// Removes banned (`-inf`) candidates, unless every one is: a banned token then carries no
+/// weight in the draw, but a rounding walk past the end could still land on it.
+fn drop_banned(candidates: &mut Vec<(u32, f32)>) {
+    if candidates.iter().any(|c| c.1 != f32::NEG_INFINITY) {
+        candidates.retain(|c| c.1 != f32::NEG_INFINITY);
+    }
+}
+
 /// Whether `p` has a penalty that changes anything.
 fn penalizes(p: &SamplingParams) -> bool {
     let any = p.repeat_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
@@ -364,3 +457,7 @@ pub use tether_compute::argmax::{greedy, top_candidates};
 #[cfg(test)]
 #[path = "sampling_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "sampling_bias_tests.rs"]
+mod bias_tests;

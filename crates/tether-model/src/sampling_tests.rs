@@ -13,6 +13,7 @@ fn params(temperature: f32) -> SamplingParams {
         frequency_penalty: 0.0,
         presence_penalty: 0.0,
         seed: 7,
+        ..SamplingParams::default()
     }
 }
 

@@ -378,6 +378,13 @@ impl Tokenizer {
         self.end_of_generation.contains(&id)
     }
 
+    /// Every end-of-generation token id ([`Tokenizer::is_eog`]), sorted.
+    pub fn eog_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.end_of_generation.iter().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Whether prompts for this model should start with BOS (`tokenizer.ggml.add_bos_token`;
     /// when absent, true for SentencePiece and Llama-3 BPE, false for other BPE).
     pub fn add_bos_default(&self) -> bool {
