@@ -206,8 +206,8 @@ impl Sampler {
         } else {
             return None;
         };
-        // `!(b <= 0)` rather than `b > 0`, so that a NaN bias also asks for every logit.
-        if p.logit_bias.iter().any(|&(_, b)| !(b <= 0.0)) {
+        // A NaN bias also asks for every logit.
+        if p.logit_bias.iter().any(|&(_, b)| b > 0.0 || b.is_nan()) {
             return None;
         }
         let mut lowered = p.logit_bias.len();

@@ -18,7 +18,10 @@ fn with_bias(temperature: f32, logit_bias: Vec<(u32, f32)>) -> SamplingParams {
 fn a_bias_moves_the_greedy_choice_and_a_ban_is_never_drawn() {
     let logits = [0.5, 4.0, 3.5, -2.0, 1.0];
     let mut favored = Sampler::new(with_bias(0.0, vec![(3, 100.0)]));
-    assert!(!favored.is_greedy(), "a biased sampler cannot use the raw arg-max");
+    assert!(
+        !favored.is_greedy(),
+        "a biased sampler cannot use the raw arg-max"
+    );
     assert_eq!(favored.sample(&logits, &[]), 3);
     let mut banned = Sampler::new(with_bias(0.0, vec![(1, f32::NEG_INFINITY)]));
     assert_eq!(banned.sample(&logits, &[]), 2);
@@ -62,7 +65,11 @@ fn held_back_tokens_are_banned_for_the_first_draws_only() {
 #[test]
 fn only_lowering_biases_may_use_the_top_candidates() {
     let raise = Sampler::new(with_bias(0.8, vec![(5, -1.0), (9, 0.5)]));
-    assert_eq!(raise.candidates_needed(&[]), None, "a raised token may come from anywhere");
+    assert_eq!(
+        raise.candidates_needed(&[]),
+        None,
+        "a raised token may come from anywhere"
+    );
     let nan = Sampler::new(with_bias(0.0, vec![(5, f32::NAN)]));
     assert_eq!(nan.candidates_needed(&[]), None);
     let lower = Sampler::new(SamplingParams {
@@ -106,7 +113,10 @@ fn biased_draws_from_the_top_candidates_equal_draws_from_every_logit() {
             let chosen = full.sample(&logits, &history);
             assert_eq!(part.sample_top(&top, &history), chosen, "{params:?}");
             assert!(
-                params.logit_bias.iter().all(|b| b.0 != chosen || b.1.is_finite()),
+                params
+                    .logit_bias
+                    .iter()
+                    .all(|b| b.0 != chosen || b.1.is_finite()),
                 "a banned token came out at step {step}"
             );
             assert!(!params.held_back.contains(&chosen), "step {step}");

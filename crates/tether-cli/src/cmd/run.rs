@@ -114,6 +114,7 @@ impl SamplingArgs {
             frequency_penalty: self.frequency_penalty,
             presence_penalty: self.presence_penalty,
             seed: self.seed,
+            ..SamplingParams::default()
         })
     }
 }

@@ -23,6 +23,8 @@ pub(crate) mod test_support;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_bias;
+#[cfg(test)]
 mod tests_errors;
 #[cfg(test)]
 mod tests_stream;

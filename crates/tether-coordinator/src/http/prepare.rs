@@ -17,6 +17,13 @@ const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
 /// Most stop strings per request.
 const MAX_STOPS: usize = 16;
 
+/// Most `logit_bias` entries per request: each one widens the candidates a worker sends
+/// (or, when positive, makes it send every logit), and is looked up every step.
+const MAX_LOGIT_BIASES: usize = 1024;
+
+/// The largest bias magnitude; OpenAI's range. At -100 a token is banned outright.
+const BIAS_LIMIT: f64 = 100.0;
+
 /// A request ready for the engine.
 #[derive(Clone, Debug)]
 pub(super) struct Prepared {
@@ -28,6 +35,8 @@ pub(super) struct Prepared {
     pub sampling: SamplingParams,
     /// Stop strings.
     pub stops: Vec<String>,
+    /// Generated tokens whose text is not searched for stop strings (`min_tokens`).
+    pub min_tokens: usize,
     /// Reply with server-sent events.
     pub stream: bool,
     /// Send `usage` in a last chunk when streaming.
@@ -180,7 +189,21 @@ fn finish(
             ),
         ));
     }
-    let sampling = sampling(p)?;
+    let mut sampling = sampling(p)?;
+    let vocab = state.tokenizer.vocab_size();
+    let eog = state.tokenizer.eog_ids();
+    sampling.logit_bias = logit_bias(p, vocab, &eog)?;
+    let min_tokens = p.min_tokens.unwrap_or(0);
+    if min_tokens > max_tokens {
+        return Err(ApiError::invalid_param(
+            "min_tokens",
+            format!("min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"),
+        ));
+    }
+    if min_tokens > 0 {
+        sampling.held_back = eog;
+        sampling.min_tokens = min_tokens;
+    }
     let requested = p.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if requested.len() > MAX_STOPS {
         return Err(ApiError::invalid_param(
@@ -197,6 +220,7 @@ fn finish(
         max_tokens,
         sampling,
         stops,
+        min_tokens,
         stream: p.stream,
         include_usage: p.stream_options.as_ref().is_some_and(|o| o.include_usage),
     })
@@ -250,7 +274,65 @@ fn sampling(p: &CommonParams) -> Result<SamplingParams, ApiError> {
         frequency_penalty: p.frequency_penalty.unwrap_or(d.frequency_penalty),
         presence_penalty: p.presence_penalty.unwrap_or(d.presence_penalty),
         seed: p.seed.unwrap_or_else(fresh_seed),
+        ..d
     })
+}
+
+/// `logit_bias` as the sampler takes it: sorted by token id, -100 as a ban (`-inf`), and
+/// with `ignore_eos` every end-of-generation token of `eog` banned too (as llama.cpp's
+/// server does), so generation runs to `max_tokens` or a stop string.
+fn logit_bias(p: &CommonParams, vocab: usize, eog: &[u32]) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |what: String| ApiError::invalid_param("logit_bias", format!("logit_bias: {what}"));
+    let given = p.logit_bias.as_ref().map_or(0, |m| m.len());
+    if given > MAX_LOGIT_BIASES {
+        return Err(bad(format!(
+            "{given} entries given; at most {MAX_LOGIT_BIASES} are supported"
+        )));
+    }
+    let mut biases = Vec::with_capacity(given + eog.len());
+    for (key, value) in p.logit_bias.iter().flatten() {
+        // Digits only: `u32::from_str` would also take "+5".
+        let id = key
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| key.parse::<u32>().ok())
+            .flatten()
+            .ok_or_else(|| bad(format!("key `{key}` is not a token id")))?;
+        if id as usize >= vocab {
+            return Err(bad(format!(
+                "token id {id} is outside the model's vocabulary of {vocab} tokens"
+            )));
+        }
+        let bias = value.as_f64().filter(|b| b.is_finite()).ok_or_else(|| {
+            bad(format!(
+                "the bias of token {id} must be a number; got {value}"
+            ))
+        })?;
+        if !(-BIAS_LIMIT..=BIAS_LIMIT).contains(&bias) {
+            return Err(bad(format!(
+                "the bias of token {id} must be between -100 and 100; got {bias}"
+            )));
+        }
+        let bias = if bias <= -BIAS_LIMIT {
+            f32::NEG_INFINITY
+        } else {
+            bias as f32
+        };
+        biases.push((id, bias));
+    }
+    if p.ignore_eos == Some(true) {
+        biases.extend(eog.iter().map(|&id| (id, f32::NEG_INFINITY)));
+    }
+    // A ban wins over any other entry for the same token ("05" and "5" are one token).
+    biases.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+    biases.dedup_by_key(|b| b.0);
+    let banned = biases.iter().filter(|b| b.1 == f32::NEG_INFINITY).count();
+    if banned >= vocab {
+        return Err(bad(format!(
+            "every one of the {vocab} tokens is banned; leave some to generate"
+        )));
+    }
+    Ok(biases)
 }
 
 /// A seed for requests that give none: different per request, as OpenAI's default is.
@@ -328,6 +410,64 @@ mod tests {
             assert_eq!(e.status.as_u16(), 400);
             assert!(e.param.is_some());
         }
+    }
+
+    fn biases(json: &str, ignore_eos: bool) -> Result<Vec<(u32, f32)>, ApiError> {
+        let p = CommonParams {
+            logit_bias: serde_json::from_str(json).expect("test JSON"),
+            ignore_eos: Some(ignore_eos),
+            ..CommonParams::default()
+        };
+        logit_bias(&p, 100, &[2, 50])
+    }
+
+    #[test]
+    fn logit_bias_is_sorted_with_bans_and_ignore_eos_bans_the_end_tokens() {
+        let b = biases(r#"{"7":2.5,"3":-100,"50":100}"#, false).expect("valid");
+        assert_eq!(b, vec![(3, f32::NEG_INFINITY), (7, 2.5), (50, 100.0)]);
+        let b = biases(r#"{"50":100,"9":-1}"#, true).expect("valid");
+        assert_eq!(
+            b,
+            vec![(2, f32::NEG_INFINITY), (9, -1.0), (50, f32::NEG_INFINITY)],
+            "ignore_eos wins over a favoring bias"
+        );
+        assert_eq!(biases("null", false).expect("none"), vec![]);
+        assert_eq!(
+            biases(r#"{"05":-100,"5":3}"#, false).expect("one token"),
+            vec![(5, f32::NEG_INFINITY)]
+        );
+    }
+
+    #[test]
+    fn bad_logit_biases_are_refused_naming_the_field() {
+        for (json, says) in [
+            (r#"{"abc":1}"#, "not a token id"),
+            (r#"{"+5":1}"#, "not a token id"),
+            (r#"{"-1":1}"#, "not a token id"),
+            (r#"{"100":1}"#, "outside the model's vocabulary"),
+            (r#"{"5":100.5}"#, "between -100 and 100"),
+            (r#"{"5":"high"}"#, "must be a number"),
+            (r#"{"5":null}"#, "must be a number"),
+        ] {
+            let e = biases(json, false).expect_err(json);
+            assert_eq!(e.param.as_deref(), Some("logit_bias"), "{json}");
+            assert!(e.message.contains(says), "{json}: {}", e.message);
+        }
+        let many: serde_json::Map<String, serde_json::Value> = (0..1025)
+            .map(|i| (i.to_string(), serde_json::Value::from(1)))
+            .collect();
+        let p = CommonParams {
+            logit_bias: Some(many),
+            ..CommonParams::default()
+        };
+        let e = logit_bias(&p, 5000, &[]).expect_err("too many");
+        assert!(e.message.contains("1024"), "{}", e.message);
+        let all: String = (0..100)
+            .map(|i| format!(r#""{i}":-100"#))
+            .collect::<Vec<_>>()
+            .join(",");
+        let e = biases(&format!("{{{all}}}"), false).expect_err("everything banned");
+        assert!(e.message.contains("every one"), "{}", e.message);
     }
 
     #[test]

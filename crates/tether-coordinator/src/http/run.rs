@@ -63,7 +63,8 @@ impl Run {
         })?;
         Ok(Run {
             events: Some(events),
-            assembler: TextAssembler::new(Arc::clone(&state.tokenizer), prepared.stops),
+            assembler: TextAssembler::new(Arc::clone(&state.tokenizer), prepared.stops)
+                .stops_after(prepared.min_tokens),
             pending: VecDeque::new(),
             deadline: deadline.into(),
             started,

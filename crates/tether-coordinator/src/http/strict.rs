@@ -33,6 +33,10 @@ const COMMON: &[&str] = &[
     "stream",
     "stream_options",
     "n",
+    "logit_bias",
+    // llama.cpp's and vLLM's extensions for the end of generation.
+    "ignore_eos",
+    "min_tokens",
     // End-user identifiers for abuse monitoring: they change no output.
     "user",
     "safety_identifier",
@@ -60,7 +64,6 @@ fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
         (Endpoint::Completion, "echo") => empty || is(&Value::Bool(false)),
         (Endpoint::Completion, "best_of") => empty || v.as_u64() == Some(1),
         (Endpoint::Completion, "suffix") => empty || v.as_str() == Some(""),
-        (_, "logit_bias") => empty,
         (Endpoint::Chat, "tools" | "functions") => empty,
         (Endpoint::Chat, "tool_choice" | "function_call") => empty || v.as_str() == Some("none"),
         // Meaningless without tools, which are refused above when given.
@@ -78,8 +81,6 @@ fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
             "metadata" | "audio" | "prediction" | "reasoning_effort" | "verbosity"
             | "web_search_options" | "prompt_cache_key",
         ) => empty,
-        (_, "ignore_eos") => empty || is(&Value::Bool(false)),
-        (_, "min_tokens") => empty || v.as_u64() == Some(0),
         (_, "grammar" | "json_schema" | "cache_prompt" | "n_probs") => empty,
         _ => return None,
     };
@@ -274,9 +275,7 @@ mod tests {
             (r#"{"prompt":"x","logprobs":3}"#, "logprobs"),
             (r#"{"prompt":"x","echo":true}"#, "echo"),
             (r#"{"prompt":"x","suffix":"end"}"#, "suffix"),
-            (r#"{"prompt":"x","logit_bias":{"5":-100}}"#, "logit_bias"),
-            (r#"{"prompt":"x","ignore_eos":true}"#, "ignore_eos"),
-            (r#"{"prompt":"x","min_tokens":4}"#, "min_tokens"),
+            (r#"{"prompt":"x","stop_token_ids":[2]}"#, "stop_token_ids"),
             (r#"{"prompt":"x","frobnicate":1}"#, "frobnicate"),
         ] {
             let e = completion(body).expect_err(body);
@@ -308,7 +307,7 @@ mod tests {
     #[test]
     fn values_that_ask_for_nothing_pass() {
         let r = completion(
-            r#"{"prompt":"x","logprobs":null,"echo":false,"best_of":1,"logit_bias":{},"n":1,"user":"u"}"#,
+            r#"{"prompt":"x","logprobs":null,"echo":false,"best_of":1,"n":1,"user":"u"}"#,
         )
         .expect("no-op values pass");
         assert_eq!(r.common.n, Some(1));
@@ -318,6 +317,27 @@ mod tests {
                "store":false,"parallel_tool_calls":true}"#,
         )
         .expect("no-op values pass");
+    }
+
+    #[test]
+    fn end_of_generation_fields_parse_and_name_bad_values() {
+        let r = completion(
+            r#"{"prompt":"x","logit_bias":{"5":-100,"7":2.5},"ignore_eos":true,"min_tokens":3}"#,
+        )
+        .expect("implemented fields pass");
+        assert_eq!(r.common.logit_bias.map(|b| b.len()), Some(2));
+        assert_eq!(
+            (r.common.ignore_eos, r.common.min_tokens),
+            (Some(true), Some(3))
+        );
+        for (body, param) in [
+            (r#"{"messages":[],"logit_bias":[1,2]}"#, "logit_bias"),
+            (r#"{"messages":[],"ignore_eos":"yes"}"#, "ignore_eos"),
+            (r#"{"messages":[],"min_tokens":-1}"#, "min_tokens"),
+        ] {
+            let e = chat(body).expect_err(body);
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+        }
     }
 
     #[test]

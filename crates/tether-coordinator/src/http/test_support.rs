@@ -55,6 +55,17 @@ pub fn engine(model: &Path, ctx: usize, queue: usize) -> Arc<SingleProcessEngine
 /// What a plain single-process generation of `prompt` gives: the tokens, the text and
 /// whether it stopped at an end-of-generation token.
 pub fn reference(model: &Path, ctx: usize, prompt: &[u32], n: usize) -> (Vec<u32>, String, bool) {
+    reference_with(model, ctx, prompt, n, SamplingParams::greedy())
+}
+
+/// [`reference`] with the sampler of `params`.
+pub fn reference_with(
+    model: &Path,
+    ctx: usize,
+    prompt: &[u32],
+    n: usize,
+    params: SamplingParams,
+) -> (Vec<u32>, String, bool) {
     let file = GgufFile::open(model).expect("model opens");
     let tokenizer = Tokenizer::from_gguf(&file).expect("tokenizer");
     let backend = Arc::new(CpuBackend::new(Some(1)).expect("cpu backend"));
@@ -62,7 +73,7 @@ pub fn reference(model: &Path, ctx: usize, prompt: &[u32], n: usize) -> (Vec<u32
     let eog: Vec<u32> = (0..tokenizer.vocab_size() as u32)
         .filter(|&t| tokenizer.is_eog(t))
         .collect();
-    let mut sampler = Sampler::new(SamplingParams::greedy());
+    let mut sampler = Sampler::new(params);
     let (tokens, why) = generator
         .generate(prompt, n, &mut sampler, &eog, |_| true)
         .expect("generation");

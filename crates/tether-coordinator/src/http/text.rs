@@ -121,6 +121,8 @@ pub struct TextAssembler {
     tokenizer: Arc<Tokenizer>,
     utf8: Utf8Stream,
     stops: StopMatcher,
+    /// Tokens whose text is passed on without looking for stop strings (`min_tokens`).
+    unchecked_tokens: usize,
 }
 
 impl TextAssembler {
@@ -130,12 +132,27 @@ impl TextAssembler {
             tokenizer,
             utf8: Utf8Stream::default(),
             stops: StopMatcher::new(stops),
+            unchecked_tokens: 0,
         }
+    }
+
+    /// Looks for stop strings only in the text of tokens after the first `n` (vLLM's
+    /// `min_tokens`): a stop string must end after them to count.
+    pub fn stops_after(mut self, n: usize) -> Self {
+        self.unchecked_tokens = n;
+        self
     }
 
     /// Adds one generated token.
     pub fn push_token(&mut self, id: u32) -> TextStep {
         let text = self.utf8.push(&self.tokenizer.token_to_piece(id));
+        if self.unchecked_tokens > 0 {
+            self.unchecked_tokens -= 1;
+            return TextStep {
+                text,
+                stopped: false,
+            };
+        }
         if text.is_empty() {
             return TextStep::default();
         }

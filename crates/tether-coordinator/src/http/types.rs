@@ -77,6 +77,14 @@ pub struct CommonParams {
     pub stream_options: Option<StreamOptions>,
     /// Number of choices; only 1 is supported.
     pub n: Option<usize>,
+    /// Token id (a decimal string key, as OpenAI sends it) to a bias in [-100, 100] added
+    /// to its logit; checked in `prepare`, so that errors name the field.
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Go on past end-of-generation tokens (llama.cpp extension).
+    pub ignore_eos: Option<bool>,
+    /// Tokens generated before an end-of-generation token or a stop string may end the
+    /// request (vLLM extension).
+    pub min_tokens: Option<usize>,
 }
 
 /// `POST /v1/completions`.
