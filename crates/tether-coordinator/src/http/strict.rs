@@ -81,7 +81,7 @@ fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
             "metadata" | "audio" | "prediction" | "reasoning_effort" | "verbosity"
             | "web_search_options" | "prompt_cache_key",
         ) => empty,
-        (_, "grammar" | "json_schema" | "cache_prompt" | "n_probs") => empty,
+        (_, "grammar" | "json_schema" | "cache_prompt" | "n_probs" | "stop_token_ids") => empty,
         _ => return None,
     };
     Some(harmless)
