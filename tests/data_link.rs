@@ -9,9 +9,9 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 use support::{TinyModel, Worker, attach_options, committed_session, runtime, sessions_and_bytes};
-use tether_worker::client::{ClientOptions, ErrorKind, WorkerClient};
-use tether_worker::data::{DataLink, LinkTarget};
-use tether_worker::{
+use tether_client::{ClientOptions, ErrorKind, WorkerClient};
+use tether_client::{DataLink, LinkTarget};
+use tether_protocol::{
     BearerToken, EndReason, ForwardCall, ForwardInput, ForwardOutput, Rows, SessionId, TokenPos,
 };
 

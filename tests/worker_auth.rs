@@ -11,10 +11,8 @@ use std::time::Duration;
 use support::{
     Serve, TETHER, TETHERCTL, TinyModel, Worker, full_load, http, http_json, sessions_and_bytes,
 };
-use tether_worker::client::{
-    AttachOptions, ClientOptions, ErrorKind, Health, WorkerClient, check_health,
-};
-use tether_worker::{BearerToken, ForwardInput, ForwardOutput, Lease, Rows, TokenPos};
+use tether_client::{AttachOptions, ClientOptions, ErrorKind, Health, WorkerClient, check_health};
+use tether_protocol::{BearerToken, ForwardInput, ForwardOutput, Lease, Rows, TokenPos};
 
 const TOKEN: &str = "worker-auth-test-7f3c9e";
 

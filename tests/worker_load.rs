@@ -8,8 +8,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 use support::{TinyModel, Worker, attach_options, committed_session, full_load, rss_kb, runtime};
-use tether_worker::client::{AdminClient, ClientOptions, ErrorKind, WorkerClient};
-use tether_worker::{EndReason, ForwardInput, ForwardOutput, Rows, TokenPos};
+use tether_client::{AdminClient, ClientOptions, ErrorKind, WorkerClient};
+use tether_protocol::{EndReason, ForwardInput, ForwardOutput, Rows, TokenPos};
 
 #[test]
 fn prepare_over_max_memory_is_refused_and_stages_nothing() {
@@ -227,7 +227,7 @@ fn argmax_and_top_k_replies_carry_what_the_samplers_take_from_each_logits_row() 
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
         assert!(err.to_string().contains("argmax"), "{err}");
-        for bad in [0, tether_worker::MAX_TOP_K + 1] {
+        for bad in [0, tether_protocol::MAX_TOP_K + 1] {
             let err = client
                 .forward(session.id(), &tokens, &ids, &[0], Rows::Top(bad))
                 .await
@@ -276,7 +276,7 @@ fn a_decode_batch_of_many_sequences_gets_the_argmax_and_top_k_of_its_logits() {
 /// their top 5 candidates; the last two must be what the samplers take from the logits.
 async fn replies_follow_the_logits(
     client: &WorkerClient,
-    session: tether_worker::SessionId,
+    session: tether_protocol::SessionId,
     tokens: &[TokenPos],
     ids: &ForwardInput,
     rows: &[u32],

@@ -7,8 +7,8 @@ mod support;
 use support::{
     TinyModel, Worker, attach_options, committed_session, metrics_addr, runtime, sample, scrape,
 };
-use tether_worker::client::{AdminClient, ClientOptions, Health, WorkerClient, check_health};
-use tether_worker::{EndReason, ForwardInput, ForwardOutput, Rows, TokenPos};
+use tether_client::{AdminClient, ClientOptions, Health, WorkerClient, check_health};
+use tether_protocol::{EndReason, ForwardInput, ForwardOutput, Rows, TokenPos};
 
 fn value(text: &str, series: &str) -> f64 {
     sample(text, series).unwrap_or_else(|| panic!("no series {series} in:\n{text}"))
@@ -30,12 +30,8 @@ fn planned_total(model: &std::path::Path, ctx: usize) -> u64 {
         cache_k: tether_gguf::GgmlType::F16,
         cache_v: tether_gguf::GgmlType::F16,
     };
-    let slots = tether_model::Stage::<tether_compute::CpuBackend>::required_tensors(
-        &cfg,
-        &spec,
-        file.tensors(),
-    )
-    .expect("required tensors");
+    let slots =
+        tether_model::required_tensors(&cfg, &spec, file.tensors()).expect("required tensors");
     tether_model::plan_stage(&cfg, &spec, &slots).total_bytes
 }
 
@@ -113,7 +109,7 @@ fn metrics_follow_a_session_and_health_follows_drain() {
         // A commit of a transaction the worker never saw is refused and counted so.
         assert!(
             client
-                .commit(session.id(), tether_worker::TxnId::new_random())
+                .commit(session.id(), tether_protocol::TxnId::new_random())
                 .await
                 .is_err()
         );

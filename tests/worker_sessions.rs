@@ -6,8 +6,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 use support::{Attached, TinyModel, Worker, send_signal, sessions_and_bytes, tetherctl_json};
-use tether_worker::client::{AttachOptions, ClientOptions, ErrorKind, WorkerClient};
-use tether_worker::{ForwardInput, Lease, Rows, SessionId, TokenPos, TxnId};
+use tether_client::{AttachOptions, ClientOptions, ErrorKind, WorkerClient};
+use tether_protocol::{ForwardInput, Lease, Rows, SessionId, TokenPos, TxnId};
 
 #[test]
 fn kill_9_of_the_client_frees_its_session_within_a_second() {
@@ -215,7 +215,7 @@ fn malformed_requests_get_clear_errors_and_change_nothing() {
         // The session survives all of that.
         assert!(session.end().is_none());
         let end = session.close().await;
-        assert_eq!(end.reason, tether_worker::EndReason::Closed);
+        assert_eq!(end.reason, tether_protocol::EndReason::Closed);
     });
     let status = worker.status();
     assert_eq!(

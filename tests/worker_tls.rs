@@ -10,9 +10,9 @@ mod support;
 use std::process::{Command, Output};
 use std::time::Duration;
 use support::{Serve, TETHER, TETHERCTL, TinyModel, Worker, http, http_json, sessions_and_bytes};
-use tether_worker::client::{AttachOptions, ClientError, ClientOptions, ErrorKind, WorkerClient};
-use tether_worker::tls::{CertifiedKey, ClientTls, Pem};
-use tether_worker::{BearerToken, Lease};
+use tether_client::{AttachOptions, ClientError, ClientOptions, ErrorKind, WorkerClient};
+use tether_protocol::tls::{CertifiedKey, ClientTls, Pem};
+use tether_protocol::{BearerToken, Lease};
 
 const TOKEN: &str = "worker-tls-test-3b8e1d";
 

@@ -291,7 +291,7 @@ fn rand_suffix() -> u128 {
 /// Tensor bytes straight from a GGUF file.
 pub struct GgufSource(pub tether_gguf::GgufFile);
 
-impl tether_worker::client::TensorSource for GgufSource {
+impl tether_client::TensorSource for GgufSource {
     fn tensor_bytes(&self, name: &str) -> Option<&[u8]> {
         self.0.tensor(name).map(|t| self.0.tensor_data(t))
     }
@@ -306,10 +306,10 @@ pub fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// Attach options for client `name`: heartbeats every 200 ms, a 5 s lease.
-pub fn attach_options(name: &str) -> tether_worker::client::AttachOptions {
-    tether_worker::client::AttachOptions {
+pub fn attach_options(name: &str) -> tether_client::AttachOptions {
+    tether_client::AttachOptions {
         client_name: name.into(),
-        lease: tether_worker::Lease {
+        lease: tether_protocol::Lease {
             heartbeat_interval: Duration::from_millis(200),
             ttl: Duration::from_secs(5),
         },
@@ -320,11 +320,11 @@ pub fn attach_options(name: &str) -> tether_worker::client::AttachOptions {
 /// A session attached with `options`, serving every layer of `model` for `ctx` cells
 /// (`full_load`), committed; returns it and the bytes it reserved.
 pub async fn committed_session(
-    client: &tether_worker::client::WorkerClient,
-    options: tether_worker::client::AttachOptions,
+    client: &tether_client::WorkerClient,
+    options: tether_client::AttachOptions,
     model: &std::path::Path,
     ctx: usize,
-) -> (tether_worker::client::Session, u64) {
+) -> (tether_client::Session, u64) {
     let session = client.attach(options).await.expect("attach");
     let (load, source, _) = full_load(model, ctx);
     let txn = load.txn;
@@ -341,8 +341,8 @@ pub fn full_load(
     model: &std::path::Path,
     ctx: usize,
 ) -> (
-    tether_worker::client::LoadRequest,
-    std::sync::Arc<dyn tether_worker::client::TensorSource>,
+    tether_client::LoadRequest,
+    std::sync::Arc<dyn tether_client::TensorSource>,
     usize,
 ) {
     let file = tether_gguf::GgufFile::open(model).expect("open model");
@@ -358,21 +358,17 @@ pub fn full_load(
         cache_k: tether_gguf::GgmlType::F16,
         cache_v: tether_gguf::GgmlType::F16,
     };
-    let tensors = tether_model::Stage::<tether_compute::CpuBackend>::required_tensors(
-        &cfg,
-        &spec,
-        file.tensors(),
-    )
-    .expect("required tensors")
-    .into_iter()
-    .map(|s| s.name)
-    .collect();
+    let tensors = tether_model::required_tensors(&cfg, &spec, file.tensors())
+        .expect("required tensors")
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
     let bytes = std::fs::read(model).expect("read model");
-    let request = tether_worker::client::LoadRequest {
-        txn: tether_worker::TxnId::new_random(),
+    let request = tether_client::LoadRequest {
+        txn: tether_protocol::TxnId::new_random(),
         gguf_header: bytes[..file.data_offset() as usize].to_vec(),
         gguf_file_bytes: bytes.len() as u64,
-        spec: tether_worker::BlockSpec {
+        spec: tether_protocol::BlockSpec {
             first_layer: spec.first_layer,
             last_layer: spec.last_layer,
             has_embed: true,

@@ -5,6 +5,7 @@
 pub mod argmax;
 pub mod backend;
 pub mod cpu;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
 pub mod moe;
@@ -16,5 +17,6 @@ pub use backend::{
     top_rows_scratch,
 };
 pub use cpu::{CpuBackend, CpuBuffer};
+#[cfg(feature = "cuda")]
 pub use cuda::{CudaBackend, CudaBuffer, CudaReplays};
 pub use error::ComputeError;

@@ -3,11 +3,12 @@
 //! model is loaded again over the new list.
 
 use crate::api::{GenError, GenEvent, GenRequest, Generation, Health};
-use crate::local::{LocalOptions, LocalWorkers};
 use crate::{Coordinator, CoordinatorConfig, ModelFile};
 use std::time::{Duration, Instant};
+use tether_client::ClientOptions;
 use tether_gguf::GgmlType;
 use tether_model::{SamplingParams, SynthShape};
+use tether_worker::embedded::{LocalOptions, LocalWorkers};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -38,7 +39,7 @@ async fn a_changed_worker_list_moves_the_model_to_the_new_workers() {
     let (old, new) = (&workers.workers[0], &workers.workers[1]);
     let model = ModelFile::open(&path).expect("model opens");
     let mut config = CoordinatorConfig::new(&model, vec![old.addr().to_string()]);
-    config.client = workers.client_options();
+    config.client = ClientOptions::with_token(workers.token().clone());
     config.ctx_per_seq = 256;
     config.ubatch = 8;
     config.retry_every = Duration::from_millis(50);

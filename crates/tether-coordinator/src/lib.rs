@@ -8,7 +8,6 @@ mod discovery_tests;
 pub mod engine;
 pub mod http;
 pub mod load;
-pub mod local;
 pub mod model_file;
 pub mod placement;
 pub mod progress;
@@ -19,7 +18,6 @@ mod stage_call;
 
 pub use discovery::WorkerDns;
 pub use engine::{Coordinator, CoordinatorConfig, CoordinatorError};
-pub use local::{LocalOptions, LocalWorker, LocalWorkers};
 pub use model_file::ModelFile;
 pub use placement::{Plan, place};
 pub use progress::{LoadProgress, WorkerProgress};

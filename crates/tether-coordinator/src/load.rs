@@ -10,11 +10,11 @@ use futures::future::join_all;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
-use tether_worker::client::{
+use tether_client::DataLink;
+use tether_client::{
     AttachOptions, ClientError, ErrorKind, LoadRequest, Session, TensorSource, WorkerClient,
 };
-use tether_worker::data::DataLink;
-use tether_worker::{BlockSpec, Lease, SessionId, TxnId};
+use tether_protocol::{BlockSpec, Lease, SessionId, TxnId};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -39,7 +39,7 @@ pub struct LoadOptions {
     /// stream to every worker.
     pub model_path_on_workers: Option<String>,
     /// Run forward passes over each worker's data link where it serves one (see
-    /// `tether_worker::data`); `false` keeps them on gRPC.
+    /// `tether_protocol::link`); `false` keeps them on gRPC.
     pub data_links: bool,
 }
 
@@ -52,7 +52,7 @@ impl Default for LoadOptions {
                 ttl: Duration::from_secs(10),
             },
             decision_timeout: Duration::from_secs(60),
-            chunk_bytes: tether_worker::client::DEFAULT_CHUNK_BYTES,
+            chunk_bytes: tether_client::DEFAULT_CHUNK_BYTES,
             pause_before_commit: None,
             progress: None,
             model_path_on_workers: None,

@@ -5,10 +5,10 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use tether_client::TensorSource;
 use tether_gguf::GgufFile;
 use tether_model::ModelConfig;
 use tether_model::tokenizer::Tokenizer;
-use tether_worker::client::TensorSource;
 
 /// Why the model file could not be used.
 #[derive(Debug, thiserror::Error)]

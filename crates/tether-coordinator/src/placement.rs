@@ -8,10 +8,9 @@
 //! worker's free memory.
 
 use std::fmt;
-use tether_compute::CpuBackend;
 use tether_gguf::{GgmlType, TensorInfo};
-use tether_model::{ModelConfig, Stage, StagePlan, StageSpec, plan_stage};
-use tether_worker::BlockSpec;
+use tether_model::{ModelConfig, StagePlan, StageSpec, plan_stage};
+use tether_protocol::BlockSpec;
 
 /// A worker that may receive a part of the model.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -129,7 +128,7 @@ pub fn block_tensors(
     tensors: &[TensorInfo],
     spec: &BlockSpec,
 ) -> Result<Vec<tether_model::TensorSlot>, PlacementError> {
-    Stage::<CpuBackend>::required_tensors(cfg, &StageSpec::from(spec), tensors).map_err(|e| {
+    tether_model::required_tensors(cfg, &StageSpec::from(spec), tensors).map_err(|e| {
         PlacementError::Model {
             first: spec.first_layer,
             last: spec.last_layer,

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tether_model::Sampler;
-use tether_worker::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
+use tether_protocol::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 

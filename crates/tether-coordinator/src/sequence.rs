@@ -5,7 +5,7 @@
 use crate::api::{ContextShift, FinishReason, GenError, GenEvent};
 use std::time::Instant;
 use tether_model::Sampler;
-use tether_worker::TokenPos;
+use tether_protocol::TokenPos;
 use tokio::sync::mpsc;
 
 /// Where a request's events go.
@@ -131,7 +131,7 @@ pub(crate) struct Batch {
     pub fed: Vec<(usize, usize)>,
     /// What the last worker returns for the logits rows: every logit, or only what the
     /// rows' samplers need (arg-max tokens, the top candidates).
-    pub rows: tether_worker::Rows,
+    pub rows: tether_protocol::Rows,
 }
 
 /// Makes the next step's batch from the sequences in `slots`, starting the rotation at

@@ -2,8 +2,8 @@
 
 use crate::load::LoadedStage;
 use std::sync::Arc;
-use tether_worker::client::ClientError;
-use tether_worker::{ForwardCall, ForwardInput, ForwardOutput, Rows, TokenPos};
+use tether_client::ClientError;
+use tether_protocol::{ForwardCall, ForwardInput, ForwardOutput, Rows, TokenPos};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
 /// Runs `input` through `st`'s block. `alone`: no other pass of this step runs meanwhile

@@ -6,14 +6,13 @@ mod support;
 
 use std::time::{Duration, Instant};
 use support::{TempDir, cluster, collect, generate, greedy, prompt, reference, tiny_model};
+use tether_client::{AdminClient, ClientOptions, WorkerClient};
 use tether_coordinator::api::{GenError, GenEvent, Generation, Health};
 use tether_coordinator::load::{LoadError, LoadOptions, load_plan};
 use tether_coordinator::placement::{ServeShape, WorkerCapacity, place};
-use tether_coordinator::{
-    Coordinator, CoordinatorConfig, CoordinatorError, LocalWorker, ModelFile,
-};
-use tether_worker::BearerToken;
-use tether_worker::client::{AdminClient, ClientOptions, WorkerClient};
+use tether_coordinator::{Coordinator, CoordinatorConfig, CoordinatorError, ModelFile};
+use tether_protocol::BearerToken;
+use tether_worker::embedded::LocalWorker;
 
 /// Sessions and bytes of the worker at `addr`, asking with `token` (an embedded cluster's).
 async fn sessions_and_bytes(addr: &str, token: Option<&BearerToken>) -> (u32, u64) {

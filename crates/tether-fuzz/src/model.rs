@@ -2,9 +2,8 @@
 //! its tensors, and Prepare streams for a layer block of it as gRPC frames.
 
 use prost::Message;
-use tether_compute::CpuBackend;
 use tether_gguf::{GgmlType, GgufFile};
-use tether_model::{ModelConfig, Stage, StageSpec, SynthShape, synthesize};
+use tether_model::{ModelConfig, StageSpec, SynthShape, synthesize};
 use tether_proto::v1 as pb;
 
 /// Bytes per TensorChunk, small so one seed has several chunks per tensor.
@@ -95,13 +94,12 @@ impl TinyModel {
     /// The tensors a block of `spec` loads, in the order a coordinator sends them.
     pub fn block_tensors(&self, spec: &pb::StageSpec) -> Vec<(String, &[u8])> {
         // The worker's own reading of the spec: a spec it refuses loads nothing.
-        let Ok(block) = tether_worker::service::convert::spec_from_proto(Some(*spec)) else {
+        let Ok(block) = tether_protocol::grpc::spec_from_proto(Some(*spec)) else {
             return Vec::new();
         };
         let model_spec = StageSpec::from(&block);
-        let slots =
-            Stage::<CpuBackend>::required_tensors(&self.config, &model_spec, self.file.tensors())
-                .unwrap_or_default();
+        let slots = tether_model::required_tensors(&self.config, &model_spec, self.file.tensors())
+            .unwrap_or_default();
         slots
             .into_iter()
             .filter_map(|s| {

@@ -55,14 +55,14 @@ pub fn seeds(target: Target, model: &TinyModel) -> Result<Vec<Seed>, String> {
 /// Request bodies as a coordinator's link sends them (the serving session is implied by
 /// the link), and a hello.
 fn data_link_seeds(model: &TinyModel) -> Vec<Seed> {
-    use tether_worker::{ForwardCall, ForwardInput, Rows, TokenPos};
+    use tether_protocol::{ForwardCall, ForwardInput, Rows, TokenPos};
     let tokens = |n: u32| {
         (0..n)
             .map(|pos| TokenPos { seq: 0, pos })
             .collect::<Vec<_>>()
     };
     let call = |n, input, logits_rows: Vec<u32>, rows| {
-        tether_worker::data::request_body(&ForwardCall {
+        tether_protocol::link::request_body(&ForwardCall {
             tokens: tokens(n),
             input,
             logits_rows,
@@ -72,7 +72,7 @@ fn data_link_seeds(model: &TinyModel) -> Vec<Seed> {
     let hidden = (0..2 * model.config.n_embd)
         .map(|i| (i % 13) as f32 * 0.1 - 0.6)
         .collect();
-    let id = tether_worker::SessionId(uuid::Uuid::from_u128(
+    let id = tether_protocol::SessionId(uuid::Uuid::from_u128(
         0x6f7a7a00_0000_4000_8000_0000000000bb,
     ));
     vec![
@@ -98,7 +98,7 @@ fn data_link_seeds(model: &TinyModel) -> Vec<Seed> {
                 Rows::Top(5),
             ),
         ),
-        ("hello", tether_worker::data::hello_body(id, b"token")),
+        ("hello", tether_protocol::link::hello_body(id, b"token")),
     ]
 }
 

@@ -8,7 +8,7 @@ use prost::Message;
 use tether_proto::v1 as pb;
 use tether_proto::v1::admin_server::Admin;
 use tether_proto::v1::worker_server::Worker;
-use tether_worker::TxnId;
+use tether_protocol::TxnId;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status};
 
@@ -200,17 +200,17 @@ pub fn admin(data: &[u8]) -> Result<(), Finding> {
 /// the reply must be a well-formed frame, and hidden states or logits must be sized for
 /// the request. The same bytes as a hello must decode or be refused, never panic.
 pub fn data_link(data: &[u8]) -> Result<(), Finding> {
-    let _ = tether_worker::data::hello_session(data);
+    let _ = tether_protocol::link::hello_session(data);
     let rig = Rig::get();
-    let reply = tether_worker::data::serve_request(&rig.registry, rig.serving(), data)
+    let reply = tether_worker::link::serve_request(&rig.registry, rig.serving(), data)
         .map_err(|e| Finding(format!("data link: a malformed reply: {e}")))?;
     let Ok(out) = reply else {
         return Ok(());
     };
     let config = &rig.model.config;
     let (got, width) = match &out {
-        tether_worker::ForwardOutput::Hidden(h) => (h.len(), config.n_embd),
-        tether_worker::ForwardOutput::Logits(l) => (l.len(), config.n_vocab),
+        tether_protocol::ForwardOutput::Hidden(h) => (h.len(), config.n_embd),
+        tether_protocol::ForwardOutput::Logits(l) => (l.len(), config.n_vocab),
         _ => return Ok(()),
     };
     if width == 0 || got % width != 0 || got == 0 {

@@ -63,11 +63,11 @@ fn valid_forward_seeds_are_served() {
 
 #[test]
 fn valid_data_link_seeds_are_served() {
-    use tether_worker::ForwardOutput;
+    use tether_protocol::ForwardOutput;
     let _serial = serial();
     let rig = Rig::get();
     let serve = |name| {
-        tether_worker::data::serve_request(
+        tether_worker::link::serve_request(
             &rig.registry,
             rig.serving(),
             &seed(Target::DataLink, name),
@@ -79,7 +79,7 @@ fn valid_data_link_seeds_are_served() {
     let n_embd = rig.model.config.n_embd;
     assert!(matches!(serve("hidden_to_hidden"), ForwardOutput::Hidden(h) if h.len() == 2 * n_embd));
     assert!(matches!(serve("ids_to_top5"), ForwardOutput::Top { counts, .. } if counts == [5, 5]));
-    let hello = tether_worker::data::hello_session(&seed(Target::DataLink, "hello"));
+    let hello = tether_protocol::link::hello_session(&seed(Target::DataLink, "hello"));
     assert!(hello.is_ok(), "{hello:?}");
 }
 

@@ -22,7 +22,7 @@ pub fn load_stage_from_file<B: Backend>(
     spec: StageSpec,
 ) -> Result<Stage<B>, ModelError> {
     let cfg = ModelConfig::from_gguf(file)?;
-    let slots = Stage::<B>::required_tensors(&cfg, &spec, file.tensors())?;
+    let slots = crate::required_tensors(&cfg, &spec, file.tensors())?;
     let mut stage = Stage::new(backend, cfg, spec, &slots)?;
     for slot in &slots {
         let info = file

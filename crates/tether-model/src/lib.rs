@@ -23,5 +23,6 @@ pub use plan::{StagePlan, plan_stage};
 pub use sampling::{Sampler, SamplingParams};
 pub use stage::{
     KV_CACHE_TYPES, Stage, StageSpec, StepInput, StepOutput, TensorSlot, check_cache_types,
+    required_tensors,
 };
 pub use synth::{SynthShape, synthesize};

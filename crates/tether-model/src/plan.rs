@@ -111,7 +111,7 @@ pub fn kv_cache_bytes(cfg: &ModelConfig, spec: &StageSpec, ty: GgmlType) -> u64 
 }
 
 /// The memory plan of a stage holding `tensors` (from
-/// [`Stage::required_tensors`](crate::Stage::required_tensors)).
+/// [`required_tensors`](crate::required_tensors)).
 pub fn plan_stage(cfg: &ModelConfig, spec: &StageSpec, tensors: &[TensorSlot]) -> StagePlan {
     let weights_bytes = tensors.iter().map(|t| t.bytes).sum();
     let layers = spec.last_layer.saturating_sub(spec.first_layer) as u64;

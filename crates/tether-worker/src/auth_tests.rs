@@ -1,16 +1,16 @@
 //! The token guards end to end in one process: a real server with `token` set on a loopback
 //! port, calls with no token, a wrong one and the right one, on every service.
 
-use crate::client::{AdminClient, AttachOptions, ClientOptions, ErrorKind, Health, WorkerClient};
 use crate::registry::{RegistryConfig, SessionRegistry};
 use crate::server::{ServerOptions, serve};
-use crate::session::{EndReason, Lease};
 use crate::testing::FakeFactory;
-use crate::token::BearerToken;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_client::{AdminClient, AttachOptions, ClientOptions, ErrorKind, Health, WorkerClient};
 use tether_proto::PROTOCOL_VERSION;
 use tether_proto::v1 as pb;
+use tether_protocol::BearerToken;
+use tether_protocol::{EndReason, Lease};
 use tokio_util::sync::CancellationToken;
 
 const TOKEN: &str = "data-plane-s3cret";
@@ -128,7 +128,7 @@ async fn without_the_token_no_call_opens_a_session_or_reserves_a_byte() {
 #[tokio::test]
 async fn the_right_token_opens_a_session_and_health_stays_open() {
     let g = start(None).await;
-    let health = crate::client::check_health(&g.addr, "", &ClientOptions::default())
+    let health = tether_client::check_health(&g.addr, "", &ClientOptions::default())
         .await
         .unwrap();
     assert_eq!(health, Health::Serving);

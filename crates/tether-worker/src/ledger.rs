@@ -1,9 +1,9 @@
 //! Admission and byte accounting: every byte a session holds is a [`Reservation`] taken from
 //! the worker's [`MemoryLedger`]; dropping the reservation gives the bytes back.
 
-use crate::error::WorkerError;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use tether_protocol::WorkerError;
 
 /// The worker's memory budget (`--max-memory`) and the bytes reserved against it.
 #[derive(Debug)]

@@ -1,16 +1,16 @@
 //! The worker side of tether: a session registry where every byte belongs to exactly one
 //! session, leases and the reaper, the two-phase-commit participant that loads layer blocks,
-//! forward passes, the gRPC services (the only place tonic types appear) and a domain-level
-//! client for coordinators and `tether attach`.
+//! forward passes, the gRPC services (`grpc`, the only place tonic types appear), the data
+//! links' server (`link`) and embedded workers. The wire's types are `tether_protocol`'s;
+//! the client is `tether_client`.
 
-pub mod client;
-pub mod data;
-pub mod error;
+pub mod embedded;
+pub mod grpc;
 pub mod handshake;
 pub mod heap;
-pub mod ids;
 pub mod leak_watch;
 pub mod ledger;
+pub mod link;
 pub mod load;
 mod local_model;
 pub mod metrics;
@@ -22,13 +22,10 @@ pub mod reaper;
 pub mod registry;
 pub mod serve;
 pub mod server;
-pub mod service;
 pub mod session;
 pub mod stage;
 pub mod staging;
 pub mod status;
-pub mod tls;
-pub mod token;
 
 #[cfg(test)]
 mod auth_tests;
@@ -45,14 +42,14 @@ mod service_tests;
 #[cfg(test)]
 pub(crate) mod testing;
 
-pub use error::{Result, WorkerError};
-pub use ids::{SessionId, TxnId};
 pub use load::{PrepareBegin, PrepareUpload};
 pub use model_dir::ModelDirs;
 pub use registry::{RegistryConfig, SessionRegistry};
-pub use serve::ForwardCall;
-pub use session::{EndReason, Lease, SessionEnd};
-pub use stage::{BlockSpec, ForwardInput, ForwardOutput, MAX_TOP_K, Rows, StageFactory, TokenPos};
+pub use stage::StageFactory;
 pub use staging::TensorDigest;
-pub use status::{CounterValues, MemorySource, SessionSummary, WorkerStatus};
-pub use token::BearerToken;
+// The wire's types that the registry's API takes and returns, for the worker's users.
+pub use tether_protocol::{
+    BearerToken, BlockSpec, CounterValues, EndReason, ForwardCall, ForwardInput, ForwardOutput,
+    Lease, MAX_TOP_K, MemorySource, Result, Rows, SessionEnd, SessionId, SessionSummary, TokenPos,
+    TxnId, WorkerError, WorkerStatus,
+};

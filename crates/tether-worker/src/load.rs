@@ -2,18 +2,18 @@
 //! receive — or read from the worker's own copy of the model — and verify every tensor),
 //! then Commit (serve) or Abort (free).
 
-use crate::error::{Result, WorkerError};
-use crate::ids::{SessionId, TxnId};
 use crate::local_model::LocalModel;
 use crate::metrics::{TensorSourceKind, TxnOp};
-use crate::participant::Outcome;
 use crate::registry::{SessionRegistry, unknown_session};
 use crate::session::{OwnedStage, SessionState};
-use crate::stage::BlockSpec;
 use crate::staging::{Staging, TensorDigest};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
+use tether_protocol::BlockSpec;
+use tether_protocol::Outcome;
+use tether_protocol::{Result, WorkerError};
+use tether_protocol::{SessionId, TxnId};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 

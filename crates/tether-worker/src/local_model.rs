@@ -3,13 +3,13 @@
 //! file: same length, same header bytes, and the announced CRC-32 for every tensor; any
 //! difference refuses the Prepare with the check that failed, and nothing stays staged.
 
-use crate::error::{Result, WorkerError};
 use crate::metrics::{TensorSourceKind, WorkerMetrics};
 use crate::model_dir::ModelDirs;
 use crate::stage::ServingStage;
 use crate::staging::Staging;
 use std::path::PathBuf;
 use tether_gguf::GgufFile;
+use tether_protocol::{Result, WorkerError};
 use tokio_util::sync::CancellationToken;
 
 /// Bytes copied and hashed per step: small enough that the hash reads what the copy just

@@ -4,15 +4,11 @@
 //! failed, leaving the session's bytes where they were so that a streamed Prepare can
 //! follow.
 
-use crate::error::WorkerError;
-use crate::ids::TxnId;
 use crate::load::PrepareBegin;
 use crate::metrics::TensorSourceKind;
 use crate::model_dir::ModelDirs;
 use crate::model_stage::ModelStageFactory;
 use crate::registry::{RegistryConfig, SessionRegistry};
-use crate::session::Lease;
-use crate::stage::BlockSpec;
 use crate::staging::TensorDigest;
 use crate::testing::TempDir;
 use std::path::Path;
@@ -20,7 +16,11 @@ use std::sync::Arc;
 use std::time::Duration;
 use tether_compute::CpuBackend;
 use tether_gguf::{GgmlType, GgufFile};
-use tether_model::{ModelConfig, Stage, StageSpec, SynthShape, synthesize};
+use tether_model::{ModelConfig, StageSpec, SynthShape, synthesize};
+use tether_protocol::BlockSpec;
+use tether_protocol::Lease;
+use tether_protocol::TxnId;
+use tether_protocol::WorkerError;
 
 /// The coordinator's model in `dir/coordinator/tiny.gguf` and the worker's directory
 /// `dir/models`.
@@ -82,7 +82,7 @@ fn begin(model: &Path, session: crate::SessionId, local_path: Option<&str>) -> (
         cache_k: block.cache_k,
         cache_v: block.cache_v,
     };
-    let slots = Stage::<CpuBackend>::required_tensors(&cfg, &model_spec, file.tensors()).unwrap();
+    let slots = tether_model::required_tensors(&cfg, &model_spec, file.tensors()).unwrap();
     let tensors: Vec<TensorDigest> = slots
         .iter()
         .map(|s| {

@@ -3,10 +3,10 @@
 //! `tetherctl status` shows, so a leak or a stuck session is a line on a dashboard.
 
 use crate::registry::SessionRegistry;
-use crate::session::EndReason;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+use tether_protocol::EndReason;
 
 /// Upper bounds (seconds) of the forward-pass latency buckets: from a decode step of a tiny
 /// model on a GPU to a long prefill micro-batch on a CPU.

@@ -93,8 +93,8 @@ async fn respond(stream: &mut TcpStream, status: &str, body: &str) -> std::io::R
 mod tests {
     use super::*;
     use crate::registry::RegistryConfig;
-    use crate::session::Lease;
     use crate::testing::FakeFactory;
+    use tether_protocol::Lease;
     use tokio_util::sync::CancellationToken;
 
     async fn request(addr: std::net::SocketAddr, raw: &[u8]) -> String {

@@ -3,9 +3,9 @@
 //! `..` resolved, it lies inside one of these directories, so a coordinator cannot make a
 //! worker read anything else.
 
-use crate::error::{Result, WorkerError};
 use std::fs::File;
 use std::path::{Component, Path, PathBuf};
+use tether_protocol::{Result, WorkerError};
 
 /// One allowed directory, as given (made absolute) and with its symlinks resolved.
 #[derive(Clone, Debug)]

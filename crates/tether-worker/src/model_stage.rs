@@ -2,11 +2,7 @@
 //! `tether_model::Stage`, which allocates all of a block's device memory when built and
 //! frees it when dropped.
 
-use crate::error::{Result, WorkerError};
-use crate::stage::{
-    BlockSpec, ForwardInput, ForwardOutput, PlannedStage, Rows, ServingStage, StageFactory,
-    StageShape, TensorNeed, TokenPos,
-};
+use crate::stage::{PlannedStage, ServingStage, StageFactory, StageShape, TensorNeed};
 use std::sync::Arc;
 use tether_compute::{Backend, ComputeError, CpuBackend};
 use tether_gguf::GgufFile;
@@ -14,6 +10,8 @@ use tether_model::{
     BatchToken, ModelConfig, ModelError, Stage, StageSpec, StepInput, StepOutput, TensorSlot,
     plan_stage,
 };
+use tether_protocol::{BlockSpec, ForwardInput, ForwardOutput, Rows, TokenPos};
+use tether_protocol::{Result, WorkerError};
 
 /// The largest model file a Prepare may describe (1 TiB): bounds the header check below.
 const MAX_FILE_BYTES: u64 = 1 << 40;
@@ -104,7 +102,7 @@ impl<B: Backend> StageFactory for ModelStageFactory<B> {
         let cfg = ModelConfig::from_gguf(&file)
             .map_err(|e| model_error("prepare: reading hyper-parameters", e))?;
         let model_spec = StageSpec::from(spec);
-        let slots = Stage::<B>::required_tensors(&cfg, &model_spec, file.tensors())
+        let slots = tether_model::required_tensors(&cfg, &model_spec, file.tensors())
             .map_err(|e| model_error("prepare: planning the layer block", e))?;
         let total_bytes = plan_stage(&cfg, &model_spec, &slots).total_bytes;
         let needs = slots

@@ -3,7 +3,7 @@
 //! computes, and frees everything when dropped.
 
 use crate::model_stage::ModelStageFactory;
-use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, Rows, StageFactory, TokenPos};
+use crate::stage::StageFactory;
 use crate::testing::TempDir;
 use std::sync::Arc;
 use tether_compute::CpuBackend;
@@ -11,6 +11,7 @@ use tether_gguf::{GgmlType, GgufFile};
 use tether_model::{
     BatchToken, ModelConfig, StageSpec, SynthShape, load_stage_from_file, synthesize,
 };
+use tether_protocol::{BlockSpec, ForwardInput, ForwardOutput, Rows, TokenPos};
 
 fn tiny_model() -> (TempDir, GgufFile, Vec<u8>) {
     let dir = TempDir::new();

@@ -1,19 +1,20 @@
 //! Metrics, health and unaccounted bytes with the fake model: every series moves when the
 //! thing it counts happens, and health follows drain and shutdown.
 
-use crate::error::Result;
-use crate::ids::TxnId;
 use crate::load::PrepareBegin;
 use crate::registry::{RegistryConfig, SessionRegistry};
-use crate::serve::ForwardCall;
 use crate::server::{ServerOptions, serve};
-use crate::session::{EndReason, Lease};
-use crate::stage::{BlockSpec, ForwardInput, PlannedStage, StageFactory, TokenPos};
+use crate::stage::{PlannedStage, StageFactory};
 use crate::staging::TensorDigest;
 use crate::testing::{FakeFactory, LAYER_TENSOR_BYTES, N_EMBD};
 use futures::StreamExt;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_protocol::ForwardCall;
+use tether_protocol::Result;
+use tether_protocol::TxnId;
+use tether_protocol::{BlockSpec, ForwardInput, TokenPos};
+use tether_protocol::{EndReason, Lease};
 use tokio_util::sync::CancellationToken;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -295,8 +296,8 @@ impl StageFactory for SharedGpuFake {
 
 #[test]
 fn another_process_on_the_gpu_is_not_unaccounted_when_the_driver_counts_per_process() {
-    use crate::status::MemorySource;
     use std::sync::atomic::Ordering::Relaxed;
+    use tether_protocol::MemorySource;
     let factory = Arc::new(SharedGpuFake::new(true));
     let reg = SessionRegistry::new(factory.clone(), 1 << 20, RegistryConfig::default());
     let start = reg.status();
@@ -327,16 +328,15 @@ fn another_process_on_the_gpu_is_not_unaccounted_when_the_driver_counts_per_proc
         Some((500u64 << 20) as f64)
     );
     // Through the wire form and back, as tetherctl sees it.
-    let back = crate::service::convert::status_from_proto(
-        crate::service::convert::status_to_proto(&leaked),
-    );
+    let back =
+        tether_protocol::grpc::status_from_proto(tether_protocol::grpc::status_to_proto(&leaked));
     assert_eq!(back, leaked);
 }
 
 #[test]
 fn without_a_per_process_count_the_device_used_bytes_are_what_is_unaccounted() {
-    use crate::status::MemorySource;
     use std::sync::atomic::Ordering::Relaxed;
+    use tether_protocol::MemorySource;
     let factory = Arc::new(SharedGpuFake::new(false));
     let reg = SessionRegistry::new(factory.clone(), 1 << 20, RegistryConfig::default());
     factory.others.fetch_add(1 << 30, Relaxed);

@@ -10,33 +10,13 @@
 //! same outcome. Abort of an unknown transaction is answered "aborted" (presumed abort: the
 //! coordinator may abort a transaction whose Prepare never reached this worker).
 
-use crate::error::{Result, WorkerError};
-use crate::ids::TxnId;
 use std::collections::{HashMap, VecDeque};
+use tether_protocol::{AbortCause, Outcome, TxnId};
+use tether_protocol::{Result, WorkerError};
 use tokio::time::Instant;
 
 /// Decided transactions remembered per session for idempotent replies.
 const DECIDED_HISTORY: usize = 256;
-
-/// Why a transaction was aborted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AbortCause {
-    /// The coordinator sent Abort.
-    Requested,
-    /// The upload failed or broke off.
-    PrepareFailed,
-    /// No decision came within the timeout (presumed abort).
-    TimedOut,
-}
-
-/// A transaction's final state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// Committed: the staged block serves.
-    Committed,
-    /// Aborted: the staged block was freed.
-    Aborted(AbortCause),
-}
 
 /// One transaction's state. `S` is the staged value: dropping it frees what it holds.
 enum Txn<S> {

@@ -2,18 +2,20 @@
 //! ending (close, disconnect, reap, kill, shutdown), drain and status live here; loading and
 //! serving are in [`crate::load`] and [`crate::serve`].
 
-use crate::error::{Result, WorkerError};
-use crate::ids::SessionId;
 use crate::ledger::MemoryLedger;
 use crate::metrics::WorkerMetrics;
 use crate::model_dir::ModelDirs;
-use crate::session::{EndReason, Lease, Session, SessionEnd, SessionTicket};
+use crate::session::{Session, SessionTicket};
 use crate::stage::StageFactory;
-use crate::status::{Counters, MemorySource, SessionSummary, WorkerStatus, process_rss_bytes};
+use crate::status::{Counters, process_rss_bytes};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+use tether_protocol::SessionId;
+use tether_protocol::{EndReason, Lease, SessionEnd};
+use tether_protocol::{MemorySource, SessionSummary, WorkerStatus};
+use tether_protocol::{Result, WorkerError};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;

@@ -1,17 +1,17 @@
 //! Registry behaviour with the fake model: sessions end however they end and give every
 //! byte back.
 
-use crate::error::WorkerError;
-use crate::ids::TxnId;
 use crate::load::PrepareBegin;
 use crate::registry::{RegistryConfig, SessionRegistry};
-use crate::serve::ForwardCall;
-use crate::session::{EndReason, Lease};
-use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, TokenPos};
 use crate::staging::TensorDigest;
 use crate::testing::{FakeFactory, LAYER_TENSOR_BYTES, N_EMBD};
 use std::sync::Arc;
 use std::time::Duration;
+use tether_protocol::ForwardCall;
+use tether_protocol::TxnId;
+use tether_protocol::WorkerError;
+use tether_protocol::{BlockSpec, ForwardInput, ForwardOutput, TokenPos};
+use tether_protocol::{EndReason, Lease};
 use tokio::time::Instant;
 
 fn registry(limit: u64) -> Arc<SessionRegistry> {

@@ -1,26 +1,14 @@
 //! Serving a committed block: forward passes and KV-cache operations. Every input is checked
 //! against the block's shape before the block sees it, so a bad request changes nothing.
 
-use crate::error::{Result, WorkerError};
-use crate::ids::SessionId;
 use crate::registry::{SessionRegistry, unknown_session};
 use crate::session::{OwnedStage, ServingSlot, SessionState};
-use crate::stage::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows, StageShape, TokenPos};
+use crate::stage::StageShape;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// One forward pass request.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ForwardCall {
-    /// The tokens of the batch.
-    pub tokens: Vec<TokenPos>,
-    /// Hidden states or token ids.
-    pub input: ForwardInput,
-    /// Rows whose logits to return; empty = return hidden states.
-    pub logits_rows: Vec<u32>,
-    /// What to return for the logits rows.
-    pub rows: Rows,
-}
+use tether_protocol::SessionId;
+use tether_protocol::{ForwardCall, ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
+use tether_protocol::{Result, WorkerError};
 
 /// Runs `work` on the block in `slot`, on the calling thread.
 fn on_slot<T>(
@@ -251,7 +239,7 @@ pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stage::BlockSpec;
+    use tether_protocol::{BlockSpec, TokenPos};
 
     fn shape() -> StageShape {
         StageShape {

@@ -3,27 +3,25 @@
 //! end every session with reason `shutdown`, let in-flight work finish within the grace
 //! period).
 
-use crate::data::{DataOptions, DataPlane};
+use crate::grpc::{AdminAuth, AdminService, HealthService, WorkerAuth, WorkerService};
 use crate::handshake::ConnectionLimits;
+use crate::link::{DataOptions, DataPlane};
 use crate::reaper::run_reaper;
 use crate::registry::SessionRegistry;
-use crate::service::{AdminAuth, AdminService, HealthService, WorkerAuth, WorkerService};
-use crate::tls::ServerTls;
-use crate::token::BearerToken;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tether_proto::v1::admin_server::AdminServer;
 use tether_proto::v1::worker_server::WorkerServer;
+use tether_protocol::BearerToken;
+use tether_protocol::tls::ServerTls;
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 
-/// Largest gRPC message by default: room for a 16 MiB batch of hidden states and 4 MiB
-/// tensor chunks, far below anything that could exhaust memory.
-pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 << 20;
+pub use tether_protocol::DEFAULT_MAX_MESSAGE_BYTES;
 
 /// How a worker serves.
 #[derive(Clone, Debug)]
@@ -84,8 +82,8 @@ impl Default for ServerOptions {
             data_links: true,
             data_port: 0,
             data_spin: None,
-            data_hello_within: crate::data::DEFAULT_HELLO_WITHIN,
-            data_max_unauthenticated: crate::data::DEFAULT_MAX_UNAUTHENTICATED,
+            data_hello_within: crate::link::DEFAULT_HELLO_WITHIN,
+            data_max_unauthenticated: crate::link::DEFAULT_MAX_UNAUTHENTICATED,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
         }
@@ -171,9 +169,9 @@ pub async fn serve(
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &options.tls {
         // Applies to the accepted sockets below too: each is handshaken before HTTP/2.
-        builder = builder
-            .tls_config(tls.tonic_config())
-            .map_err(|e| ServeError::Config(format!("TLS: {}", crate::client::error_chain(&e))))?;
+        builder = builder.tls_config(tls.tonic_config()).map_err(|e| {
+            ServeError::Config(format!("TLS: {}", tether_protocol::error_chain(&e)))
+        })?;
     }
     let stop = CancellationToken::new();
     let reaper = tokio::spawn(run_reaper(

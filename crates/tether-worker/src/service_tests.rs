@@ -1,19 +1,19 @@
 //! The gRPC edge end to end in one process: a real server on a loopback port, the domain
 //! client, the fake model.
 
-use crate::client::{
-    AdminClient, AttachOptions, ClientOptions, ErrorKind, LoadRequest, Session, TensorSource,
-    WorkerClient,
-};
-use crate::ids::TxnId;
 use crate::registry::{RegistryConfig, SessionRegistry};
 use crate::server::{ServerOptions, serve};
-use crate::session::{EndReason, Lease};
-use crate::stage::{BlockSpec, ForwardInput, ForwardOutput, Rows, TokenPos};
 use crate::testing::{FakeFactory, LAYER_TENSOR_BYTES, N_EMBD};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tether_client::{
+    AdminClient, AttachOptions, ClientOptions, ErrorKind, LoadRequest, Session, TensorSource,
+    WorkerClient,
+};
+use tether_protocol::TxnId;
+use tether_protocol::{BlockSpec, ForwardInput, ForwardOutput, Rows, TokenPos};
+use tether_protocol::{EndReason, Lease};
 use tokio_util::sync::CancellationToken;
 
 struct Tensors(HashMap<String, Vec<u8>>);

@@ -3,57 +3,7 @@
 //! these traits, so it is testable without a model; [`crate::model_stage`] implements them
 //! with `tether_model::Stage`.
 
-use crate::error::Result;
-use tether_gguf::GgmlType;
-
-/// The layer block a session asks to load, and the batch shape it will serve.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BlockSpec {
-    /// First layer of the block.
-    pub first_layer: usize,
-    /// One past the last layer of the block (as `tether_model::StageSpec`); equal to
-    /// `first_layer` for a block holding only the embedding or the head.
-    pub last_layer: usize,
-    /// The block also holds the token embedding table.
-    pub has_embed: bool,
-    /// The block also holds the output norm and head.
-    pub has_head: bool,
-    /// KV cells per sequence.
-    pub ctx_per_seq: usize,
-    /// Sequences served at once.
-    pub n_seq: usize,
-    /// Most tokens in one forward pass.
-    pub ubatch: usize,
-    /// Element type of the K cache (F16, Q8_0 or Q4_0; as `tether_model::StageSpec`).
-    pub cache_k: GgmlType,
-    /// Element type of the V cache (F16, Q8_0 or Q4_0).
-    pub cache_v: GgmlType,
-}
-
-impl From<&BlockSpec> for tether_model::StageSpec {
-    fn from(spec: &BlockSpec) -> Self {
-        Self {
-            first_layer: spec.first_layer,
-            last_layer: spec.last_layer,
-            has_embed: spec.has_embed,
-            has_head: spec.has_head,
-            ctx_per_seq: spec.ctx_per_seq,
-            n_seq: spec.n_seq,
-            ubatch: spec.ubatch,
-            cache_k: spec.cache_k,
-            cache_v: spec.cache_v,
-        }
-    }
-}
-
-/// One token of a batch: its sequence and position.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TokenPos {
-    /// Sequence index, below `n_seq`.
-    pub seq: u32,
-    /// Position in the sequence, below `ctx_per_seq`.
-    pub pos: u32,
-}
+use tether_protocol::{BlockSpec, ForwardInput, ForwardOutput, Result, Rows, TokenPos};
 
 /// The sizes a forward pass is checked against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,51 +24,6 @@ pub struct TensorNeed {
     /// Bytes of its data.
     pub bytes: u64,
 }
-
-/// The input of a forward pass.
-#[derive(Clone, Debug, PartialEq)]
-pub enum ForwardInput {
-    /// Hidden states `[tokens][n_embd]`.
-    Hidden(Vec<f32>),
-    /// Token ids, one per token (only for a block with the embedding table).
-    TokenIds(Vec<u32>),
-}
-
-/// The output of a forward pass.
-#[derive(Clone, Debug, PartialEq)]
-pub enum ForwardOutput {
-    /// Hidden states `[tokens][n_embd]`.
-    Hidden(Vec<f32>),
-    /// Logits `[rows][n_vocab]` of the rows asked for.
-    Logits(Vec<f32>),
-    /// The arg-max token of each row asked for, when the call asked for that instead of
-    /// logits (found on the stage's device, or by the registry from returned logits).
-    ArgMax(Vec<u32>),
-    /// The most likely `(id, logit)` candidates of each row asked for, highest first
-    /// (`counts[r]` of them for row r, one row after the other), when the call asked for
-    /// them instead of logits.
-    Top {
-        /// Candidates per row.
-        counts: Vec<u32>,
-        /// The candidates.
-        candidates: Vec<(u32, f32)>,
-    },
-}
-
-/// What a forward returns for its logits rows.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Rows {
-    /// Every logit.
-    #[default]
-    Logits,
-    /// Each row's arg-max token.
-    ArgMax,
-    /// Each row's `k` most likely candidates (1..=[`MAX_TOP_K`]).
-    Top(u32),
-}
-
-/// Most candidates a row may ask for.
-pub const MAX_TOP_K: u32 = 1024;
 
 /// Builds layer blocks for one device.
 pub trait StageFactory: Send + Sync + 'static {

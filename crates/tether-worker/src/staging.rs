@@ -1,9 +1,9 @@
 //! Receiving a block's tensor bytes: every chunk is checked against the plan (known tensor,
 //! in order, within size) and every tensor's CRC-32 against the client's digest.
 
-use crate::error::{Result, WorkerError};
 use crate::stage::{ServingStage, TensorNeed};
 use std::collections::HashMap;
+use tether_protocol::{Result, WorkerError};
 
 /// A tensor the client promises to send: name, length and CRC-32 (IEEE).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,11 +1,9 @@
 //! A stand-in for the model side in unit tests: blocks of plain host memory whose forward
 //! pass adds 1 per layer to every hidden value; and a temporary directory.
 
-use crate::error::{Result, WorkerError};
-use crate::stage::{
-    BlockSpec, ForwardInput, ForwardOutput, PlannedStage, Rows, ServingStage, StageFactory,
-    StageShape, TensorNeed, TokenPos,
-};
+use crate::stage::{PlannedStage, ServingStage, StageFactory, StageShape, TensorNeed};
+use tether_protocol::{BlockSpec, ForwardInput, ForwardOutput, Rows, TokenPos};
+use tether_protocol::{Result, WorkerError};
 
 /// Bytes of each fake layer tensor.
 pub const LAYER_TENSOR_BYTES: u64 = 64;

@@ -8,13 +8,10 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tether_compute::CpuBackend;
+use tether_client::{AttachOptions, DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource, WorkerClient};
 use tether_gguf::{GgmlType, GgufFile};
-use tether_model::{ModelConfig, Stage, StageSpec};
-use tether_worker::client::{
-    AttachOptions, DEFAULT_CHUNK_BYTES, LoadRequest, TensorSource, WorkerClient,
-};
-use tether_worker::{BlockSpec, Lease, TxnId};
+use tether_model::{ModelConfig, StageSpec};
+use tether_protocol::{BlockSpec, Lease, TxnId};
 
 /// Arguments of `tether attach`.
 #[derive(Args, Debug)]
@@ -157,7 +154,7 @@ async fn attach(args: AttachArgs) -> anyhow::Result<()> {
             cache_v: spec.cache_v,
         };
         // Which tensors a block needs is the model's decision; the worker checks the same list.
-        let tensors = Stage::<CpuBackend>::required_tensors(&cfg, &model_spec, file.tensors())?
+        let tensors = tether_model::required_tensors(&cfg, &model_spec, file.tensors())?
             .into_iter()
             .map(|slot| slot.name)
             .collect();

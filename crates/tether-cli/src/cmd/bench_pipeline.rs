@@ -8,9 +8,11 @@ use crate::cmd::local::DEMO_LABEL;
 use crate::device::gpus_named;
 use anyhow::{Context, Result, bail};
 use std::time::Instant;
+use tether_client::ClientOptions;
 use tether_coordinator::api::{GenEvent, GenRequest, Generation};
-use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
+use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile};
 use tether_model::SamplingParams;
+use tether_worker::embedded::{LocalOptions, LocalWorkers};
 
 /// Prints a `ppN` row (with -p above 0) and a `tgN` row per worker count, each with its
 /// ratio to the first count.
@@ -156,7 +158,7 @@ impl Setup {
             ubatch: args.device.ubatch,
             cache_k: args.cache.k(),
             cache_v: args.cache.v(),
-            client: workers.client_options(),
+            client: ClientOptions::with_token(workers.token().clone()),
             ..CoordinatorConfig::new(model, workers.addrs())
         };
         config.load.data_links = !args.grpc_forward;

@@ -9,9 +9,9 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::sync::Arc;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
-use tether_coordinator::{LocalOptions, LocalWorkers};
 use tether_gguf::GgufFile;
 use tether_model::{Generator, ModelConfig, Stage, StageSpec, load_stage_from_file};
+use tether_worker::embedded::{LocalOptions, LocalWorkers};
 
 /// Where and how a model runs in this process.
 #[derive(Args, Debug, Clone)]

@@ -9,12 +9,12 @@ use crate::ctl::units::human_bytes;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::path::PathBuf;
+use tether_client::{ClientOptions, WorkerClient};
 use tether_compute::{Backend, CpuBackend};
 use tether_coordinator::placement::{ServeShape, WorkerCapacity, place};
 use tether_gguf::GgufFile;
 use tether_model::{ModelConfig, StagePlan};
-use tether_worker::BlockSpec;
-use tether_worker::client::{ClientOptions, WorkerClient};
+use tether_protocol::BlockSpec;
 
 /// Context per sequence when `--ctx` is not given: the model's training context, at most
 /// this (as `tether run` and the coordinator do).
@@ -413,7 +413,7 @@ mod tests {
         let backend = std::sync::Arc::new(CpuBackend::new(Some(1)).unwrap());
         for w in workers {
             let spec = tether_model::StageSpec::from(&w.spec);
-            let slots = Stage::<CpuBackend>::required_tensors(cfg, &spec, file.tensors()).unwrap();
+            let slots = tether_model::required_tensors(cfg, &spec, file.tensors()).unwrap();
             let stage =
                 Stage::new(std::sync::Arc::clone(&backend), cfg.clone(), spec, &slots).unwrap();
             assert_eq!(stage.bytes(), w.bytes.total_bytes, "worker {}", w.name);

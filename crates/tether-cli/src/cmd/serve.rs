@@ -20,7 +20,7 @@ use tether_coordinator::http::template::TemplateBudget;
 use tether_coordinator::http::{HttpOptions, default_max_heavy_requests, router, serve, serve_tls};
 use tether_coordinator::load::LoadOptions;
 use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile, WorkerDns};
-use tether_worker::Lease;
+use tether_protocol::Lease;
 
 /// Arguments of `tether serve`.
 #[derive(Args, Debug)]

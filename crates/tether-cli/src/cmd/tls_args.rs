@@ -6,7 +6,7 @@
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::path::{Path, PathBuf};
-use tether_worker::tls::{CertifiedKey, ClientTls, Pem, ServerTls};
+use tether_protocol::tls::{CertifiedKey, ClientTls, Pem, ServerTls};
 
 /// How `tether worker` (gRPC) or `tether serve` (HTTPS) serves TLS.
 #[derive(Args, Debug, Clone, Default)]

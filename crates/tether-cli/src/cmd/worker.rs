@@ -108,7 +108,7 @@ pub struct WorkerArgs {
     pub data_hello_timeout: Duration,
     /// Most data-link connections waiting for their hello at once; a new one beyond it
     /// closes the one that has waited longest.
-    #[arg(long, default_value_t = tether_worker::data::DEFAULT_MAX_UNAUTHENTICATED)]
+    #[arg(long, default_value_t = tether_worker::link::DEFAULT_MAX_UNAUTHENTICATED)]
     pub data_max_unauthenticated: usize,
     /// How long a new gRPC connection has to begin its handshake before it is closed.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]

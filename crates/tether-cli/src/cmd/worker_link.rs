@@ -5,9 +5,9 @@
 use crate::cmd::tls_args::WorkerTlsArgs;
 use anyhow::Context;
 use clap::Args;
-use tether_coordinator::LocalWorkers;
-use tether_worker::BearerToken;
-use tether_worker::client::ClientOptions;
+use tether_client::ClientOptions;
+use tether_protocol::BearerToken;
+use tether_worker::embedded::LocalWorkers;
 
 /// The flags of a connection to workers.
 #[derive(Args, Debug, Clone, Default)]
@@ -52,6 +52,6 @@ impl WorkerLinkArgs {
                 "--worker-token applies to --worker processes; the embedded workers take a secret generated at start"
             );
         }
-        local.client_options()
+        ClientOptions::with_token(local.token().clone())
     }
 }

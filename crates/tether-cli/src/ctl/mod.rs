@@ -1,5 +1,5 @@
 //! `tetherctl`: the operator's view of one worker. Parsing and printing only; the calls
-//! are `tether_worker::client::AdminClient`'s.
+//! are `tether_client::AdminClient`'s.
 
 mod coordinator;
 pub mod units;
@@ -7,9 +7,9 @@ pub mod units;
 use crate::cmd::tls_args::WorkerTlsArgs;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use tether_worker::SessionId;
-use tether_worker::client::{AdminClient, ClientOptions};
-use tether_worker::status::{SessionSummary, WorkerStatus};
+use tether_client::{AdminClient, ClientOptions};
+use tether_protocol::SessionId;
+use tether_protocol::{SessionSummary, WorkerStatus};
 use units::human_bytes;
 
 /// Inspect and manage a tether worker.

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
 use std::sync::Arc;
-use tether_worker::client::AdminClient;
+use tether_client::AdminClient;
 
 struct AdminState {
     coordinator: Arc<Coordinator>,

@@ -6,12 +6,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+use tether_client::ClientOptions;
 use tether_compute::CpuBackend;
 use tether_coordinator::api::{FinishReason, GenError, GenEvent, GenRequest, Generation};
-use tether_coordinator::{Coordinator, CoordinatorConfig, LocalOptions, LocalWorkers, ModelFile};
+use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile};
 use tether_gguf::{GgmlType, GgufFile};
 use tether_model::tokenizer::Tokenizer;
 use tether_model::{Generator, Sampler, SamplingParams, SynthShape, synthesize};
+use tether_worker::embedded::{LocalOptions, LocalWorkers};
 use tokio::sync::mpsc;
 
 /// A temporary directory removed on drop.
@@ -138,7 +140,7 @@ pub async fn cluster(path: &Path, n: usize, tune: impl FnOnce(&mut CoordinatorCo
     .expect("start workers");
     let model = ModelFile::open(path).expect("open model");
     let mut config = CoordinatorConfig::new(&model, workers.addrs());
-    config.client = workers.client_options();
+    config.client = ClientOptions::with_token(workers.token().clone());
     config.ctx_per_seq = 256;
     config.ubatch = 8;
     tune(&mut config);

@@ -234,31 +234,32 @@ fn needed(cfg: &ModelConfig, spec: &StageSpec) -> Vec<TensorSpec> {
     )
 }
 
-impl<B: Backend> Stage<B> {
-    /// The tensors a stage of `spec` needs, with types and sizes taken from `file_tensors`;
-    /// errors name a missing or misshapen tensor.
-    pub fn required_tensors(
-        cfg: &ModelConfig,
-        spec: &StageSpec,
-        file_tensors: &[TensorInfo],
-    ) -> Result<Vec<TensorSlot>, ModelError> {
-        check_spec(cfg, spec)?;
-        needed(cfg, spec)
-            .iter()
-            .map(|s| {
-                let t = arch::check_tensor(s, file_tensors)?;
-                Ok(TensorSlot {
-                    name: t.name.clone(),
-                    ty: t.ty,
-                    dims: t.dims.clone(),
-                    bytes: slot_bytes(&t.name, t.ty, &t.dims)?,
-                })
+/// The tensors a stage of `spec` needs, with types and sizes taken from `file_tensors`;
+/// errors name a missing or misshapen tensor. It reads only the file's tensor table, so
+/// planners without a backend (the coordinator, `tether plan`) ask it too.
+pub fn required_tensors(
+    cfg: &ModelConfig,
+    spec: &StageSpec,
+    file_tensors: &[TensorInfo],
+) -> Result<Vec<TensorSlot>, ModelError> {
+    check_spec(cfg, spec)?;
+    needed(cfg, spec)
+        .iter()
+        .map(|s| {
+            let t = arch::check_tensor(s, file_tensors)?;
+            Ok(TensorSlot {
+                name: t.name.clone(),
+                ty: t.ty,
+                dims: t.dims.clone(),
+                bytes: slot_bytes(&t.name, t.ty, &t.dims)?,
             })
-            .collect()
-    }
+        })
+        .collect()
+}
 
+impl<B: Backend> Stage<B> {
     /// Allocates every buffer of the stage: the tensors in `tensors` (as returned by
-    /// [`Self::required_tensors`]), the KV cache and the scratch. Weights start zeroed
+    /// [`required_tensors`]), the KV cache and the scratch. Weights start zeroed
     /// and must be written with [`Self::load_tensor`] before [`Self::finish_load`].
     pub fn new(
         backend: Arc<B>,

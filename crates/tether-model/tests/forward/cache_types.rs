@@ -4,8 +4,8 @@
 use tether_compute::CpuBackend;
 use tether_gguf::{GgmlType, GgufFile};
 use tether_model::{
-    Generator, ModelConfig, ModelError, Sampler, SamplingParams, Stage, SynthShape,
-    check_cache_types, load_stage_from_file, plan_stage,
+    Generator, ModelConfig, ModelError, Sampler, SamplingParams, SynthShape, check_cache_types,
+    load_stage_from_file, plan_stage,
 };
 
 use crate::support::{backend, spec, synth};
@@ -85,7 +85,7 @@ fn plans_equal_allocations_for_every_cache_type() {
     let cfg = ModelConfig::from_gguf(&m.file).unwrap();
     let f16_kv = {
         let s = spec(0, 2, true, true, 2, 8);
-        let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+        let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
         plan_stage(&cfg, &s, &slots).kv_bytes
     };
     for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
@@ -95,7 +95,7 @@ fn plans_equal_allocations_for_every_cache_type() {
                 cache_v: ty,
                 ..base
             };
-            let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+            let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
             let plan = plan_stage(&cfg, &s, &slots);
             let stage = load_stage_from_file(backend(), &m.file, s.clone()).unwrap();
             assert_eq!(stage.bytes(), plan.total_bytes, "{s:?}");
@@ -106,7 +106,7 @@ fn plans_equal_allocations_for_every_cache_type() {
             cache_v: ty,
             ..spec(0, 2, true, true, 2, 8)
         };
-        let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+        let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
         let elems = 2 * 2 * 128 * cfg.kv_dim() as u64;
         let want = elems / ty.block_elems() as u64 * ty.block_bytes() as u64;
         assert_eq!(plan_stage(&cfg, &s, &slots).kv_bytes, want, "{ty}");
@@ -128,7 +128,7 @@ fn unsupported_cache_types_are_refused_clearly() {
             cache_v: v,
             ..spec(0, 2, true, true, 1, 4)
         };
-        let err = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap_err();
+        let err = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap_err();
         assert!(matches!(err, ModelError::InvalidArgument(_)), "{err}");
         assert!(err.to_string().contains(needle), "{err}");
     };

@@ -107,7 +107,7 @@ fn bytes_equal_the_plan() {
             spec(0, cfg.n_layer, true, true, 2, 8),
             spec(1, 2, false, true, 1, 3),
         ] {
-            let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+            let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
             let plan = plan_stage(&cfg, &s, &slots);
             let mut stage = load_stage_from_file(backend(), &m.file, s.clone()).unwrap();
             let allocs = stage.alloc_count();
@@ -139,7 +139,7 @@ fn fused_tensors_load_from_chunks_in_any_order() {
     whole(&m.file, 1, 8)
         .decode_logits(&ids, &toks, &mut want)
         .unwrap();
-    let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+    let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
     let mut stage = Stage::new(backend(), cfg.clone(), s, &slots).unwrap();
     for slot in &slots {
         let data = m.file.tensor_data(m.file.tensor(&slot.name).unwrap());
@@ -165,7 +165,7 @@ fn a_fused_tensor_loaded_in_part_is_named_at_finish() {
     let m = synth(SynthShape::TinyPhi3, GgmlType::F16, 25);
     let cfg = ModelConfig::from_gguf(&m.file).unwrap();
     let s = spec(0, 1, true, false, 1, 8);
-    let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+    let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
     let mut stage = Stage::new(backend(), cfg, s, &slots).unwrap();
     for slot in &slots {
         let data = m.file.tensor_data(m.file.tensor(&slot.name).unwrap());

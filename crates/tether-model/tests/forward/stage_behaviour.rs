@@ -315,7 +315,7 @@ fn bytes_equal_the_plan_of(shape: SynthShape) {
         spec(1, 2, false, true, 4, 1),
         spec(0, 0, true, true, 1, 2),
     ] {
-        let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+        let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
         let plan = plan_stage(&cfg, &s, &slots);
         let mut stage = load_stage_from_file(backend(), &m.file, s.clone()).unwrap();
         assert_eq!(stage.bytes(), plan.total_bytes, "{s:?}");
@@ -336,7 +336,7 @@ fn bytes_equal_the_plan_of(shape: SynthShape) {
     }
     let kv = 2 * 2 * (2 * 64) * cfg.kv_dim() as u64 * 2;
     let s = spec(0, 2, true, true, 2, 8);
-    let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+    let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
     assert_eq!(plan_stage(&cfg, &s, &slots).kv_bytes, kv);
 }
 
@@ -379,7 +379,7 @@ fn loading_checks_bounds_and_completeness() {
     let m = model();
     let cfg = ModelConfig::from_gguf(&m.file).unwrap();
     let s = spec(0, 1, true, false, 1, 2);
-    let slots = Stage::<CpuBackend>::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
+    let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
     let mut stage = Stage::new(backend(), cfg, s, &slots).unwrap();
     let first = &slots[0];
     assert!(
@@ -445,8 +445,8 @@ fn config_errors_name_the_problem() {
         .find(|t| t.name == "blk.1.attn_k.weight")
         .unwrap();
     t.dims = vec![256, 64];
-    let err = Stage::<CpuBackend>::required_tensors(&cfg, &spec(0, 2, true, true, 1, 1), &tensors)
-        .unwrap_err();
+    let err =
+        tether_model::required_tensors(&cfg, &spec(0, 2, true, true, 1, 1), &tensors).unwrap_err();
     let msg = err.to_string();
     assert!(
         msg.contains("blk.1.attn_k.weight")
@@ -455,13 +455,11 @@ fn config_errors_name_the_problem() {
         "{msg}"
     );
     tensors.retain(|t| t.name != "blk.0.ffn_gate.weight");
-    let err =
-        Stage::<CpuBackend>::required_tensors(&cfg, &spec(0, 1, false, false, 1, 1), &tensors)
-            .unwrap_err();
+    let err = tether_model::required_tensors(&cfg, &spec(0, 1, false, false, 1, 1), &tensors)
+        .unwrap_err();
     assert!(err.to_string().contains("blk.0.ffn_gate.weight"));
     assert!(
-        Stage::<CpuBackend>::required_tensors(&cfg, &spec(1, 3, false, false, 1, 1), &tensors)
-            .is_err()
+        tether_model::required_tensors(&cfg, &spec(1, 3, false, false, 1, 1), &tensors).is_err()
     );
 }
 
