@@ -34,7 +34,29 @@ pub enum ComputeError {
     /// The backend is not available on this machine (no driver, no device).
     #[error("backend unavailable: {0}")]
     Unavailable(String),
-    /// The device driver reported an error.
+    /// The device failed in a way no driver error describes (a capture that recorded
+    /// nothing, a host buffer of the wrong kind, a kernel missing from its module).
     #[error("device error: {0}")]
     Device(String),
+    /// The CUDA driver refused a call; its error is kept as the source, so a caller can
+    /// tell e.g. an illegal address from a launch failure.
+    #[cfg(feature = "cuda")]
+    #[error("device error: {what}: CUDA driver error {:?}", source.0)]
+    Driver {
+        /// What was being done.
+        what: String,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    /// NVRTC could not compile a kernel file; the compiler's error is kept as the source.
+    #[cfg(feature = "cuda")]
+    #[error("device error: {what}: {source}")]
+    Compile {
+        /// Which file, for which device, with which NVRTC.
+        what: String,
+        /// The compiler's error (with its log).
+        #[source]
+        source: cudarc::nvrtc::CompileError,
+    },
 }

@@ -491,11 +491,12 @@ fn module_ptx(
         name: Some(format!("{}.cu", file.name)),
         ..Default::default()
     };
-    let ptx = compile_ptx_with_opts(&source, opts).map_err(|e| {
-        ComputeError::Device(format!(
-            "NVRTC {}.{} failed to compile kernels/{}.cu for sm_{}{}: {e}",
+    let ptx = compile_ptx_with_opts(&source, opts).map_err(|e| ComputeError::Compile {
+        what: format!(
+            "NVRTC {}.{} failed to compile kernels/{}.cu for sm_{}{}",
             nvrtc.0, nvrtc.1, file.name, cc.0, cc.1
-        ))
+        ),
+        source: e,
     })?;
     let text = ptx.to_src();
     if let (Some(path), Some(dir)) = (path, dir) {

@@ -9,9 +9,12 @@ use cudarc::driver::{CudaContext, CudaStream, DriverError, result};
 use crate::backend::{DeviceBuffer, Result};
 use crate::error::ComputeError;
 
-/// A driver error while doing `what`, as a [`ComputeError::Device`].
+/// A driver error while doing `what`, as a [`ComputeError::Driver`].
 pub(crate) fn driver_err(what: &str, e: DriverError) -> ComputeError {
-    ComputeError::Device(format!("{what}: CUDA driver error {:?}", e.0))
+    ComputeError::Driver {
+        what: what.to_string(),
+        source: e,
+    }
 }
 
 /// What every buffer of one backend shares: the context, the one stream every op and copy
