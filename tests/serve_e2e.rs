@@ -105,15 +105,18 @@ fn read_stream(reader: &mut impl BufRead) -> Streamed {
 }
 
 /// Gemma 2 and 3 (sliding windows split across the workers, post-norms, tied and scaled
-/// embedding on the first worker and head on the last) and Phi-3 (fused tensors each worker
-/// loads as parts) served by two workers generate what one process does.
+/// embedding on the first worker and head on the last), Phi-3 (fused tensors each worker
+/// loads as parts) and the MoE models (router and stacked experts on each worker) served by
+/// two workers generate what one process does.
 #[test]
-fn two_workers_serve_gemma_and_phi3_as_a_single_process_runs_them() {
+fn two_workers_serve_gemma_phi3_and_moe_as_a_single_process_runs_them() {
     use tether_model::SynthShape;
     for shape in [
         SynthShape::TinyGemma3,
         SynthShape::TinyGemma2,
         SynthShape::TinyPhi3,
+        SynthShape::TinyQwen3Moe,
+        SynthShape::TinyMixtral,
     ] {
         let model = TinyModel::of(shape);
         let (a, b) = two_workers();
