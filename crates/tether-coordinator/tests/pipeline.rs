@@ -124,6 +124,63 @@ async fn sampled_tokens_equal_the_generator_with_and_without_penalties() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn biased_and_held_back_tokens_through_workers_equal_the_generator() {
+    // Bans and negative biases keep the top-candidates path (k widened by the biased
+    // tokens), a positive bias asks for every logit, a held-back token widens k only for
+    // the first draws: each must give what the generator gives from every logit.
+    let dir = TempDir::new("biased");
+    let path = tiny_model(&dir, 16);
+    let prompt = prompt(&path, "Once upon a time there was a little robot who");
+    let greedy = reference(&path, &prompt, 32, 256);
+    let mut favorites: Vec<u32> = greedy.iter().copied().take(6).collect();
+    favorites.sort_unstable();
+    favorites.dedup();
+    let banned: Vec<(u32, f32)> = favorites.iter().map(|&t| (t, f32::NEG_INFINITY)).collect();
+    let lowered: Vec<(u32, f32)> = favorites.iter().map(|&t| (t, -1.5)).collect();
+    let sampled = |temperature, top_k, logit_bias| SamplingParams {
+        temperature,
+        top_k,
+        seed: 8,
+        logit_bias,
+        ..SamplingParams::default()
+    };
+    let chains = [
+        sampled(0.0, 40, banned.clone()),
+        sampled(1.1, 20, lowered.clone()),
+        sampled(0.9, 10, banned.clone()),
+        sampled(0.0, 40, vec![(favorites[0], -3.0), (greedy[7], 2.5)]),
+        SamplingParams {
+            held_back: favorites.clone(),
+            min_tokens: 5,
+            ..SamplingParams::greedy()
+        },
+    ];
+    let c = cluster(&path, 2, |_| {}).await;
+    for params in chains {
+        let expected =
+            support::reference_sampled(&path, &prompt, 32, 256, GgmlType::F16, params.clone());
+        let request = GenRequest {
+            sampling: params.clone(),
+            ..support::greedy(&prompt, 32)
+        };
+        let (tokens, end) = support::collect(c.coordinator.submit(request).expect("submit")).await;
+        end.expect("no error");
+        assert_eq!(tokens, expected, "{params:?}");
+        if params.logit_bias == banned {
+            assert!(tokens.iter().all(|t| !favorites.contains(t)), "{tokens:?}");
+        }
+        if params.min_tokens > 0 {
+            assert!(
+                tokens[..5].iter().all(|t| !favorites.contains(t)),
+                "{tokens:?}"
+            );
+        }
+    }
+    c.coordinator.shutdown().await;
+    c.workers.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stories260k_through_workers_equals_the_generator() {
     let Some(path) = stories260k() else { return };
     check_through_workers(&path, "Once upon a time", 48).await;
