@@ -19,13 +19,16 @@ pub struct GenRequest {
     pub sampling: SamplingParams,
     /// When the request gives up; the engine ends it with [`GenError::Timeout`].
     pub deadline: Option<Instant>,
+    /// More token ids that end the request as an end-of-generation token does (vLLM's
+    /// `stop_token_ids`): not sent, finish `Stop`.
+    pub stop_tokens: Vec<u32>,
 }
 
 /// Why a generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-generation token was sampled (not sent as a token), or the front end
-    /// matched a stop string.
+    /// An end-of-generation token or one of the request's stop tokens was sampled (not
+    /// sent as a token), or the front end matched a stop string.
     Stop,
     /// `max_tokens` reached, or the context is full.
     Length,

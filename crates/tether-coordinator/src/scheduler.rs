@@ -203,6 +203,7 @@ impl Scheduler {
             max_tokens: req.max_tokens,
             sampler: Sampler::new(req.sampling),
             deadline: req.deadline,
+            stop_tokens: req.stop_tokens,
             events,
         });
         self.shared.running.store(self.active(), Ordering::Relaxed);
@@ -349,7 +350,7 @@ impl Scheduler {
                     .sampler
                     .sample_top(&candidates[starts[row]..starts[row + 1]], &seq.tokens),
             };
-            let eog = tokenizer.is_eog(token);
+            let eog = tokenizer.is_eog(token) || seq.stop_tokens.contains(&token);
             if !eog {
                 self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
             }

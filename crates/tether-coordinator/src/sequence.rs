@@ -31,6 +31,8 @@ pub(crate) struct Sequence {
     pub sampler: Sampler,
     /// When the request gives up.
     pub deadline: Option<Instant>,
+    /// The request's own tokens that end it as an end-of-generation token does.
+    pub stop_tokens: Vec<u32>,
     /// The request's event channel (sized so that every event fits).
     pub events: Events,
 }
@@ -263,6 +265,7 @@ mod tests {
             max_tokens: 3,
             sampler: Sampler::new(SamplingParams::greedy()),
             deadline: None,
+            stop_tokens: Vec::new(),
             events: tx,
         };
         (s, rx)

@@ -255,6 +255,13 @@ fn run_job(generator: &mut Generator<CpuBackend>, eog: &[u32], job: Job, counter
     counters
         .prompt_tokens
         .fetch_add(req.prompt.len() as u64, Ordering::Relaxed);
+    let with_stops: Vec<u32>;
+    let eog = if req.stop_tokens.is_empty() {
+        eog
+    } else {
+        with_stops = eog.iter().chain(&req.stop_tokens).copied().collect();
+        &with_stops
+    };
     let result = generator.generate(&req.prompt, req.max_tokens, &mut sampler, eog, on_token);
     if receiver_gone {
         return;
@@ -409,6 +416,7 @@ mod tests {
             max_tokens,
             sampling: SamplingParams::greedy(),
             deadline: None,
+            stop_tokens: Vec::new(),
         }
     }
 

@@ -179,6 +179,7 @@ impl Setup {
             max_tokens: args.n_gen,
             sampling: SamplingParams::greedy(),
             deadline: None,
+            stop_tokens: Vec::new(),
         })?;
         let workers = &self.workers;
         let (mut first, mut tokens, mut inside_from) = (None, 0usize, workers.forward_time());

@@ -217,6 +217,7 @@ async fn generate(
         max_tokens: args.n_predict,
         sampling: params,
         deadline: None,
+        stop_tokens: Vec::new(),
     })?;
     let mut first_token: Option<f64> = None;
     let mut tokens = Vec::new();

@@ -21,6 +21,9 @@ const MAX_STOPS: usize = 16;
 /// (or, when positive, makes it send every logit), and is looked up every step.
 const MAX_LOGIT_BIASES: usize = 1024;
 
+/// Most `stop_token_ids` per request: each is compared with every sampled token.
+const MAX_STOP_TOKENS: usize = 64;
+
 /// The largest bias magnitude; OpenAI's range. At -100 a token is banned outright.
 const BIAS_LIMIT: f64 = 100.0;
 
@@ -37,6 +40,8 @@ pub(super) struct Prepared {
     pub stops: Vec<String>,
     /// Generated tokens whose text is not searched for stop strings (`min_tokens`).
     pub min_tokens: usize,
+    /// Token ids that end generation as an end-of-generation token does.
+    pub stop_tokens: Vec<u32>,
     /// Reply with server-sent events.
     pub stream: bool,
     /// Send `usage` in a last chunk when streaming.
@@ -200,8 +205,14 @@ fn finish(
             format!("min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"),
         ));
     }
+    let stop_tokens = stop_token_ids(p, vocab)?;
     if min_tokens > 0 {
-        sampling.held_back = eog;
+        // vLLM holds the request's stop tokens back too; `ignore_eos` leaves them be.
+        let mut held_back = eog;
+        held_back.extend(&stop_tokens);
+        held_back.sort_unstable();
+        held_back.dedup();
+        sampling.held_back = held_back;
         sampling.min_tokens = min_tokens;
     }
     let requested = p.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
@@ -221,6 +232,7 @@ fn finish(
         sampling,
         stops,
         min_tokens,
+        stop_tokens,
         stream: p.stream,
         include_usage: p.stream_options.as_ref().is_some_and(|o| o.include_usage),
     })
@@ -333,6 +345,25 @@ fn logit_bias(p: &CommonParams, vocab: usize, eog: &[u32]) -> Result<Vec<(u32, f
         )));
     }
     Ok(biases)
+}
+
+/// `stop_token_ids`, checked against the vocabulary and [`MAX_STOP_TOKENS`].
+fn stop_token_ids(p: &CommonParams, vocab: usize) -> Result<Vec<u32>, ApiError> {
+    let ids = p.stop_token_ids.clone().unwrap_or_default();
+    let bad =
+        |what: String| ApiError::invalid_param("stop_token_ids", format!("stop_token_ids: {what}"));
+    if ids.len() > MAX_STOP_TOKENS {
+        return Err(bad(format!(
+            "{} ids given; at most {MAX_STOP_TOKENS} are supported",
+            ids.len()
+        )));
+    }
+    if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(bad(format!(
+            "token id {id} is outside the model's vocabulary of {vocab} tokens"
+        )));
+    }
+    Ok(ids)
 }
 
 /// A seed for requests that give none: different per request, as OpenAI's default is.

@@ -60,6 +60,7 @@ impl Run {
             max_tokens: prepared.max_tokens,
             sampling: prepared.sampling,
             deadline: Some(deadline),
+            stop_tokens: prepared.stop_tokens,
         })?;
         Ok(Run {
             events: Some(events),

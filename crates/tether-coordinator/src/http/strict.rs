@@ -37,6 +37,7 @@ const COMMON: &[&str] = &[
     // llama.cpp's and vLLM's extensions for the end of generation.
     "ignore_eos",
     "min_tokens",
+    "stop_token_ids",
     // End-user identifiers for abuse monitoring: they change no output.
     "user",
     "safety_identifier",
@@ -81,7 +82,7 @@ fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
             "metadata" | "audio" | "prediction" | "reasoning_effort" | "verbosity"
             | "web_search_options" | "prompt_cache_key",
         ) => empty,
-        (_, "grammar" | "json_schema" | "cache_prompt" | "n_probs" | "stop_token_ids") => empty,
+        (_, "grammar" | "json_schema" | "cache_prompt" | "n_probs") => empty,
         _ => return None,
     };
     Some(harmless)
@@ -275,7 +276,7 @@ mod tests {
             (r#"{"prompt":"x","logprobs":3}"#, "logprobs"),
             (r#"{"prompt":"x","echo":true}"#, "echo"),
             (r#"{"prompt":"x","suffix":"end"}"#, "suffix"),
-            (r#"{"prompt":"x","stop_token_ids":[2]}"#, "stop_token_ids"),
+            (r#"{"prompt":"x","grammar":"root ::= x"}"#, "grammar"),
             (r#"{"prompt":"x","frobnicate":1}"#, "frobnicate"),
         ] {
             let e = completion(body).expect_err(body);
@@ -334,6 +335,10 @@ mod tests {
             (r#"{"messages":[],"logit_bias":[1,2]}"#, "logit_bias"),
             (r#"{"messages":[],"ignore_eos":"yes"}"#, "ignore_eos"),
             (r#"{"messages":[],"min_tokens":-1}"#, "min_tokens"),
+            (
+                r#"{"messages":[],"stop_token_ids":[-2]}"#,
+                "stop_token_ids[0]",
+            ),
         ] {
             let e = chat(body).expect_err(body);
             assert_eq!(e.param.as_deref(), Some(param), "{body}");

@@ -181,3 +181,38 @@ async fn min_tokens_holds_back_stop_strings_and_bad_biases_are_400() {
     }
     server.stop().await;
 }
+
+#[tokio::test]
+async fn stop_token_ids_end_like_an_end_token_and_wait_for_min_tokens() {
+    let t = tokenizer();
+    let (id, _) = letter_token(&t);
+    let server = TestServer::start(engine(tiny_model(), TEST_CTX, 2), HttpOptions::default()).await;
+    let body = |min_tokens: usize, ids: serde_json::Value| {
+        json!({"prompt": "ba be", "max_tokens": 8, "temperature": 0,
+               "logit_bias": { id.to_string(): 100 }, "stop_token_ids": ids,
+               "min_tokens": min_tokens})
+    };
+    let at_once = post(server.addr, "/v1/completions", &body(0, json!([id]))).await;
+    assert_eq!(at_once.status, 200, "{}", at_once.body);
+    let at_once = at_once.json();
+    assert_eq!(
+        at_once["choices"][0]["text"], "",
+        "the stop token is not sent"
+    );
+    assert_eq!(at_once["choices"][0]["finish_reason"], "stop");
+    assert_eq!(at_once["usage"]["completion_tokens"], 0);
+    let later = post(server.addr, "/v1/completions", &body(3, json!([id])))
+        .await
+        .json();
+    assert_eq!(later["choices"][0]["finish_reason"], "stop");
+    assert_eq!(later["usage"]["completion_tokens"], 3);
+    let outside = post(
+        server.addr,
+        "/v1/completions",
+        &body(0, json!([t.vocab_size()])),
+    )
+    .await;
+    assert_eq!(outside.status, 400);
+    assert_eq!(outside.json()["error"]["param"], "stop_token_ids");
+    server.stop().await;
+}

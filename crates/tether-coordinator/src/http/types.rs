@@ -85,6 +85,8 @@ pub struct CommonParams {
     /// Tokens generated before an end-of-generation token or a stop string may end the
     /// request (vLLM extension).
     pub min_tokens: Option<usize>,
+    /// Token ids that end generation as an end-of-generation token does (vLLM extension).
+    pub stop_token_ids: Option<Vec<u32>>,
 }
 
 /// `POST /v1/completions`.

@@ -160,6 +160,7 @@ pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenRequest {
         max_tokens,
         sampling: SamplingParams::greedy(),
         deadline: None,
+        stop_tokens: Vec::new(),
     }
 }
 
