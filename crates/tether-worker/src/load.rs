@@ -365,7 +365,12 @@ impl PrepareUpload {
 
 impl Drop for PrepareUpload {
     fn drop(&mut self) {
-        if self.staged.take().is_some() {
+        if let Some(staged) = self.staged.take() {
+            drop(staged);
+            // The session may have ended (and trimmed the heap) while this upload still
+            // held the block: without a second trim its pages stay in the allocator until
+            // some other session ends.
+            crate::heap::return_freed_heap();
             self.registry.fail_prepare(self.session, self.txn);
         }
     }
