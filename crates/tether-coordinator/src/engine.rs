@@ -7,6 +7,7 @@ use crate::api::{
 };
 use crate::discovery::{WorkerDns, resolve, watch_dns, worker_list};
 use crate::load::{LoadError, LoadOptions, LoadedModel, load_plan};
+use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::{PlacementError, Plan, ServeShape, WorkerCapacity, place};
 use crate::scheduler::{Admitted, Scheduler, Shared};
@@ -281,7 +282,7 @@ impl Coordinator {
             }
             Err(e) if config.worker_dns.is_some() => {
                 tracing::warn!("loading over the resolved workers failed: {e}; retrying");
-                Err(format!("loading over the resolved workers failed: {e}"))
+                Err(Loss::Load(e))
             }
             Err(e) => {
                 stop.cancel();

@@ -8,6 +8,7 @@ mod discovery_tests;
 pub mod engine;
 pub mod http;
 pub mod load;
+mod loss;
 pub mod model_file;
 pub mod placement;
 pub mod progress;

@@ -7,6 +7,7 @@
 use crate::api::{FinishReason, GenError, GenEvent, GenRequest, Health};
 use crate::engine::Setup;
 use crate::load::{LoadedModel, LoadedStage};
+use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
 use crate::sequence::{Batch, Events, Next, Sequence, build_step, split_batch};
@@ -64,7 +65,7 @@ impl Shared {
 /// How serving a loaded model ended.
 enum Ended {
     Stopped,
-    Lost(String),
+    Lost(Loss),
 }
 
 /// The scheduler's state.
@@ -108,7 +109,7 @@ impl Scheduler {
 
     /// Serves until stopped, loading again whenever a worker is lost or the worker list
     /// changes. `first` is the first load, or why it failed (then loading is retried).
-    pub async fn run(mut self, first: Result<LoadedModel, String>) {
+    pub async fn run(mut self, first: Result<LoadedModel, Loss>) {
         let mut loaded = first;
         loop {
             let reason = match loaded {
@@ -245,8 +246,8 @@ impl Scheduler {
             if self.active() == 0 {
                 tokio::select! {
                     () = stop.cancelled() => break Ended::Stopped,
-                    reason = loaded.lost() => break Ended::Lost(reason),
-                    reason = self.setup.workers_changed() => break Ended::Lost(reason),
+                    reason = loaded.lost() => break Ended::Lost(Loss::SessionEnded(reason)),
+                    reason = self.setup.workers_changed() => break Ended::Lost(Loss::WorkersChanged(reason)),
                     next = self.requests.recv() => match next {
                         Some(a) => self.start(a),
                         None => break Ended::Stopped,
@@ -270,8 +271,8 @@ impl Scheduler {
             }
             let results = tokio::select! {
                 () = stop.cancelled() => break Ended::Stopped,
-                reason = loaded.lost() => break Ended::Lost(reason),
-                reason = self.setup.workers_changed() => break Ended::Lost(reason),
+                reason = loaded.lost() => break Ended::Lost(Loss::SessionEnded(reason)),
+                reason = self.setup.workers_changed() => break Ended::Lost(Loss::WorkersChanged(reason)),
                 r = run_pipeline(&stages, &groups) => r,
             };
             let applied = results.and_then(|outputs| {
@@ -283,7 +284,7 @@ impl Scheduler {
             if let Err(reason) = applied {
                 // A lost session shuts every data link, so the call that fails first may be
                 // on a worker that is still up: the loss, recorded before, is the cause.
-                break Ended::Lost(loaded.lost_reason().unwrap_or(reason));
+                break Ended::Lost(loaded.lost_reason().map_or(reason, Loss::SessionEnded));
             }
         };
         let reason = match &ended {
@@ -298,31 +299,31 @@ impl Scheduler {
 
     /// Moves every sequence of `batch` forward and samples the rows that asked for logits
     /// (or takes the worker's arg-max tokens for them).
-    fn apply(&mut self, batch: &Batch, out: &RowsOut) -> Result<(), String> {
+    fn apply(&mut self, batch: &Batch, out: &RowsOut) -> Result<(), Loss> {
         let v = self.model.config().n_vocab;
         let rows = batch.logits_rows.len();
         match out {
             RowsOut::Logits(l) if l.len() != rows * v => {
-                return Err(format!(
+                return Err(Loss::BadReply(format!(
                     "the last worker returned {} logits for {rows} rows of {v}",
                     l.len()
-                ));
+                )));
             }
             RowsOut::ArgMax(ids) if ids.len() != rows || ids.iter().any(|&t| t as usize >= v) => {
-                return Err(format!(
+                return Err(Loss::BadReply(format!(
                     "the last worker returned {} arg-max tokens for {rows} rows of a \
                      {v}-token vocabulary, or one outside it",
                     ids.len()
-                ));
+                )));
             }
             RowsOut::Top { starts, candidates }
                 if starts.len() != rows + 1 || candidates.iter().any(|c| c.0 as usize >= v) =>
             {
-                return Err(format!(
+                return Err(Loss::BadReply(format!(
                     "the last worker returned candidates for {} rows where {rows} were asked \
                      for, or one outside the {v}-token vocabulary",
                     starts.len().saturating_sub(1)
-                ));
+                )));
             }
             _ => {}
         }
@@ -378,7 +379,7 @@ impl Scheduler {
 
     /// Loads again every `retry_every` until it works or the coordinator stops; requests
     /// meanwhile are refused.
-    async fn recover(&mut self, reason: String) -> Option<LoadedModel> {
+    async fn recover(&mut self, reason: Loss) -> Option<LoadedModel> {
         let stop = self.stop.clone();
         let every = self.retry_every;
         loop {
@@ -430,30 +431,28 @@ impl Shared {
 }
 
 /// Forgets the KV cells of freed slots on every worker.
-async fn clear_slots(stages: &[LoadedStage], slots: &mut Vec<u32>) -> Result<(), String> {
+async fn clear_slots(stages: &[LoadedStage], slots: &mut Vec<u32>) -> Result<(), Loss> {
     for seq in slots.drain(..) {
         for st in stages {
             st.client
                 .kv_clear(st.session, seq)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(Loss::Call)?;
         }
     }
     Ok(())
 }
 
 /// Forgets the cells of shifted sequences past their kept prefix on every worker.
-async fn truncate_slots(
-    stages: &[LoadedStage],
-    slots: &mut Vec<(u32, usize)>,
-) -> Result<(), String> {
+async fn truncate_slots(stages: &[LoadedStage], slots: &mut Vec<(u32, usize)>) -> Result<(), Loss> {
     for (seq, keep) in slots.drain(..) {
-        let keep = u32::try_from(keep).map_err(|_| format!("{keep} cells do not fit a u32"))?;
+        let keep = u32::try_from(keep)
+            .map_err(|_| Loss::Internal(format!("{keep} cells do not fit a u32")))?;
         for st in stages {
             st.client
                 .kv_truncate(st.session, seq, keep)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(Loss::Call)?;
         }
     }
     Ok(())
@@ -498,7 +497,7 @@ fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
 /// groups in order (a later group of a sequence needs the cells of an earlier one) and
 /// passes each on as soon as it is done, so group k+1 runs on one worker while group k
 /// runs on the next. Returns what each group's logits rows asked for, in order.
-async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<RowsOut>, String> {
+async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<RowsOut>, Loss> {
     let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
     let mut workers = Vec::with_capacity(stages.len());
     let last = stages.len().saturating_sub(1);
@@ -514,7 +513,7 @@ async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Ro
                 let want = if i == last { b.rows } else { Rows::Logits };
                 let out = stage_call::forward(st, &b.tokens, x, rows, want, alone)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(Loss::Call)?;
                 match out {
                     ForwardOutput::Hidden(h) if i < last => {
                         // The next worker gone means another worker failed; its error wins.
@@ -540,14 +539,14 @@ async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Ro
                         logits.push(RowsOut::Logits(Vec::new()))
                     }
                     _ => {
-                        return Err(format!(
+                        return Err(Loss::BadReply(format!(
                             "worker {} returned the wrong kind of output",
                             st.client.addr()
-                        ));
+                        )));
                     }
                 }
             }
-            Ok::<_, String>(logits)
+            Ok::<_, Loss>(logits)
         });
     }
     for (k, b) in groups.iter().enumerate() {
@@ -557,11 +556,11 @@ async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<Ro
     let mut outputs = futures::future::try_join_all(workers).await?;
     let logits = outputs.pop().unwrap_or_default();
     if logits.len() != groups.len() {
-        return Err(format!(
+        return Err(Loss::Internal(format!(
             "the pipeline returned logits for {} of {} groups",
             logits.len(),
             groups.len()
-        ));
+        )));
     }
     Ok(logits)
 }
