@@ -6,12 +6,13 @@
 //! unreadable or corrupt entry is recompiled; failing to write the cache is not an error.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
+use super::ptx_cache::{cache_dir, fnv1a, store};
 use crate::backend::Result;
 use crate::cuda::device::driver_err;
 use crate::error::ComputeError;
@@ -422,30 +423,6 @@ fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// `$TETHER_CACHE/kernels`, else `~/.cache/tether/kernels`; `None` when neither is known.
-fn cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("TETHER_CACHE").filter(|d| !d.is_empty()) {
-        return Some(PathBuf::from(dir).join("kernels"));
-    }
-    let home = std::env::var_os("HOME").filter(|d| !d.is_empty())?;
-    Some(PathBuf::from(home).join(".cache/tether/kernels"))
-}
-
-/// FNV-1a: stable across Rust versions, unlike `DefaultHasher`, so cache names stay valid.
-fn fnv1a(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for part in parts {
-        for &b in *part {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        // Separate the parts so ("ab", "c") and ("a", "bc") differ.
-        h ^= 0xff;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
 /// The name of the cache entry of `file` for this architecture and NVRTC.
 fn cache_name(file: &KernelFile, cc: (i32, i32), nvrtc: (i32, i32)) -> String {
     let arch = format!("sm_{}{}", cc.0, cc.1);
@@ -503,18 +480,6 @@ fn module_ptx(
         store(dir, &path, &text);
     }
     Ok((text, false))
-}
-
-/// Writes a cache entry through a temporary file and a rename, so a reader never sees half
-/// of one. Failures only cost a recompile next time.
-fn store(dir: &Path, path: &Path, text: &str) {
-    if std::fs::create_dir_all(dir).is_err() {
-        return;
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, path).is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
 }
 
 #[cfg(test)]

@@ -11,15 +11,18 @@ mod attention;
 mod check;
 mod compile;
 mod device;
+mod dispatch;
 mod gated;
 mod gemm;
 mod graph;
 mod launch;
 mod matvec;
 mod moe;
+mod norm;
 mod nvml;
 mod ops;
 mod packed;
+mod ptx_cache;
 mod rope;
 mod staging;
 

@@ -8,9 +8,7 @@ use super::check::{
     cache_type_supported, elems, f32s, need, row_bytes, shape_err, unsupported,
     weight_type_supported,
 };
-use super::graph::Cmd;
 use super::launch::{Arg, grid_for, int};
-use super::matvec::{MV_MAX_TOKENS, MatmulArgs};
 use super::staging;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{
@@ -21,99 +19,6 @@ use crate::moe::{MoeFfn, MoeRouting, MoeScratch};
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
-/// Longest row `rms_norm_q8` holds in registers (1024 threads of 16 values).
-const RMS_NORM_Q8_MAX_DIM: usize = 16 * 1024;
-impl CudaBackend {
-    /// Launches kernel `name`. Every op that may write device memory goes through here (or
-    /// calls [`CudaBackend::wrote`]), which retires the quantized copy of a matmul input.
-    pub(super) fn run(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-        self.wrote();
-        self.launch_kernel(name, cfg, args)
-    }
-
-    /// Launches (or records, see graph.rs) kernel `name` without retiring quantized inputs.
-    pub(super) fn launch_kernel(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-        let kernel = self.kernels.get(name)?;
-        self.device.submit(Cmd::Launch {
-            name: name.to_string(),
-            func: kernel.function.clone(),
-            dependent: kernel.dependent_launch && self.dependent_launches,
-            cfg,
-            args: args.to_vec(),
-        })
-    }
-
-    /// Checks a matmul's type and buffer sizes; returns the weight, input and output
-    /// addresses.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn matmul_operands(
-        &self,
-        w: &CudaBuffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
-        x: &CudaBuffer,
-        n_tokens: usize,
-        out: &CudaBuffer,
-    ) -> Result<(u64, u64, u64)> {
-        const OP: &str = "matmul";
-        if !weight_type_supported(ty) {
-            return Err(unsupported(OP, ty));
-        }
-        let rb = row_bytes(OP, ty, cols)?;
-        need(OP, "weight buffer", w.bytes(), rb.checked_mul(rows))?;
-        f32s(OP, "input", x, elems(OP, &[n_tokens, cols])?)?;
-        f32s(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
-        let (wp, xp) = (self.addr(OP, "weight", w)?, self.addr(OP, "input", x)?);
-        Ok((wp, xp, self.addr(OP, "output", out)?))
-    }
-
-    /// `out = w·x`, or `out += w·x` with `accumulate`, for operands `matmul_operands`
-    /// checked: the GEMM for prefill-sized batches, the matvec kernels for decode-sized.
-    #[allow(clippy::too_many_arguments)]
-    fn product(
-        &self,
-        w: &CudaBuffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
-        (wp, xp, op): (u64, u64, u64),
-        n_tokens: usize,
-        accumulate: bool,
-    ) -> Result<()> {
-        let a = MatmulArgs {
-            w: wp,
-            ty,
-            packed: w.packed,
-            rows,
-            cols,
-            x: xp,
-            n_tokens,
-            out: op,
-            accumulate,
-        };
-        // Only packed Q4_0 / Q8_0 have tensor-core products below the GEMM's size.
-        let on_mma = w.packed && super::packed::packed_stem(ty).is_some();
-        let gemm_from = if on_mma && self.mma_min_tokens <= MV_MAX_TOKENS {
-            self.gemm_min_tokens_mma
-        } else {
-            self.gemm_min_tokens
-        };
-        if n_tokens >= gemm_from {
-            return self.gemm(&a);
-        }
-        self.matvec(a)
-    }
-
-    fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        self.wrote();
-        self.device.submit(Cmd::Zero { dst: ptr, bytes })
-    }
-}
-
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Replays = super::CudaReplays;
@@ -432,53 +337,7 @@ impl Backend for CudaBackend {
         eps: f32,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        const OP: &str = "rms_norm";
-        let n = elems(OP, &[n_tokens, dim])?;
-        f32s(OP, "input", x, n)?;
-        f32s(OP, "weight", weight, dim)?;
-        f32s(OP, "output", out, n)?;
-        let (xp, wp) = (self.addr(OP, "input", x)?, self.addr(OP, "weight", weight)?);
-        let op = self.addr(OP, "output", out)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let blocks = u32::try_from(n_tokens)
-            .map_err(|_| shape_err(OP, format!("{n_tokens} tokens are too many")))?;
-        // One thread per 4 elements of a row (at most 1024), whole warps.
-        let threads = dim.div_ceil(4).next_multiple_of(32).clamp(32, 1024) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let args = [
-            Arg::Ptr(xp),
-            Arg::Ptr(wp),
-            int(OP, "dim", dim)?,
-            Arg::F32(eps),
-            Arg::Ptr(op),
-        ];
-        // Decode rows are also quantized for the product kernels as they are normalized,
-        // by a kernel that holds a row in registers: two float4s per thread up to 1024
-        // threads, at most 16 values per thread in all (elementwise.cu).
-        let q8_cfg = LaunchConfig {
-            block_dim: (
-                dim.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32,
-                1,
-                1,
-            ),
-            ..cfg
-        };
-        let fused = dim <= RMS_NORM_Q8_MAX_DIM
-            && self.writing_xq(op, dim, n_tokens, |q, ds| {
-                let mut with_q = args.to_vec();
-                with_q.extend([Arg::Ptr(q), Arg::Ptr(ds)]);
-                self.run("rms_norm_q8", q8_cfg, &with_q)
-            })?;
-        if fused {
-            return Ok(());
-        }
-        self.run("rms_norm", cfg, &args)
+        self.rms_norm_rows(x, weight, n_tokens, dim, eps, out)
     }
 
     fn rope(

@@ -1,0 +1,103 @@
+//! Launching kernels and choosing the product kernel for a matmul: what every op of the
+//! cuda [`crate::Backend`] goes through.
+
+use cudarc::driver::LaunchConfig;
+use tether_gguf::GgmlType;
+
+use super::check::{elems, f32s, need, row_bytes, unsupported, weight_type_supported};
+use super::graph::Cmd;
+use super::launch::Arg;
+use super::matvec::{MV_MAX_TOKENS, MatmulArgs};
+use super::{CudaBackend, CudaBuffer};
+use crate::backend::{DeviceBuffer, Result};
+
+impl CudaBackend {
+    /// Launches kernel `name`. Every op that may write device memory goes through here (or
+    /// calls [`CudaBackend::wrote`]), which retires the quantized copy of a matmul input.
+    pub(super) fn run(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.wrote();
+        self.launch_kernel(name, cfg, args)
+    }
+
+    /// Launches (or records, see graph.rs) kernel `name` without retiring quantized inputs.
+    pub(super) fn launch_kernel(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let kernel = self.kernels.get(name)?;
+        self.device.submit(Cmd::Launch {
+            name: name.to_string(),
+            func: kernel.function.clone(),
+            dependent: kernel.dependent_launch && self.dependent_launches,
+            cfg,
+            args: args.to_vec(),
+        })
+    }
+
+    /// Checks a matmul's type and buffer sizes; returns the weight, input and output
+    /// addresses.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn matmul_operands(
+        &self,
+        w: &CudaBuffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        x: &CudaBuffer,
+        n_tokens: usize,
+        out: &CudaBuffer,
+    ) -> Result<(u64, u64, u64)> {
+        const OP: &str = "matmul";
+        if !weight_type_supported(ty) {
+            return Err(unsupported(OP, ty));
+        }
+        let rb = row_bytes(OP, ty, cols)?;
+        need(OP, "weight buffer", w.bytes(), rb.checked_mul(rows))?;
+        f32s(OP, "input", x, elems(OP, &[n_tokens, cols])?)?;
+        f32s(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
+        let (wp, xp) = (self.addr(OP, "weight", w)?, self.addr(OP, "input", x)?);
+        Ok((wp, xp, self.addr(OP, "output", out)?))
+    }
+
+    /// `out = w·x`, or `out += w·x` with `accumulate`, for operands `matmul_operands`
+    /// checked: the GEMM for prefill-sized batches, the matvec kernels for decode-sized.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn product(
+        &self,
+        w: &CudaBuffer,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        (wp, xp, op): (u64, u64, u64),
+        n_tokens: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let a = MatmulArgs {
+            w: wp,
+            ty,
+            packed: w.packed,
+            rows,
+            cols,
+            x: xp,
+            n_tokens,
+            out: op,
+            accumulate,
+        };
+        // Only packed Q4_0 / Q8_0 have tensor-core products below the GEMM's size.
+        let on_mma = w.packed && super::packed::packed_stem(ty).is_some();
+        let gemm_from = if on_mma && self.mma_min_tokens <= MV_MAX_TOKENS {
+            self.gemm_min_tokens_mma
+        } else {
+            self.gemm_min_tokens
+        };
+        if n_tokens >= gemm_from {
+            return self.gemm(&a);
+        }
+        self.matvec(a)
+    }
+
+    pub(super) fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.wrote();
+        self.device.submit(Cmd::Zero { dst: ptr, bytes })
+    }
+}

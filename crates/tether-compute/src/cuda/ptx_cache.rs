@@ -1,0 +1,40 @@
+//! Where compiled kernels are cached on disk, and writing an entry so that no reader sees
+//! half of one.
+
+use std::path::{Path, PathBuf};
+
+/// `$TETHER_CACHE/kernels`, else `~/.cache/tether/kernels`; `None` when neither is known.
+pub(super) fn cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("TETHER_CACHE").filter(|d| !d.is_empty()) {
+        return Some(PathBuf::from(dir).join("kernels"));
+    }
+    let home = std::env::var_os("HOME").filter(|d| !d.is_empty())?;
+    Some(PathBuf::from(home).join(".cache/tether/kernels"))
+}
+
+/// FNV-1a: stable across Rust versions, unlike `DefaultHasher`, so cache names stay valid.
+pub(super) fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in *part {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // Separate the parts so ("ab", "c") and ("a", "bc") differ.
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Writes a cache entry through a temporary file and a rename, so a reader never sees half
+/// of one. Failures only cost a recompile next time.
+pub(super) fn store(dir: &Path, path: &Path, text: &str) {
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
