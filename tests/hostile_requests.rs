@@ -102,6 +102,13 @@ fn oversized_prompts_do_not_starve_the_lease_or_health() {
         model.arg(),
         &["--lease-ttl", "2s", "--max-heavy-requests", "32"],
     );
+    // The load is logged on stderr and the listening line on stdout, read by two threads:
+    // the first may be seen after the second.
+    assert!(
+        serve.log_contains(" loaded:", Duration::from_secs(10)),
+        "log:\n{}",
+        serve.log()
+    );
     assert_eq!(loads(&serve), 1, "log:\n{}", serve.log());
     health_ok(&serve, Duration::from_secs(5)).expect("health before");
 
