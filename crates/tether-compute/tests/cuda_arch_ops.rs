@@ -255,10 +255,9 @@ fn yarn_rope_and_the_fused_store_match_cpu() {
     }
 }
 
-/// Gemma 2's soft-capped attention on the GPU against the cpu: a prefill batch (the tiled
-/// kernel for heads of 64 and 128, the per-token one for 256) and a decode step (the f16
-/// kernel, split over blocks), with a cap small enough to bend the scores; and the cap
-/// changes the result.
+/// Gemma 2's soft-capped attention on the GPU against the cpu: a prefill batch (the flash
+/// kernel) and a decode step (the f16 kernel, split over blocks), with a cap small enough
+/// to bend the scores; and the cap changes the result.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn soft_capped_attention_matches_cpu() {
@@ -330,7 +329,10 @@ fn soft_capped_attention_matches_cpu() {
                 spans.len()
             );
             let e = relative_error(&what, &get(&g, &og, n), &get(&c, &oc, n));
-            assert!(e < 1e-4, "{what}: {e}");
+            // The prefill batch takes the flash kernel, which rounds the queries and the
+            // probabilities to f16.
+            let tol = if spans.len() > 1 { 4e-3 } else { 1e-4 };
+            assert!(e < tol, "{what}: {e}");
             let mut plain = zeros(&c, n);
             c.attention(
                 &qc,

@@ -306,7 +306,13 @@ fn kv_store_and_attention_match_cpu_for_every_cache_type() {
                     .unwrap();
                 let what = format!("attention {ty} {shape:?} {} tokens", spans.len());
                 // Both read their own cache; Q4_0 rounding ties may differ between them.
-                let tol = if ty == GgmlType::F16 { 1e-4 } else { 1e-2 };
+                // The 9-token prefill takes the flash kernel, which rounds the queries and
+                // probabilities to f16.
+                let tol = match ty {
+                    GgmlType::F16 if spans.len() == 1 => 1e-4,
+                    GgmlType::F16 => 4e-3,
+                    _ => 1e-2,
+                };
                 assert_close(&what, &get(&g, &og, n), &get(&c, &oc, n), tol);
             }
         }
@@ -316,11 +322,12 @@ fn kv_store_and_attention_match_cpu_for_every_cache_type() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tiled_prefill_attention_matches_cpu() {
-    // Prefill batches over an F16 cache with heads of 64 or 128 take the tiled kernel
-    // (attention_prefill.cu) for groups of tokens of one sequence: causal spans that start
-    // off a tile boundary and cross many tiles, and grouped-query heads. Then, in the same
-    // call, two sequences' tokens interleaved, whose groups take the per-token kernel, with
-    // a token count that leaves the last group part empty.
+    // Prefill batches over an F16 cache take a tiled kernel (attention_flash.cu on the
+    // tensor cores, which rounds queries and probabilities to f16; attention_prefill.cu
+    // with TETHER_FLASH_ATTENTION=0) for groups of tokens of one sequence: causal spans
+    // that start off a tile boundary and cross many tiles, and grouped-query heads. Then,
+    // in the same call, two sequences' tokens interleaved, whose groups take the per-token
+    // kernel, with a token count that leaves the last group part empty.
     let (g, c) = (gpu(), cpu());
     let mut rng = Rng(9);
     for (n_heads, n_kv_heads, head_dim) in [
@@ -379,7 +386,7 @@ fn tiled_prefill_attention_matches_cpu() {
         )
         .unwrap();
         let what = format!("tiled prefill attention {shape:?}");
-        assert_close(&what, &get(&g, &og, n), &get(&c, &oc, n), 1e-4);
+        assert_close(&what, &get(&g, &og, n), &get(&c, &oc, n), 4e-3);
     }
 }
 

@@ -4,6 +4,7 @@
 use cudarc::driver::LaunchConfig;
 use tether_gguf::GgmlType;
 
+use super::attention_flash::{self, FlashLayout};
 use super::check::{
     self, attention_shape, cache_type_supported, elems, f32s, row_bytes, shape_err, unsupported,
 };
@@ -29,21 +30,27 @@ pub(super) const SCRATCH_BYTES: usize = 16 << 20;
 /// Query tokens one block of the tiled prefill kernel takes (AP_TQ in
 /// attention_prefill.cu).
 const PREFILL_TOKENS_PER_BLOCK: usize = 16;
-/// Cells one tile of the tiled prefill kernel holds (AP_TC in attention_prefill.cu).
+/// Cells one tile of the tiled prefill kernels holds (AP_TC in attention_prefill.cu, FA_CELLS
+/// in attention_flash.cu).
 const PREFILL_TILE_CELLS: u64 = 64;
 
-/// The tiled prefill kernel for a batch of `n_tokens` queries, when there is one: prefill
-/// batches over an F16 cache with heads of 64, 96 or 128. Decode batches keep the per-token
-/// kernel, whose cell splits fill the GPU with few tokens.
-fn prefill_kernel(n_tokens: usize, cache_ty: GgmlType, head_dim: usize) -> Option<&'static str> {
-    if n_tokens <= DECODE_TOKENS || cache_ty != GgmlType::F16 {
-        return None;
-    }
-    match head_dim {
-        64 => Some("attention_prefill_64"),
-        96 => Some("attention_prefill_96"),
-        128 => Some("attention_prefill_128"),
-        _ => None,
+/// A kernel that walks the cells of a group of query tokens once for all of them.
+#[derive(Clone, Copy, Debug)]
+enum Prefill {
+    /// The flash kernel on the tensor cores (attention_flash.rs), and the query tokens one
+    /// of its blocks takes.
+    Flash(&'static str, usize),
+    /// The CUDA-core tiled kernel (attention_prefill.cu).
+    Tiled(&'static str),
+}
+
+impl Prefill {
+    /// Query tokens one block takes: tokens grouped for the kernel must share their cells.
+    fn tokens_per_block(self) -> usize {
+        match self {
+            Prefill::Flash(_, tokens) => tokens,
+            Prefill::Tiled(_) => PREFILL_TOKENS_PER_BLOCK,
+        }
     }
 }
 
@@ -131,27 +138,53 @@ impl CudaBackend {
         // Held until the last launch, so no other thread recycles the spans' slot.
         let mut staging = self.lock_staging();
         let spans_at = staging.stage_u32(&flat)?;
-        let Some(kernel) = prefill_kernel(spans.len(), cache_ty, shape.head_dim) else {
+        let Some(kernel) = self.prefill_kernel(&at) else {
             return self.attention_per_token(&at, spans, 0, spans_at);
         };
-        // Query groups whose spans overlap take the tiled kernel; groups of tokens of
+        // Query groups whose spans overlap take a tiled kernel; groups of tokens of
         // different sequences (many sequences decoding at once) would make it walk every
         // cell between their spans, and take the per-token kernel instead.
-        for (range, tiled) in tiled_ranges(spans) {
+        for (range, tiled) in tiled_ranges(spans, kernel.tokens_per_block()) {
             let first = range.start;
-            if tiled {
-                self.attention_tiled(kernel, &at, range.len(), first, spans_at)?;
-            } else {
+            if !tiled {
                 self.attention_per_token(&at, &spans[range], first, spans_at)?;
+                continue;
             }
+            self.attention_tiled(kernel, &at, range.len(), first, spans_at)?;
         }
         Ok(())
     }
 
-    /// The tiled prefill kernel over `n_tokens` queries from token `first` on.
+    /// The tiled kernel for a batch, when there is one: prefill batches (more than
+    /// [`DECODE_TOKENS`] queries) take the flash kernel where this device runs it for the
+    /// heads and cache type (and the operands are 16-byte aligned), else the CUDA-core
+    /// kernel over F16 caches with heads of 64, 96 or 128. Decode batches keep the
+    /// per-token kernel, whose cell splits fill the GPU with few tokens.
+    fn prefill_kernel(&self, at: &Operands) -> Option<Prefill> {
+        if at.n_tokens <= DECODE_TOKENS {
+            return None;
+        }
+        let aligned = [at.q, at.k, at.v, at.out].iter().all(|p| p % 16 == 0);
+        let flash = self.flash.kernel(at.cache_ty, at.shape.head_dim);
+        if let (Some(name), true) = (flash, aligned) {
+            let layout = FlashLayout::new(at.shape.n_heads, at.shape.n_kv_heads);
+            return Some(Prefill::Flash(name, layout.tokens));
+        }
+        if at.cache_ty != GgmlType::F16 {
+            return None;
+        }
+        match at.shape.head_dim {
+            64 => Some(Prefill::Tiled("attention_prefill_64")),
+            96 => Some(Prefill::Tiled("attention_prefill_96")),
+            128 => Some(Prefill::Tiled("attention_prefill_128")),
+            _ => None,
+        }
+    }
+
+    /// A tiled prefill kernel over `n_tokens` queries from token `first` on.
     fn attention_tiled(
         &self,
-        kernel: &str,
+        kernel: Prefill,
         at: &Operands,
         n_tokens: usize,
         first: usize,
@@ -161,14 +194,20 @@ impl CudaBackend {
         let shape = at.shape;
         let row = (shape.n_heads * shape.head_dim * 4) as u64;
         let first = first as u64;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                shape.n_heads as u32,
-                n_tokens.div_ceil(PREFILL_TOKENS_PER_BLOCK) as u32,
-                1,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let (name, cfg) = match kernel {
+            Prefill::Flash(name, _) => (name, attention_flash::launch_config(shape, n_tokens)),
+            Prefill::Tiled(name) => {
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        shape.n_heads as u32,
+                        n_tokens.div_ceil(PREFILL_TOKENS_PER_BLOCK) as u32,
+                        1,
+                    ),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                (name, cfg)
+            }
         };
         let args = [
             Arg::Ptr(at.q + first * row),
@@ -182,7 +221,7 @@ impl CudaBackend {
             Arg::F32(at.softcap),
             Arg::Ptr(at.out + first * row),
         ];
-        self.run(kernel, cfg, &args)
+        self.run(name, cfg, &args)
     }
 
     /// The per-token kernel (each token's cells split over blocks when they are few, then
@@ -325,15 +364,15 @@ struct Operands {
     softcap: f32,
 }
 
-/// The tokens of a prefill-sized batch in runs of whole query groups of the tiled kernel
-/// ([`PREFILL_TOKENS_PER_BLOCK`]), each run marked for the tiled kernel when every group
-/// in it is tight: the cells between its first and last cell are at most one tile more
-/// than its longest span (a prompt's tokens all start at their sequence's first cell).
-/// Groups of tokens of different sequences are not, and their run is marked false.
-fn tiled_ranges(spans: &[AttnSpan]) -> Vec<(std::ops::Range<usize>, bool)> {
+/// The tokens of a prefill-sized batch in runs of whole query groups of a tiled kernel
+/// (`group` tokens a block), each run marked for the tiled kernel when every group in it is
+/// tight: the cells between its first and last cell are at most one tile more than its
+/// longest span (a prompt's tokens all start at their sequence's first cell). Groups of
+/// tokens of different sequences are not, and their run is marked false.
+fn tiled_ranges(spans: &[AttnSpan], group: usize) -> Vec<(std::ops::Range<usize>, bool)> {
     let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
-    for (g, group) in spans.chunks(PREFILL_TOKENS_PER_BLOCK).enumerate() {
-        let used = group.iter().filter(|s| s.n_cells > 0);
+    for (g, tokens) in spans.chunks(group.max(1)).enumerate() {
+        let used = tokens.iter().filter(|s| s.n_cells > 0);
         let lo = used.clone().map(|s| s.first_cell as u64).min().unwrap_or(0);
         let hi = used
             .clone()
@@ -341,8 +380,8 @@ fn tiled_ranges(spans: &[AttnSpan]) -> Vec<(std::ops::Range<usize>, bool)> {
             .max();
         let longest = used.map(|s| s.n_cells as u64).max().unwrap_or(0);
         let tight = hi.is_none_or(|hi| hi - lo <= longest + PREFILL_TILE_CELLS);
-        let start = g * PREFILL_TOKENS_PER_BLOCK;
-        let range = start..start + group.len();
+        let start = g * group.max(1);
+        let range = start..start + tokens.len();
         match runs.last_mut() {
             Some((last, kind)) if *kind == tight => last.end = range.end,
             _ => runs.push((range, tight)),
@@ -366,20 +405,23 @@ mod tests {
     fn groups_of_one_prompt_are_tiled_and_groups_of_many_sequences_are_not() {
         // A 40-token prompt of the sequence at cell 512.
         let prompt: Vec<AttnSpan> = (0..40).map(|t| span(512, 100 + t)).collect();
-        assert_eq!(tiled_ranges(&prompt), vec![(0..40, true)]);
+        assert_eq!(tiled_ranges(&prompt, 16), vec![(0..40, true)]);
         // 20 sequences decoding at once, 256 cells apart: every group spans them all.
         let decode: Vec<AttnSpan> = (0..20).map(|s| span(256 * s, 130)).collect();
-        assert_eq!(tiled_ranges(&decode), vec![(0..20, false)]);
+        assert_eq!(tiled_ranges(&decode, 16), vec![(0..20, false)]);
         // A prompt, then decode tokens of other sequences: the group they share with the
         // prompt's last tokens is loose too.
         let mixed: Vec<AttnSpan> = prompt.iter().copied().chain(decode).collect();
-        assert_eq!(tiled_ranges(&mixed), vec![(0..32, true), (32..60, false)]);
+        assert_eq!(
+            tiled_ranges(&mixed, 16),
+            vec![(0..32, true), (32..60, false)]
+        );
         // Two sequences a tile apart or less still share their tiles; empty spans and a
         // group of them alone do not count.
         let near: Vec<AttnSpan> = (0..16).map(|t| span(64 * (t % 2), 64 + t)).collect();
-        assert_eq!(tiled_ranges(&near), vec![(0..16, true)]);
+        assert_eq!(tiled_ranges(&near, 16), vec![(0..16, true)]);
         let empty = vec![span(0, 0), span(9000, 0), span(100, 5)];
-        assert_eq!(tiled_ranges(&empty), vec![(0..3, true)]);
+        assert_eq!(tiled_ranges(&empty, 16), vec![(0..3, true)]);
     }
 
     #[test]

@@ -325,6 +325,12 @@ const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "attention_flash",
+        source: include_str!("../../../../kernels/attention_flash.cu"),
+        dependent_launch: true,
+        entries: super::attention_flash::ENTRIES,
+    },
+    KernelFile {
         name: "gemm",
         source: include_str!("../../../../kernels/gemm.cu"),
         dependent_launch: false,
@@ -539,6 +545,17 @@ mod tests {
                         .iter()
                         .any(|mac| f.source.contains(mac.as_str()));
                     assert!(defined, "{e} not found in {}", f.name);
+                    continue;
+                }
+                // Flash-attention entries: FA_ENTRY(head, type, ...) inside FA_TYPES(head).
+                if let Some(rest) = e.strip_prefix("flash_attention_") {
+                    let (d, ty) = rest.split_once('_').unwrap_or((rest, ""));
+                    assert!(
+                        f.source.contains(&format!("FA_TYPES({d})"))
+                            && f.source.contains(&format!("FA_ENTRY(d, {ty}, ")),
+                        "{e} not found in {}",
+                        f.name
+                    );
                     continue;
                 }
                 // Tensor-core entries: MQ_ENTRY(type, signedness, tokens).

@@ -8,6 +8,7 @@
 
 mod argmax;
 mod attention;
+mod attention_flash;
 mod check;
 mod compile;
 mod device;
@@ -65,6 +66,8 @@ pub struct CudaBackend {
     capture: Arc<cudarc::driver::CudaStream>,
     /// Multiprocessors of the device: decode attention splits its cells to fill them.
     sm_count: usize,
+    /// The head sizes prefill attention takes the tensor-core flash kernel for.
+    flash: attention_flash::FlashKernels,
     /// Whether kernels that allow it are launched as programmatic dependent launches
     /// (compute capability 9.0 and later, unless `TETHER_PDL=0`): each kernel's blocks start
     /// while the previous one finishes, which hides a launch's latency and lets the decode
@@ -140,6 +143,7 @@ impl CudaBackend {
                 driver_err(&format!("reading the SM count of CUDA device {ordinal}"), e)
             })?;
         let kernels = Kernels::load(&ctx, cc)?;
+        let flash = attention_flash::FlashKernels::enable(&ctx, cc, &kernels)?;
         let capture = ctx.new_stream().map_err(|e| {
             driver_err(
                 &format!("creating a capture stream on CUDA device {ordinal}"),
@@ -184,6 +188,7 @@ impl CudaBackend {
             step: Mutex::new(()),
             write_epoch: AtomicU64::new(0),
             sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
+            flash,
             dependent_launches,
             gemm_min_tokens,
             gemm_min_tokens_mma,
@@ -198,6 +203,12 @@ impl CudaBackend {
     /// NVML or when it does not list this process.
     pub(crate) fn process_used(&self) -> Option<u64> {
         self.nvml.as_ref()?.process_used(std::process::id())
+    }
+
+    /// Head sizes whose prefill attention runs on the tensor-core flash kernel on this
+    /// device (none before compute capability 8.0 or with `TETHER_FLASH_ATTENTION=0`).
+    pub fn flash_attention_head_dims(&self) -> &[usize] {
+        self.flash.head_dims()
     }
 
     /// Bytes of device memory currently allocated through this backend (buffers, staging).

@@ -1,0 +1,192 @@
+//! The flash-attention prefill kernel on the tensor cores (kernels/attention_flash.cu): which
+//! head sizes and cache types it serves on this device, and its launch.
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaContext, LaunchConfig};
+use tether_gguf::GgmlType;
+
+use super::compile::Kernels;
+use super::device::driver_err;
+use crate::backend::{AttnShape, Result};
+
+/// Query rows (token, head pairs) one block takes (FA_ROWS in attention_flash.cu).
+const ROWS_PER_BLOCK: usize = 64;
+/// Cells of one K/V tile (FA_CELLS).
+const TILE_CELLS: usize = 64;
+/// Threads of one block (FA_THREADS).
+const THREADS: u32 = 128;
+/// Head sizes the kernel is instantiated for.
+const HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
+/// Setting this variable to `0` keeps prefill attention off the flash kernel (on the tiled
+/// and per-token kernels it replaced), e.g. to rule it out when results look wrong.
+pub(super) const ENV_SWITCH: &str = "TETHER_FLASH_ATTENTION";
+
+/// Bytes of dynamic shared memory a block of heads of `head_dim` takes: the query tile and
+/// two K and two V tiles (double buffered), rows padded by 8 halves.
+fn shared_bytes(head_dim: usize) -> usize {
+    5 * TILE_CELLS * (head_dim + 8) * 2
+}
+
+/// The entry point for heads of `head_dim` over a cache of `ty`.
+fn entry(head_dim: usize, ty: GgmlType) -> Option<&'static str> {
+    Some(match (head_dim, ty) {
+        (64, GgmlType::F16) => "flash_attention_64_f16",
+        (64, GgmlType::Q8_0) => "flash_attention_64_q8_0",
+        (64, GgmlType::Q4_0) => "flash_attention_64_q4_0",
+        (96, GgmlType::F16) => "flash_attention_96_f16",
+        (96, GgmlType::Q8_0) => "flash_attention_96_q8_0",
+        (96, GgmlType::Q4_0) => "flash_attention_96_q4_0",
+        (128, GgmlType::F16) => "flash_attention_128_f16",
+        (128, GgmlType::Q8_0) => "flash_attention_128_q8_0",
+        (128, GgmlType::Q4_0) => "flash_attention_128_q4_0",
+        (256, GgmlType::F16) => "flash_attention_256_f16",
+        (256, GgmlType::Q8_0) => "flash_attention_256_q8_0",
+        (256, GgmlType::Q4_0) => "flash_attention_256_q4_0",
+        _ => return None,
+    })
+}
+
+/// Every entry point of attention_flash.cu.
+pub(super) const ENTRIES: &[&str] = &[
+    "flash_attention_64_f16",
+    "flash_attention_64_q8_0",
+    "flash_attention_64_q4_0",
+    "flash_attention_96_f16",
+    "flash_attention_96_q8_0",
+    "flash_attention_96_q4_0",
+    "flash_attention_128_f16",
+    "flash_attention_128_q8_0",
+    "flash_attention_128_q4_0",
+    "flash_attention_256_f16",
+    "flash_attention_256_q8_0",
+    "flash_attention_256_q4_0",
+];
+
+/// How a batch's query rows fall into blocks: `heads` heads of one KV head's group share a
+/// block (`head_blocks` blocks cover the group), for `tokens` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct FlashLayout {
+    pub(super) heads: usize,
+    pub(super) head_blocks: usize,
+    pub(super) tokens: usize,
+}
+
+impl FlashLayout {
+    /// The layout for `n_heads` query heads over `n_kv_heads` KV heads (a divisor of it).
+    pub(super) fn new(n_heads: usize, n_kv_heads: usize) -> Self {
+        let group = (n_heads / n_kv_heads.max(1)).max(1);
+        let heads = group.min(ROWS_PER_BLOCK);
+        Self {
+            heads,
+            head_blocks: group.div_ceil(heads),
+            tokens: ROWS_PER_BLOCK / heads,
+        }
+    }
+}
+
+/// The head sizes whose flash kernel this device can run (tensor-core mma.sync and
+/// cp.async need compute capability 8.0; each size needs its shared memory), with the
+/// kernels' shared-memory limit raised to what they take.
+#[derive(Clone, Debug, Default)]
+pub(super) struct FlashKernels {
+    head_dims: Vec<usize>,
+}
+
+impl FlashKernels {
+    /// Enables the kernels `ctx`'s device can run, unless [`ENV_SWITCH`] is `0`.
+    pub(super) fn enable(ctx: &CudaContext, cc: (i32, i32), kernels: &Kernels) -> Result<Self> {
+        let off = std::env::var_os(ENV_SWITCH).is_some_and(|v| v == "0");
+        if off || cc.0 < 8 {
+            return Ok(Self::default());
+        }
+        let limit = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| driver_err("reading the device's shared memory per block", e))?;
+        let limit = usize::try_from(limit).unwrap_or(0);
+        let mut head_dims = Vec::new();
+        for d in HEAD_DIMS {
+            let bytes = shared_bytes(d);
+            if bytes > limit {
+                continue;
+            }
+            // A size whose limit the driver will not raise keeps the kernels it had.
+            let raised = [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0]
+                .iter()
+                .filter_map(|&ty| entry(d, ty))
+                .try_fold(true, |ok, name| {
+                    let set = kernels.get(name)?.function.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as i32,
+                    );
+                    Ok::<_, crate::ComputeError>(ok && set.is_ok())
+                })?;
+            if raised {
+                head_dims.push(d);
+            }
+        }
+        Ok(Self { head_dims })
+    }
+
+    /// The head sizes the kernel runs for.
+    pub(super) fn head_dims(&self) -> &[usize] {
+        &self.head_dims
+    }
+
+    /// The flash kernel for a batch over a cache of `ty` with heads of `head_dim`, when
+    /// this device runs one.
+    pub(super) fn kernel(&self, ty: GgmlType, head_dim: usize) -> Option<&'static str> {
+        if !self.head_dims.contains(&head_dim) {
+            return None;
+        }
+        entry(head_dim, ty)
+    }
+}
+
+/// The launch of the flash kernel for `n_tokens` queries of `shape` (see
+/// attention_flash.cu); its arguments are those of the CUDA-core tiled kernel.
+pub(super) fn launch_config(shape: AttnShape, n_tokens: usize) -> LaunchConfig {
+    let layout = FlashLayout::new(shape.n_heads, shape.n_kv_heads);
+    LaunchConfig {
+        grid_dim: (
+            (shape.n_kv_heads * layout.head_blocks) as u32,
+            n_tokens.div_ceil(layout.tokens) as u32,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: shared_bytes(shape.head_dim) as u32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_takes_the_heads_of_one_kv_head() {
+        // LLaMA 3 8B (32 / 8): 4 heads of 16 tokens.
+        let l = FlashLayout::new(32, 8);
+        assert_eq!((l.heads, l.head_blocks, l.tokens), (4, 1, 16));
+        // No grouping: 64 tokens of one head.
+        assert_eq!(FlashLayout::new(16, 16).tokens, 64);
+        // Groups that do not divide the rows leave padding: 3 heads of 21 tokens.
+        let l = FlashLayout::new(6, 2);
+        assert_eq!((l.heads, l.tokens), (3, 21));
+        // A group larger than a block is split over blocks of one token.
+        let l = FlashLayout::new(128, 1);
+        assert_eq!((l.heads, l.head_blocks, l.tokens), (64, 2, 1));
+    }
+
+    #[test]
+    fn every_head_size_and_cache_type_has_an_entry() {
+        for d in HEAD_DIMS {
+            for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
+                let name = entry(d, ty).expect("an entry");
+                assert!(ENTRIES.contains(&name), "{name} is not loaded");
+            }
+        }
+        assert_eq!(entry(32, GgmlType::F16), None);
+        assert_eq!(entry(128, GgmlType::Q4K), None);
+        // The largest heads fit an H100's 227 KiB, not the 48 KiB without opting in.
+        assert!(shared_bytes(256) <= 227 * 1024 && shared_bytes(256) > 48 * 1024);
+    }
+}
