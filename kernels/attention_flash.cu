@@ -157,6 +157,18 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
 #pragma unroll
     for (int j = 0; j < DTILES; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 
+    // Heads up to 128 keep the warp's query fragments in registers for the whole walk;
+    // larger ones (whose output accumulators already take 128 registers) reread them from
+    // shared memory at each tile.
+    constexpr bool Q_REGS = D <= 128;
+    u32 qf[Q_REGS ? KSTEPS : 1][4];
+    if constexpr (Q_REGS) {
+        __syncthreads();  // the queries are in shared memory
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk++)
+            ldmatrix_x4(smem_addr(qs + (warp * 16 + (lane & 15)) * STRIDE + kk * 16 + (lane >> 4) * 8), qf[kk]);
+    }
+
     if (ASYNC && lo < hi) {
         fa_load_tile<D, TY>(ks, k, n_kv_heads, kh, lo, lo, hi);
         fa_load_tile<D, TY>(vs, v, n_kv_heads, kh, lo, lo, hi);
@@ -192,7 +204,12 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; kk++) {
             u32 a[4];
-            ldmatrix_x4(smem_addr(qs + (warp * 16 + (lane & 15)) * STRIDE + kk * 16 + (lane >> 4) * 8), a);
+            if constexpr (Q_REGS) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) a[i] = qf[kk][i];
+            } else {
+                ldmatrix_x4(smem_addr(qs + (warp * 16 + (lane & 15)) * STRIDE + kk * 16 + (lane >> 4) * 8), a);
+            }
 #pragma unroll
             for (int j = 0; j < CTILES; j += 2) {
                 // Cells 8j..8j+15: b0, b1 of n-tile j, then of n-tile j + 1.

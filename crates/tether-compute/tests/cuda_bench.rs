@@ -1,4 +1,4 @@
-//! Timings of the CUDA decode path (matvec, attention). Ignored by default; on a GPU:
+//! Timings of the CUDA decode path (matvec, attention) and of prefill attention. Ignored by default; on a GPU:
 //! `cargo test -p tether-compute --release --test cuda_bench -- --ignored --nocapture`.
 
 use std::time::Instant;
@@ -99,6 +99,55 @@ fn bench_decode_attention() {
             secs * 1e6,
             (2 * cells * kv_dim * 2) as f64 / secs / 1e9
         );
+    }
+}
+
+/// The last 512-token chunk of a prompt of `ctx` tokens (each chunk attends to all earlier
+/// cells), as `tether bench -p ctx` runs it: time per call and tensor-core throughput
+/// (4 * heads * head * visible cells flops). `TETHER_FLASH_ATTENTION=0` times the kernels
+/// the flash kernel replaced.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bench_prefill_attention() {
+    let g = gpu();
+    let chunk = 512usize;
+    let shapes = [(32, 8, 128), (16, 8, 256)];
+    for ((n_heads, n_kv_heads, head_dim), ty) in shapes
+        .into_iter()
+        .flat_map(|s| [(s, GgmlType::F16), (s, GgmlType::Q8_0)])
+    {
+        let shape = AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        let kv_dim = n_kv_heads * head_dim;
+        for ctx in [512usize, 4096, 16384] {
+            let cache_bytes = ty.bytes_for((ctx * kv_dim) as u64).unwrap() as usize;
+            let k = g.alloc(cache_bytes).unwrap();
+            let v = g.alloc(cache_bytes).unwrap();
+            let q = g.alloc(chunk * n_heads * head_dim * 4).unwrap();
+            let mut out = g.alloc(chunk * n_heads * head_dim * 4).unwrap();
+            let spans: Vec<AttnSpan> = (0..chunk)
+                .map(|t| AttnSpan {
+                    first_cell: 0,
+                    n_cells: (ctx - chunk + t + 1) as u32,
+                })
+                .collect();
+            let secs = time(&g, 20, || {
+                g.attention(&q, &k, &v, ty, &spans, shape, 0.088, &mut out)
+                    .unwrap();
+            });
+            let cells: usize = spans.iter().map(|s| s.n_cells as usize).sum();
+            let flops = (4 * n_heads * head_dim * cells) as f64;
+            eprintln!(
+                "attention {ty} heads {n_heads}/{n_kv_heads}x{head_dim}, 512 tokens after \
+                 {:>5}: {:8.1} us  {:6.1} TFLOP/s",
+                ctx - chunk,
+                secs * 1e6,
+                flops / secs / 1e12
+            );
+        }
     }
 }
 
