@@ -516,6 +516,90 @@ __device__ void pk_swiglu(const u8* wg, const u8* wu, int rows, int cols, const 
     }
 }
 
+// ---- Mixture-of-experts products over the chosen experts, 8-bit activations ----
+// A launch runs a list of work items along gridDim.y; an item is one expert's rows times
+// up to NT activation rows that lie one after another. Without a tile list (decode, NT = 1)
+// item p is pick p: token p / k's expert ids[p], reading token p / k's row of the input and
+// writing row p of its outputs. With one (prefill), moe_group (moe.cu) wrote the count of
+// items at tiles[0] and item i as (expert, first row, rows) at tiles[1 + 3 i], the rows
+// being the picks sorted by expert, inputs gathered in that order (moe_gather_q8). Items
+// past the count and experts out of range write nothing (moe_sum skips those picks).
+struct MoeItem {
+    u32 expert;
+    int token_row;  // the gate/up input row
+    int row;        // the act row, and the down output row
+    int n;
+};
+
+__device__ __forceinline__ bool moe_item(const u32* ids, const u32* tiles, int n_expert, int k,
+                                         MoeItem* it) {
+    int i = blockIdx.y;
+    if (tiles) {
+        if (i >= (int)tiles[0]) return false;
+        it->expert = tiles[1 + 3 * i];
+        it->row = it->token_row = (int)tiles[2 + 3 * i];
+        it->n = (int)tiles[3 + 3 * i];
+    } else {
+        it->expert = ids[i];
+        it->token_row = i / k;
+        it->row = i;
+        it->n = 1;
+    }
+    return it->expert < (u32)n_expert;
+}
+
+// act[row][r] = silu(gate_x[r] . x[token_row]) * (up_x[r] . x[token_row]) for each item's
+// rows, and its 8-bit copy into aq/ads ([rows][ff], ff a multiple of 32) when aq is set.
+// gate and up share one type, so one expert_bytes. Launch: gridDim = (ceil(ff / PK_SW_ROWS),
+// items), blockDim.x = 32 * PK_SW_ROWS / R (pk_swiglu's shape); x in 8-bit blocks
+// [rows][cols], cols whole groups of the policy's layout.
+template <class P, int NT, int R, int U>
+__device__ void moe_swiglu(const u8* wg, const u8* wu, u64 expert_bytes, const u32* ids,
+                           const u32* tiles, int n_expert, int k, int ff, int cols, const i8* xq,
+                           const float2* xds, float* act, i8* aq, float2* ads) {
+    PDL_ENTRY();  // the item list and ids come from the kernels before
+    MoeItem it;
+    if (!moe_item(ids, tiles, n_expert, k, &it)) return;
+    size_t w = (size_t)it.expert * expert_bytes, x = (size_t)it.token_row * cols;
+    size_t a = (size_t)it.row * ff;
+    pk_swiglu<P, NT, R, U>(wg + w, wu + w, ff, cols, xq + x, xds + x / 32, it.n, act + a,
+                           aq ? aq + a : nullptr, aq ? ads + a / 32 : nullptr, GATE_SILU);
+}
+
+// out[row][r] = down_x[r] . act[row] for each item's rows (8-bit act aq/ads [rows][ff]).
+// Launch: gridDim = (ceil(e / (PK_MV_WARPS * R)), items), blockDim.x = 32 * PK_MV_WARPS.
+template <class P, int NT, int R, int U>
+__device__ void moe_down(const u8* wd, u64 expert_bytes, const u32* ids, const u32* tiles,
+                         int n_expert, int k, int e, int ff, const i8* aq, const float2* ads,
+                         float* out) {
+    PDL_ENTRY();
+    MoeItem it;
+    if (!moe_item(ids, tiles, n_expert, k, &it)) return;
+    size_t a = (size_t)it.row * ff;
+    pk_block_rows<P, NT, R, U>(wd + (size_t)it.expert * expert_bytes, e, blockIdx.x, ff, aq + a,
+                               ads + a / 32, it.n, out + (size_t)it.row * e, 0);
+}
+
+// The MoE entries of one row policy: `prefix`_swiglu_`name`_NT and `prefix`_down_`name`_NT for
+// NT 1 (decode, one pick an item) and 8 (tiles of the grouped prefill). U_SW and U_MV are
+// the rounds in flight of the policy's gate/up and matvec kernels.
+#define MOE_ENTRY(prefix, name, P, R, U_SW, U_MV, nt)                                             \
+    extern "C" __global__ void __launch_bounds__(32 * PK_SW_ROWS / R, nt <= 2 ? 2 : 1)           \
+        prefix##_swiglu_##name##_##nt(const u8* wg, const u8* wu, u64 expert_bytes,               \
+                                      const u32* ids, const u32* tiles, int n_expert, int k,      \
+                                      int ff, int cols, const i8* xq, const float2* xds,          \
+                                      float* act, i8* aq, float2* ads) {                          \
+        moe_swiglu<P, nt, R, U_SW>(wg, wu, expert_bytes, ids, tiles, n_expert, k, ff, cols, xq,  \
+                                   xds, act, aq, ads);                                            \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * PK_MV_WARPS) prefix##_down_##name##_##nt(   \
+        const u8* wd, u64 expert_bytes, const u32* ids, const u32* tiles, int n_expert, int k,   \
+        int e, int ff, const i8* aq, const float2* ads, float* out) {                             \
+        moe_down<P, nt, R, U_MV>(wd, expert_bytes, ids, tiles, n_expert, k, e, ff, aq, ads, out); \
+    }
+#define MOE_ENTRIES(prefix, name, P, R, U_SW, U_MV) \
+    MOE_ENTRY(prefix, name, P, R, U_SW, U_MV, 1) MOE_ENTRY(prefix, name, P, R, U_SW, U_MV, 8)
+
 // The 8 consecutive values e0..e0+8 of a row of type ty, e0 a multiple of 8, every one of
 // them < cols (the prefill GEMM's weight decoding and the MoE expert products). Quantized rows hold whole blocks of 32 (or 256) values, so the 8 values
 // share one block and one scale.

@@ -426,3 +426,10 @@ extern "C" __global__ void __launch_bounds__(128) pack_iq4_xs(u8* w, u64 n_group
     PDL_ENTRY();
     pack_groups_u16<544, Iq4xsPacking>(w, n_groups);
 }
+
+// Mixture-of-experts products (common.cuh's moe_swiglu / moe_down) of each K-quant layout.
+MOE_ENTRIES(moek, q4_k, KqRows<TY_Q4_K>, KQ_R, 1, 2)
+MOE_ENTRIES(moek, q5_k, KqRows<TY_Q5_K>, KQ_R, 1, 2)
+MOE_ENTRIES(moek, q6_k, KqRows<TY_Q6_KP>, KQ_R, 1, 2)
+MOE_ENTRIES(moek, iq4_xs, KqRows<TY_IQ4_XSP>, KQ_R, 1, 2)
+MOE_ENTRIES(moek, q3_k, KqRows<TY_Q3_KP>, KQ_R, 1, 2)

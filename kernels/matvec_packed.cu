@@ -159,6 +159,10 @@ PK_ENTRIES_Q8_0(2)
 PK_ENTRIES_Q8_0(4)
 PK_ENTRIES_Q8_0(8)
 
+// Mixture-of-experts products (common.cuh's moe_swiglu / moe_down) over packed experts.
+MOE_ENTRIES(moep, q4_0, PkRows<false>, PK_R, 2, 4)
+MOE_ENTRIES(moep, q8_0, PkRows<true>, PK_R, 2, 4)
+
 // In-place packing of GGUF blocks (BLOCK bytes: a 2-byte scale, then QB bytes of quants)
 // into groups of 8. One thread per group: it copies the group into its own slice of shared
 // memory, then writes the packed order back over it (rows never share a group, so threads

@@ -6,9 +6,11 @@
 // at r * row_bytes after that; every row is whole blocks of its type (packed types keep
 // each row where it was, see packed.rs), so decode8 reads a row from its start.
 //
-// Weights are decoded 8 consecutive values at a time by each lane with common.cuh's
-// decode8 (a warp step covers 256 values: one K-quant block, or 8 Q8_0 blocks), with f32
-// activations; not yet the 8-bit-activation dp4a of matvec_kquant.cu.
+// moe_gate_up / moe_down decode weights 8 consecutive values at a time by each lane with
+// common.cuh's decode8 (a warp step covers 256 values: one K-quant block, or 8 Q8_0
+// blocks), with f32 activations: the path of the types and widths the 8-bit kernels
+// (common.cuh's moe_swiglu / moe_down, see cuda/moe_int8.rs) do not take. moe_sum,
+// moe_group and moe_gather_q8 serve those 8-bit kernels.
 
 #define MOE_MAX_EXPERTS 1024
 #define MOE_WARPS 4
@@ -140,4 +142,106 @@ extern "C" __global__ void moe_down(const u8* wd, int tyd, u64 down_bytes, u64 r
         total += weights[p] * warp_sum(moe_dot_lane(tyd, d, a, ff, lane));
     }
     if (lane == 0) acc[(size_t)t * e + r] += total;
+}
+
+// acc[t][r] += sum over j < k (in order) of weights[t][j] * out[row(t * k + j)][r], row(p)
+// being p without a row list (decode) and row_of[p] with one (prefill); picks whose id is
+// out of range add nothing. The weighted sum of the 8-bit products (common.cuh's moe_down,
+// which writes each pick's row apart so that no two blocks add into one value).
+// Launch: any grid of 1-D blocks (grid-stride over nt * e values).
+extern "C" __global__ void moe_sum(const float* out, const u32* ids, const int* row_of,
+                                   const float* weights, int n_expert, int e, int k, int nt,
+                                   float* acc) {
+    PDL_ENTRY();
+    u64 total = (u64)nt * e;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        u64 t = i / e, r = i % e;
+        float s = 0.f;
+        for (int j = 0; j < k; j++) {
+            u64 p = t * k + j;
+            if (ids[p] >= (u32)n_expert) continue;
+            u64 row = row_of ? (u64)row_of[p] : p;
+            s += weights[p] * out[row * e + r];
+        }
+        acc[i] += s;
+    }
+}
+
+// Sorts the picks by expert for the grouped products: row_of[p] is pick p's row (-1 for an
+// id out of range), expert x's picks taking the rows after those of experts below x (experts in
+// order; picks within an expert in any order, since each row's result is its own), and
+// tiles gets the item list of common.cuh's MoE drivers: its length, then (expert, first
+// row, rows) for every run of at most `tile` rows of one expert.
+// Launch: one block of MOE_GROUP_THREADS threads. Assumes n_expert <= MOE_MAX_EXPERTS and
+// tiles holding 1 + 3 * (ceil(picks / tile) + n_expert) words (checked on the host).
+#define MOE_GROUP_THREADS 1024
+extern "C" __global__ void __launch_bounds__(MOE_GROUP_THREADS)
+    moe_group(const u32* ids, int picks, int n_expert, int tile, int* row_of, u32* tiles) {
+    PDL_ENTRY();
+    __shared__ int count[MOE_MAX_EXPERTS];
+    __shared__ int next[MOE_MAX_EXPERTS];
+    for (int x = threadIdx.x; x < n_expert; x += blockDim.x) count[x] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < picks; p += blockDim.x) {
+        u32 id = ids[p];
+        if (id < (u32)n_expert) atomicAdd(&count[id], 1);
+    }
+    __syncthreads();
+    // Exclusive scan of the counts and the tiles of each expert, by one warp: each lane
+    // takes a contiguous run of experts.
+    if (threadIdx.x < 32) {
+        int lane = threadIdx.x, per = (n_expert + 31) / 32;
+        int x0 = min(lane * per, n_expert), x1 = min(x0 + per, n_expert);
+        int rows = 0, ntiles = 0;
+        for (int x = x0; x < x1; x++) {
+            rows += count[x];
+            ntiles += (count[x] + tile - 1) / tile;
+        }
+        int row0 = rows, tile0 = ntiles;
+        for (int o = 1; o < 32; o <<= 1) {
+            int a = __shfl_up_sync(0xffffffffu, row0, o), b = __shfl_up_sync(0xffffffffu, tile0, o);
+            if (lane >= o) {
+                row0 += a;
+                tile0 += b;
+            }
+        }
+        row0 -= rows;
+        tile0 -= ntiles;
+        for (int x = x0; x < x1; x++) {
+            next[x] = row0;
+            for (int r = 0; r < count[x]; r += tile) {
+                u32* t = tiles + 1 + 3 * tile0++;
+                t[0] = (u32)x;
+                t[1] = (u32)(row0 + r);
+                t[2] = (u32)min(tile, count[x] - r);
+            }
+            row0 += count[x];
+        }
+        if (lane == 31) tiles[0] = (u32)tile0;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < picks; p += blockDim.x) {
+        u32 id = ids[p];
+        row_of[p] = id < (u32)n_expert ? atomicAdd(&next[id], 1) : -1;
+    }
+}
+
+// Row row_of[p] of xq/xds (8-bit blocks, [rows][cols]) = the 8-bit copy of pick p's token
+// row x[p / k], for every pick with a row: the grouped products' input, quantized as
+// quantize_q8 does. Launch: blockDim.x = 256, one warp per block of 32 values, picks * cols
+// / 32 warps in all; cols a multiple of 32.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_gather_q8(const float* x, const int* row_of, int picks, int k, int cols, i8* xq,
+                  float2* xds) {
+    PDL_ENTRY();
+    u64 warp = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31, nb = cols / 32;
+    if (warp >= (u64)picks * nb) return;
+    int p = (int)(warp / nb), b = (int)(warp % nb);
+    int row = row_of[p];
+    if (row < 0) return;
+    size_t at = (size_t)row * cols + (size_t)b * 32 + lane;
+    q8_block(x[(size_t)(p / k) * cols + (size_t)b * 32 + lane], lane, xq + at,
+             xds + (size_t)row * nb + b);
 }

@@ -145,6 +145,14 @@ const MATVEC_PACKED_ENTRIES: &[&str] = &[
     "matvecp_swiglu_q8_0_8",
     "pack_q4_0",
     "pack_q8_0",
+    "moep_swiglu_q4_0_1",
+    "moep_down_q4_0_1",
+    "moep_swiglu_q4_0_8",
+    "moep_down_q4_0_8",
+    "moep_swiglu_q8_0_1",
+    "moep_down_q8_0_1",
+    "moep_swiglu_q8_0_8",
+    "moep_down_q8_0_8",
 ];
 
 const FILES: &[KernelFile] = &[
@@ -267,6 +275,26 @@ const FILES: &[KernelFile] = &[
             "pack_q3_k",
             "pack_iq4_xs",
             "pack_q6_k",
+            "moek_swiglu_q4_k_1",
+            "moek_down_q4_k_1",
+            "moek_swiglu_q4_k_8",
+            "moek_down_q4_k_8",
+            "moek_swiglu_q5_k_1",
+            "moek_down_q5_k_1",
+            "moek_swiglu_q5_k_8",
+            "moek_down_q5_k_8",
+            "moek_swiglu_q6_k_1",
+            "moek_down_q6_k_1",
+            "moek_swiglu_q6_k_8",
+            "moek_down_q6_k_8",
+            "moek_swiglu_iq4_xs_1",
+            "moek_down_iq4_xs_1",
+            "moek_swiglu_iq4_xs_8",
+            "moek_down_iq4_xs_8",
+            "moek_swiglu_q3_k_1",
+            "moek_down_q3_k_1",
+            "moek_swiglu_q3_k_8",
+            "moek_down_q3_k_8",
         ],
     },
     KernelFile {
@@ -293,7 +321,14 @@ const FILES: &[KernelFile] = &[
         name: "moe",
         source: include_str!("../../../../kernels/moe.cu"),
         dependent_launch: true,
-        entries: &["moe_route", "moe_gate_up", "moe_down"],
+        entries: &[
+            "moe_route",
+            "moe_gate_up",
+            "moe_down",
+            "moe_sum",
+            "moe_group",
+            "moe_gather_q8",
+        ],
     },
     KernelFile {
         name: "select",
@@ -520,6 +555,19 @@ mod tests {
     fn every_entry_is_defined_in_its_file() {
         for f in FILES {
             for e in f.entries {
+                // MoE entries: MOE_ENTRIES(prefix, type, ...) defines both kernels and widths.
+                let moe = ["moek_", "moep_"].iter().find_map(|p| {
+                    let rest = e.strip_prefix(p)?;
+                    let rest = rest
+                        .strip_prefix("swiglu_")
+                        .or(rest.strip_prefix("down_"))?;
+                    let ty = rest.rsplit_once('_').map_or(rest, |(t, _)| t);
+                    Some(format!("MOE_ENTRIES({}, {ty},", p.trim_end_matches('_')))
+                });
+                if let Some(mac) = moe {
+                    assert!(f.source.contains(&mac), "{e} not found in {}", f.name);
+                    continue;
+                }
                 // Packed entries: PK_ENTRIES_<TYPE>(nt) defines the three kernels of a type.
                 let packed = ["matvecp_swiglu_", "matvecp3_", "matvecp_"]
                     .iter()

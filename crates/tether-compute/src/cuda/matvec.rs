@@ -37,8 +37,9 @@ const XQ_SLOT_BYTES: usize = XQ_SCALES_AT + MV_MAX_TOKENS * (XQ_MAX_COLS / 32) *
 const XQ_SLOTS: usize = 2;
 /// Bytes of the quantized-activation buffer.
 pub(crate) const XQ_BYTES: usize = XQ_SLOTS * XQ_SLOT_BYTES;
-/// Where the (scale, scaled sum) pairs start in a slot.
-const XQ_SCALES_AT: usize = MV_MAX_TOKENS * XQ_MAX_COLS;
+/// Where the (scale, scaled sum) pairs start in a slot; also the most 8-bit values a slot
+/// holds.
+pub(super) const XQ_SCALES_AT: usize = MV_MAX_TOKENS * XQ_MAX_COLS;
 /// Rows the gate/up kernel gives one block (matvec_packed.cu's PK_SW_ROWS): one 8-bit
 /// block of its output per token.
 const PK_SWIGLU_ROWS_PER_BLOCK: usize = 32;
@@ -153,7 +154,7 @@ impl Fused {
 }
 
 /// The name stem of the matvec kernels for `ty`.
-fn stem(ty: GgmlType) -> Option<&'static str> {
+pub(super) fn stem(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
         GgmlType::F32 => "f32",
         GgmlType::F16 => "f16",
@@ -180,7 +181,7 @@ fn stem(ty: GgmlType) -> Option<&'static str> {
 /// K-quant kernels (matvec_kquant.cu): Q4_K and Q5_K as GGUF stores them, Q6_K, Q3_K and
 /// IQ4_XS packed. On
 /// an H100 they replace f32-activation kernels that read 4 weight bytes a lane.
-fn kquant_int8(ty: GgmlType, packed: bool, cols: usize) -> bool {
+pub(super) fn kquant_int8(ty: GgmlType, packed: bool, cols: usize) -> bool {
     let fits = cols > 0 && cols.is_multiple_of(256) && cols <= XQ_MAX_COLS;
     fits && match ty {
         GgmlType::Q4K | GgmlType::Q5K => !packed,
@@ -397,6 +398,38 @@ impl CudaBackend {
         };
         let (q, ds) = guard.slot(slot);
         Ok(QuantizedInput { guard, slot, q, ds })
+    }
+
+    /// For an op that reads the 8-bit copy of `n` rows of `cols` at `x` (quantized now
+    /// unless the buffer holds them) and may write the 8-bit copy of its own output, `out`
+    /// = (address, cols, rows) of at most [`XQ_SCALES_AT`] values, into the other slot:
+    /// `launch` gets the (values, scales) addresses of the input and of that slot, and must
+    /// queue every kernel that reads them before it returns.
+    pub(super) fn with_xq_in_out(
+        &self,
+        x: u64,
+        cols: usize,
+        n: usize,
+        out: Option<(u64, usize, usize)>,
+        launch: impl FnOnce((u64, u64), Option<(u64, u64)>) -> Result<()>,
+    ) -> Result<()> {
+        let mut xin = self.quantized_input(x, cols, n)?;
+        let s = (xin.slot + 1) % XQ_SLOTS;
+        let target = out.map(|_| {
+            xin.guard.holds[s] = None;
+            xin.guard.slot(s)
+        });
+        launch((xin.q, xin.ds), target)?;
+        if let Some((at, out_cols, out_n)) = out {
+            let key = (
+                at,
+                out_cols,
+                out_n,
+                self.write_epoch.load(Ordering::Relaxed),
+            );
+            xin.guard.written(s, key);
+        }
+        Ok(())
     }
 
     /// The fused decode kernels that take products of these weights (each with its type),

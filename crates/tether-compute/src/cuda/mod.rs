@@ -19,6 +19,7 @@ mod graph;
 mod launch;
 mod matvec;
 mod moe;
+mod moe_int8;
 mod norm;
 mod nvml;
 mod ops;

@@ -8,12 +8,14 @@ use super::launch::{Arg, int};
 use super::packed::kernel_type_id;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::Result;
-use crate::moe::{MoeFfn, MoeRouting, MoeScratch, check_route};
+use crate::moe::{ExpertBytes, MoeFfn, MoeRouting, MoeScratch, check_route};
 
 /// Rows per block of `moe_gate_up` and `moe_down`; must match MOE_WARPS in moe.cu.
 const MOE_WARPS: usize = 4;
+/// What the expert products' errors name.
+const OP: &str = "moe_ffn";
 /// The largest grid y dimension CUDA allows (x allows 2^31 - 1; launches keep both below).
-const MAX_GRID_Y: usize = 65_535;
+pub(super) const MAX_GRID_Y: usize = 65_535;
 
 /// `items` (picks or tokens) along x, fastest, and the rows in blocks of [`MOE_WARPS`]
 /// along y (see moe.cu).
@@ -75,9 +77,8 @@ impl CudaBackend {
         &self,
         ffn: MoeFfn<'_, CudaBuffer>,
         acc: &mut CudaBuffer,
-        scratch: MoeScratch<'_, CudaBuffer>,
+        mut scratch: MoeScratch<'_, CudaBuffer>,
     ) -> Result<()> {
-        const OP: &str = "moe_ffn";
         let one = ffn.check(OP, acc)?;
         scratch.check(OP, &ffn)?;
         for ty in [ffn.gate.ty, ffn.up.ty, ffn.down.ty] {
@@ -85,7 +86,7 @@ impl CudaBackend {
                 return Err(unsupported(OP, ty));
             }
         }
-        let (e, ff, k, n) = (ffn.n_embd, ffn.n_ff, ffn.routing.n_used, ffn.n_tokens);
+        let (e, ff, n) = (ffn.n_embd, ffn.n_ff, ffn.n_tokens);
         // Each lane decodes 8 values at a time (moe.cu).
         if !e.is_multiple_of(8) || !ff.is_multiple_of(8) {
             return Err(shape_err(
@@ -93,16 +94,39 @@ impl CudaBackend {
                 format!("experts of {ff}x{e}: both widths must be multiples of 8"),
             ));
         }
-        let ids = Arg::Ptr(self.addr(OP, "expert ids", ffn.ids)?);
-        let n_expert = int(OP, "expert count", ffn.routing.n_expert)?;
-        let (ea, fa, ka) = (
-            int(OP, "embedding width", e)?,
-            int(OP, "expert width", ff)?,
-            int(OP, "experts used", k)?,
-        );
+        if n == 0 || e == 0 || ff == 0 {
+            return Ok(());
+        }
+        if self.moe_ffn_int8(&ffn, one, acc, &mut scratch)? {
+            return Ok(());
+        }
         // The activations go to the gate scratch; rows and up are not needed here.
-        let act = Arg::Ptr(self.addr(OP, "gate scratch", scratch.gate)?);
-        let gate_up = [
+        let act = self.addr(OP, "gate scratch", scratch.gate)?;
+        let acc = self.addr(OP, "accumulator", acc)?;
+        // Batches past the launch limit go in slices of whole tokens.
+        let step = (MAX_GRID_Y / ffn.routing.n_used).max(1);
+        for t0 in (0..n).step_by(step) {
+            let nt = step.min(n - t0);
+            self.moe_gate_up_f32(&ffn, one, act, t0, nt)?;
+            self.moe_down_f32(&ffn, one, act, acc, t0, nt)?;
+        }
+        Ok(())
+    }
+
+    /// `moe_gate_up` (f32 activations) over tokens `t0..t0 + nt`: their activations into
+    /// `act`, `[picks][ff]` f32.
+    fn moe_gate_up_f32(
+        &self,
+        ffn: &MoeFfn<'_, CudaBuffer>,
+        one: ExpertBytes,
+        act: u64,
+        t0: usize,
+        nt: usize,
+    ) -> Result<()> {
+        let (e, ff, k) = (ffn.n_embd, ffn.n_ff, ffn.routing.n_used);
+        let x = self.addr(OP, "input", ffn.x)?;
+        let ids = self.addr(OP, "expert ids", ffn.ids)?;
+        let args = [
             Arg::Ptr(self.addr(OP, "gate experts", ffn.gate.buf)?),
             Arg::Ptr(self.addr(OP, "up experts", ffn.up.buf)?),
             Arg::I32(kernel_type_id(ffn.gate.buf, ffn.gate.ty)),
@@ -111,51 +135,45 @@ impl CudaBackend {
             Arg::U64(one.up as u64),
             Arg::U64(row_bytes(OP, ffn.gate.ty, e)? as u64),
             Arg::U64(row_bytes(OP, ffn.up.ty, e)? as u64),
-            Arg::Ptr(self.addr(OP, "input", ffn.x)?),
-            ids,
-            n_expert,
-            ea,
-            fa,
-            ka,
-            act,
+            Arg::Ptr(x + (t0 * e * 4) as u64),
+            Arg::Ptr(ids + (t0 * k * 4) as u64),
+            int(OP, "expert count", ffn.routing.n_expert)?,
+            int(OP, "embedding width", e)?,
+            int(OP, "expert width", ff)?,
+            int(OP, "experts used", k)?,
+            Arg::Ptr(act + (t0 * k * ff * 4) as u64),
         ];
-        let down = [
+        self.run("moe_gate_up", grid(OP, ff, nt * k)?, &args)
+    }
+
+    /// `moe_down` (f32 activations) over tokens `t0..t0 + nt`: each token's experts'
+    /// products of `act`, weighted, added into `acc`.
+    pub(super) fn moe_down_f32(
+        &self,
+        ffn: &MoeFfn<'_, CudaBuffer>,
+        one: ExpertBytes,
+        act: u64,
+        acc: u64,
+        t0: usize,
+        nt: usize,
+    ) -> Result<()> {
+        let (e, ff, k) = (ffn.n_embd, ffn.n_ff, ffn.routing.n_used);
+        let ids = self.addr(OP, "expert ids", ffn.ids)?;
+        let weights = self.addr(OP, "expert weights", ffn.weights)?;
+        let args = [
             Arg::Ptr(self.addr(OP, "down experts", ffn.down.buf)?),
             Arg::I32(kernel_type_id(ffn.down.buf, ffn.down.ty)),
             Arg::U64(one.down as u64),
             Arg::U64(row_bytes(OP, ffn.down.ty, ff)? as u64),
-            act,
-            ids,
-            Arg::Ptr(self.addr(OP, "expert weights", ffn.weights)?),
-            n_expert,
-            ea,
-            fa,
-            ka,
-            Arg::Ptr(self.addr(OP, "accumulator", acc)?),
+            Arg::Ptr(act + (t0 * k * ff * 4) as u64),
+            Arg::Ptr(ids + (t0 * k * 4) as u64),
+            Arg::Ptr(weights + (t0 * k * 4) as u64),
+            int(OP, "expert count", ffn.routing.n_expert)?,
+            int(OP, "embedding width", e)?,
+            int(OP, "expert width", ff)?,
+            int(OP, "experts used", k)?,
+            Arg::Ptr(acc + (t0 * e * 4) as u64),
         ];
-        if n == 0 || e == 0 || ff == 0 {
-            return Ok(());
-        }
-        // Batches past the launch limit go in slices of whole tokens.
-        let step = (MAX_GRID_Y / k).max(1);
-        for t0 in (0..n).step_by(step) {
-            let nt = step.min(n - t0);
-            let shift = |a: Arg, bytes_per_token: usize| match a {
-                Arg::Ptr(p) => Arg::Ptr(p + (t0 * bytes_per_token) as u64),
-                other => other,
-            };
-            let mut gu = gate_up;
-            gu[8] = shift(gu[8], e * 4);
-            gu[9] = shift(gu[9], k * 4);
-            gu[14] = shift(gu[14], k * ff * 4);
-            self.run("moe_gate_up", grid(OP, ff, nt * k)?, &gu)?;
-            let mut dn = down;
-            dn[4] = shift(dn[4], k * ff * 4);
-            dn[5] = shift(dn[5], k * 4);
-            dn[6] = shift(dn[6], k * 4);
-            dn[11] = shift(dn[11], e * 4);
-            self.run("moe_down", grid(OP, e, nt)?, &dn)?;
-        }
-        Ok(())
+        self.run("moe_down", grid(OP, e, nt)?, &args)
     }
 }
