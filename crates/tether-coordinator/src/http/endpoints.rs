@@ -11,7 +11,6 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
-use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::error::ApiError;
@@ -37,12 +36,12 @@ pub(super) async fn completions(
     let started = Instant::now();
     let prepared = match body {
         Ok(bytes) if bytes.len() < HEAVY_BODY_BYTES => {
-            parse(Ok(bytes), Endpoint::Completion, &state.model_id)
+            strict::parse_body(Ok(bytes), Endpoint::Completion, &state.model_id)
                 .and_then(|req| prepare::completion(&state, req))
         }
         body => {
             let work = move |state: &AppState| {
-                parse(body, Endpoint::Completion, &state.model_id)
+                strict::parse_body(body, Endpoint::Completion, &state.model_id)
                     .and_then(|req| prepare::completion(state, req))
             };
             state.heavy.run(Arc::clone(&state), work).await
@@ -59,7 +58,8 @@ pub(super) async fn chat_completions(
     let started = Instant::now();
     // The model's template may loop as long as its budget allows: always heavy.
     let work = move |state: &AppState| {
-        parse(body, Endpoint::Chat, &state.model_id).and_then(|req| prepare::chat(state, req))
+        strict::parse_body(body, Endpoint::Chat, &state.model_id)
+            .and_then(|req| prepare::chat(state, req))
     };
     let prepared = state.heavy.run(Arc::clone(&state), work).await;
     respond(&state, Kind::Chat, prepared, started).await
@@ -67,21 +67,6 @@ pub(super) async fn chat_completions(
 
 /// The JSON body, or a 400 that says what is wrong with it (a field this server does not
 /// implement, an unknown model, a value of the wrong kind).
-fn parse<T: DeserializeOwned>(
-    body: Result<Bytes, BytesRejection>,
-    endpoint: Endpoint,
-    model_id: &str,
-) -> Result<T, ApiError> {
-    let bytes = body.map_err(|rejection| ApiError {
-        status: rejection.status(),
-        ..ApiError::invalid(format!(
-            "reading the request body: {}",
-            rejection.body_text()
-        ))
-    })?;
-    strict::parse_checked(&bytes, endpoint, model_id)
-}
-
 async fn respond(
     state: &SharedState,
     kind: Kind,

@@ -1,5 +1,6 @@
 //! The OpenAI-compatible HTTP API over any [`Generation`] engine: `/v1/completions`,
-//! `/v1/chat/completions` (both streaming), `/v1/models`, `/health` and `/metrics`.
+//! `/v1/chat/completions` (both streaming), `/v1/models`, `/tokenize`, `/detokenize`,
+//! `/health` and `/metrics`.
 //!
 //! The engine deals in token ids; this module owns the text: tokenizing prompts, rendering
 //! chat templates, detokenizing as tokens stream, and cutting at stop strings.
@@ -16,6 +17,7 @@ mod run;
 mod strict;
 pub mod template;
 pub mod text;
+mod tokenize;
 pub mod types;
 
 #[cfg(test)]
@@ -28,6 +30,8 @@ mod tests_bias;
 mod tests_errors;
 #[cfg(test)]
 mod tests_stream;
+#[cfg(test)]
+mod tests_tokenize;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -106,10 +110,12 @@ struct AppState {
 type SharedState = Arc<AppState>;
 
 /// Endpoints named in `/metrics`; anything else is counted as `other`.
-const ENDPOINTS: [&str; 5] = [
+const ENDPOINTS: [&str; 7] = [
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/models",
+    "/tokenize",
+    "/detokenize",
     "/health",
     "/metrics",
 ];
@@ -135,6 +141,8 @@ pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
         .route("/v1/completions", post(endpoints::completions))
         .route("/v1/chat/completions", post(endpoints::chat_completions))
         .route("/v1/models", get(list_models))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         // Inside the key check: a client without the key cannot make us wait on its body.
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),

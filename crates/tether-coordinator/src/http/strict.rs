@@ -14,6 +14,15 @@ use super::types::CommonParams;
 pub(super) enum Endpoint {
     Completion,
     Chat,
+    Tokenize,
+    Detokenize,
+}
+
+impl Endpoint {
+    /// Whether the endpoint generates tokens and so takes the sampling fields.
+    fn generates(self) -> bool {
+        matches!(self, Endpoint::Completion | Endpoint::Chat)
+    }
 }
 
 /// Fields both endpoints implement (OpenAI's and llama.cpp's sampling extensions).
@@ -48,12 +57,26 @@ fn own_fields(endpoint: Endpoint) -> &'static [&'static str] {
     match endpoint {
         Endpoint::Completion => &["prompt"],
         Endpoint::Chat => &["messages", "max_completion_tokens"],
+        // llama-server's and vLLM's spellings of the same fields.
+        Endpoint::Tokenize => &[
+            "model",
+            "content",
+            "prompt",
+            "add_special",
+            "add_special_tokens",
+            "parse_special",
+            "with_pieces",
+        ],
+        Endpoint::Detokenize => &["model", "tokens"],
     }
 }
 
 /// Fields of OpenAI's request reference (or llama.cpp's) this server does not implement,
 /// with whether a value asks for nothing and may pass.
 fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
+    if !endpoint.generates() {
+        return None;
+    }
     let empty = v.is_null()
         || v.as_object().is_some_and(Map::is_empty)
         || v.as_array().is_some_and(Vec::is_empty);
@@ -104,6 +127,22 @@ fn unsupported(param: &str, what: &str) -> ApiError {
     ApiError::invalid_param(param, what.to_string()).with_code("unsupported_parameter")
 }
 
+/// [`parse_checked`] of a body axum read, or the error that kept it from being read.
+pub(super) fn parse_body<T: DeserializeOwned>(
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+    endpoint: Endpoint,
+    model_id: &str,
+) -> Result<T, ApiError> {
+    let bytes = body.map_err(|rejection| ApiError {
+        status: rejection.status(),
+        ..ApiError::invalid(format!(
+            "reading the request body: {}",
+            rejection.body_text()
+        ))
+    })?;
+    parse_checked(&bytes, endpoint, model_id)
+}
+
 /// Checks the fields of a request body for `endpoint` and the model it names, then parses
 /// it as `T`. `model_id` is the id this server answers to.
 pub(super) fn parse_checked<T: DeserializeOwned>(
@@ -118,7 +157,9 @@ pub(super) fn parse_checked<T: DeserializeOwned>(
     };
     let mut passed = Vec::new();
     for (key, value) in fields.iter() {
-        if COMMON.contains(&key.as_str()) || own_fields(endpoint).contains(&key.as_str()) {
+        if (endpoint.generates() && COMMON.contains(&key.as_str()))
+            || own_fields(endpoint).contains(&key.as_str())
+        {
             continue;
         }
         match not_implemented(endpoint, key, value) {
@@ -168,7 +209,9 @@ pub(super) fn parse_checked<T: DeserializeOwned>(
     }
     // The shared fields are flattened into each request type, where serde loses their
     // names: read on their own first, so that a bad one is named.
-    typed::<CommonParams>(&body)?;
+    if endpoint.generates() {
+        typed::<CommonParams>(&body)?;
+    }
     typed(&body)
 }
 
