@@ -80,12 +80,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut dev = args.device.clone();
     dev.ctx = Some(dev.ctx.unwrap_or(need).max(need));
     match open_backend(&dev)? {
-        AnyBackend::Cpu(b) => bench_on(&args, &dev, load(b, &args.model, &dev, args.cache, need)?),
-        AnyBackend::Cuda(b) => bench_on(&args, &dev, load(b, &args.model, &dev, args.cache, need)?),
+        AnyBackend::Cpu(b) => {
+            // Which kernels ran belongs with the figures (`TETHER_CPU_ISA` may lower them).
+            let isa = Some(b.isa().name());
+            bench_on(
+                &args,
+                &dev,
+                isa,
+                load(b, &args.model, &dev, args.cache, need)?,
+            )
+        }
+        AnyBackend::Cuda(b) => bench_on(
+            &args,
+            &dev,
+            None,
+            load(b, &args.model, &dev, args.cache, need)?,
+        ),
     }
 }
 
-fn bench_on<B: Backend>(args: &BenchArgs, dev: &DeviceArgs, mut loaded: Loaded<B>) -> Result<()> {
+fn bench_on<B: Backend>(
+    args: &BenchArgs,
+    dev: &DeviceArgs,
+    cpu_isa: Option<&str>,
+    mut loaded: Loaded<B>,
+) -> Result<()> {
     if loaded.model.is_demo {
         eprintln!("{DEMO_LABEL}");
     }
@@ -100,7 +119,10 @@ fn bench_on<B: Backend>(args: &BenchArgs, dev: &DeviceArgs, mut loaded: Loaded<B
         println!(
             "model: {name} | {:.2} GiB on {} | ctx {} | ubatch {}",
             weights as f64 / (1u64 << 30) as f64,
-            dev.device,
+            match cpu_isa {
+                Some(isa) => format!("{} ({isa} kernels)", dev.device),
+                None => dev.device.clone(),
+            },
             loaded.ctx,
             dev.ubatch
         );
@@ -110,7 +132,7 @@ fn bench_on<B: Backend>(args: &BenchArgs, dev: &DeviceArgs, mut loaded: Loaded<B
     let report = |test: String, r: Rate| {
         if args.json {
             let row = serde_json::json!({
-                "model": name, "device": dev.device, "test": test,
+                "model": name, "device": dev.device, "cpu_isa": cpu_isa, "test": test,
                 "tokens_per_second": r.mean, "stddev": r.stddev,
                 "repetitions": args.repetitions, "ubatch": dev.ubatch,
             });

@@ -135,6 +135,7 @@ async fn serve_device(args: WorkerArgs) -> anyhow::Result<()> {
     match single_gpu(&args.device)? {
         None => {
             let backend = CpuBackend::new(args.threads).context("starting the cpu backend")?;
+            tracing::info!(isa = %backend.isa(), threads = backend.threads(), "cpu kernels");
             serve_on(args, Arc::new(backend)).await
         }
         Some(n) => {

@@ -35,6 +35,7 @@ type Scratch = (Vec<f32>, Vec<f32>);
 /// of `ty`, `head_bytes` per head.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
+    cpu: Option<Avx2>,
     q: &[f32],
     k: &[u8],
     v: &[u8],
@@ -61,7 +62,6 @@ pub(crate) fn attention(
     let group = n_heads / n_kv_heads;
     let head_bytes = head_dim / ty.block_elems() * ty.block_bytes();
     let cell_bytes = n_kv_heads * head_bytes;
-    let cpu = Avx2::detect();
     // Scores of one cache row for the `group` query heads in `qs`.
     let dot_heads = |qs: &[f32], row: &[u8], buf: &mut Vec<f32>, sc: &mut [f32]| {
         if ty == GgmlType::F16 {
@@ -218,7 +218,17 @@ mod tests {
         let q = random_f32(&mut rng, spans.len() * qd, 4.0);
         let scale = 0.5;
         let mut out = vec![0.0; q.len()];
-        attention(&q, &k, &v, ty, &spans, shape, (scale, 0.0), &mut out);
+        attention(
+            Avx2::detect(),
+            &q,
+            &k,
+            &v,
+            ty,
+            &spans,
+            shape,
+            (scale, 0.0),
+            &mut out,
+        );
 
         let mut want = vec![0.0f64; q.len()];
         for (t, sp) in spans.iter().enumerate() {
@@ -308,6 +318,7 @@ mod bench {
             for _ in 0..10 {
                 let start = Instant::now();
                 attention(
+                    Avx2::detect(),
                     &q,
                     &k,
                     &v,

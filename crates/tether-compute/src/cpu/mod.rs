@@ -9,6 +9,7 @@ mod buffer;
 mod check;
 mod elementwise;
 mod f16_rows;
+mod isa;
 mod matmul;
 mod moe;
 mod q8;
@@ -20,6 +21,7 @@ mod backend_tests;
 mod test_util;
 
 pub use buffer::{CPU_BUFFER_ALIGN, CpuBuffer};
+pub use isa::{CPU_ISA_ENV, CpuIsa};
 
 use rayon::prelude::*;
 use tether_gguf::{GgmlType, dequantize};
@@ -34,12 +36,22 @@ use check::{elems, f32s, f32s_mut, need, shape_err};
 pub struct CpuBackend {
     /// A pool of its own when a thread count was given; otherwise rayon's global pool.
     pool: Option<rayon::ThreadPool>,
+    /// The kernel level, chosen once.
+    isa: CpuIsa,
 }
 
 impl CpuBackend {
     /// A backend running its ops on `threads` threads of its own, or on rayon's global pool
-    /// (one thread per core) when `threads` is `None`.
+    /// (one thread per core) when `threads` is `None`, with the best kernels of this CPU or
+    /// the level `TETHER_CPU_ISA` names (an unknown name or a level the CPU lacks is an
+    /// error).
     pub fn new(threads: Option<usize>) -> Result<Self> {
+        Self::with_isa(threads, CpuIsa::from_env()?)
+    }
+
+    /// [`Self::new`] with the kernel level `isa`, which the CPU must support.
+    pub fn with_isa(threads: Option<usize>, isa: CpuIsa) -> Result<Self> {
+        isa.require()?;
         let pool = match threads {
             None => None,
             Some(n) => Some(
@@ -54,7 +66,12 @@ impl CpuBackend {
                     })?,
             ),
         };
-        Ok(Self { pool })
+        Ok(Self { pool, isa })
+    }
+
+    /// The kernel level the ops run at.
+    pub fn isa(&self) -> CpuIsa {
+        self.isa
     }
 
     /// Threads the ops run on.
@@ -189,7 +206,7 @@ impl Backend for CpuBackend {
         let w = &w.as_bytes()[..row_bytes * rows];
         let x = f32s(OP, "input", x, elems(OP, &[n_tokens, cols])?)?;
         let out = f32s_mut(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
-        self.install(|| matmul::matmul(ty, w, rows, cols, x, n_tokens, out));
+        self.install(|| matmul::matmul(self.isa, ty, w, rows, cols, x, n_tokens, out));
         Ok(())
     }
 
@@ -314,7 +331,8 @@ impl Backend for CpuBackend {
         check::spans(OP, spans, n_cells)?;
         let (k, v) = (k_cache.as_bytes(), v_cache.as_bytes());
         let scores = (scale, softcap);
-        self.install(|| attention::attention(q, k, v, cache_ty, spans, shape, scores, out));
+        let simd = self.isa.avx2();
+        self.install(|| attention::attention(simd, q, k, v, cache_ty, spans, shape, scores, out));
         Ok(())
     }
 

@@ -97,9 +97,27 @@ impl CpuBackend {
                 let c = r1 - r0;
                 let input = &rows[r0 * e..r1 * e];
                 let g = &wg[xid * one.gate..(xid + 1) * one.gate];
-                matmul(ffn.gate.ty, g, ff, e, input, c, &mut gate[r0 * ff..r1 * ff]);
+                matmul(
+                    self.isa,
+                    ffn.gate.ty,
+                    g,
+                    ff,
+                    e,
+                    input,
+                    c,
+                    &mut gate[r0 * ff..r1 * ff],
+                );
                 let u = &wu[xid * one.up..(xid + 1) * one.up];
-                matmul(ffn.up.ty, u, ff, e, input, c, &mut up[r0 * ff..r1 * ff]);
+                matmul(
+                    self.isa,
+                    ffn.up.ty,
+                    u,
+                    ff,
+                    e,
+                    input,
+                    c,
+                    &mut up[r0 * ff..r1 * ff],
+                );
             }
             gate.par_iter_mut()
                 .zip(up.par_iter())
@@ -112,6 +130,7 @@ impl CpuBackend {
                 let d = &wd[xid * one.down..(xid + 1) * one.down];
                 let act = &gate[r0 * ff..r1 * ff];
                 matmul(
+                    self.isa,
                     ffn.down.ty,
                     d,
                     e,

@@ -73,18 +73,18 @@ fn quantize_block(simd: Option<Avx2>, x: &[f32], qs: &mut [i8]) -> f32 {
     quantize_symmetric(x, qs)
 }
 
-/// Quantizes `x` (a multiple of 32 long) into `out` (`x.len() / 32` blocks).
-pub(crate) fn quantize_row_q8(x: &[f32], out: &mut [BlockQ8]) {
-    let simd = Avx2::detect();
+/// Quantizes `x` (a multiple of 32 long) into `out` (`x.len() / 32` blocks), with AVX2
+/// when `simd` is given (the kernel's level decides, so a forced level runs its own code).
+pub(crate) fn quantize_row_q8(simd: Option<Avx2>, x: &[f32], out: &mut [BlockQ8]) {
     for (xb, b) in x.chunks_exact(32).zip(out.iter_mut()) {
         b.d = quantize_block(simd, xb, &mut b.qs);
         b.qsum8 = 8 * b.qs.iter().map(|q| i32::from(*q)).sum::<i32>();
     }
 }
 
-/// Quantizes `x` (a multiple of 256 long) into `out` (`x.len() / 256` blocks).
-pub(crate) fn quantize_row_q8k(x: &[f32], out: &mut [BlockQ8K]) {
-    let simd = Avx2::detect();
+/// Quantizes `x` (a multiple of 256 long) into `out` (`x.len() / 256` blocks), with AVX2
+/// when `simd` is given.
+pub(crate) fn quantize_row_q8k(simd: Option<Avx2>, x: &[f32], out: &mut [BlockQ8K]) {
     for (xb, b) in x.chunks_exact(256).zip(out.iter_mut()) {
         b.d = quantize_block(simd, xb, &mut b.qs);
         for (s, q) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
@@ -172,7 +172,7 @@ mod tests {
         let mut rng = Rng::new(3);
         let x = random_f32(&mut rng, 32 * 5, 4.0);
         let mut blocks = vec![BlockQ8::default(); 5];
-        quantize_row_q8(&x, &mut blocks);
+        quantize_row_q8(Avx2::detect(), &x, &mut blocks);
         for (xb, b) in x.chunks(32).zip(&blocks) {
             let sum: i32 = b.qs.iter().map(|q| i32::from(*q)).sum();
             assert_eq!(b.qsum8, 8 * sum);
@@ -223,7 +223,7 @@ mod tests {
         let mut x = random_f32(&mut rng, 512, 2.0);
         x[256..].iter_mut().for_each(|v| *v = 0.0);
         let mut blocks = vec![BlockQ8K::default(); 2];
-        quantize_row_q8k(&x, &mut blocks);
+        quantize_row_q8k(Avx2::detect(), &x, &mut blocks);
         for (s, q) in blocks[0].bsums.iter().zip(blocks[0].qs.chunks(16)) {
             assert_eq!(i32::from(*s), q.iter().map(|v| i32::from(*v)).sum::<i32>());
         }

@@ -42,7 +42,10 @@ pub(crate) fn load_q8(y: &BlockQ8) -> __m256i {
 /// becomes 32 signed bytes; each token adds `d_w · d_y · Σ q·y`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q8_blocks<const N: usize, const Q8: bool>(w: &[u8], xs: [&[BlockQ8]; N]) -> [f32; N] {
+pub(super) fn dot_q8_blocks<const N: usize, const Q8: bool>(
+    w: &[u8],
+    xs: [&[BlockQ8]; N],
+) -> [f32; N] {
     let mut acc = [_mm256_setzero_ps(); N];
     let block_bytes = if Q8 { 34 } else { 18 };
     for (b, blk) in w.chunks_exact(block_bytes).enumerate() {
@@ -80,7 +83,7 @@ fn unpack_q4_0(blk: &[u8]) -> __m256i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn unpack_q8_0(blk: &[u8]) -> __m256i {
+pub(super) fn unpack_q8_0(blk: &[u8]) -> __m256i {
     let qs = &blk[2..34];
     // SAFETY: `qs` is 32 bytes, exactly one unaligned 256-bit load.
     unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) }
@@ -89,7 +92,7 @@ fn unpack_q8_0(blk: &[u8]) -> __m256i {
 /// Q4_0 quants as unsigned nibbles `0..16` (the `-8` is applied through `BlockQ8::s`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn unpack_q4_0_unsigned(blk: &[u8]) -> __m256i {
+pub(super) fn unpack_q4_0_unsigned(blk: &[u8]) -> __m256i {
     let qs = &blk[2..18];
     // SAFETY: `qs` is 16 bytes, exactly one unaligned 128-bit load.
     let v = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(qs.as_ptr().cast()) });
@@ -107,6 +110,7 @@ macro_rules! scales4 {
         _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, h(3), h(2), h(1), h(0)))
     }};
 }
+pub(super) use scales4;
 
 /// Asks for the same blocks of the next tile's rows (`ahead` bytes further: the driver
 /// lays a tile's rows back to back). Four interleaved streams of small blocks otherwise
@@ -121,15 +125,16 @@ macro_rules! prefetch_ahead {
         _mm_prefetch::<_MM_HINT_T0>($blk[3].as_ptr().wrapping_add($ahead).cast());
     }};
 }
+pub(super) use prefetch_ahead;
 
 /// Folds four rows' 8-lane i32 sums into `[r0, r1, r2, r3 | r0, r1, r2, r3]` (each half
-/// holds the sum of that half of the row's lanes), as f32.
+/// holds the sum of that half of the row's lanes).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fold4(p: [__m256i; 4]) -> __m256 {
+pub(super) fn fold4_i32(p: [__m256i; 4]) -> __m256i {
     let h01 = _mm256_hadd_epi32(p[0], p[1]);
     let h23 = _mm256_hadd_epi32(p[2], p[3]);
-    _mm256_cvtepi32_ps(_mm256_hadd_epi32(h01, h23))
+    _mm256_hadd_epi32(h01, h23)
 }
 
 /// [`fold4`] for `maddubs` outputs small enough to add eight of them in i16: Q4_0's
@@ -148,7 +153,7 @@ fn fold4_i16(p: [__m256i; 4]) -> __m256i {
 /// `[row][token]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn unfold4<const N: usize>(acc: [__m256; N]) -> [[f32; N]; 4] {
+pub(super) fn unfold4<const N: usize>(acc: [__m256; N]) -> [[f32; N]; 4] {
     let mut out = [[0.0f32; N]; 4];
     for (j, a) in acc.into_iter().enumerate() {
         let r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
@@ -162,101 +167,93 @@ fn unfold4<const N: usize>(acc: [__m256; N]) -> [[f32; N]; 4] {
     out
 }
 
+/// The body of a four-row kernel (decode, and prefill of types without panels): four
+/// weight rows of `$bytes`-byte blocks against `N` tokens. Each block of the four rows is
+/// decoded once by `$unpack`; `$rows_sum(&q, y)` gives the integer `Σ q·y` of every row
+/// against one token as `[r0, r1, r2, r3 | r0, r1, r2, r3]` (each half one half of the
+/// block), and one convert and one FMA then cover the four rows. A macro so that every
+/// kernel level compiles it with its own features around its own integer step.
+macro_rules! dot4_blocks {
+    ($w:expr, $xs:expr, $bytes:expr, $unpack:path, $rows_sum:path) => {{
+        let (w, xs): ([&[u8]; 4], [&[BlockQ8]; N]) = ($w, $xs);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let ahead = 4 * w[0].len();
+        let rows = w[0]
+            .chunks_exact($bytes)
+            .zip(w[1].chunks_exact($bytes))
+            .zip(w[2].chunks_exact($bytes).zip(w[3].chunks_exact($bytes)));
+        for (b, ((b0, b1), (b2, b3))) in rows.enumerate() {
+            let blk = [b0, b1, b2, b3];
+            prefetch_ahead!(blk, ahead);
+            let dw = scales4!(blk);
+            let dw8 = _mm256_set_m128(dw, dw);
+            let q = [
+                $unpack(blk[0]),
+                $unpack(blk[1]),
+                $unpack(blk[2]),
+                $unpack(blk[3]),
+            ];
+            for (a, x) in acc.iter_mut().zip(xs) {
+                let y = &x[b];
+                let sums = $rows_sum(&q, y);
+                let scale = _mm256_mul_ps(dw8, _mm256_set1_ps(y.d));
+                *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), *a);
+            }
+        }
+        unfold4(acc)
+    }};
+}
+pub(super) use dot4_blocks;
+
+/// Four rows of unsigned Q4_0 nibbles against one token, folded as [`dot4_blocks`] wants.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_sum_q4_0(q: &[__m256i; 4], y: &BlockQ8) -> __m256i {
+    let yv = load_q8(y);
+    let p = [
+        _mm256_maddubs_epi16(q[0], yv),
+        _mm256_maddubs_epi16(q[1], yv),
+        _mm256_maddubs_epi16(q[2], yv),
+        _mm256_maddubs_epi16(q[3], yv),
+    ];
+    // `Σ (q - 8)·y = Σ q·y - 8·Σ y`, exact in integers; the term goes into the low half
+    // only, which unfold4 adds to the high half once.
+    _mm256_sub_epi32(fold4_i16(p), q4_0_offset(y))
+}
+
+/// The `8·Σ y` a Q4_0 row sum of unsigned nibbles subtracts, in the low half only.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q4_0_offset(y: &BlockQ8) -> __m256i {
+    _mm256_zextsi128_si256(_mm_set1_epi32(y.qsum8))
+}
+
+/// Four rows of signed Q8_0 quants against one token: `|q| · sign(y, q)` keeps `maddubs`
+/// (u8 × i8) exact.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_sum_q8_0(q: &[__m256i; 4], y: &BlockQ8) -> __m256i {
+    let yv = load_q8(y);
+    let row = |k: usize| {
+        let p = _mm256_maddubs_epi16(_mm256_sign_epi8(q[k], q[k]), _mm256_sign_epi8(yv, q[k]));
+        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+    };
+    fold4_i32([row(0), row(1), row(2), row(3)])
+}
+
 /// Four Q4_0 rows against `N` tokens: each activation block is loaded once for all rows,
 /// and the four rows share one convert and one FMA per token.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot4_q4_0<const N: usize>(w: [&[u8]; 4], xs: [&[BlockQ8]; N]) -> [[f32; N]; 4] {
-    let mut acc = [_mm256_setzero_ps(); N];
-    let ahead = 4 * w[0].len();
-    let rows = w[0]
-        .chunks_exact(18)
-        .zip(w[1].chunks_exact(18))
-        .zip(w[2].chunks_exact(18).zip(w[3].chunks_exact(18)));
-    for (b, ((b0, b1), (b2, b3))) in rows.enumerate() {
-        let blk = [b0, b1, b2, b3];
-        prefetch_ahead!(blk, ahead);
-        let dw = scales4!(blk);
-        let dw8 = _mm256_set_m128(dw, dw);
-        let q = [
-            unpack_q4_0_unsigned(blk[0]),
-            unpack_q4_0_unsigned(blk[1]),
-            unpack_q4_0_unsigned(blk[2]),
-            unpack_q4_0_unsigned(blk[3]),
-        ];
-        for (a, x) in acc.iter_mut().zip(xs) {
-            let y = &x[b];
-            let yv = load_q8(y);
-            let p = [
-                _mm256_maddubs_epi16(q[0], yv),
-                _mm256_maddubs_epi16(q[1], yv),
-                _mm256_maddubs_epi16(q[2], yv),
-                _mm256_maddubs_epi16(q[3], yv),
-            ];
-            // `Σ (q - 8)·y = Σ q·y - 8·Σ y`, exact in integers, so one FMA per block; the
-            // term goes into the low half only, which unfold4 adds to the high half once.
-            let offset = _mm256_zextsi128_si256(_mm_set1_epi32(y.qsum8));
-            let sums = _mm256_sub_epi32(fold4_i16(p), offset);
-            let scale = _mm256_mul_ps(dw8, _mm256_set1_ps(y.d));
-            *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), *a);
-        }
-    }
-    unfold4(acc)
+    dot4_blocks!(w, xs, 18, unpack_q4_0_unsigned, rows_sum_q4_0)
 }
 
 /// Four Q8_0 rows against `N` tokens (see [`dot4_q4_0`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot4_q8_0<const N: usize>(w: [&[u8]; 4], xs: [&[BlockQ8]; N]) -> [[f32; N]; 4] {
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); N];
-    let ahead = 4 * w[0].len();
-    let rows = w[0]
-        .chunks_exact(34)
-        .zip(w[1].chunks_exact(34))
-        .zip(w[2].chunks_exact(34).zip(w[3].chunks_exact(34)));
-    for (b, ((b0, b1), (b2, b3))) in rows.enumerate() {
-        let blk = [b0, b1, b2, b3];
-        prefetch_ahead!(blk, ahead);
-        let dw = scales4!(blk);
-        let dw8 = _mm256_set_m128(dw, dw);
-        let q = [
-            unpack_q8_0(blk[0]),
-            unpack_q8_0(blk[1]),
-            unpack_q8_0(blk[2]),
-            unpack_q8_0(blk[3]),
-        ];
-        let aq = [
-            _mm256_sign_epi8(q[0], q[0]),
-            _mm256_sign_epi8(q[1], q[1]),
-            _mm256_sign_epi8(q[2], q[2]),
-            _mm256_sign_epi8(q[3], q[3]),
-        ];
-        for (a, x) in acc.iter_mut().zip(xs) {
-            let y = &x[b];
-            let yv = load_q8(y);
-            let p = [
-                _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(aq[0], _mm256_sign_epi8(yv, q[0])),
-                    ones,
-                ),
-                _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(aq[1], _mm256_sign_epi8(yv, q[1])),
-                    ones,
-                ),
-                _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(aq[2], _mm256_sign_epi8(yv, q[2])),
-                    ones,
-                ),
-                _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(aq[3], _mm256_sign_epi8(yv, q[3])),
-                    ones,
-                ),
-            ];
-            *a = _mm256_fmadd_ps(_mm256_mul_ps(dw8, _mm256_set1_ps(y.d)), fold4(p), *a);
-        }
-    }
-    unfold4(acc)
+    dot4_blocks!(w, xs, 34, unpack_q8_0, rows_sum_q8_0)
 }
 
 /// Q4_0 weights against [`BlockQ8`] activations.
@@ -267,7 +264,7 @@ impl RowKernel for Q4_0Kernel {
     const ACT_BLOCK: usize = 32;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8]) {
-        quantize_row_q8(x, out);
+        quantize_row_q8(Some(self.0), x, out);
     }
 
     fn dot<const N: usize>(&self, w: &[u8], xs: [&[BlockQ8]; N]) -> [f32; N] {
@@ -289,7 +286,7 @@ impl RowKernel for Q8_0Kernel {
     const ACT_BLOCK: usize = 32;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8]) {
-        quantize_row_q8(x, out);
+        quantize_row_q8(Some(self.0), x, out);
     }
 
     fn dot<const N: usize>(&self, w: &[u8], xs: [&[BlockQ8]; N]) -> [f32; N] {

@@ -24,7 +24,7 @@ const TOKEN_GROUP: usize = 4;
 /// Q4_0 block: f16 scale and 16 bytes of nibbles.
 const BLOCK_BYTES: usize = 18;
 /// Vectors per packed block: eight of quants, then the eight row scales as f32.
-const PACKED_BLOCK: usize = 9;
+pub(super) const PACKED_BLOCK: usize = 9;
 
 /// Q4_0 quants of one block as unsigned bytes `0..16`, element `i` in byte `i` (the `-8`
 /// is applied through [`BlockQ8::qsum8`]).
@@ -102,7 +102,7 @@ pub(crate) fn transpose8(r: [__m256i; 8]) -> [__m256i; 8] {
 /// Repacks rows `r0..r0 + 8` of `w` (rows past `rows` read as zero blocks, which add
 /// nothing) into `panel`: per block, [`PACKED_BLOCK`] vectors.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {
+pub(super) fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {
     let n_blocks = row_bytes / BLOCK_BYTES;
     // Rows past the matrix stay empty and pack as zero quants with scale 0. (Plain loops:
     // closures here were not inlined and took a third of the packing time.)
@@ -127,31 +127,55 @@ fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m2
     }
 }
 
+/// The body of a panel product (every format, every kernel level): lane `r` of result `j`
+/// is row `r` of the panel · token `xs[j]`. `$sums(pb, y)` is the integer part of one
+/// packed block against one token's activation block, one row per lane; `$finish(pb, y,
+/// sums, acc)` scales it into the accumulator. A macro so that each kernel level compiles
+/// it with its own features around its own integer step.
+macro_rules! panel_dot_body {
+    ($panel:expr, $xs:expr, $packed:expr, $sums:path, $finish:path) => {{
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (b, pb) in $panel.chunks_exact($packed).enumerate() {
+            for (a, x) in acc.iter_mut().zip($xs) {
+                let y = &x[b];
+                *a = $finish(pb, y, $sums(pb, y), *a);
+            }
+        }
+        acc
+    }};
+}
+pub(super) use panel_dot_body;
+
+/// Each row's `Σ q·y` over one packed Q4_0 block (unsigned nibbles, before the `-8`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn block_sum(pb: &[__m256i], y: &BlockQ8) -> __m256i {
+    // Eight maddubs outputs of at most 2·15·127 each add up in i16 (< 2^15).
+    // Written out: as a loop LLVM neither unrolled it nor kept the sum in a register.
+    let p = |k: usize| _mm256_maddubs_epi16(pb[k], broadcast4(&y.qs, 4 * k));
+    let s01 = _mm256_add_epi16(p(0), p(1));
+    let s23 = _mm256_add_epi16(p(2), p(3));
+    let s45 = _mm256_add_epi16(p(4), p(5));
+    let s67 = _mm256_add_epi16(p(6), p(7));
+    let s16 = _mm256_add_epi16(_mm256_add_epi16(s01, s23), _mm256_add_epi16(s45, s67));
+    _mm256_madd_epi16(s16, _mm256_set1_epi16(1))
+}
+
+/// `acc + d_w · d_y · (sums - 8·Σ y)` for one packed Q4_0 block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn finish(pb: &[__m256i], y: &BlockQ8, sums: __m256i, acc: __m256) -> __m256 {
+    let dw = _mm256_castsi256_ps(pb[8]);
+    let sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(y.qsum8));
+    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(y.d));
+    _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc)
+}
+
 /// One packed panel against `N` tokens: lane `r` of result `j` is row `r` · token `j`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panel_dot<const N: usize>(panel: &[__m256i], xs: [&[BlockQ8]; N]) -> [__m256; N] {
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); N];
-    for (b, pb) in panel.chunks_exact(PACKED_BLOCK).enumerate() {
-        let dw = _mm256_castsi256_ps(pb[8]);
-        for (a, x) in acc.iter_mut().zip(xs) {
-            let y = &x[b];
-            // Eight maddubs outputs of at most 2·15·127 each add up in i16 (< 2^15).
-            // Written out: as a loop LLVM neither unrolled it nor kept the sum in a
-            // register.
-            let p = |k: usize| _mm256_maddubs_epi16(pb[k], broadcast4(&y.qs, 4 * k));
-            let s01 = _mm256_add_epi16(p(0), p(1));
-            let s23 = _mm256_add_epi16(p(2), p(3));
-            let s45 = _mm256_add_epi16(p(4), p(5));
-            let s67 = _mm256_add_epi16(p(6), p(7));
-            let s16 = _mm256_add_epi16(_mm256_add_epi16(s01, s23), _mm256_add_epi16(s45, s67));
-            let sums = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(y.qsum8));
-            let scale = _mm256_mul_ps(dw, _mm256_set1_ps(y.d));
-            *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), *a);
-        }
-    }
-    acc
+    panel_dot_body!(panel, xs, PACKED_BLOCK, block_sum, finish)
 }
 
 /// Q4_0 weights against [`BlockQ8`] activations.
@@ -162,7 +186,7 @@ impl PanelFormat for Q4_0Panels {
     const ACT_BLOCK: usize = 32;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8]) {
-        quantize_row_q8(x, out);
+        quantize_row_q8(Some(self.0), x, out);
     }
 
     fn pack(&self, w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {

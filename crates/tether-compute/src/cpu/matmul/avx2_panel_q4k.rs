@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, transpose8};
+use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, panel_dot_body, transpose8};
 use super::scalar::unpack_q4k_scales;
 use crate::cpu::q8::{BlockQ8K, quantize_row_q8k};
 use crate::cpu::simd::Avx2;
@@ -12,14 +12,14 @@ use crate::cpu::simd::Avx2;
 /// Q4_K super-block: d, dmin (f16), 12 bytes of scales and mins, 128 bytes of nibbles.
 const BLOCK_BYTES: usize = 144;
 /// Sub-blocks of 32 elements in a super-block.
-const SUBS: usize = 8;
+pub(super) const SUBS: usize = 8;
 /// Where each part of a packed super-block starts, in vectors.
-const SCALES_AT: usize = SUBS * 8;
-const MINS_AT: usize = SCALES_AT + SUBS;
-const D_AT: usize = MINS_AT + SUBS / 2;
-const DMIN_AT: usize = D_AT + 1;
+pub(super) const SCALES_AT: usize = SUBS * 8;
+pub(super) const MINS_AT: usize = SCALES_AT + SUBS;
+pub(super) const D_AT: usize = MINS_AT + SUBS / 2;
+pub(super) const DMIN_AT: usize = D_AT + 1;
 /// Vectors per packed super-block.
-const PACKED_BLOCK: usize = DMIN_AT + 1;
+pub(super) const PACKED_BLOCK: usize = DMIN_AT + 1;
 
 /// 32 bytes of `s` starting at `at`.
 #[inline]
@@ -48,7 +48,7 @@ fn lanes(v: [u32; PANEL_ROWS]) -> __m256i {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {
+pub(super) fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {
     const ZERO: [u8; BLOCK_BYTES] = [0; BLOCK_BYTES];
     let n_blocks = row_bytes / BLOCK_BYTES;
     let m4 = _mm256_set1_epi8(0x0F);
@@ -109,45 +109,52 @@ fn sub_block_sum(q: &[__m256i], qs: &[i8], at: usize) -> __m256i {
     _mm256_add_epi16(_mm256_add_epi16(s01, s23), _mm256_add_epi16(s45, s67))
 }
 
+/// `Σ_s scale_s · Σ q·y` of one packed super-block against one token, one row per lane:
+/// at most 8 · 63 · 32 · 15 · 127 < 2^31.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn super_sums(pb: &[__m256i], y: &BlockQ8K) -> __m256i {
+    let mut sums = _mm256_setzero_si256();
+    for s in 0..SUBS {
+        let s16 = sub_block_sum(&pb[8 * s..8 * s + 8], &y.qs, 32 * s);
+        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(s16, pb[SCALES_AT + s]));
+    }
+    sums
+}
+
+/// `acc + d·d_y·sums - dmin·d_y·Σ_s min_s·(sum of sub-block s's activations)` for one
+/// packed super-block; the mins come from the activation block's 16-sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn finish(pb: &[__m256i], y: &BlockQ8K, sums: __m256i, acc: __m256) -> __m256 {
+    let d = _mm256_castsi256_ps(pb[D_AT]);
+    let dmin = _mm256_castsi256_ps(pb[DMIN_AT]);
+    // SAFETY: `bsums` is 32 bytes, one unaligned 256-bit load.
+    let bs = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
+    let pairs = _mm_hadd_epi16(
+        _mm256_castsi256_si128(bs),
+        _mm256_extracti128_si256::<1>(bs),
+    );
+    let pairs = _mm256_castsi128_si256(pairs);
+    let pick = |p: i32| _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(p));
+    let m01 = _mm256_add_epi32(
+        _mm256_madd_epi16(pb[MINS_AT], pick(0)),
+        _mm256_madd_epi16(pb[MINS_AT + 1], pick(1)),
+    );
+    let m23 = _mm256_add_epi32(
+        _mm256_madd_epi16(pb[MINS_AT + 2], pick(2)),
+        _mm256_madd_epi16(pb[MINS_AT + 3], pick(3)),
+    );
+    let mins = _mm256_cvtepi32_ps(_mm256_add_epi32(m01, m23));
+    let yd = _mm256_set1_ps(y.d);
+    let with_scales = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(sums), acc);
+    _mm256_fnmadd_ps(_mm256_mul_ps(dmin, yd), mins, with_scales)
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panel_dot<const N: usize>(panel: &[__m256i], xs: [&[BlockQ8K]; N]) -> [__m256; N] {
-    let mut acc = [_mm256_setzero_ps(); N];
-    for (b, pb) in panel.chunks_exact(PACKED_BLOCK).enumerate() {
-        let d = _mm256_castsi256_ps(pb[D_AT]);
-        let dmin = _mm256_castsi256_ps(pb[DMIN_AT]);
-        for (a, x) in acc.iter_mut().zip(xs) {
-            let y = &x[b];
-            // Σ_s scale_s · Σ q·y: at most 8 · 63 · 32 · 15 · 127 < 2^31.
-            let mut sums = _mm256_setzero_si256();
-            for s in 0..SUBS {
-                let s16 = sub_block_sum(&pb[8 * s..8 * s + 8], &y.qs, 32 * s);
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(s16, pb[SCALES_AT + s]));
-            }
-            // Σ_s min_s · (sum of the sub-block's activations), from the 16-sums.
-            // SAFETY: `bsums` is 32 bytes, one unaligned 256-bit load.
-            let bs = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
-            let pairs = _mm_hadd_epi16(
-                _mm256_castsi256_si128(bs),
-                _mm256_extracti128_si256::<1>(bs),
-            );
-            let pairs = _mm256_castsi128_si256(pairs);
-            let pick = |p: i32| _mm256_permutevar8x32_epi32(pairs, _mm256_set1_epi32(p));
-            let m01 = _mm256_add_epi32(
-                _mm256_madd_epi16(pb[MINS_AT], pick(0)),
-                _mm256_madd_epi16(pb[MINS_AT + 1], pick(1)),
-            );
-            let m23 = _mm256_add_epi32(
-                _mm256_madd_epi16(pb[MINS_AT + 2], pick(2)),
-                _mm256_madd_epi16(pb[MINS_AT + 3], pick(3)),
-            );
-            let mins = _mm256_cvtepi32_ps(_mm256_add_epi32(m01, m23));
-            let yd = _mm256_set1_ps(y.d);
-            let with_scales = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(sums), *a);
-            *a = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, yd), mins, with_scales);
-        }
-    }
-    acc
+    panel_dot_body!(panel, xs, PACKED_BLOCK, super_sums, finish)
 }
 
 /// Q4_K weights against [`BlockQ8K`] activations.
@@ -158,7 +165,7 @@ impl PanelFormat for Q4KPanels {
     const ACT_BLOCK: usize = 256;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8K]) {
-        quantize_row_q8k(x, out);
+        quantize_row_q8k(Some(self.0), x, out);
     }
 
     fn pack(&self, w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {

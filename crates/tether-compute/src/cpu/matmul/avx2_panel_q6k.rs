@@ -4,22 +4,22 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, transpose8};
+use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, panel_dot_body, transpose8};
 use crate::cpu::q8::{BlockQ8K, quantize_row_q8k};
 use crate::cpu::simd::Avx2;
 
 /// Q6_K super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 i8 scales, f16 d.
 const BLOCK_BYTES: usize = 210;
 /// Chunks of 32 elements (two sub-blocks of 16) in a super-block.
-const CHUNKS: usize = 8;
+pub(super) const CHUNKS: usize = 8;
 /// Sub-blocks of 16 elements, one scale each.
-const SUBS: usize = 16;
+pub(super) const SUBS: usize = 16;
 /// Where each part of a packed super-block starts, in vectors.
-const SCALES_AT: usize = CHUNKS * 8;
-const PAIRS_AT: usize = SCALES_AT + SUBS;
-const D_AT: usize = PAIRS_AT + SUBS / 2;
+pub(super) const SCALES_AT: usize = CHUNKS * 8;
+pub(super) const PAIRS_AT: usize = SCALES_AT + SUBS;
+pub(super) const D_AT: usize = PAIRS_AT + SUBS / 2;
 /// Vectors per packed super-block.
-const PACKED_BLOCK: usize = D_AT + 1;
+pub(super) const PACKED_BLOCK: usize = D_AT + 1;
 
 /// 32 bytes of `s` starting at `at`.
 #[inline]
@@ -71,7 +71,7 @@ fn lanes(v: [u32; PANEL_ROWS]) -> __m256i {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {
+pub(super) fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {
     const ZERO: [u8; BLOCK_BYTES] = [0; BLOCK_BYTES];
     let n_blocks = row_bytes / BLOCK_BYTES;
     panel.clear();
@@ -114,44 +114,51 @@ fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m2
     }
 }
 
+/// `Σ_s scale_s · Σ q·y` of one packed super-block against one token (quants `0..64`, before
+/// the -32 bias), one row per lane: |.| ≤ 16 · 128 · 16 · 63 · 127 < 2^31.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn super_sums(pb: &[__m256i], y: &BlockQ8K) -> __m256i {
+    let mut sums = _mm256_setzero_si256();
+    for c in 0..CHUNKS {
+        let v = &pb[8 * c..8 * c + 8];
+        let p = |k: usize| _mm256_maddubs_epi16(v[k], broadcast4(&y.qs, 32 * c + 4 * k));
+        // Two maddubs outputs of at most 2·63·127 each still fit i16.
+        let lo = _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_add_epi16(p(0), p(1)), pb[SCALES_AT + 2 * c]),
+            _mm256_madd_epi16(_mm256_add_epi16(p(2), p(3)), pb[SCALES_AT + 2 * c]),
+        );
+        let hi = _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_add_epi16(p(4), p(5)), pb[SCALES_AT + 2 * c + 1]),
+            _mm256_madd_epi16(_mm256_add_epi16(p(6), p(7)), pb[SCALES_AT + 2 * c + 1]),
+        );
+        sums = _mm256_add_epi32(sums, _mm256_add_epi32(lo, hi));
+    }
+    sums
+}
+
+/// `acc + d·d_y·(sums - 32·Σ_s scale_s·bsum_s)` for one packed super-block; the bias stays
+/// in integers as in the scalar kernel.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn finish(pb: &[__m256i], y: &BlockQ8K, sums: __m256i, acc: __m256) -> __m256 {
+    let d = _mm256_castsi256_ps(pb[D_AT]);
+    // SAFETY: `bsums` is 32 bytes, one unaligned 256-bit load.
+    let bs = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
+    let mut bias = _mm256_setzero_si256();
+    for p in 0..SUBS / 2 {
+        let pair = _mm256_permutevar8x32_epi32(bs, _mm256_set1_epi32(p as i32));
+        bias = _mm256_add_epi32(bias, _mm256_madd_epi16(pb[PAIRS_AT + p], pair));
+    }
+    let total = _mm256_sub_epi32(sums, _mm256_slli_epi32::<5>(bias));
+    let scale = _mm256_mul_ps(d, _mm256_set1_ps(y.d));
+    _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(total), acc)
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panel_dot<const N: usize>(panel: &[__m256i], xs: [&[BlockQ8K]; N]) -> [__m256; N] {
-    let mut acc = [_mm256_setzero_ps(); N];
-    for (b, pb) in panel.chunks_exact(PACKED_BLOCK).enumerate() {
-        let d = _mm256_castsi256_ps(pb[D_AT]);
-        for (a, x) in acc.iter_mut().zip(xs) {
-            let y = &x[b];
-            // Σ_s scale_s · Σ q·y: |.| ≤ 16 · 128 · 16 · 63 · 127 < 2^31.
-            let mut sums = _mm256_setzero_si256();
-            for c in 0..CHUNKS {
-                let v = &pb[8 * c..8 * c + 8];
-                let p = |k: usize| _mm256_maddubs_epi16(v[k], broadcast4(&y.qs, 32 * c + 4 * k));
-                // Two maddubs outputs of at most 2·63·127 each still fit i16.
-                let lo = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_add_epi16(p(0), p(1)), pb[SCALES_AT + 2 * c]),
-                    _mm256_madd_epi16(_mm256_add_epi16(p(2), p(3)), pb[SCALES_AT + 2 * c]),
-                );
-                let hi = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_add_epi16(p(4), p(5)), pb[SCALES_AT + 2 * c + 1]),
-                    _mm256_madd_epi16(_mm256_add_epi16(p(6), p(7)), pb[SCALES_AT + 2 * c + 1]),
-                );
-                sums = _mm256_add_epi32(sums, _mm256_add_epi32(lo, hi));
-            }
-            // The -32 bias, 32 · Σ_s scale_s · bsum_s, in integers as in the scalar kernel.
-            // SAFETY: `bsums` is 32 bytes, one unaligned 256-bit load.
-            let bs = unsafe { _mm256_loadu_si256(y.bsums.as_ptr().cast()) };
-            let mut bias = _mm256_setzero_si256();
-            for p in 0..SUBS / 2 {
-                let pair = _mm256_permutevar8x32_epi32(bs, _mm256_set1_epi32(p as i32));
-                bias = _mm256_add_epi32(bias, _mm256_madd_epi16(pb[PAIRS_AT + p], pair));
-            }
-            let total = _mm256_sub_epi32(sums, _mm256_slli_epi32::<5>(bias));
-            let scale = _mm256_mul_ps(d, _mm256_set1_ps(y.d));
-            *a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(total), *a);
-        }
-    }
-    acc
+    panel_dot_body!(panel, xs, PACKED_BLOCK, super_sums, finish)
 }
 
 /// Q6_K weights against [`BlockQ8K`] activations.
@@ -162,7 +169,7 @@ impl PanelFormat for Q6KPanels {
     const ACT_BLOCK: usize = 256;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8K]) {
-        quantize_row_q8k(x, out);
+        quantize_row_q8k(Some(self.0), x, out);
     }
 
     fn pack(&self, w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &mut Vec<__m256i>) {

@@ -141,7 +141,7 @@ impl RowKernel for Q5_0Kernel {
     const ACT_BLOCK: usize = 32;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8]) {
-        quantize_row_q8(x, out);
+        quantize_row_q8(Some(self.0), x, out);
     }
 
     fn dot<const N: usize>(&self, w: &[u8], xs: [&[BlockQ8]; N]) -> [f32; N] {
@@ -158,7 +158,7 @@ impl RowKernel for Q5KKernel {
     const ACT_BLOCK: usize = 256;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8K]) {
-        quantize_row_q8k(x, out);
+        quantize_row_q8k(Some(self.0), x, out);
     }
 
     fn dot<const N: usize>(&self, w: &[u8], xs: [&[BlockQ8K]; N]) -> [f32; N] {

@@ -1,7 +1,8 @@
 //! Throughput of the matmul kernels on llama3-1b shapes. Not run by default:
 //! `cargo test -p tether-compute --release bench_matmul -- --ignored --nocapture`
 //! (`BENCH_TYPES=q4_0,q4_K` picks types; `RAYON_NUM_THREADS=1` times one core;
-//! `BENCH_HOT=1` reuses one weight matrix).
+//! `BENCH_HOT=1` reuses one weight matrix; `TETHER_CPU_ISA=avx2` times a lower kernel
+//! level).
 //!
 //! Besides wall time it prints the CPU time the process spent, from the scheduler's
 //! per-thread counters: on a machine shared with other work that number moves much less
@@ -29,6 +30,8 @@ fn bench_matmul() {
     let mut rng = Rng::new(9);
     let (rows, cols) = (8192, 2048);
     let filter = std::env::var("BENCH_TYPES").unwrap_or_default();
+    let isa = CpuIsa::from_env().expect("TETHER_CPU_ISA names a level this CPU has");
+    eprintln!("kernel level {isa}");
     for ty in GgmlType::ALL {
         if !filter.is_empty() && !filter.split(',').any(|f| f.eq_ignore_ascii_case(ty.name())) {
             continue;
@@ -45,19 +48,19 @@ fn bench_matmul() {
         for n_tokens in [1usize, 64] {
             let x = random_f32(&mut rng, n_tokens * cols, 1.0);
             let mut out = vec![0.0f32; rows * n_tokens];
-            matmul(ty, w, rows, cols, &x, n_tokens, &mut out);
+            let ran = matmul(isa, ty, w, rows, cols, &x, n_tokens, &mut out);
             let reps = if n_tokens == 1 { 40 } else { 4 };
             let cpu0 = process_cpu_ns();
             let start = Instant::now();
             for i in 0..reps {
-                matmul(ty, &ws[i % copies], rows, cols, &x, n_tokens, &mut out);
+                matmul(isa, ty, &ws[i % copies], rows, cols, &x, n_tokens, &mut out);
             }
             let secs = start.elapsed().as_secs_f64() / reps as f64;
             let cpu_ms = (process_cpu_ns() - cpu0) as f64 / 1e6 / reps as f64;
             let gmacs = (rows * cols * n_tokens) as f64 / secs / 1e9;
             let gbs = w.len() as f64 / secs / 1e9;
             eprintln!(
-                "{ty:5} tokens={n_tokens:3}: {:8.3} ms  {gmacs:7.1} GMAC/s  {gbs:6.1} GB/s weights  {cpu_ms:8.3} cpu-ms",
+                "{ty:5} tokens={n_tokens:3} ({ran}): {:8.3} ms  {gmacs:7.1} GMAC/s  {gbs:6.1} GB/s weights  {cpu_ms:8.3} cpu-ms",
                 secs * 1e3
             );
         }

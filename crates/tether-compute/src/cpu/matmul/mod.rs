@@ -22,9 +22,15 @@ mod avx2_panel_q4k;
 mod avx2_panel_q6k;
 #[cfg(target_arch = "x86_64")]
 mod avx2_q5;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 use rayon::prelude::*;
 use tether_gguf::GgmlType;
+
+use crate::cpu::isa::CpuIsa;
+#[cfg(target_arch = "x86_64")]
+use crate::cpu::simd::Avx2;
 
 /// Tokens multiplied against one decoded weight row at a time.
 const TOKEN_GROUP: usize = 4;
@@ -46,10 +52,13 @@ pub(crate) trait RowKernel: Sync {
     }
 }
 
-/// `out[t][r] = Σ_c w[r][c] · x[t][c]`; the caller has checked every size
-/// (`w` holds `rows` rows of `cols` elements of `ty`, `cols` is whole blocks, `x` holds
-/// `n_tokens · cols` values and `out` `n_tokens · rows`).
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]` with the kernels of `isa` (see [`level_for`]); the
+/// caller has checked every size (`w` holds `rows` rows of `cols` elements of `ty`, `cols`
+/// is whole blocks, `x` holds `n_tokens · cols` values and `out` `n_tokens · rows`).
+/// Returns the level whose kernels ran.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul(
+    isa: CpuIsa,
     ty: GgmlType,
     w: &[u8],
     rows: usize,
@@ -57,44 +66,86 @@ pub(crate) fn matmul(
     x: &[f32],
     n_tokens: usize,
     out: &mut [f32],
-) {
-    let shape = Shape {
+) -> CpuIsa {
+    let s = Shape {
         rows,
         cols,
         n_tokens,
     };
+    let level = level_for(isa, ty);
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = crate::cpu::simd::Avx2::detect() {
-        match ty {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
-                return run(&avx2::FloatKernel::new(cpu, ty), w, shape, x, out);
+    match level {
+        CpuIsa::Avx512Vnni => {
+            if let Some(t) = isa.avx512_vnni() {
+                vnni::avx512::matmul(t, ty, w, s, x, out);
+                return level;
             }
-            GgmlType::Q4_0 if n_tokens >= avx2_panel::MIN_TOKENS => {
-                return avx2_panel::matmul(&avx2_panel::Q4_0Panels(cpu), w, shape, x, out);
-            }
-            GgmlType::Q4_0 => return run(&avx2::Q4_0Kernel(cpu), w, shape, x, out),
-            GgmlType::Q8_0 => return run(&avx2::Q8_0Kernel(cpu), w, shape, x, out),
-            GgmlType::Q4K if n_tokens >= avx2_panel::MIN_TOKENS => {
-                let panels = avx2_panel_q4k::Q4KPanels(cpu);
-                return avx2_panel::matmul(&panels, w, shape, x, out);
-            }
-            GgmlType::Q4K => return run(&avx2_kquant::Q4KKernel(cpu), w, shape, x, out),
-            GgmlType::Q6K if n_tokens >= avx2_panel::MIN_TOKENS => {
-                let panels = avx2_panel_q6k::Q6KPanels(cpu);
-                return avx2_panel::matmul(&panels, w, shape, x, out);
-            }
-            GgmlType::Q6K => return run(&avx2_kquant::Q6KKernel(cpu), w, shape, x, out),
-            GgmlType::Q5_0 => return run(&avx2_q5::Q5_0Kernel(cpu), w, shape, x, out),
-            GgmlType::Q5K => return run(&avx2_q5::Q5KKernel(cpu), w, shape, x, out),
-            _ => {}
         }
+        CpuIsa::AvxVnni => {
+            if let Some(t) = isa.avx_vnni() {
+                vnni::avx::matmul(t, ty, w, s, x, out);
+                return level;
+            }
+        }
+        CpuIsa::Avx2 => {
+            if let Some(cpu) = isa.avx2() {
+                avx2_matmul(cpu, ty, w, s, x, out);
+                return level;
+            }
+        }
+        CpuIsa::Scalar => {}
     }
+    scalar_matmul(ty, w, s, x, out);
+    CpuIsa::Scalar
+}
+
+/// The kernel level [`matmul`] runs `ty` at under `isa`: `isa` itself where it has kernels
+/// for `ty`, otherwise the highest level below it that has (every level has AVX2's).
+pub(crate) fn level_for(isa: CpuIsa, ty: GgmlType) -> CpuIsa {
+    use GgmlType as T;
+    let vnni = matches!(ty, T::Q4_0 | T::Q8_0 | T::Q4K | T::Q6K);
+    let avx2 = vnni || matches!(ty, T::F32 | T::F16 | T::BF16 | T::Q5_0 | T::Q5K);
+    match isa {
+        CpuIsa::Scalar => CpuIsa::Scalar,
+        CpuIsa::Avx512Vnni | CpuIsa::AvxVnni if vnni => isa,
+        _ if avx2 => CpuIsa::Avx2,
+        _ => CpuIsa::Scalar,
+    }
+}
+
+/// The AVX2 kernels; types without one go to the portable ones.
+#[cfg(target_arch = "x86_64")]
+fn avx2_matmul(cpu: Avx2, ty: GgmlType, w: &[u8], s: Shape, x: &[f32], out: &mut [f32]) {
+    let panels = s.n_tokens >= avx2_panel::MIN_TOKENS;
     match ty {
-        GgmlType::Q4_0 => run(&scalar::Q4_0Kernel, w, shape, x, out),
-        GgmlType::Q8_0 => run(&scalar::Q8_0Kernel, w, shape, x, out),
-        GgmlType::Q4K => run(&scalar::Q4KKernel, w, shape, x, out),
-        GgmlType::Q6K => run(&scalar::Q6KKernel, w, shape, x, out),
-        _ => run(&generic::GenericKernel::new(ty), w, shape, x, out),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+            run(&avx2::FloatKernel::new(cpu, ty), w, s, x, out)
+        }
+        GgmlType::Q4_0 if panels => avx2_panel::matmul(&avx2_panel::Q4_0Panels(cpu), w, s, x, out),
+        GgmlType::Q4_0 => run(&avx2::Q4_0Kernel(cpu), w, s, x, out),
+        GgmlType::Q8_0 => run(&avx2::Q8_0Kernel(cpu), w, s, x, out),
+        GgmlType::Q4K if panels => {
+            avx2_panel::matmul(&avx2_panel_q4k::Q4KPanels(cpu), w, s, x, out)
+        }
+        GgmlType::Q4K => run(&avx2_kquant::Q4KKernel(cpu), w, s, x, out),
+        GgmlType::Q6K if panels => {
+            avx2_panel::matmul(&avx2_panel_q6k::Q6KPanels(cpu), w, s, x, out)
+        }
+        GgmlType::Q6K => run(&avx2_kquant::Q6KKernel(cpu), w, s, x, out),
+        GgmlType::Q5_0 => run(&avx2_q5::Q5_0Kernel(cpu), w, s, x, out),
+        GgmlType::Q5K => run(&avx2_q5::Q5KKernel(cpu), w, s, x, out),
+        _ => scalar_matmul(ty, w, s, x, out),
+    }
+}
+
+/// The portable kernels.
+fn scalar_matmul(ty: GgmlType, w: &[u8], s: Shape, x: &[f32], out: &mut [f32]) {
+    match ty {
+        GgmlType::Q4_0 => run(&scalar::Q4_0Kernel, w, s, x, out),
+        GgmlType::Q8_0 => run(&scalar::Q8_0Kernel, w, s, x, out),
+        GgmlType::Q4K => run(&scalar::Q4KKernel, w, s, x, out),
+        GgmlType::Q6K => run(&scalar::Q6KKernel, w, s, x, out),
+        _ => run(&generic::GenericKernel::new(ty), w, s, x, out),
     }
 }
 
@@ -224,5 +275,7 @@ impl<A> Tiles<'_, A> {
 
 #[cfg(test)]
 mod bench;
+#[cfg(test)]
+mod level_tests;
 #[cfg(test)]
 mod tests;

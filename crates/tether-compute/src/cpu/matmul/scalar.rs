@@ -38,7 +38,7 @@ impl RowKernel for Q4_0Kernel {
     const ACT_BLOCK: usize = 32;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8]) {
-        quantize_row_q8(x, out);
+        quantize_row_q8(None, x, out);
     }
 
     fn dot<const N: usize>(&self, w: &[u8], xs: [&[BlockQ8]; N]) -> [f32; N] {
@@ -67,7 +67,7 @@ impl RowKernel for Q8_0Kernel {
     const ACT_BLOCK: usize = 32;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8]) {
-        quantize_row_q8(x, out);
+        quantize_row_q8(None, x, out);
     }
 
     fn dot<const N: usize>(&self, w: &[u8], xs: [&[BlockQ8]; N]) -> [f32; N] {
@@ -96,7 +96,7 @@ impl RowKernel for Q4KKernel {
     const ACT_BLOCK: usize = 256;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8K]) {
-        quantize_row_q8k(x, out);
+        quantize_row_q8k(None, x, out);
     }
 
     fn dot<const N: usize>(&self, w: &[u8], xs: [&[BlockQ8K]; N]) -> [f32; N] {
@@ -139,7 +139,7 @@ impl RowKernel for Q6KKernel {
     const ACT_BLOCK: usize = 256;
 
     fn prepare(&self, x: &[f32], out: &mut [BlockQ8K]) {
-        quantize_row_q8k(x, out);
+        quantize_row_q8k(None, x, out);
     }
 
     fn dot<const N: usize>(&self, w: &[u8], xs: [&[BlockQ8K]; N]) -> [f32; N] {
