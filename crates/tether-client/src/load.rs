@@ -277,4 +277,27 @@ impl WorkerClient {
             .map_err(|s| ClientError::rpc("kv truncate", &self.addr, &s))?;
         Ok(())
     }
+
+    /// Makes `dst` hold the first `length` positions of `src` (copied on the worker's
+    /// device; `src` keeps them).
+    pub async fn kv_copy(
+        &self,
+        session: SessionId,
+        src: u32,
+        dst: u32,
+        length: u32,
+    ) -> Result<(), ClientError> {
+        let req = pb::KvCopyRequest {
+            session_id: session.to_string(),
+            src_seq: src,
+            dst_seq: dst,
+            length,
+        };
+        self.rpc
+            .clone()
+            .kv_copy(req)
+            .await
+            .map_err(|s| ClientError::rpc("kv copy", &self.addr, &s))?;
+        Ok(())
+    }
 }

@@ -435,6 +435,17 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies the first `bytes` of `src` into `dst`.
     fn copy(&self, src: &Self::Buffer, dst: &mut Self::Buffer, bytes: usize) -> Result<()>;
 
+    /// Copies `bytes` bytes of `buf` at offset `src` to offset `dst` of the same buffer; the
+    /// two ranges must not overlap. Moves KV cells from one sequence's region to another's
+    /// inside the cache a session reserved, so it allocates nothing.
+    fn copy_within(
+        &self,
+        buf: &mut Self::Buffer,
+        src: usize,
+        dst: usize,
+        bytes: usize,
+    ) -> Result<()>;
+
     /// `out[r]` = [`crate::argmax::greedy`] of row `r` of `x` (`[out.len()][n]` f32), waiting
     /// for pending work first. `scratch` (at least `4 * out.len()` bytes) may be overwritten:
     /// a device backend computes the ids there and downloads only them, not every value.

@@ -21,6 +21,26 @@ pub(crate) fn need(op: &'static str, what: &str, have: usize, need: Option<usize
     }
 }
 
+/// Two ranges of `bytes` bytes at `src` and `dst` inside a buffer of `have` bytes that do
+/// not overlap (a copy between them is then the same in any order).
+pub(crate) fn copy_within(
+    op: &'static str,
+    have: usize,
+    src: usize,
+    dst: usize,
+    bytes: usize,
+) -> Result<()> {
+    need(op, "source range", have, src.checked_add(bytes))?;
+    need(op, "destination range", have, dst.checked_add(bytes))?;
+    if bytes > 0 && src.abs_diff(dst) < bytes {
+        return Err(shape_err(
+            op,
+            format!("the {bytes}-byte ranges at {src} and {dst} overlap"),
+        ));
+    }
+    Ok(())
+}
+
 /// The product of `dims`, or a shape error when it overflows.
 pub(crate) fn elems(op: &'static str, dims: &[usize]) -> Result<usize> {
     dims.iter()

@@ -2,7 +2,9 @@
 //! token's keys and values live.
 //!
 //! Sequence `s` owns cells `[s·ctx, (s+1)·ctx)`; the token at position `p` lives in cell
-//! `s·ctx + p` and attends to the cells of positions `0..=p`.
+//! `s·ctx + p` and attends to the cells of positions `0..=p`. A sequence's first positions
+//! can be copied into another's cells (prefix reuse): the positions, and so the rotary
+//! encoding of the keys, stay the same.
 
 use tether_compute::AttnSpan;
 
@@ -117,6 +119,38 @@ impl KvState {
         self.lens[s] = self.lens[s].min(len);
         Ok(())
     }
+
+    /// Checks a copy of the first `len` positions of `src` over `dst` and returns the cell
+    /// ranges `(first source cell, first destination cell)`; `dst` is emptied, so a copy
+    /// that fails half-way leaves it holding nothing rather than a mix. [`Self::commit_copy`]
+    /// records the copy once the cells are moved.
+    pub(crate) fn start_copy(
+        &mut self,
+        src: u32,
+        dst: u32,
+        len: u32,
+    ) -> Result<(u32, u32), ModelError> {
+        let s = self.check_seq(src)?;
+        let d = self.check_seq(dst)?;
+        if s == d {
+            return Err(ModelError::InvalidArgument(format!(
+                "cannot copy sequence {src} onto itself"
+            )));
+        }
+        if len > self.lens[s] {
+            return Err(ModelError::InvalidArgument(format!(
+                "cannot copy {len} positions of sequence {src}: it holds {}",
+                self.lens[s]
+            )));
+        }
+        self.lens[d] = 0;
+        Ok((src * self.ctx_per_seq, dst * self.ctx_per_seq))
+    }
+
+    /// Records that `dst` now holds `len` positions copied by [`Self::start_copy`].
+    pub(crate) fn commit_copy(&mut self, dst: u32, len: u32) {
+        self.lens[dst as usize] = len;
+    }
 }
 
 /// `span` cut to its last `window` cells: a token of a sliding-window layer at position `p`
@@ -188,5 +222,24 @@ mod tests {
         assert!(kv.truncate(1, 0).is_err());
         kv.clear(0).unwrap();
         assert_eq!(kv.len(0).unwrap(), 0);
+    }
+
+    #[test]
+    fn copies_need_two_sequences_and_cached_positions() {
+        let mut kv = KvState::new(3, 16).unwrap();
+        kv.commit(vec![10, 3, 0]);
+        assert!(kv.start_copy(0, 0, 4).is_err(), "onto itself");
+        assert!(kv.start_copy(0, 3, 4).is_err(), "unknown destination");
+        assert!(
+            kv.start_copy(1, 2, 4).is_err(),
+            "more than the source holds"
+        );
+        assert_eq!(kv.len(2).unwrap(), 0, "a refused copy changes nothing");
+        assert_eq!(kv.len(1).unwrap(), 3, "a refused copy changes nothing");
+        assert_eq!(kv.start_copy(0, 1, 8).unwrap(), (0, 16));
+        assert_eq!(kv.len(1).unwrap(), 0, "emptied until the copy is done");
+        kv.commit_copy(1, 8);
+        assert_eq!(kv.len(1).unwrap(), 8);
+        assert_eq!(kv.len(0).unwrap(), 10, "the source keeps its cells");
     }
 }

@@ -105,9 +105,15 @@ pub fn scratch_sizes(cfg: &ModelConfig, spec: &StageSpec) -> ScratchSizes {
 /// of `head_dim` elements, in whole blocks of `ty` (Q8_0: 34 bytes per 32, Q4_0: 18 per 32).
 /// A `head_dim` that is not whole blocks (which [`crate::Stage::new`] refuses) is rounded up.
 pub fn kv_cache_bytes(cfg: &ModelConfig, spec: &StageSpec, ty: GgmlType) -> u64 {
-    let blocks_per_head = cfg.head_dim.div_ceil(ty.block_elems()) as u64;
     let cells = (spec.n_seq * spec.ctx_per_seq) as u64;
-    cells * cfg.n_head_kv as u64 * blocks_per_head * ty.block_bytes() as u64
+    cells * kv_cell_bytes(cfg, ty)
+}
+
+/// Bytes of one KV cell (one token's keys, or its values) of one layer in a cache of `ty`:
+/// every KV head, each in whole blocks of `ty`.
+pub fn kv_cell_bytes(cfg: &ModelConfig, ty: GgmlType) -> u64 {
+    let blocks_per_head = cfg.head_dim.div_ceil(ty.block_elems()) as u64;
+    cfg.n_head_kv as u64 * blocks_per_head * ty.block_bytes() as u64
 }
 
 /// The memory plan of a stage holding `tensors` (from

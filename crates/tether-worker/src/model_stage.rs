@@ -289,6 +289,12 @@ impl<B: Backend> ServingStage for ModelStage<B> {
             .map_err(|e| model_error("kv truncate", e))
     }
 
+    fn kv_copy(&mut self, src: u32, dst: u32, length: u32) -> Result<()> {
+        self.stage
+            .kv_copy(src, dst, length)
+            .map_err(|e| model_error("kv copy", e))
+    }
+
     fn bytes(&self) -> u64 {
         self.stage.bytes()
     }

@@ -126,6 +126,28 @@ impl SessionRegistry {
         })
         .await
     }
+
+    /// Makes `dst` hold the first `length` positions of `src`.
+    pub async fn kv_copy(&self, session: SessionId, src: u32, dst: u32, length: u32) -> Result<()> {
+        self.with_stage(session, "kv copy", move |staged| {
+            let shape = staged.stage.shape();
+            check_seq(&shape, src)?;
+            check_seq(&shape, dst)?;
+            if src == dst {
+                return Err(WorkerError::InvalidArgument(format!(
+                    "kv copy: sequence {src} cannot be copied onto itself"
+                )));
+            }
+            if length as usize > shape.spec.ctx_per_seq {
+                return Err(WorkerError::InvalidArgument(format!(
+                    "kv copy: length {length} is beyond the {} cells of a sequence",
+                    shape.spec.ctx_per_seq
+                )));
+            }
+            staged.stage.kv_copy(src, dst, length)
+        })
+        .await
+    }
 }
 
 fn check_seq(shape: &StageShape, seq: u32) -> Result<()> {

@@ -408,3 +408,47 @@ async fn a_header_over_the_message_limit_names_the_limit() {
     h.stop.cancel();
     h.done.await.unwrap();
 }
+
+#[tokio::test]
+async fn kv_copy_over_grpc_checks_its_sequences() {
+    let h = start(1 << 20).await;
+    let (client, session) = attached(&h.addr, "t", 2000).await;
+    let (mut req, source) = load_request();
+    req.spec.n_seq = 2;
+    let txn = req.txn;
+    client.prepare(session.id(), req, source).await.unwrap();
+    client.commit(session.id(), txn).await.unwrap();
+    let tokens = [TokenPos { seq: 0, pos: 0 }, TokenPos { seq: 0, pos: 1 }];
+    client
+        .forward(
+            session.id(),
+            &tokens,
+            &ForwardInput::Hidden(vec![1.0; 2 * N_EMBD]),
+            &[],
+            Rows::Logits,
+        )
+        .await
+        .unwrap();
+    client.kv_copy(session.id(), 0, 1, 2).await.unwrap();
+    for (src, dst, len, why) in [
+        (0, 1, 3, "more than the source holds"),
+        (0, 0, 1, "onto itself"),
+        (0, 2, 1, "no such destination"),
+        (2, 0, 1, "no such source"),
+        (0, 1, 9, "past the context"),
+    ] {
+        let err = client
+            .kv_copy(session.id(), src, dst, len)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{why}: {err}");
+    }
+    let err = client
+        .kv_copy(tether_protocol::SessionId::new_random(), 0, 1, 1)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+    session.close().await;
+    h.stop.cancel();
+    h.done.await.unwrap();
+}

@@ -96,6 +96,11 @@ pub trait ServingStage: Send + 'static {
     /// Keeps the first `length` positions of `seq`.
     fn kv_truncate(&mut self, seq: u32, length: u32) -> Result<()>;
 
+    /// Makes `dst` hold the first `length` positions of `src` (which keeps them), copied
+    /// inside the block's KV cache; what `dst` held is forgotten. The sequences differ and
+    /// `src` holds at least `length` positions (checked by the block).
+    fn kv_copy(&mut self, src: u32, dst: u32, length: u32) -> Result<()>;
+
     /// Bytes of device memory the block holds.
     fn bytes(&self) -> u64;
 }

@@ -161,6 +161,16 @@ impl ServingStage for FakeStage {
         Ok(())
     }
 
+    fn kv_copy(&mut self, src: u32, dst: u32, length: u32) -> Result<()> {
+        if src == dst || length > self.kv_len[src as usize] {
+            return Err(WorkerError::InvalidArgument(format!(
+                "cannot copy {length} positions of sequence {src} to {dst}"
+            )));
+        }
+        self.kv_len[dst as usize] = length;
+        Ok(())
+    }
+
     fn bytes(&self) -> u64 {
         self.memory.len() as u64
     }

@@ -405,6 +405,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy_within(&self, buf: &mut CpuBuffer, src: usize, dst: usize, bytes: usize) -> Result<()> {
+        crate::shape_check::copy_within("copy_within", buf.bytes(), src, dst, bytes)?;
+        buf.as_bytes_mut().copy_within(src..src + bytes, dst);
+        Ok(())
+    }
+
     fn argmax_rows(
         &self,
         x: &CpuBuffer,

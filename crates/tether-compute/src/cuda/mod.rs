@@ -11,6 +11,7 @@ mod attention;
 mod attention_flash;
 mod check;
 mod compile;
+mod copy;
 mod device;
 mod dispatch;
 mod gated;

@@ -519,22 +519,17 @@ impl Backend for CudaBackend {
     }
 
     fn copy(&self, src: &CudaBuffer, dst: &mut CudaBuffer, bytes: usize) -> Result<()> {
-        self.wrote();
-        self.device.flush_recorded()?;
-        const OP: &str = "copy";
-        need(OP, "source buffer", src.bytes(), Some(bytes))?;
-        need(OP, "destination buffer", dst.bytes(), Some(bytes))?;
-        let (s, d) = (
-            self.addr(OP, "source", src)?,
-            self.addr(OP, "destination", dst)?,
-        );
-        if bytes == 0 {
-            return Ok(());
-        }
-        self.device.bind()?;
-        // SAFETY: both ranges are inside live buffers of this backend (checked).
-        unsafe { result::memcpy_dtod_async(d, s, bytes, self.device.stream.cu_stream()) }
-            .map_err(|e| driver_err(&format!("copying {bytes} bytes on the device"), e))
+        self.copy_between(src, dst, bytes)
+    }
+
+    fn copy_within(
+        &self,
+        buf: &mut CudaBuffer,
+        src: usize,
+        dst: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.copy_inside(buf, src, dst, bytes)
     }
 
     fn argmax_rows(

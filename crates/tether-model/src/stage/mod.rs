@@ -6,6 +6,7 @@
 
 mod decode;
 mod forward;
+mod kv_ops;
 mod layout;
 mod load;
 mod moe;
@@ -523,11 +524,6 @@ impl<B: Backend> Stage<B> {
         &self.backend
     }
 
-    /// Positions cached for `seq`.
-    pub fn seq_len(&self, seq: u32) -> Result<u32, ModelError> {
-        self.kv.len(seq)
-    }
-
     /// Bytes of device memory the stage holds (every buffer it allocated).
     pub fn bytes(&self) -> u64 {
         let weights: usize = self.weights.iter().map(|w| w.buf.bytes()).sum();
@@ -553,16 +549,6 @@ impl<B: Backend> Stage<B> {
     /// Number of device allocations the stage has made (all in [`Self::new`]).
     pub fn alloc_count(&self) -> u64 {
         self.allocs
-    }
-
-    /// Forgets everything sequence `seq` has cached.
-    pub fn kv_clear(&mut self, seq: u32) -> Result<(), ModelError> {
-        self.kv.clear(seq)
-    }
-
-    /// Keeps only the first `len` positions of sequence `seq`.
-    pub fn kv_truncate(&mut self, seq: u32, len: u32) -> Result<(), ModelError> {
-        self.kv.truncate(seq, len)
     }
 
     fn synchronize(&self) -> Result<(), ModelError> {

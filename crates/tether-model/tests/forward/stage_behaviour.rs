@@ -8,20 +8,10 @@ use tether_model::{
 };
 use tether_model::{Generator, Sampler, SamplingParams, StopReason};
 
-use crate::support::{TempModel, backend, spec, synth, whole};
+use crate::support::{TempModel, backend, run, spec, synth, whole};
 
 fn batch(seq: u32, positions: std::ops::Range<u32>) -> Vec<BatchToken> {
     positions.map(|pos| BatchToken { seq, pos }).collect()
-}
-
-fn run(stage: &mut Stage<CpuBackend>, ids: &[u32], toks: &[BatchToken]) -> Vec<f32> {
-    let cfg = stage.config().clone();
-    let mut h = vec![0.0; ids.len() * cfg.n_embd];
-    stage.embed(ids, &mut h).unwrap();
-    stage.forward(toks, &mut h).unwrap();
-    let mut out = vec![0.0; ids.len() * cfg.n_vocab];
-    stage.logits(&h, ids.len(), &mut out).unwrap();
-    out
 }
 
 fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {

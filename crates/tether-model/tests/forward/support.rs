@@ -4,10 +4,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use tether_compute::CpuBackend;
+use tether_compute::{Backend, CpuBackend};
 use tether_gguf::{GgmlType, GgufFile};
 use tether_model::synth::SynthType;
-use tether_model::{Stage, StageSpec, SynthShape, load_stage_from_file, synthesize};
+use tether_model::{BatchToken, Stage, StageSpec, SynthShape, load_stage_from_file, synthesize};
 
 pub fn backend() -> Arc<CpuBackend> {
     Arc::new(CpuBackend::new(Some(2)).unwrap())
@@ -65,4 +65,15 @@ pub fn spec(
 pub fn whole(file: &GgufFile, n_seq: usize, ubatch: usize) -> Stage<CpuBackend> {
     let n = tether_model::ModelConfig::from_gguf(file).unwrap().n_layer;
     load_stage_from_file(backend(), file, spec(0, n, true, true, n_seq, ubatch)).unwrap()
+}
+
+/// Embeds `ids`, runs them through `stage` at `toks` and returns every row's logits.
+pub fn run<B: Backend>(stage: &mut Stage<B>, ids: &[u32], toks: &[BatchToken]) -> Vec<f32> {
+    let cfg = stage.config().clone();
+    let mut h = vec![0.0; ids.len() * cfg.n_embd];
+    stage.embed(ids, &mut h).unwrap();
+    stage.forward(toks, &mut h).unwrap();
+    let mut out = vec![0.0; ids.len() * cfg.n_vocab];
+    stage.logits(&h, ids.len(), &mut out).unwrap();
+    out
 }

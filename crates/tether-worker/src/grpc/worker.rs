@@ -273,4 +273,17 @@ impl pb::worker_server::Worker for WorkerService {
             .map_err(to_status)?;
         Ok(Response::new(pb::KvReply {}))
     }
+
+    async fn kv_copy(
+        &self,
+        request: Request<pb::KvCopyRequest>,
+    ) -> Result<Response<pb::KvReply>, Status> {
+        let req = request.into_inner();
+        let session = SessionId::parse(&req.session_id).map_err(invalid)?;
+        self.registry
+            .kv_copy(session, req.src_seq, req.dst_seq, req.length)
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::KvReply {}))
+    }
 }
