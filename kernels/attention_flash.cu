@@ -83,7 +83,10 @@ __device__ __forceinline__ void fa_load_tile(u16* dst, const u8* cache, int n_kv
 // h of KV head kh = h / (n_heads / n_kv_heads); cache rows [n_kv_heads][D] of TY (F16,
 // Q8_0, Q4_0). A token with no cells gets zeros. q and out are f32 [n_tokens][n_heads][D];
 // q is scaled and rounded to f16, the probabilities too, before their products.
-// Launch: grid (n_kv_heads * head_blocks, ceil(n_tokens / tokens_per_block)), FA_THREADS
+// With gridDim.z = n_splits > 1 each block takes an equal share (whole tiles) of its
+// union of cells and writes (o[D] unnormalized, max, sum) of each row to
+// partial[t][h][split] for attention_merge (attention.cu) instead of out.
+// Launch: grid (n_kv_heads * head_blocks, ceil(n_tokens / tokens_per_block), n_splits), FA_THREADS
 // threads, dynamic shared memory 5 * FA_CELLS * (D + 8) * 2 bytes (Q, two K and two V
 // tiles), where hb = min(n_heads / n_kv_heads, FA_ROWS) heads of a group share a block,
 // head_blocks = ceil(group / hb), tokens_per_block = FA_ROWS / hb. D is a multiple of 16;
@@ -96,7 +99,8 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
                                                 const u8* __restrict__ v,
                                                 const u32* __restrict__ spans, int n_tokens,
                                                 int n_heads, int n_kv_heads, float scale,
-                                                float softcap, float* __restrict__ out) {
+                                                float softcap, float* __restrict__ out,
+                                                float* __restrict__ partial) {
     constexpr int STRIDE = FaTile<D>::STRIDE;
     constexpr int TILE = FaTile<D>::HALVES;
     constexpr int KSTEPS = D / 16;   // k-steps of the score product
@@ -118,7 +122,8 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
     int t0 = blockIdx.y * tokens_per_block;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-    // The block's cells: the union of its tokens' spans.
+    // The block's cells: the union of its tokens' spans, or with splits this block's share
+    // of it (whole tiles, in order).
     u32 lo = 0xffffffffu, hi = 0;
     for (int i = 0; i < tokens_per_block && t0 + i < n_tokens; i++) {
         u32 f = spans[2 * (t0 + i)], n = spans[2 * (t0 + i) + 1];
@@ -126,6 +131,13 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
             lo = min(lo, f);
             hi = max(hi, f + n);
         }
+    }
+    if (gridDim.z > 1 && lo < hi) {
+        u32 tiles = (hi - lo + FA_CELLS - 1) / FA_CELLS;
+        u32 share = (tiles + gridDim.z - 1) / gridDim.z * FA_CELLS;
+        u32 from = lo + min(blockIdx.z * share, hi - lo);
+        hi = from + min(share, hi - from);
+        lo = from;
     }
 
     // Scaled queries as f16, padding rows zero.
@@ -295,8 +307,21 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
         if (!live[ri]) continue;
         int r = warp * 16 + g + 8 * ri;
         int t = t0 + r / hb, h = h0 + r % hb;
+        u64 th = (u64)t * n_heads + h;
+        if (gridDim.z > 1) {
+            // Unnormalized, with the running max in natural-log units, for attention_merge.
+            float* ph = partial + (th * gridDim.z + blockIdx.z) * (D + 2);
+#pragma unroll
+            for (int j = 0; j < DTILES; j++)
+                *(float2*)(ph + 8 * j + 2 * quad) = make_float2(o[j][2 * ri], o[j][2 * ri + 1]);
+            if (quad == 0) {
+                ph[D] = m[ri] * (1.f / FA_LOG2E);
+                ph[D + 1] = l[ri];
+            }
+            continue;
+        }
         float inv = l[ri] > 0.f ? 1.f / l[ri] : 0.f;
-        float* dst = out + ((u64)t * n_heads + h) * D + 2 * quad;
+        float* dst = out + th * D + 2 * quad;
 #pragma unroll
         for (int j = 0; j < DTILES; j++)
             *(float2*)(dst + 8 * j) = make_float2(o[j][2 * ri] * inv, o[j][2 * ri + 1] * inv);
@@ -307,10 +332,10 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                    \
         flash_attention_##d##_##ty(const float* q, const u8* k, const u8* v, const u32* spans,  \
                                    int n_tokens, int n_heads, int n_kv_heads, float scale,      \
-                                   float softcap, float* out) {                                 \
+                                   float softcap, float* out, float* partial) {                 \
         PDL_ENTRY();                                                                            \
         flash_attention<d, TY>(q, k, v, spans, n_tokens, n_heads, n_kv_heads, scale, softcap,   \
-                               out);                                                            \
+                               out, partial);                                                   \
     }
 #define FA_TYPES(d)              \
     FA_ENTRY(d, f16, TY_F16)     \

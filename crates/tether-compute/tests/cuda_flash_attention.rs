@@ -1,7 +1,8 @@
 //! Attention on the GPU against the cpu backend where the cuda backend picks its kernels by
 //! size: the tensor-core flash kernel for prefill batches (heads of 64, 96, 128 and 256;
-//! F16, Q8_0 and Q4_0 caches; grouped-query heads; soft-capped scores), the per-token
-//! kernel for decode batches, and decode split over the cells of a long context.
+//! F16, Q8_0 and Q4_0 caches; grouped-query heads; soft-capped scores; split over blocks
+//! after a long context), the per-token kernel for decode batches, and decode split over
+//! the cells of a long context.
 //!
 //! Every test needs a GPU and is ignored by default; run them with
 //! `cargo test -p tether-compute --test cuda_flash_attention -- --ignored --test-threads=1`.
@@ -138,7 +139,9 @@ fn prefill_attention_matches_cpu_for_every_head_size_grouping_and_length() {
     let n_cells = 5003u32;
     for head_dim in [64usize, 96, 128, 256] {
         for group in [1usize, 4, 8] {
-            let n_kv_heads = if group == 1 { 3 } else { 1 };
+            // Enough KV heads that 1000 tokens fill the GPU with unsplit blocks; fewer
+            // tokens are split over blocks after the long context.
+            let n_kv_heads = if group == 1 { 12 } else { 4 };
             let shape = AttnShape {
                 n_heads: group * n_kv_heads,
                 n_kv_heads,
@@ -176,16 +179,21 @@ fn prefill_attention_over_quantized_caches_matches_cpu() {
     for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16] {
         for head_dim in [64usize, 96, 128, 256] {
             let shape = AttnShape {
-                n_heads: 8,
-                n_kv_heads: 2,
+                n_heads: 32,
+                n_kv_heads: 8,
                 head_dim,
             };
-            let caches = Caches::new(&g, &c, &mut rng, ty, 2 * head_dim, 1500);
-            // A short prompt after 900 cells, from cell 77: the union starts off a tile
-            // boundary and the last tile is partly past it.
-            let spans = prompt(77, 900, 131);
-            let e = compare(&g, &c, &mut rng, &caches, &spans, shape, 3.0, 0.0);
-            assert!(e < FLASH_TOL, "{ty} heads of {head_dim}: {e}");
+            let caches = Caches::new(&g, &c, &mut rng, ty, 8 * head_dim, 1700);
+            // Prompts after 900 cells, from cell 77: the union starts off a tile boundary
+            // and the last tile is partly past it. 600 tokens fill the GPU; 131 are split.
+            for n_tokens in [600, 131] {
+                let spans = prompt(77, 900, n_tokens);
+                let e = compare(&g, &c, &mut rng, &caches, &spans, shape, 3.0, 0.0);
+                assert!(
+                    e < FLASH_TOL,
+                    "{ty} heads of {head_dim}, {n_tokens} tokens: {e}"
+                );
+            }
         }
     }
 }
@@ -273,6 +281,59 @@ fn mixed_prompt_and_decode_batches_match_cpu() {
         got[..32 * 128].iter().any(|&x| x != 0.0),
         "the first token got nothing"
     );
+}
+
+/// A short prefill batch after a long context (the last chunk of a prompt): too few
+/// flash blocks to fill the GPU, so each block's cells are split over several blocks and
+/// merged, in the backend's fixed scratch.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn short_prefill_batches_after_a_long_context_are_split_and_match_cpu() {
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(30);
+    for (shape, ty, n_tokens) in [
+        (
+            AttnShape {
+                n_heads: 32,
+                n_kv_heads: 8,
+                head_dim: 128,
+            },
+            GgmlType::F16,
+            20u32,
+        ),
+        (
+            AttnShape {
+                n_heads: 16,
+                n_kv_heads: 8,
+                head_dim: 256,
+            },
+            GgmlType::Q4_0,
+            9,
+        ),
+        (
+            AttnShape {
+                n_heads: 8,
+                n_kv_heads: 1,
+                head_dim: 64,
+            },
+            GgmlType::Q8_0,
+            45,
+        ),
+    ] {
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let caches = Caches::new(&g, &c, &mut rng, ty, kv_dim, 12_000);
+        let spans = prompt(900, 10_001, n_tokens);
+        g.synchronize().unwrap();
+        let held = g.allocated_bytes();
+        let e = compare(&g, &c, &mut rng, &caches, &spans, shape, 4.0, 0.0);
+        assert!(e < FLASH_TOL, "{ty} {shape:?}, {n_tokens} tokens: {e}");
+        g.synchronize().unwrap();
+        assert_eq!(
+            g.allocated_bytes(),
+            held,
+            "split prefill attention kept device memory"
+        );
+    }
 }
 
 /// Decode at a long context: one sequence's token over 16,400 cells is split over many

@@ -150,7 +150,7 @@ impl CudaBackend {
                 self.attention_per_token(&at, &spans[range], first, spans_at)?;
                 continue;
             }
-            self.attention_tiled(kernel, &at, range.len(), first, spans_at)?;
+            self.attention_tiled(kernel, &at, &spans[range], first, spans_at)?;
         }
         Ok(())
     }
@@ -181,20 +181,23 @@ impl CudaBackend {
         }
     }
 
-    /// A tiled prefill kernel over `n_tokens` queries from token `first` on.
+    /// A tiled prefill kernel over the queries of `spans`, from token `first` on. The flash
+    /// kernel splits each block's cells over several blocks, then merges them, when its
+    /// blocks alone would leave the GPU idle (a short batch after a long context).
     fn attention_tiled(
         &self,
         kernel: Prefill,
         at: &Operands,
-        n_tokens: usize,
+        spans: &[AttnSpan],
         first: usize,
         spans_at: u64,
     ) -> Result<()> {
         const OP: &str = "attention";
-        let shape = at.shape;
+        let (shape, n_tokens) = (at.shape, spans.len());
         let row = (shape.n_heads * shape.head_dim * 4) as u64;
         let first = first as u64;
-        let (name, cfg) = match kernel {
+        let out = at.out + first * row;
+        let (name, mut cfg) = match kernel {
             Prefill::Flash(name, _) => (name, attention_flash::launch_config(shape, n_tokens)),
             Prefill::Tiled(name) => {
                 let cfg = LaunchConfig {
@@ -209,7 +212,7 @@ impl CudaBackend {
                 (name, cfg)
             }
         };
-        let args = [
+        let mut args = vec![
             Arg::Ptr(at.q + first * row),
             Arg::Ptr(at.k),
             Arg::Ptr(at.v),
@@ -219,9 +222,37 @@ impl CudaBackend {
             int(OP, "n_kv_heads", shape.n_kv_heads)?,
             Arg::F32(at.scale),
             Arg::F32(at.softcap),
-            Arg::Ptr(at.out + first * row),
+            Arg::Ptr(out),
         ];
-        self.run(name, cfg, &args)
+        let Prefill::Flash(..) = kernel else {
+            return self.run(name, cfg, &args);
+        };
+        let blocks = (cfg.grid_dim.0 * cfg.grid_dim.1) as usize;
+        let longest = spans.iter().map(|s| s.n_cells as usize).max().unwrap_or(0);
+        let per_split = elems(OP, &[n_tokens, shape.n_heads, shape.head_dim + 2, 4])?;
+        let splits =
+            attention_flash::splits(blocks, longest, self.sm_count, SCRATCH_BYTES / per_split);
+        if splits == 1 {
+            args.push(Arg::Ptr(0));
+            return self.run(name, cfg, &args);
+        }
+        let scratch = self.lock_scratch();
+        args.push(Arg::Ptr(scratch.ptr()));
+        cfg.grid_dim.2 = splits as u32;
+        self.run(name, cfg, &args)?;
+        let merge = LaunchConfig {
+            grid_dim: (shape.n_heads as u32, n_tokens as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let merge_args = [
+            Arg::Ptr(scratch.ptr()),
+            Arg::I32(splits as i32),
+            int(OP, "n_heads", shape.n_heads)?,
+            int(OP, "head_dim", shape.head_dim)?,
+            Arg::Ptr(out),
+        ];
+        self.run("attention_merge", merge, &merge_args)
     }
 
     /// The per-token kernel (each token's cells split over blocks when they are few, then

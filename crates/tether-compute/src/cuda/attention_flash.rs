@@ -157,6 +157,32 @@ pub(super) fn launch_config(shape: AttnShape, n_tokens: usize) -> LaunchConfig {
     }
 }
 
+/// Cells one block should at least walk when the flash kernel splits its cells.
+const MIN_CELLS_PER_SPLIT: usize = 512;
+/// Most splits of the flash kernel's cells.
+const MAX_SPLITS: usize = 32;
+
+/// How many blocks share the cells of each flash block: one when its `blocks` fill the GPU
+/// (`sm_count` multiprocessors), else enough to fill it twice over, each walking at least
+/// [`MIN_CELLS_PER_SPLIT`] of the `longest` span's cells, and no more than the scratch holds
+/// (`scratch_splits`).
+pub(super) fn splits(
+    blocks: usize,
+    longest: usize,
+    sm_count: usize,
+    scratch_splits: usize,
+) -> usize {
+    if blocks >= sm_count {
+        return 1;
+    }
+    (2 * sm_count)
+        .div_ceil(blocks.max(1))
+        .min(longest / MIN_CELLS_PER_SPLIT)
+        .min(MAX_SPLITS)
+        .min(scratch_splits)
+        .max(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,6 +200,20 @@ mod tests {
         // A group larger than a block is split over blocks of one token.
         let l = FlashLayout::new(128, 1);
         assert_eq!((l.heads, l.head_blocks, l.tokens), (64, 2, 1));
+    }
+
+    #[test]
+    fn only_batches_that_leave_the_gpu_idle_are_split() {
+        // A 512-token chunk of LLaMA 3 8B: 8 KV heads x 32 blocks of 16 tokens.
+        assert_eq!(splits(256, 16_384, 132, 100), 1);
+        // 20 tokens after 16k cells: 8 x 2 blocks, 17 splits of ~1000 cells.
+        assert_eq!(splits(16, 16_400, 132, 100), 17);
+        // Short spans are not split below 512 cells a block...
+        assert_eq!(splits(16, 1500, 132, 100), 2);
+        assert_eq!(splits(16, 300, 132, 100), 1);
+        // ...nor past the cap or what the scratch holds.
+        assert_eq!(splits(1, 1 << 20, 132, 100), MAX_SPLITS);
+        assert_eq!(splits(16, 16_400, 132, 3), 3);
     }
 
     #[test]
