@@ -109,6 +109,18 @@ struct MqTile {
     const float2* ds1;
 };
 
+// c = a . (activation block b of the tile's tokens); a lane past the batch gives zeros.
+template <bool UNSIGNED_A>
+__device__ __forceinline__ void mq_mma(int (&c)[4], const u32 (&a)[4], const MqTile& tile, int b) {
+    u32 x0 = 0, x1 = 0;
+    if (tile.x) {
+        const u32* xp = (const u32*)(tile.x + (size_t)b * 32);
+        x0 = xp[0];
+        x1 = xp[4];
+    }
+    mma_8bit<UNSIGNED_A>(c, a, x0, x1);
+}
+
 // Adds the group's 8 blocks of rows a (g) and b (g + 8) times every tile's tokens.
 template <bool Q8, int NTILE>
 __device__ __forceinline__ void mq_group(const MqGroup<Q8>& ga, const MqGroup<Q8>& gb, int gi,
@@ -142,14 +154,8 @@ __device__ __forceinline__ void mq_group(const MqGroup<Q8>& ga, const MqGroup<Q8
             float da = half_of(ga.scales, jb), db = half_of(gb.scales, jb);
 #pragma unroll
             for (int k = 0; k < NTILE; k++) {
-                u32 x0 = 0, x1 = 0;
-                if (tiles[k].x) {
-                    const u32* xp = (const u32*)(tiles[k].x + (size_t)b * 32);
-                    x0 = xp[0];
-                    x1 = xp[4];
-                }
                 int c[4];
-                mma_8bit<!Q8>(c, a, x0, x1);
+                mq_mma<!Q8>(c, a, tiles[k], b);
                 float2 s0 = tiles[k].ds0[b], s1 = tiles[k].ds1[b];
                 // Q4_0's quants are stored + 8: take 8 * sum(x), which .y holds scaled, off.
                 float p0 = s0.x * (float)c[0], p1 = s1.x * (float)c[1];
@@ -169,6 +175,23 @@ __device__ __forceinline__ void mq_group(const MqGroup<Q8>& ga, const MqGroup<Q8
     }
 }
 
+// The tiles of lane (g, t) over nt rows of 8-bit activations (xq [nt][cols], xds [nt][cols
+// / 32]), and their accumulators zeroed.
+template <int NTILE>
+__device__ __forceinline__ void mq_tiles(const i8* xq, const float2* xds, int cols, int nt,
+                                         int g, int t, MqTile (&tiles)[NTILE],
+                                         float (&acc)[NTILE][4]) {
+    int nb = cols / 32;
+#pragma unroll
+    for (int k = 0; k < NTILE; k++) {
+        int tok = 8 * k + g;
+        tiles[k].x = tok < nt ? xq + (size_t)tok * cols + 4 * t : nullptr;
+        tiles[k].ds0 = xds + (size_t)min(8 * k + 2 * t, nt - 1) * nb;
+        tiles[k].ds1 = xds + (size_t)min(8 * k + 2 * t + 1, nt - 1) * nb;
+        acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
+    }
+}
+
 template <bool Q8, int NTILE>
 __device__ void mq_matvec(const u8* w, int rows, int cols, const i8* xq, const float2* xds,
                           int nt, float* out, int accum) {
@@ -177,21 +200,13 @@ __device__ void mq_matvec(const u8* w, int rows, int cols, const i8* xq, const f
     const int group = Q8 ? 272 : 144;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     int base = blockIdx.x * MQ_ROWS;
-    int ng = cols / 256, nb = cols / 32;
+    int ng = cols / 256;
     size_t row_bytes = (size_t)ng * group;
     const u8* wa = w + (size_t)min(base + g, rows - 1) * row_bytes;
     const u8* wb = w + (size_t)min(base + g + 8, rows - 1) * row_bytes;
     MqTile tiles[NTILE];
-#pragma unroll
-    for (int k = 0; k < NTILE; k++) {
-        int tok = 8 * k + g;
-        tiles[k].x = tok < nt ? xq + (size_t)tok * cols + 4 * t : nullptr;
-        tiles[k].ds0 = xds + (size_t)min(8 * k + 2 * t, nt - 1) * nb;
-        tiles[k].ds1 = xds + (size_t)min(8 * k + 2 * t + 1, nt - 1) * nb;
-    }
     float acc[NTILE][4];
-#pragma unroll
-    for (int k = 0; k < NTILE; k++) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
+    mq_tiles(xq, xds, cols, nt, g, t, tiles, acc);
     MqGroup<Q8> ca, cb, na, nb_;
     int gi = warp;
     // Weights are constant: the first group loads before the wait for the previous kernel.
@@ -247,3 +262,145 @@ MQ_ENTRY(q4_0, false, 32)
 MQ_ENTRY(q8_0, true, 8)
 MQ_ENTRY(q8_0, true, 16)
 MQ_ENTRY(q8_0, true, 32)
+
+// ---- Mixture-of-experts prefill products over Q4_K experts on the int8 tensor cores ----
+// A Q4_K sub-block (32 values, one scale and min) is one k32 step. Lane (g, t) loads, of
+// rows g and g + 8, the words at bytes 4t and 16 + 4t of each 32-byte run of qs (values of
+// sub-blocks 2G in the low nibbles, 2G + 1 in the high ones): masked or shifted, they are
+// A's registers in mq_group's order, with no transpose. The int32 result is scaled by each
+// row's d * scale and the activations' block scale, and dmin * min times the activations'
+// scaled sum is taken off. Work items are common.cuh's (moe_item): one expert's rows times
+// up to MKQ_TILES * 8 rows of gathered 8-bit inputs.
+// Launch: MKQ_WARPS warps a block, gridDim = (ceil(rows / 16), items); the warps take every
+// MKQ_WARPS-th block of 256 columns and meet in shared memory. cols a multiple of 256, the
+// experts' rows 16-byte aligned. Needs sm_80 (the host launches it only there).
+#define MKQ_WARPS 4
+#define MKQ_TILES 4
+
+// Adds block blk of rows ra (g) and rb (g + 8) times every tile's tokens (tiles with no
+// token, 8k >= nt, are skipped).
+__device__ __forceinline__ void mkq_block(const u8* ra, const u8* rb, int blk, int t, int nt,
+                                          const MqTile (&tiles)[MKQ_TILES],
+                                          float (&acc)[MKQ_TILES][4]) {
+    const u8* ba = ra + (size_t)blk * 144;
+    const u8* bb = rb + (size_t)blk * 144;
+    u32 wa[8], wb[8];
+#pragma unroll
+    for (int G = 0; G < 4; G++) {
+        wa[2 * G] = *(const u32*)(ba + 16 + 32 * G + 4 * t);
+        wa[2 * G + 1] = *(const u32*)(ba + 32 + 32 * G + 4 * t);
+        wb[2 * G] = *(const u32*)(bb + 16 + 32 * G + 4 * t);
+        wb[2 * G + 1] = *(const u32*)(bb + 32 + 32 * G + 4 * t);
+    }
+    float da = h2f(ld16(ba)), ma = h2f(ld16(ba + 2));
+    float db = h2f(ld16(bb)), mb = h2f(ld16(bb + 2));
+    const u32 m4 = 0x0F0F0F0Fu;
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+        int G = s >> 1, sh = 4 * (s & 1);
+        u32 a[4] = {(wa[2 * G] >> sh) & m4, (wb[2 * G] >> sh) & m4, (wa[2 * G + 1] >> sh) & m4,
+                    (wb[2 * G + 1] >> sh) & m4};
+        int sca, mna, scb, mnb;
+        scale_min_k4(s, ba + 4, &sca, &mna);
+        scale_min_k4(s, bb + 4, &scb, &mnb);
+        float fa = da * (float)sca, fb = db * (float)scb;
+        float oa = ma * (float)mna, ob = mb * (float)mnb;
+        int b = blk * 8 + s;
+#pragma unroll
+        for (int k = 0; k < MKQ_TILES; k++) {
+            if (8 * k >= nt) break;
+            int c[4];
+            mq_mma<true>(c, a, tiles[k], b);
+            float2 s0 = tiles[k].ds0[b], s1 = tiles[k].ds1[b];
+            acc[k][0] += fa * s0.x * (float)c[0] - oa * s0.y;
+            acc[k][1] += fa * s1.x * (float)c[1] - oa * s1.y;
+            acc[k][2] += fb * s0.x * (float)c[2] - ob * s0.y;
+            acc[k][3] += fb * s1.x * (float)c[3] - ob * s1.y;
+        }
+    }
+}
+
+// This warp's share of rows base .. base + 16 of w (rows past `rows` repeat the last one)
+// times the nt rows of xq/xds, into part[warp] (acc element i of tile k at [4k + i][lane]).
+__device__ __forceinline__ void mkq_rows(const u8* w, int rows, int base, int cols,
+                                         const i8* xq, const float2* xds, int nt,
+                                         float (*part)[MKQ_TILES * 4][32]) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int nblk = cols / 256;
+    size_t row_bytes = (size_t)nblk * 144;
+    const u8* ra = w + (size_t)min(base + g, rows - 1) * row_bytes;
+    const u8* rb = w + (size_t)min(base + g + 8, rows - 1) * row_bytes;
+    MqTile tiles[MKQ_TILES];
+    float acc[MKQ_TILES][4];
+    mq_tiles(xq, xds, cols, nt, g, t, tiles, acc);
+    for (int blk = warp; blk < nblk; blk += MKQ_WARPS) mkq_block(ra, rb, blk, t, nt, tiles, acc);
+#pragma unroll
+    for (int k = 0; k < MKQ_TILES; k++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) part[warp][4 * k + i][lane] = acc[k][i];
+}
+
+// Sum over the warps of value i of tile k (after __syncthreads), and its (row, token).
+__device__ __forceinline__ float mkq_sum(float (*part)[MKQ_TILES * 4][32], int k, int i,
+                                         int base, int* row, int* tok) {
+    int lane = threadIdx.x & 31;
+    float v = 0.f;
+#pragma unroll
+    for (int m = 0; m < MKQ_WARPS; m++) v += part[m][4 * k + i][lane];
+    *row = base + (lane >> 2) + (i >= 2 ? 8 : 0);
+    *tok = 8 * k + 2 * (lane & 3) + (i & 1);
+    return v;
+}
+
+// act[row + j][r] = silu(gate_x[r] . x[row + j]) * (up_x[r] . x[row + j]) for each item's
+// rows j; the arguments of common.cuh's moe_swiglu (aq and ads unused: the host
+// quantizes act for down in a pass of its own).
+extern "C" __global__ void __launch_bounds__(32 * MKQ_WARPS)
+    moemma_swiglu_q4_k_32(const u8* wg, const u8* wu, u64 expert_bytes, const u32* ids,
+                          const u32* tiles, int n_expert, int k, int ff, int cols, const i8* xq,
+                          const float2* xds, float* act, i8* aq, float2* ads) {
+    __shared__ float pg[MKQ_WARPS][MKQ_TILES * 4][32];
+    __shared__ float pu[MKQ_WARPS][MKQ_TILES * 4][32];
+    PDL_ENTRY();
+    MoeItem it;
+    if (!moe_item(ids, tiles, n_expert, k, &it)) return;
+    int warp = threadIdx.x >> 5, base = blockIdx.x * MQ_ROWS;
+    size_t w = (size_t)it.expert * expert_bytes, x = (size_t)it.token_row * cols;
+    mkq_rows(wg + w, ff, base, cols, xq + x, xds + x / 32, it.n, pg);
+    mkq_rows(wu + w, ff, base, cols, xq + x, xds + x / 32, it.n, pu);
+    __syncthreads();
+    for (int t = warp; t < MKQ_TILES; t += MKQ_WARPS) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row, tok;
+            float g = mkq_sum(pg, t, i, base, &row, &tok);
+            float u = mkq_sum(pu, t, i, base, &row, &tok);
+            if (row < ff && tok < it.n) act[(size_t)(it.row + tok) * ff + row] = gate_act(g, GATE_SILU) * u;
+        }
+    }
+}
+
+// out[row + j][r] = down_x[r] . act[row + j] for each item's rows j (8-bit act aq/ads);
+// the arguments of common.cuh's moe_down.
+extern "C" __global__ void __launch_bounds__(32 * MKQ_WARPS)
+    moemma_down_q4_k_32(const u8* wd, u64 expert_bytes, const u32* ids, const u32* tiles,
+                        int n_expert, int k, int e, int ff, const i8* aq, const float2* ads,
+                        float* out) {
+    __shared__ float part[MKQ_WARPS][MKQ_TILES * 4][32];
+    PDL_ENTRY();
+    MoeItem it;
+    if (!moe_item(ids, tiles, n_expert, k, &it)) return;
+    int warp = threadIdx.x >> 5, base = blockIdx.x * MQ_ROWS;
+    size_t a = (size_t)it.row * ff;
+    mkq_rows(wd + (size_t)it.expert * expert_bytes, e, base, ff, aq + a, ads + a / 32, it.n,
+             part);
+    __syncthreads();
+    for (int t = warp; t < MKQ_TILES; t += MKQ_WARPS) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row, tok;
+            float v = mkq_sum(part, t, i, base, &row, &tok);
+            if (row < e && tok < it.n) out[(size_t)(it.row + tok) * e + row] = v;
+        }
+    }
+}

@@ -185,6 +185,8 @@ const FILES: &[KernelFile] = &[
             "matvec_mma_q8_0_8",
             "matvec_mma_q8_0_16",
             "matvec_mma_q8_0_32",
+            "moemma_swiglu_q4_k_32",
+            "moemma_down_q4_k_32",
         ],
     },
     KernelFile {

@@ -568,7 +568,7 @@ impl CudaBackend {
 
     /// Quantizes `n` rows of `cols` f32 at `x` into 8-bit blocks at `q` with their scales
     /// and scaled sums at `ds`.
-    fn quantize_q8(&self, x: u64, cols: usize, n: usize, q: u64, ds: u64) -> Result<()> {
+    pub(super) fn quantize_q8(&self, x: u64, cols: usize, n: usize, q: u64, ds: u64) -> Result<()> {
         const WARPS_PER_BLOCK: usize = 8;
         let warps = n * cols / 32;
         let cfg = LaunchConfig {

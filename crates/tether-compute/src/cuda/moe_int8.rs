@@ -9,7 +9,9 @@
 //! groups the picks by expert on the device (`moe_group`), gathers their 8-bit inputs in
 //! that order (`moe_gather_q8`) and runs items of up to [`TILE`] rows of one expert, so an
 //! expert's weights are read once per tile instead of once per token; its scratch lives in
-//! the MoE scratch the memory plan already counts (see [`GroupedLayout`]).
+//! the MoE scratch the memory plan already counts (see [`GroupedLayout`]). Q4_K experts
+//! on devices with int8 tensor cores take items of up to [`MMA_TILE`] rows on them instead
+//! (matvec_mma.cu), the activations quantized for down in a pass of their own.
 
 use cudarc::driver::LaunchConfig;
 use tether_gguf::GgmlType;
@@ -31,6 +33,13 @@ const DOWN_ROWS: usize = 8;
 const DOWN_THREADS: u32 = 32 * 4;
 /// Most rows of one prefill work item (the NT of the `_8` entries).
 const TILE: usize = 8;
+/// The same for the tensor-core entries (matvec_mma.cu's `moemma_*_32`: MKQ_TILES tiles of
+/// 8), their rows a block (16) and threads (MKQ_WARPS warps).
+const MMA_TILE: usize = 32;
+const MMA_ROWS: usize = 16;
+const MMA_THREADS: u32 = 32 * 4;
+/// The experts' (gate/up, down) family the tensor-core entries take: Q4_K as GGUF stores it.
+const MMA_FAMILY: (&str, &str) = ("moek", "q4_k");
 /// Threads of `moe_group` (MOE_GROUP_THREADS) and of the element-wise MoE kernels.
 const GROUP_THREADS: u32 = 1024;
 const THREADS: u32 = 256;
@@ -78,9 +87,10 @@ impl GroupedLayout {
         (e, ff): (usize, usize),
         rows_bytes: usize,
         up_bytes: usize,
+        tile: usize,
     ) -> Option<Self> {
-        // An expert of c picks has ceil(c / TILE) items; at most `picks` experts have any.
-        let max_items = picks.div_ceil(TILE) + n_expert.min(picks);
+        // An expert of c picks has ceil(c / tile) items; at most `picks` experts have any.
+        let max_items = picks.div_ceil(tile) + n_expert.min(picks);
         let align = |b: usize| b.checked_next_multiple_of(16);
         let x_values = picks.checked_mul(e)?;
         let x_end = x_values.checked_add(x_values / 4)?;
@@ -120,6 +130,8 @@ struct Items {
     k: Arg,
     nt: usize,
     count: usize,
+    /// Whether the items go to the tensor-core entries (their own launch shape).
+    mma: bool,
 }
 
 impl CudaBackend {
@@ -144,30 +156,48 @@ impl CudaBackend {
             return Ok(false);
         };
         let picks = ffn.n_tokens * ffn.routing.n_used;
+        let tile = if self.moe_on_mma(gate_up, down) {
+            MMA_TILE
+        } else {
+            TILE
+        };
         let Some(layout) = GroupedLayout::new(
             picks,
             ffn.routing.n_expert,
             (ffn.n_embd, ffn.n_ff),
             scratch.rows.bytes(),
             scratch.up.bytes(),
+            tile,
         ) else {
             return Ok(false);
         };
-        self.moe_grouped_int8(ffn, one, acc, scratch, (gate_up, down), layout)?;
+        self.moe_grouped_int8(ffn, one, acc, scratch, (gate_up, down), (layout, tile))?;
         Ok(true)
     }
 
-    /// One item a pick (`list` 0), or items of up to [`TILE`] rows from the list at `list`,
-    /// `count` at most.
-    fn items(&self, ffn: &MoeFfn<'_, CudaBuffer>, list: u64, count: usize) -> Result<Items> {
+    /// One item a pick (`list` 0), or items of up to `nt` rows from the list at `list`,
+    /// `count` at most, on the tensor cores when `nt` is [`MMA_TILE`].
+    fn items(
+        &self,
+        ffn: &MoeFfn<'_, CudaBuffer>,
+        list: u64,
+        nt: usize,
+        count: usize,
+    ) -> Result<Items> {
         Ok(Items {
             ids: self.addr(OP, "expert ids", ffn.ids)?,
             list,
             n_expert: int(OP, "expert count", ffn.routing.n_expert)?,
             k: int(OP, "experts used", ffn.routing.n_used)?,
-            nt: if list == 0 { 1 } else { TILE },
+            nt,
             count,
+            mma: nt == MMA_TILE,
         })
+    }
+
+    /// Whether grouped items of these families take the tensor-core entries.
+    fn moe_on_mma(&self, gate_up: (&str, &str), down: (&str, &str)) -> bool {
+        self.mma_min_tokens <= MMA_TILE && gate_up == MMA_FAMILY && down == MMA_FAMILY
     }
 
     /// `{prefix}_swiglu_{stem}_{nt}` over the items: activations into `act` (f32) and,
@@ -200,7 +230,14 @@ impl CudaBackend {
             Arg::Ptr(aq),
             Arg::Ptr(ads),
         ];
-        let cfg = item_grid(ffn.n_ff, SW_ROWS, it.count, SW_THREADS)?;
+        let (prefix, cfg) = if it.mma {
+            (
+                "moemma",
+                item_grid(ffn.n_ff, MMA_ROWS, it.count, MMA_THREADS)?,
+            )
+        } else {
+            (prefix, item_grid(ffn.n_ff, SW_ROWS, it.count, SW_THREADS)?)
+        };
         self.run(&format!("{prefix}_swiglu_{stem}_{}", it.nt), cfg, &args)
     }
 
@@ -228,7 +265,17 @@ impl CudaBackend {
             Arg::Ptr(ads),
             Arg::Ptr(out),
         ];
-        let cfg = item_grid(ffn.n_embd, DOWN_ROWS, it.count, DOWN_THREADS)?;
+        let (prefix, cfg) = if it.mma {
+            (
+                "moemma",
+                item_grid(ffn.n_embd, MMA_ROWS, it.count, MMA_THREADS)?,
+            )
+        } else {
+            (
+                prefix,
+                item_grid(ffn.n_embd, DOWN_ROWS, it.count, DOWN_THREADS)?,
+            )
+        };
         self.run(&format!("{prefix}_down_{stem}_{}", it.nt), cfg, &args)
     }
 
@@ -277,7 +324,7 @@ impl CudaBackend {
         let x = self.addr(OP, "input", ffn.x)?;
         let act = self.addr(OP, "gate scratch", scratch.gate)?;
         let out = self.addr(OP, "row scratch", scratch.rows)?;
-        let it = self.items(ffn, 0, picks)?;
+        let it = self.items(ffn, 0, 1, picks)?;
         let act_copy = down.map(|_| (act, ff, picks));
         self.with_xq_in_out(x, e, n, act_copy, |xin, act_q| {
             self.moe_swiglu_launch(ffn, one, gate_up, &it, xin, act, act_q)?;
@@ -294,7 +341,7 @@ impl CudaBackend {
         })
     }
 
-    /// Prefill: picks grouped by expert on the device, items of up to [`TILE`] rows.
+    /// Prefill: picks grouped by expert on the device, items of up to `tile` rows.
     fn moe_grouped_int8(
         &self,
         ffn: &MoeFfn<'_, CudaBuffer>,
@@ -302,7 +349,7 @@ impl CudaBackend {
         acc: &mut CudaBuffer,
         scratch: &mut MoeScratch<'_, CudaBuffer>,
         (gate_up, down): ((&'static str, &'static str), (&'static str, &'static str)),
-        layout: GroupedLayout,
+        (layout, tile): (GroupedLayout, usize),
     ) -> Result<()> {
         let (e, ff, k) = (ffn.n_embd, ffn.n_ff, ffn.routing.n_used);
         let picks = ffn.n_tokens * k;
@@ -310,7 +357,7 @@ impl CudaBackend {
         let act = self.addr(OP, "gate scratch", scratch.gate)?;
         let up = self.addr(OP, "up scratch", scratch.up)?;
         let row_of = up + layout.row_of as u64;
-        let it = self.items(ffn, up + layout.items as u64, layout.max_items)?;
+        let it = self.items(ffn, up + layout.items as u64, tile, layout.max_items)?;
         let picks_arg = int(OP, "pick count", picks)?;
         let group = LaunchConfig {
             grid_dim: (1, 1, 1),
@@ -324,7 +371,7 @@ impl CudaBackend {
                 Arg::Ptr(it.ids),
                 picks_arg,
                 it.n_expert,
-                int(OP, "tile rows", TILE)?,
+                int(OP, "tile rows", tile)?,
                 Arg::Ptr(row_of),
                 Arg::Ptr(it.list),
             ],
@@ -356,7 +403,11 @@ impl CudaBackend {
         )?;
         let act_q = (up, up + layout.act_scales as u64);
         self.moe_swiglu_launch(ffn, one, gate_up, &it, x, act, Some(act_q))?;
-        debug_assert!(ff.is_multiple_of(32));
+        if it.mma {
+            // The tensor-core gate/up writes f32 only.
+            self.wrote();
+            self.quantize_q8(act, ff, picks, act_q.0, act_q.1)?;
+        }
         // The gathered inputs are read: the down products take the row scratch.
         self.moe_down_launch(ffn, one, down, &it, act_q, rows)?;
         self.moe_sum_launch(ffn, &it, rows, row_of, acc)
@@ -372,18 +423,19 @@ mod tests {
         // qwen3-30b-a3b: 512 tokens, 8 of 128 experts, 2048 wide, experts 768 wide; the
         // plan gives the row scratch [picks][e] f32 and the up scratch [picks][ff] f32.
         let (picks, e, ff) = (512 * 8, 2048, 768);
-        let l =
-            GroupedLayout::new(picks, 128, (e, ff), picks * e * 4, picks * ff * 4).expect("fits");
+        let (rows, up) = (picks * e * 4, picks * ff * 4);
+        let l = GroupedLayout::new(picks, 128, (e, ff), rows, up, TILE).expect("fits");
         assert_eq!(l.max_items, 512 + 128);
         assert_eq!(l.x_scales, picks * e);
         assert!(l.row_of >= picks * ff * 5 / 4 && l.row_of.is_multiple_of(16));
         assert!(l.items >= l.row_of + picks * 4 && l.items.is_multiple_of(16));
         assert!(l.items + 4 + 12 * l.max_items <= picks * ff * 4);
         // Experts one value wide: the sorted rows and items outgrow their up scratch.
-        assert!(GroupedLayout::new(64, 8, (256, 1), 64 * 256 * 4, 64 * 4).is_none());
+        assert!(GroupedLayout::new(64, 8, (256, 1), 64 * 256 * 4, 64 * 4, TILE).is_none());
+        let mma = GroupedLayout::new(picks, 128, (e, ff), rows, up, MMA_TILE);
+        assert_eq!(mma.map(|l| l.max_items), Some(128 + 128));
         // Too many items for one launch.
-        assert!(
-            GroupedLayout::new(MAX_GRID_Y * TILE, 8, (256, 256), usize::MAX, usize::MAX).is_none()
-        );
+        let huge = usize::MAX;
+        assert!(GroupedLayout::new(MAX_GRID_Y * TILE, 8, (256, 256), huge, huge, TILE).is_none());
     }
 }
