@@ -1,10 +1,11 @@
-//! The attention op: size checks, the choice of kernel and of how many blocks split each
-//! head's cells, and the merge pass when they do.
+//! The attention op: size checks, the per-token kernel with how many blocks split each
+//! head's cells and the merge pass when they do; prefill batches' tiled kernels are in
+//! attention_tiled.rs.
 
 use cudarc::driver::LaunchConfig;
 use tether_gguf::GgmlType;
 
-use super::attention_flash::{self, FlashLayout};
+use super::attention_tiled::{prefill_kernel, tiled_ranges};
 use super::check::{
     self, attention_shape, cache_type_supported, elems, f32s, row_bytes, shape_err, unsupported,
 };
@@ -13,7 +14,7 @@ use super::{CudaBackend, CudaBuffer};
 use crate::backend::{AttnShape, AttnSpan, DeviceBuffer, Result};
 
 /// Batches of at most this many query tokens are sized as decode steps.
-const DECODE_TOKENS: usize = 8;
+pub(super) const DECODE_TOKENS: usize = 8;
 /// Cells one attention block should at least get when the cells of a head are split.
 const MIN_CELLS_PER_SPLIT: usize = 64;
 /// Most splits made only to fill the GPU.
@@ -26,33 +27,6 @@ const MAX_CHUNK: usize = 8192;
 /// Decode steps of up to 8 tokens need at most 8 MiB for 64 heads of 128 (64 splits);
 /// prefill batches only split past [`MAX_CHUNK`] cells.
 pub(super) const SCRATCH_BYTES: usize = 16 << 20;
-
-/// Query tokens one block of the tiled prefill kernel takes (AP_TQ in
-/// attention_prefill.cu).
-const PREFILL_TOKENS_PER_BLOCK: usize = 16;
-/// Cells one tile of the tiled prefill kernels holds (AP_TC in attention_prefill.cu, FA_CELLS
-/// in attention_flash.cu).
-const PREFILL_TILE_CELLS: u64 = 64;
-
-/// A kernel that walks the cells of a group of query tokens once for all of them.
-#[derive(Clone, Copy, Debug)]
-enum Prefill {
-    /// The flash kernel on the tensor cores (attention_flash.rs), and the query tokens one
-    /// of its blocks takes.
-    Flash(&'static str, usize),
-    /// The CUDA-core tiled kernel (attention_prefill.cu).
-    Tiled(&'static str),
-}
-
-impl Prefill {
-    /// Query tokens one block takes: tokens grouped for the kernel must share their cells.
-    fn tokens_per_block(self) -> usize {
-        match self {
-            Prefill::Flash(_, tokens) => tokens,
-            Prefill::Tiled(_) => PREFILL_TOKENS_PER_BLOCK,
-        }
-    }
-}
 
 /// How many blocks share the cells of each (token, head): enough that `blocks` of them
 /// fill the GPU twice over (no fewer than [`MIN_CELLS_PER_SPLIT`] cells each), and enough
@@ -138,7 +112,7 @@ impl CudaBackend {
         // Held until the last launch, so no other thread recycles the spans' slot.
         let mut staging = self.lock_staging();
         let spans_at = staging.stage_u32(&flat)?;
-        let Some(kernel) = self.prefill_kernel(&at) else {
+        let Some(kernel) = prefill_kernel(&at, &self.flash) else {
             return self.attention_per_token(&at, spans, 0, spans_at);
         };
         // Query groups whose spans overlap take a tiled kernel; groups of tokens of
@@ -153,106 +127,6 @@ impl CudaBackend {
             self.attention_tiled(kernel, &at, &spans[range], first, spans_at)?;
         }
         Ok(())
-    }
-
-    /// The tiled kernel for a batch, when there is one: prefill batches (more than
-    /// [`DECODE_TOKENS`] queries) take the flash kernel where this device runs it for the
-    /// heads and cache type (and the operands are 16-byte aligned), else the CUDA-core
-    /// kernel over F16 caches with heads of 64, 96 or 128. Decode batches keep the
-    /// per-token kernel, whose cell splits fill the GPU with few tokens.
-    fn prefill_kernel(&self, at: &Operands) -> Option<Prefill> {
-        if at.n_tokens <= DECODE_TOKENS {
-            return None;
-        }
-        let aligned = [at.q, at.k, at.v, at.out].iter().all(|p| p % 16 == 0);
-        let flash = self.flash.kernel(at.cache_ty, at.shape.head_dim);
-        if let (Some(name), true) = (flash, aligned) {
-            let layout = FlashLayout::new(at.shape.n_heads, at.shape.n_kv_heads);
-            return Some(Prefill::Flash(name, layout.tokens));
-        }
-        if at.cache_ty != GgmlType::F16 {
-            return None;
-        }
-        match at.shape.head_dim {
-            64 => Some(Prefill::Tiled("attention_prefill_64")),
-            96 => Some(Prefill::Tiled("attention_prefill_96")),
-            128 => Some(Prefill::Tiled("attention_prefill_128")),
-            _ => None,
-        }
-    }
-
-    /// A tiled prefill kernel over the queries of `spans`, from token `first` on. The flash
-    /// kernel splits each block's cells over several blocks, then merges them, when its
-    /// blocks alone would leave the GPU idle (a short batch after a long context).
-    fn attention_tiled(
-        &self,
-        kernel: Prefill,
-        at: &Operands,
-        spans: &[AttnSpan],
-        first: usize,
-        spans_at: u64,
-    ) -> Result<()> {
-        const OP: &str = "attention";
-        let (shape, n_tokens) = (at.shape, spans.len());
-        let row = (shape.n_heads * shape.head_dim * 4) as u64;
-        let first = first as u64;
-        let out = at.out + first * row;
-        let (name, mut cfg) = match kernel {
-            Prefill::Flash(name, _) => (name, attention_flash::launch_config(shape, n_tokens)),
-            Prefill::Tiled(name) => {
-                let cfg = LaunchConfig {
-                    grid_dim: (
-                        shape.n_heads as u32,
-                        n_tokens.div_ceil(PREFILL_TOKENS_PER_BLOCK) as u32,
-                        1,
-                    ),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                (name, cfg)
-            }
-        };
-        let mut args = vec![
-            Arg::Ptr(at.q + first * row),
-            Arg::Ptr(at.k),
-            Arg::Ptr(at.v),
-            Arg::Ptr(spans_at + first * 8),
-            int(OP, "query tokens", n_tokens)?,
-            int(OP, "n_heads", shape.n_heads)?,
-            int(OP, "n_kv_heads", shape.n_kv_heads)?,
-            Arg::F32(at.scale),
-            Arg::F32(at.softcap),
-            Arg::Ptr(out),
-        ];
-        let Prefill::Flash(..) = kernel else {
-            return self.run(name, cfg, &args);
-        };
-        let blocks = (cfg.grid_dim.0 * cfg.grid_dim.1) as usize;
-        let longest = spans.iter().map(|s| s.n_cells as usize).max().unwrap_or(0);
-        let per_split = elems(OP, &[n_tokens, shape.n_heads, shape.head_dim + 2, 4])?;
-        let splits =
-            attention_flash::splits(blocks, longest, self.sm_count, SCRATCH_BYTES / per_split);
-        if splits == 1 {
-            args.push(Arg::Ptr(0));
-            return self.run(name, cfg, &args);
-        }
-        let scratch = self.lock_scratch();
-        args.push(Arg::Ptr(scratch.ptr()));
-        cfg.grid_dim.2 = splits as u32;
-        self.run(name, cfg, &args)?;
-        let merge = LaunchConfig {
-            grid_dim: (shape.n_heads as u32, n_tokens as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let merge_args = [
-            Arg::Ptr(scratch.ptr()),
-            Arg::I32(splits as i32),
-            int(OP, "n_heads", shape.n_heads)?,
-            int(OP, "head_dim", shape.head_dim)?,
-            Arg::Ptr(out),
-        ];
-        self.run("attention_merge", merge, &merge_args)
     }
 
     /// The per-token kernel (each token's cells split over blocks when they are few, then
@@ -379,81 +253,25 @@ impl CudaBackend {
 
 /// What an attention call reads and writes, checked: device addresses, the cache's type,
 /// bytes of one head's row, cells, the call's query tokens, the heads, the score scale and cap.
-struct Operands {
-    q: u64,
-    k: u64,
-    v: u64,
-    out: u64,
-    cache_ty: GgmlType,
-    head_bytes: usize,
-    n_cells: usize,
+pub(super) struct Operands {
+    pub(super) q: u64,
+    pub(super) k: u64,
+    pub(super) v: u64,
+    pub(super) out: u64,
+    pub(super) cache_ty: GgmlType,
+    pub(super) head_bytes: usize,
+    pub(super) n_cells: usize,
     /// Query tokens of the whole call.
-    n_tokens: usize,
-    shape: AttnShape,
-    scale: f32,
+    pub(super) n_tokens: usize,
+    pub(super) shape: AttnShape,
+    pub(super) scale: f32,
     /// Gemma 2's cap on the scaled scores; 0: none.
-    softcap: f32,
-}
-
-/// The tokens of a prefill-sized batch in runs of whole query groups of a tiled kernel
-/// (`group` tokens a block), each run marked for the tiled kernel when every group in it is
-/// tight: the cells between its first and last cell are at most one tile more than its
-/// longest span (a prompt's tokens all start at their sequence's first cell). Groups of
-/// tokens of different sequences are not, and their run is marked false.
-fn tiled_ranges(spans: &[AttnSpan], group: usize) -> Vec<(std::ops::Range<usize>, bool)> {
-    let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
-    for (g, tokens) in spans.chunks(group.max(1)).enumerate() {
-        let used = tokens.iter().filter(|s| s.n_cells > 0);
-        let lo = used.clone().map(|s| s.first_cell as u64).min().unwrap_or(0);
-        let hi = used
-            .clone()
-            .map(|s| s.first_cell as u64 + s.n_cells as u64)
-            .max();
-        let longest = used.map(|s| s.n_cells as u64).max().unwrap_or(0);
-        let tight = hi.is_none_or(|hi| hi - lo <= longest + PREFILL_TILE_CELLS);
-        let start = g * group.max(1);
-        let range = start..start + tokens.len();
-        match runs.last_mut() {
-            Some((last, kind)) if *kind == tight => last.end = range.end,
-            _ => runs.push((range, tight)),
-        }
-    }
-    runs
+    pub(super) softcap: f32,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn span(first_cell: u32, n_cells: u32) -> AttnSpan {
-        AttnSpan {
-            first_cell,
-            n_cells,
-        }
-    }
-
-    #[test]
-    fn groups_of_one_prompt_are_tiled_and_groups_of_many_sequences_are_not() {
-        // A 40-token prompt of the sequence at cell 512.
-        let prompt: Vec<AttnSpan> = (0..40).map(|t| span(512, 100 + t)).collect();
-        assert_eq!(tiled_ranges(&prompt, 16), vec![(0..40, true)]);
-        // 20 sequences decoding at once, 256 cells apart: every group spans them all.
-        let decode: Vec<AttnSpan> = (0..20).map(|s| span(256 * s, 130)).collect();
-        assert_eq!(tiled_ranges(&decode, 16), vec![(0..20, false)]);
-        // A prompt, then decode tokens of other sequences: the group they share with the
-        // prompt's last tokens is loose too.
-        let mixed: Vec<AttnSpan> = prompt.iter().copied().chain(decode).collect();
-        assert_eq!(
-            tiled_ranges(&mixed, 16),
-            vec![(0..32, true), (32..60, false)]
-        );
-        // Two sequences a tile apart or less still share their tiles; empty spans and a
-        // group of them alone do not count.
-        let near: Vec<AttnSpan> = (0..16).map(|t| span(64 * (t % 2), 64 + t)).collect();
-        assert_eq!(tiled_ranges(&near, 16), vec![(0..16, true)]);
-        let empty = vec![span(0, 0), span(9000, 0), span(100, 5)];
-        assert_eq!(tiled_ranges(&empty, 16), vec![(0..3, true)]);
-    }
 
     #[test]
     fn decode_attention_is_split_and_prefill_is_not() {

@@ -127,6 +127,14 @@ impl FlashKernels {
         Ok(Self { head_dims })
     }
 
+    /// Kernels for `head_dims`, as if the device ran them (for tests of the selection).
+    #[cfg(test)]
+    pub(super) fn with_head_dims(head_dims: &[usize]) -> Self {
+        Self {
+            head_dims: head_dims.to_vec(),
+        }
+    }
+
     /// The head sizes the kernel runs for.
     pub(super) fn head_dims(&self) -> &[usize] {
         &self.head_dims

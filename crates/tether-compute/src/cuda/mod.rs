@@ -9,6 +9,7 @@
 mod argmax;
 mod attention;
 mod attention_flash;
+mod attention_tiled;
 mod check;
 mod compile;
 mod copy;
