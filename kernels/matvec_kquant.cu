@@ -27,6 +27,9 @@
 // block's other 208 bytes (ql, qh, scales), 16-byte aligned. Rows hold a multiple of 2048
 // values (whole groups; checked on the host). TY_Q6_KP in common.cuh names this layout.
 //
+// The MoE expert kernels (MOE_ENTRIES, at the end) also read Q6_K in GGUF's layout
+// (TY_Q6_K: the same chunks, loaded 2 bytes at a time), for expert rows that do not pack.
+//
 // Launch shapes and arguments are the packed kernels' (the drivers in common.cuh, KQ_R rows
 // a warp), n <= NT (1, 2, 4, 8); cols a multiple of 256 (2048 for Q6_K), w and every row
 // 16-byte aligned.
@@ -91,9 +94,27 @@ struct KqRuns {
     float ma, mb;  // weight min of each run (times the activation scale · sum); 0 on Q6_K
 };
 
+// Whether TY is Q6_K in either layout: GGUF's (2-byte aligned blocks, the MoE experts whose
+// rows do not pack) or the packed one.
+#define KQ_Q6(TY) ((TY) == TY_Q6_KP || (TY) == TY_Q6_K)
+
+// 16 bytes at a 2-byte aligned address, read once (GGUF's Q6_K blocks).
+__device__ __forceinline__ uint4 ld16_unaligned(const u8* p) {
+    const u16* h = (const u16*)p;
+    return make_uint4((u32)h[0] | ((u32)h[1] << 16), (u32)h[2] | ((u32)h[3] << 16),
+                      (u32)h[4] | ((u32)h[5] << 16), (u32)h[6] | ((u32)h[7] << 16));
+}
+
 template <int TY>
 __device__ __forceinline__ void kq_load(const u8* row, int b, int c, KqChunk& k) {
-    if (TY == TY_Q6_KP) {
+    if (TY == TY_Q6_K) {
+        const u8* body = row + (size_t)b * 210;
+        int hh = c >> 2, s = c & 1;
+        k.d = h2f(ld16(body + 208));
+        k.head = ld16_unaligned(body + 192);
+        k.q = ld16_unaligned(body + 16 * c);
+        k.hi = ld16_unaligned(body + 128 + 32 * hh + 16 * s);
+    } else if (TY == TY_Q6_KP) {
         const u8* g = row + (size_t)(b >> 3) * 1680;
         const u8* body = g + 16 + 208 * (b & 7);
         int hh = c >> 2, s = c & 1;
@@ -152,7 +173,7 @@ __device__ __forceinline__ void kq_decode(const KqChunk& k, int c, KqRuns& r) {
     const u32 m4 = 0x0F0F0F0Fu;
     u32 q[4] = {k.q.x, k.q.y, k.q.z, k.q.w};
     u32 h[4] = {k.hi.x, k.hi.y, k.hi.z, k.hi.w};
-    if (TY == TY_Q6_KP) {
+    if (KQ_Q6(TY)) {
         int hh = c >> 2, kk = (c >> 1) & 1, s = c & 1;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -223,7 +244,7 @@ __device__ __forceinline__ void kq_decode(const KqChunk& k, int c, KqRuns& r) {
 // KQ_B_OFF values and KQ_B_BLK 32-blocks further.
 template <int TY>
 __device__ __forceinline__ int kq_run_a(int c, int* blk32) {
-    if (TY == TY_Q6_KP) {
+    if (KQ_Q6(TY)) {
         int hh = c >> 2, kk = (c >> 1) & 1, s = c & 1;
         *blk32 = 4 * hh + kk;
         return 128 * hh + 32 * kk + 16 * s;
@@ -245,7 +266,7 @@ __device__ __forceinline__ int kq_run_a(int c, int* blk32) {
 template <int TY>
 __device__ __forceinline__ float kq_dot(const KqRuns& r, int4 xa, int4 xb, float2 sa, float2 sb) {
     int da, db;
-    if (TY == TY_Q6_KP || TY == TY_IQ4_XSP || TY == TY_Q3_KP) {
+    if (KQ_Q6(TY) || TY == TY_IQ4_XSP || TY == TY_Q3_KP) {
         da = dp4a_ss(r.a[0], xa.x, dp4a_ss(r.a[1], xa.y, dp4a_ss(r.a[2], xa.z, dp4a_ss(r.a[3], xa.w, 0))));
         db = dp4a_ss(r.b[0], xb.x, dp4a_ss(r.b[1], xb.y, dp4a_ss(r.b[2], xb.z, dp4a_ss(r.b[3], xb.w, 0))));
     } else {
@@ -260,8 +281,8 @@ template <int TY, int NT, int R, int U>
 __device__ __forceinline__ void kq_rows(const u8* const (&rowp)[R], int cols, const i8* xq,
                                         const float2* xds, int nt, int lane, bool& waited,
                                         float (&acc)[R][NT]) {
-    const int b_off = TY == TY_Q6_KP ? 64 : TY == TY_IQ4_XSP ? 16 : 32;
-    const int b_blk = TY == TY_Q6_KP ? 2 : TY == TY_IQ4_XSP ? 0 : 1;
+    const int b_off = KQ_Q6(TY) ? 64 : TY == TY_IQ4_XSP ? 16 : 32;
+    const int b_blk = KQ_Q6(TY) ? 2 : TY == TY_IQ4_XSP ? 0 : 1;
     int chunks = (cols / 256) * 8, nb32 = cols / 32;
     for (int k0 = lane; k0 < chunks; k0 += 32 * U) {
         KqChunk w[U][R];
@@ -310,7 +331,7 @@ template <int TY>
 struct KqRows {
     __device__ static size_t row_bytes(int cols) {
         return (size_t)(cols / 256) *
-               (TY == TY_Q6_KP ? 210
+               (KQ_Q6(TY) ? 210
                 : TY == TY_Q5_K ? 176
                 : TY == TY_IQ4_XSP ? 136
                 : TY == TY_Q3_KP ? 110
@@ -431,5 +452,6 @@ extern "C" __global__ void __launch_bounds__(128) pack_iq4_xs(u8* w, u64 n_group
 MOE_ENTRIES(moek, q4_k, KqRows<TY_Q4_K>, KQ_R, 1, 2)
 MOE_ENTRIES(moek, q5_k, KqRows<TY_Q5_K>, KQ_R, 1, 2)
 MOE_ENTRIES(moek, q6_k, KqRows<TY_Q6_KP>, KQ_R, 1, 2)
+MOE_ENTRIES(moek, q6_k_gguf, KqRows<TY_Q6_K>, KQ_R, 1, 2)
 MOE_ENTRIES(moek, iq4_xs, KqRows<TY_IQ4_XSP>, KQ_R, 1, 2)
 MOE_ENTRIES(moek, q3_k, KqRows<TY_Q3_KP>, KQ_R, 1, 2)

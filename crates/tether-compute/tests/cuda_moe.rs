@@ -224,7 +224,8 @@ fn expert_products_give_the_cpus_results() {
 fn expert_products_of_odd_widths_give_the_cpus_results() {
     let mut rng = Rng(79);
     // 1280 = 5 blocks of 256 (a second round of chunks ends early) and 768 = 3; Q6_K,
-    // Q3_K and IQ4_XS rows this wide do not pack and take the f32 kernels.
+    // Q3_K and IQ4_XS rows this wide do not pack: Q6_K takes the 8-bit kernels in GGUF's
+    // layout, Q3_K and IQ4_XS the f32 kernels.
     let x = Experts {
         e: 1280,
         ff: 768,
@@ -251,7 +252,7 @@ fn expert_products_of_odd_widths_give_the_cpus_results() {
 fn qwen3_moe_shaped_experts_and_mixes_give_the_cpus_results() {
     let mut rng = Rng(83);
     // qwen3-30b-a3b's widths, fewer experts; llama.cpp's mixes put Q6_K in some
-    // ffn_down_exps (768 wide: not packed, so down takes the f32 kernel after 8-bit gate/up).
+    // ffn_down_exps (768 wide: not packed, read in GGUF's layout).
     let x = Experts {
         e: 2048,
         ff: 768,

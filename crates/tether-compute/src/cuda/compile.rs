@@ -297,6 +297,10 @@ const FILES: &[KernelFile] = &[
             "moek_down_q3_k_1",
             "moek_swiglu_q3_k_8",
             "moek_down_q3_k_8",
+            "moek_swiglu_q6_k_gguf_1",
+            "moek_down_q6_k_gguf_1",
+            "moek_swiglu_q6_k_gguf_8",
+            "moek_down_q6_k_gguf_8",
         ],
     },
     KernelFile {

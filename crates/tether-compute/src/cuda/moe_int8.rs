@@ -17,7 +17,7 @@ use cudarc::driver::LaunchConfig;
 use tether_gguf::GgmlType;
 
 use super::launch::{Arg, grid_for, int};
-use super::matvec::{MV_MAX_TOKENS, XQ_SCALES_AT, kquant_int8, stem};
+use super::matvec::{MV_MAX_TOKENS, XQ_MAX_COLS, XQ_SCALES_AT, kquant_int8, stem};
 use super::moe::MAX_GRID_Y;
 use super::packed::packed_stem;
 use super::{CudaBackend, CudaBuffer};
@@ -49,6 +49,12 @@ const THREADS: u32 = 256;
 fn family(buf: &CudaBuffer, ty: GgmlType, cols: usize) -> Option<(&'static str, &'static str)> {
     if kquant_int8(ty, buf.packed, cols) {
         return stem(ty).map(|s| ("moek", s));
+    }
+    // Q6_K rows that do not pack (768-wide down experts of llama.cpp's mixes) keep GGUF's
+    // 2-byte aligned blocks, which only the expert kernels read with 8-bit activations.
+    let whole_blocks = cols > 0 && cols.is_multiple_of(256) && cols <= XQ_MAX_COLS;
+    if ty == GgmlType::Q6K && !buf.packed && whole_blocks {
+        return Some(("moek", "q6_k_gguf"));
     }
     // Packed Q4_0 / Q8_0 rows are whole 256-value groups within the 8-bit rows' width.
     buf.packed
