@@ -380,3 +380,53 @@ fn top_rows_give_each_rows_candidates_in_the_samplers_order() {
     let mut too_many = vec![Vec::new(); 3];
     assert!(is_shape(be.top_rows(&x, 4, 3, &mut scratch, &mut too_many)));
 }
+
+/// `finish_weight` packs Q4_0 weights on a backend with AVX2 (not on a portable one);
+/// products and embedding rows read through the packing as through the file's layout, and
+/// a packed weight refuses writes and reads as another type.
+#[test]
+fn finished_q4_0_weights_read_the_same_packed_or_not() {
+    let mut rng = Rng::new(44);
+    let (rows, cols, n_tokens) = (21, 64, 9);
+    let w = random_weights(&mut rng, GgmlType::Q4_0, rows * cols);
+    let x = random_f32(&mut rng, n_tokens * cols, 1.0);
+    for isa in [CpuIsa::Scalar, CpuIsa::detect()] {
+        let be = CpuBackend::with_isa(Some(2), isa).unwrap();
+        let plain = upload_bytes(&be, &w);
+        let mut finished = upload_bytes(&be, &w);
+        be.finish_weight(&mut finished, GgmlType::Q4_0, cols)
+            .unwrap();
+        assert_eq!(finished.packed.is_some(), isa.avx2().is_some(), "{isa}");
+        be.finish_weight(&mut finished, GgmlType::Q4_0, cols)
+            .unwrap();
+        let xb = upload_f32(&be, &x);
+        for n in [1, n_tokens] {
+            let mut a = be.alloc(4 * rows * n).unwrap();
+            let mut b = be.alloc(4 * rows * n).unwrap();
+            be.matmul(&plain, GgmlType::Q4_0, rows, cols, &xb, n, &mut a)
+                .unwrap();
+            be.matmul(&finished, GgmlType::Q4_0, rows, cols, &xb, n, &mut b)
+                .unwrap();
+            for (p, q) in a.as_f32().iter().zip(b.as_f32()) {
+                assert!(
+                    (p - q).abs() <= 1e-5 * p.abs().max(1.0),
+                    "{isa} n={n}: {p} vs {q}"
+                );
+            }
+        }
+        let ids = [0u32, 7, 8, 20, 3];
+        let mut a = be.alloc(4 * ids.len() * cols).unwrap();
+        let mut b = be.alloc(4 * ids.len() * cols).unwrap();
+        be.get_rows(&plain, GgmlType::Q4_0, cols, &ids, &mut a)
+            .unwrap();
+        be.get_rows(&finished, GgmlType::Q4_0, cols, &ids, &mut b)
+            .unwrap();
+        assert_eq!(a.as_bytes(), b.as_bytes(), "{isa}: embedding rows");
+        if finished.packed.is_some() {
+            assert!(is_shape(be.upload(&mut finished, 0, &[0u8; 4])));
+            let mut out = be.alloc(4 * rows).unwrap();
+            let as_q8 = be.matmul(&finished, GgmlType::Q8_0, rows / 2, cols, &xb, 1, &mut out);
+            assert!(is_shape(as_q8));
+        }
+    }
+}

@@ -15,6 +15,9 @@ pub const CPU_BUFFER_ALIGN: usize = 64;
 pub struct CpuBuffer {
     ptr: NonNull<u8>,
     len: usize,
+    /// For a finished Q4_0 weight rewritten into the packed layout (`matmul::packed`), its
+    /// row length in bytes: only this backend's ops read it, and it is not written again.
+    pub(crate) packed: Option<usize>,
 }
 
 // SAFETY: the buffer exclusively owns its allocation (like a `Box<[u8]>`); shared access
@@ -31,12 +34,20 @@ impl CpuBuffer {
             // A zero-sized allocation is not allowed; an aligned dangling pointer is valid
             // for zero-length slices.
             let ptr = NonNull::new(CPU_BUFFER_ALIGN as *mut u8)?;
-            return Some(Self { ptr, len: 0 });
+            return Some(Self {
+                ptr,
+                len: 0,
+                packed: None,
+            });
         }
         let layout = Layout::from_size_align(bytes, CPU_BUFFER_ALIGN).ok()?;
         // SAFETY: `layout` has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
-        NonNull::new(raw).map(|ptr| Self { ptr, len: bytes })
+        NonNull::new(raw).map(|ptr| Self {
+            ptr,
+            len: bytes,
+            packed: None,
+        })
     }
 
     /// The whole buffer as bytes.
@@ -88,6 +99,7 @@ impl std::fmt::Debug for CpuBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CpuBuffer")
             .field("bytes", &self.len)
+            .field("packed", &self.packed)
             .finish()
     }
 }

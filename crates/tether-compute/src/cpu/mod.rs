@@ -120,7 +120,30 @@ impl Backend for CpuBackend {
         CpuBuffer::try_new(bytes).ok_or_else(|| refuse(free.unwrap_or(0)))
     }
 
+    fn finish_weight(&self, w: &mut CpuBuffer, ty: GgmlType, row_len: usize) -> Result<()> {
+        // Packed rows need the AVX2 kernels (and x86-64); the portable ones read the file's
+        // layout.
+        #[cfg(target_arch = "x86_64")]
+        if w.packed.is_none() && self.isa.avx2().is_some() && matmul::packable(ty, row_len) {
+            let row_bytes = row_len / 32 * 18;
+            if w.bytes().is_multiple_of(row_bytes) {
+                matmul::pack_q4_0(w.as_bytes_mut(), row_bytes);
+                w.packed = Some(row_bytes);
+            }
+        }
+        let _ = (w, ty, row_len);
+        Ok(())
+    }
+
     fn upload(&self, dst: &mut CpuBuffer, offset: usize, src: &[u8]) -> Result<()> {
+        if dst.packed.is_some() {
+            return Err(shape_err(
+                "upload",
+                "the buffer holds a finished weight in the packed layout; it cannot be \
+                 written again"
+                    .to_string(),
+            ));
+        }
         let end = offset.checked_add(src.len());
         need("upload", "destination buffer", dst.bytes(), end)?;
         dst.as_bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
@@ -166,14 +189,19 @@ impl Backend for CpuBackend {
         if row_len == 0 {
             return Ok(());
         }
+        let packed = packed_as(OP, table, ty, row_bytes)?;
         let table = table.as_bytes();
         self.install(|| {
             out.par_chunks_mut(row_len)
                 .zip(ids.par_iter())
                 .try_for_each(|(o, &id)| {
                     let at = id as usize * row_bytes;
-                    dequantize(ty, &table[at..at + row_bytes], o)
-                        .map_err(|e| shape_err(OP, format!("row {id}: {e}")))
+                    let row = if packed {
+                        unpacked_row(table, row_bytes, id as usize)
+                    } else {
+                        std::borrow::Cow::Borrowed(&table[at..at + row_bytes])
+                    };
+                    dequantize(ty, &row, o).map_err(|e| shape_err(OP, format!("row {id}: {e}")))
                 })
         })
     }
@@ -203,10 +231,18 @@ impl Backend for CpuBackend {
             })?;
         let w_bytes = row_bytes.checked_mul(rows);
         need(OP, "weight buffer", w.bytes(), w_bytes)?;
-        let w = &w.as_bytes()[..row_bytes * rows];
+        let packed = packed_as(OP, w, ty, row_bytes)?;
+        let whole = w.as_bytes();
+        let w = &whole[..row_bytes * rows];
         let x = f32s(OP, "input", x, elems(OP, &[n_tokens, cols])?)?;
         let out = f32s_mut(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
-        self.install(|| matmul::matmul(self.isa, ty, w, rows, cols, x, n_tokens, out));
+        self.install(|| {
+            #[cfg(target_arch = "x86_64")]
+            if packed {
+                return matmul::matmul_packed(self.isa, whole, rows, cols, x, n_tokens, out);
+            }
+            matmul::matmul(self.isa, ty, w, rows, cols, x, n_tokens, out)
+        });
         Ok(())
     }
 
@@ -449,6 +485,34 @@ impl Backend for CpuBackend {
 
 /// The `rows` rows of `n` f32 a row reduction reads from `x`, after checking `x` holds
 /// them; `None` when the rows are empty.
+/// Whether `w` is packed, refusing a packed weight read as another type or row length
+/// than it was packed with.
+fn packed_as(op: &'static str, w: &CpuBuffer, ty: GgmlType, row_bytes: usize) -> Result<bool> {
+    match w.packed {
+        None => Ok(false),
+        Some(b) if b == row_bytes && ty == GgmlType::Q4_0 => Ok(true),
+        Some(b) => Err(shape_err(
+            op,
+            format!(
+                "the weight was packed as Q4_0 rows of {b} bytes; it cannot be read as {ty} \
+                 rows of {row_bytes} bytes"
+            ),
+        )),
+    }
+}
+
+/// Row `r` of a packed table (rows of `row_bytes`) in the file's layout.
+fn unpacked_row(table: &[u8], row_bytes: usize, r: usize) -> std::borrow::Cow<'_, [u8]> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut row = vec![0u8; row_bytes];
+        matmul::unpack_row(table, row_bytes, r, &mut row);
+        std::borrow::Cow::Owned(row)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    std::borrow::Cow::Borrowed(&table[r * row_bytes..(r + 1) * row_bytes])
+}
+
 fn logit_rows<'a>(
     op: &'static str,
     x: &'a CpuBuffer,

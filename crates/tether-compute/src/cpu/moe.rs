@@ -85,6 +85,27 @@ impl CpuBackend {
             ffn.up.buf.as_bytes(),
             ffn.down.buf.as_bytes(),
         );
+        // Packed experts (Q4_0 after `finish_weight`) are read one expert's slice at a time,
+        // which holds whole packed groups only when its rows are whole groups of eight.
+        let packed = [
+            (ffn.gate.buf.packed.is_some(), ff),
+            (ffn.up.buf.packed.is_some(), ff),
+            (ffn.down.buf.packed.is_some(), e),
+        ];
+        if let Some((_, r)) = packed.iter().find(|(p, r)| *p && r % 8 != 0) {
+            return Err(shape_err(
+                OP,
+                format!("packed Q4_0 experts of {r} rows: the cpu needs a multiple of 8"),
+            ));
+        }
+        let product = |p: bool, ty, w: &[u8], rows, cols, x: &[f32], n, out: &mut [f32]| {
+            #[cfg(target_arch = "x86_64")]
+            if p {
+                return super::matmul::matmul_packed(self.isa, w, rows, cols, x, n, out);
+            }
+            let _ = p;
+            matmul(self.isa, ty, w, rows, cols, x, n, out)
+        };
         self.install(|| {
             rows.par_chunks_mut(e.max(1))
                 .zip(order.par_iter())
@@ -97,8 +118,8 @@ impl CpuBackend {
                 let c = r1 - r0;
                 let input = &rows[r0 * e..r1 * e];
                 let g = &wg[xid * one.gate..(xid + 1) * one.gate];
-                matmul(
-                    self.isa,
+                product(
+                    packed[0].0,
                     ffn.gate.ty,
                     g,
                     ff,
@@ -108,8 +129,8 @@ impl CpuBackend {
                     &mut gate[r0 * ff..r1 * ff],
                 );
                 let u = &wu[xid * one.up..(xid + 1) * one.up];
-                matmul(
-                    self.isa,
+                product(
+                    packed[1].0,
                     ffn.up.ty,
                     u,
                     ff,
@@ -129,8 +150,8 @@ impl CpuBackend {
                 }
                 let d = &wd[xid * one.down..(xid + 1) * one.down];
                 let act = &gate[r0 * ff..r1 * ff];
-                matmul(
-                    self.isa,
+                product(
+                    packed[2].0,
                     ffn.down.ty,
                     d,
                     e,

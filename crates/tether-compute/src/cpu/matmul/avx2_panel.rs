@@ -149,7 +149,7 @@ pub(super) use panel_dot_body;
 /// Each row's `Σ q·y` over one packed Q4_0 block (unsigned nibbles, before the `-8`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn block_sum(pb: &[__m256i], y: &BlockQ8) -> __m256i {
+pub(super) fn block_sum(pb: &[__m256i], y: &BlockQ8) -> __m256i {
     // Eight maddubs outputs of at most 2·15·127 each add up in i16 (< 2^15).
     // Written out: as a loop LLVM neither unrolled it nor kept the sum in a register.
     let p = |k: usize| _mm256_maddubs_epi16(pb[k], broadcast4(&y.qs, 4 * k));
@@ -216,11 +216,31 @@ fn store<const N: usize>(acc: [__m256; N], out: OutPtr, s: Shape, t0: usize, r0:
     }
 }
 
-/// All tokens against one packed panel.
-fn panel_tokens<F: PanelFormat>(
-    f: &F,
-    panel: &[__m256i],
-    acts: &[F::Act],
+/// Eight weight rows (one per lane) ready to multiply: a packed panel, or a group of
+/// packed Q4_0 rows.
+pub(super) trait EightRows {
+    /// One block of the prepared activation row.
+    type Act;
+    /// Lane `r` of result `j`: row `r` · token `xs[j]`.
+    fn dot<const N: usize>(&self, xs: [&[Self::Act]; N]) -> [__m256; N];
+}
+
+/// A panel with its format.
+struct Panel<'a, F>(&'a F, &'a [__m256i]);
+
+impl<F: PanelFormat> EightRows for Panel<'_, F> {
+    type Act = F::Act;
+
+    fn dot<const N: usize>(&self, xs: [&[F::Act]; N]) -> [__m256; N] {
+        self.0.dot(self.1, xs)
+    }
+}
+
+/// Every token (`acts`, `per_row` blocks each) against eight rows from `r0`, in groups of
+/// [`TOKEN_GROUP`].
+pub(super) fn all_tokens<E: EightRows>(
+    rows: &E,
+    acts: &[E::Act],
     per_row: usize,
     out: OutPtr,
     s: Shape,
@@ -233,17 +253,17 @@ fn panel_tokens<F: PanelFormat>(
         match n {
             4 => {
                 let xs = [row(t0), row(t0 + 1), row(t0 + 2), row(t0 + 3)];
-                store(f.dot(panel, xs), out, s, t0, r0);
+                store(rows.dot(xs), out, s, t0, r0);
             }
             3 => store(
-                f.dot(panel, [row(t0), row(t0 + 1), row(t0 + 2)]),
+                rows.dot([row(t0), row(t0 + 1), row(t0 + 2)]),
                 out,
                 s,
                 t0,
                 r0,
             ),
-            2 => store(f.dot(panel, [row(t0), row(t0 + 1)]), out, s, t0, r0),
-            _ => store(f.dot(panel, [row(t0)]), out, s, t0, r0),
+            2 => store(rows.dot([row(t0), row(t0 + 1)]), out, s, t0, r0),
+            _ => store(rows.dot([row(t0)]), out, s, t0, r0),
         }
         t0 += n;
     }
@@ -281,7 +301,7 @@ pub(crate) fn matmul<F: PanelFormat>(f: &F, w: &[u8], s: Shape, x: &[f32], out: 
             for p in c * per_chunk..((c + 1) * per_chunk).min(n_panels) {
                 let r0 = p * PANEL_ROWS;
                 f.pack(w, row_bytes, s.rows, r0, &mut panel);
-                panel_tokens(f, &panel, acts, per_row, out, s, r0);
+                all_tokens(&Panel(f, &panel), acts, per_row, out, s, r0);
             }
         });
 }

@@ -23,7 +23,12 @@ mod avx2_panel_q6k;
 #[cfg(target_arch = "x86_64")]
 mod avx2_q5;
 #[cfg(target_arch = "x86_64")]
+mod packed;
+#[cfg(target_arch = "x86_64")]
 mod vnni;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use packed::{pack_q4_0, packable, unpack_row};
 
 use rayon::prelude::*;
 use tether_gguf::GgmlType;
@@ -96,6 +101,57 @@ pub(crate) fn matmul(
         CpuIsa::Scalar => {}
     }
     scalar_matmul(ty, w, s, x, out);
+    CpuIsa::Scalar
+}
+
+/// [`matmul`] for Q4_0 weights packed by `finish_weight` (`w` is the whole buffer, of
+/// which the first `rows` rows are multiplied). Returns the level whose kernels ran.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_packed(
+    isa: CpuIsa,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+) -> CpuIsa {
+    let s = Shape {
+        rows,
+        cols,
+        n_tokens,
+    };
+    let level = level_for(isa, GgmlType::Q4_0);
+    match level {
+        CpuIsa::Avx512Vnni => {
+            if let Some(t) = isa.avx512_vnni() {
+                packed::matmul(&vnni::avx512::Q4_0Packed(t), w, s, x, out);
+                return level;
+            }
+        }
+        CpuIsa::AvxVnni => {
+            if let Some(t) = isa.avx_vnni() {
+                packed::matmul(&vnni::avx::Q4_0Packed(t), w, s, x, out);
+                return level;
+            }
+        }
+        CpuIsa::Avx2 => {
+            if let Some(cpu) = isa.avx2() {
+                packed::matmul(&packed::Avx2Packed(cpu), w, s, x, out);
+                return level;
+            }
+        }
+        CpuIsa::Scalar => {}
+    }
+    // Only a backend with AVX2 packs; should a packed matrix meet the portable kernels,
+    // they read it in the file's layout.
+    let row_bytes = cols / 32 * 18;
+    let mut plain = vec![0u8; rows * row_bytes];
+    for (r, dst) in plain.chunks_exact_mut(row_bytes).enumerate() {
+        unpack_row(w, row_bytes, r, dst);
+    }
+    scalar_matmul(GgmlType::Q4_0, &plain, s, x, out);
     CpuIsa::Scalar
 }
 
@@ -277,5 +333,7 @@ impl<A> Tiles<'_, A> {
 mod bench;
 #[cfg(test)]
 mod level_tests;
+#[cfg(all(test, target_arch = "x86_64"))]
+mod packed_tests;
 #[cfg(test)]
 mod tests;

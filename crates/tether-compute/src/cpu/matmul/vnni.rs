@@ -22,7 +22,8 @@ use super::avx2::{
 use super::avx2_kquant::{
     Q6K_SCALE_PICK, dot_q4k_body, dot_q6k_body, high2, load_bsums, load32, load32_i8, prefetch,
 };
-use super::avx2_panel::{PanelFormat, broadcast4, panel_dot_body};
+use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, finish, panel_dot_body};
+use super::packed::{PackedKernel, packed_dot_body, unpack_block};
 use super::scalar::unpack_q4k_scales;
 use super::{RowKernel, Shape, avx2_panel, avx2_panel_q4k as q4k, avx2_panel_q6k as q6k, run};
 use crate::cpu::q8::{BlockQ8, BlockQ8K, quantize_row_q8, quantize_row_q8k};
@@ -231,6 +232,26 @@ macro_rules! vnni_kernels {
                 block_sum_q4_0,
                 avx2_panel::finish
             )
+        }
+
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn packed_dot_q4_0<const N: usize>(g: &[u8], xs: [&[BlockQ8]; N]) -> [__m256; N] {
+            packed_dot_body!(g, xs, block_sum_q4_0)
+        }
+
+        /// Q4_0 weights packed by `finish_weight`.
+        pub(crate) struct Q4_0Packed(pub $Token);
+
+        impl PackedKernel for Q4_0Packed {
+            fn avx2(&self) -> crate::cpu::simd::Avx2 {
+                self.0.avx2()
+            }
+
+            fn dot8<const N: usize>(&self, g: &[u8], xs: [&[BlockQ8]; N]) -> [__m256; N] {
+                // SAFETY: `self.0` proves the CPU has the enabled features.
+                unsafe { packed_dot_q4_0(g, xs) }
+            }
         }
 
         #[inline]
