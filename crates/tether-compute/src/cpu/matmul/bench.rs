@@ -43,26 +43,46 @@ fn bench_matmul() {
         // the kernel's arithmetic from memory bandwidth.
         let hot = std::env::var_os("BENCH_HOT").is_some();
         let copies = if hot { 1 } else { (96 << 20) / one.len() + 1 };
-        let ws: Vec<Vec<u8>> = (0..copies).map(|_| one.clone()).collect();
-        let w = &ws[0];
-        for n_tokens in [1usize, 64] {
-            let x = random_f32(&mut rng, n_tokens * cols, 1.0);
-            let mut out = vec![0.0f32; rows * n_tokens];
-            let ran = matmul(isa, ty, w, rows, cols, &x, n_tokens, &mut out);
-            let reps = if n_tokens == 1 { 40 } else { 4 };
-            let cpu0 = process_cpu_ns();
-            let start = Instant::now();
-            for i in 0..reps {
-                matmul(isa, ty, &ws[i % copies], rows, cols, &x, n_tokens, &mut out);
+        // Q4_0 is timed in the file's layout and packed as `finish_weight` leaves it.
+        let layouts: &[bool] = if cfg!(target_arch = "x86_64") && ty == GgmlType::Q4_0 {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for &packed in layouts {
+            let mut ws: Vec<Vec<u8>> = (0..copies).map(|_| one.clone()).collect();
+            #[cfg(target_arch = "x86_64")]
+            if packed {
+                ws.iter_mut()
+                    .for_each(|w| pack_q4_0(w, cols / 32 * ty.block_bytes()));
             }
-            let secs = start.elapsed().as_secs_f64() / reps as f64;
-            let cpu_ms = (process_cpu_ns() - cpu0) as f64 / 1e6 / reps as f64;
-            let gmacs = (rows * cols * n_tokens) as f64 / secs / 1e9;
-            let gbs = w.len() as f64 / secs / 1e9;
-            eprintln!(
-                "{ty:5} tokens={n_tokens:3} ({ran}): {:8.3} ms  {gmacs:7.1} GMAC/s  {gbs:6.1} GB/s weights  {cpu_ms:8.3} cpu-ms",
-                secs * 1e3
-            );
+            let product = |w: &[u8], x: &[f32], n: usize, out: &mut [f32]| {
+                #[cfg(target_arch = "x86_64")]
+                if packed {
+                    return matmul_packed(isa, w, rows, cols, x, n, out);
+                }
+                matmul(isa, ty, w, rows, cols, x, n, out)
+            };
+            for n_tokens in [1usize, 64] {
+                let x = random_f32(&mut rng, n_tokens * cols, 1.0);
+                let mut out = vec![0.0f32; rows * n_tokens];
+                let ran = product(&ws[0], &x, n_tokens, &mut out);
+                let reps = if n_tokens == 1 { 40 } else { 4 };
+                let cpu0 = process_cpu_ns();
+                let start = Instant::now();
+                for i in 0..reps {
+                    product(&ws[i % copies], &x, n_tokens, &mut out);
+                }
+                let secs = start.elapsed().as_secs_f64() / reps as f64;
+                let cpu_ms = (process_cpu_ns() - cpu0) as f64 / 1e6 / reps as f64;
+                let gmacs = (rows * cols * n_tokens) as f64 / secs / 1e9;
+                let gbs = one.len() as f64 / secs / 1e9;
+                let layout = if packed { ", packed" } else { "" };
+                eprintln!(
+                    "{ty:5} tokens={n_tokens:3} ({ran}{layout}): {:8.3} ms  {gmacs:7.1} GMAC/s  {gbs:6.1} GB/s weights  {cpu_ms:8.3} cpu-ms",
+                    secs * 1e3
+                );
+            }
         }
     }
 }

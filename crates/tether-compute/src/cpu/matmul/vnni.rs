@@ -23,7 +23,7 @@ use super::avx2_kquant::{
     Q6K_SCALE_PICK, dot_q4k_body, dot_q6k_body, high2, load_bsums, load32, load32_i8, prefetch,
 };
 use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, finish, panel_dot_body};
-use super::packed::{PackedKernel, packed_dot_body, unpack_block};
+use super::packed::{PackedKernel, packed_dot_body, prefetch_ahead, unpack_block};
 use super::scalar::unpack_q4k_scales;
 use super::{RowKernel, Shape, avx2_panel, avx2_panel_q4k as q4k, avx2_panel_q6k as q6k, run};
 use crate::cpu::q8::{BlockQ8, BlockQ8K, quantize_row_q8, quantize_row_q8k};
