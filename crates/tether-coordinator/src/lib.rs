@@ -14,7 +14,6 @@ pub mod placement;
 pub mod progress;
 mod scheduler;
 mod sequence;
-pub mod single;
 mod stage_call;
 
 pub use discovery::WorkerDns;

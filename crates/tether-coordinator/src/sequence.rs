@@ -4,7 +4,7 @@
 
 use crate::api::{ContextShift, FinishReason, GenError, GenEvent};
 use std::time::Instant;
-use tether_model::Sampler;
+use tether_model::{Sampler, StopReason, StopRules, Verdict};
 use tether_protocol::TokenPos;
 use tokio::sync::mpsc;
 
@@ -58,9 +58,9 @@ impl Sequence {
         self.prompt_len.saturating_sub(self.fed).min(take)
     }
 
-    /// Takes a sampled token: an end-of-generation token ends the request unsent; otherwise
-    /// it is sent, and `max_tokens` ends the request. A full context (`ctx` cells) ends it
-    /// too, as the single-process generator does, unless `shift` lets it drop old tokens.
+    /// Takes a sampled token by the generator's [`StopRules`]: an end-of-generation token
+    /// ends the request unsent; otherwise it is sent, and `max_tokens` or a full context
+    /// (`ctx` cells) ends the request, unless `shift` lets a full context drop old tokens.
     pub fn accept(
         &mut self,
         token: u32,
@@ -68,23 +68,27 @@ impl Sequence {
         ctx: usize,
         shift: Option<ContextShift>,
     ) -> Next {
-        if is_eog {
+        let rules = StopRules {
+            max_tokens: self.max_tokens,
+            ctx,
+        };
+        let verdict = rules.on_sampled(is_eog, self.generated, self.tokens.len());
+        if verdict == Verdict::Discard {
             return Next::Finish(FinishReason::Stop);
         }
         self.tokens.push(token);
         self.generated += 1;
         self.send(Ok(GenEvent::Token(token)));
-        if self.generated >= self.max_tokens {
-            return Next::Finish(FinishReason::Length);
+        match verdict {
+            Verdict::KeepAndEnd(StopReason::ContextFull) => {
+                match shift.and_then(|s| self.shift(s.keep)) {
+                    Some(kept) => Next::Shifted(kept),
+                    None => Next::Finish(FinishReason::Length),
+                }
+            }
+            Verdict::KeepAndEnd(_) => Next::Finish(FinishReason::Length),
+            Verdict::Keep | Verdict::Discard => Next::Continue,
         }
-        // The next token would go at position `tokens.len() - 1`, which must be a cell.
-        if self.tokens.len() > ctx {
-            return match shift.and_then(|s| self.shift(s.keep)) {
-                Some(kept) => Next::Shifted(kept),
-                None => Next::Finish(FinishReason::Length),
-            };
-        }
-        Next::Continue
     }
 
     /// Drops the oldest half of the tokens after the first `keep` (as llama.cpp's context

@@ -11,6 +11,7 @@ use crate::error::ModelError;
 use crate::kv::BatchToken;
 use crate::sampling::Sampler;
 use crate::stage::{Stage, StageSpec, StepInput, StepOutput};
+use crate::stop::{StopReason, StopRules, Verdict};
 
 /// Bytes uploaded per `load_tensor` call, so a device backend never stages a whole tensor.
 const LOAD_CHUNK: usize = 64 << 20;
@@ -44,19 +45,6 @@ pub fn load_stage_from_file<B: Backend>(
     }
     stage.finish_load()?;
     Ok(stage)
-}
-
-/// Why a generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StopReason {
-    /// An end-of-generation token was sampled (it is not passed on).
-    EndOfGeneration,
-    /// `n_predict` tokens were produced.
-    Limit,
-    /// The context is full.
-    ContextFull,
-    /// The callback asked to stop.
-    Callback,
 }
 
 /// Runs a whole model in one process on sequence 0 of a stage holding every layer.
@@ -191,18 +179,23 @@ impl<B: Backend> Generator<B> {
         let hidden = self.run(prompt, 0, prompt.len() - 1)?;
         self.stage.logits(&hidden, 1, &mut logits)?;
         let mut out = Vec::new();
+        let rules = StopRules {
+            max_tokens: n_predict,
+            ctx,
+        };
+        if let Some(why) = rules.before_first() {
+            return Ok((out, why));
+        }
         // A greedy sampler's next token is found on the device: one id is downloaded a step
         // instead of every logit.
         let mut chosen = None;
         loop {
-            if out.len() >= n_predict {
-                return Ok((out, StopReason::Limit));
-            }
             let tok = match chosen.take() {
                 Some(t) => t,
                 None => sampler.sample(&logits, &history),
             };
-            if eog.contains(&tok) {
+            let verdict = rules.on_sampled(eog.contains(&tok), out.len(), history.len());
+            if verdict == Verdict::Discard {
                 return Ok((out, StopReason::EndOfGeneration));
             }
             out.push(tok);
@@ -210,9 +203,8 @@ impl<B: Backend> Generator<B> {
             if !on_token(tok) {
                 return Ok((out, StopReason::Callback));
             }
-            // `tok` goes in at position `history.len() - 1`, which must be a cell of the context.
-            if history.len() > ctx {
-                return Ok((out, StopReason::ContextFull));
+            if let Verdict::KeepAndEnd(why) = verdict {
+                return Ok((out, why));
             }
             // Embedding, layers and head in one call: the hidden state stays on the device.
             let at = BatchToken {

@@ -10,13 +10,14 @@ pub mod moe;
 pub mod plan;
 pub mod sampling;
 pub mod stage;
+pub mod stop;
 pub mod synth;
 pub mod tokenizer;
 
 pub use arch::Arch;
 pub use config::ModelConfig;
 pub use error::ModelError;
-pub use generate::{Generator, StopReason, load_stage_from_file};
+pub use generate::{Generator, load_stage_from_file};
 pub use kv::BatchToken;
 pub use moe::MoeConfig;
 pub use plan::{StagePlan, plan_stage};
@@ -25,4 +26,5 @@ pub use stage::{
     KV_CACHE_TYPES, Stage, StageSpec, StepInput, StepOutput, TensorSlot, check_cache_types,
     required_tensors,
 };
+pub use stop::{StopReason, StopRules, Verdict};
 pub use synth::{SynthShape, synthesize};

@@ -1,21 +1,25 @@
-//! Helpers for the HTTP tests: models, an in-process engine, a server on a free port, and
-//! a small HTTP/1.1 client over a raw socket (so tests can also hang up mid-stream).
+//! Helpers for the HTTP tests: models, the production engine over an embedded worker, a
+//! server on a free port, and a small HTTP/1.1 client over a raw socket (so tests can also
+//! hang up mid-stream).
 
 use std::net::SocketAddr;
+use std::ops::Deref;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
+use tether_client::ClientOptions;
 use tether_compute::CpuBackend;
 use tether_gguf::{GgmlType, GgufFile};
 use tether_model::tokenizer::Tokenizer;
 use tether_model::{Generator, Sampler, SamplingParams, SynthShape};
+use tether_worker::embedded::{LocalOptions, LocalWorkers};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use super::{ConnLimits, HttpOptions, router, serve};
-use crate::single::{SingleOptions, SingleProcessEngine};
+use crate::{Coordinator, CoordinatorConfig, ModelFile};
 
 /// Context of the test engines.
 pub const TEST_CTX: usize = 256;
@@ -40,16 +44,48 @@ pub fn stories_model() -> Option<PathBuf> {
     path.exists().then_some(path)
 }
 
-/// An in-process engine over `model` with a context of `ctx` and `queue` waiting slots.
-pub fn engine(model: &Path, ctx: usize, queue: usize) -> Arc<SingleProcessEngine> {
-    let opts = SingleOptions {
-        ctx: Some(ctx),
-        ubatch: 32,
+/// The engine `tether serve` runs: a coordinator that loads the model by two-phase commit
+/// over an embedded cpu worker reached by gRPC, and schedules requests onto it.
+pub struct TestEngine {
+    coordinator: Arc<Coordinator>,
+    // Declared after the coordinator, so it is dropped after it: the coordinator's sessions
+    // end on a live worker.
+    _workers: LocalWorkers,
+}
+
+impl Deref for TestEngine {
+    type Target = Coordinator;
+
+    fn deref(&self) -> &Coordinator {
+        &self.coordinator
+    }
+}
+
+/// The production engine over `model` with one sequence slot of `ctx` cells and `queue`
+/// requests waiting for it (at least one: the coordinator's queue cannot be empty).
+pub async fn engine(model: &Path, ctx: usize, queue: usize) -> Arc<TestEngine> {
+    let options = LocalOptions {
         threads: Some(1),
-        queue,
-        model_id: None,
+        max_memory: Some(1 << 30),
+        gpus: Vec::new(),
     };
-    Arc::new(SingleProcessEngine::load(model, opts).expect("loading the test engine"))
+    let workers = LocalWorkers::start(1, &options)
+        .await
+        .expect("starting an embedded worker");
+    let file = ModelFile::open(model).expect("opening the test model");
+    let mut config = CoordinatorConfig::new(&file, workers.addrs());
+    config.client = ClientOptions::with_token(workers.token().clone());
+    config.ctx_per_seq = ctx;
+    config.parallel = 1;
+    config.ubatch = 32;
+    config.queue_depth = queue.max(1);
+    let coordinator = Coordinator::start(file, config)
+        .await
+        .expect("loading the test model over the worker");
+    Arc::new(TestEngine {
+        coordinator: Arc::new(coordinator),
+        _workers: workers,
+    })
 }
 
 /// What a plain single-process generation of `prompt` gives: the tokens, the text and
@@ -95,17 +131,19 @@ pub struct TestServer {
     pub addr: SocketAddr,
     shutdown: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<std::io::Result<()>>>,
+    /// Kept so the worker lives as long as the server.
+    _engine: Arc<TestEngine>,
 }
 
 impl TestServer {
     /// Serves `engine` with `opts`.
-    pub async fn start(engine: Arc<SingleProcessEngine>, opts: HttpOptions) -> TestServer {
+    pub async fn start(engine: Arc<TestEngine>, opts: HttpOptions) -> TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("binding a free port");
         let addr = listener.local_addr().expect("local address");
         let (tx, rx) = oneshot::channel::<()>();
-        let app = router(engine, opts);
+        let app = router(Arc::clone(&engine.coordinator) as _, opts);
         let task = tokio::spawn(serve(listener, app, ConnLimits::default(), async move {
             let _ = rx.await;
         }));
@@ -113,6 +151,7 @@ impl TestServer {
             addr,
             shutdown: Some(tx),
             task: Some(task),
+            _engine: engine,
         }
     }
 

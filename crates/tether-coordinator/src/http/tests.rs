@@ -1,4 +1,5 @@
-//! End-to-end tests of the HTTP API over real sockets, against the in-process engine.
+//! End-to-end tests of the HTTP API over real sockets, against the coordinator over an
+//! embedded worker.
 
 use serde_json::json;
 use tether_gguf::GgufFile;
@@ -25,7 +26,7 @@ async fn greedy_completion_equals_single_process_generation() {
     let prompt = "ba be bi bo";
     let tokens = prompt_tokens(model, prompt);
     let (want_tokens, want_text, ended_at_eog) = reference(model, TEST_CTX, &tokens, 24);
-    let server = TestServer::start(engine(model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, HttpOptions::default()).await;
     let reply = post(
         server.addr,
         "/v1/completions",
@@ -73,7 +74,7 @@ async fn stories_greedy_completion_equals_single_process_generation() {
     let tokens = prompt_tokens(&model, prompt);
     let (_, want_text, _) = reference(&model, TEST_CTX, &tokens, 40);
     assert!(!want_text.is_empty());
-    let server = TestServer::start(engine(&model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(&model, TEST_CTX, 2).await, HttpOptions::default()).await;
     let reply = post(
         server.addr,
         "/v1/completions",
@@ -95,7 +96,7 @@ async fn max_tokens_ends_with_length_and_stop_string_with_stop() {
         !ended_at_eog && want_tokens.len() == 20,
         "the test prompt must not end early"
     );
-    let server = TestServer::start(engine(model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, HttpOptions::default()).await;
 
     let short = post(
         server.addr,
@@ -149,7 +150,7 @@ async fn chat_completion_uses_the_template_and_generates_like_the_generator() {
         .expect("renders");
     let tokens = tok.encode(&rendered, tok.add_bos_default(), true);
     let (_, want_text, _) = reference(model, TEST_CTX, &tokens, 12);
-    let server = TestServer::start(engine(model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, HttpOptions::default()).await;
     let reply = post(
         server.addr,
         "/v1/chat/completions",
@@ -179,7 +180,7 @@ async fn chat_completion_uses_the_template_and_generates_like_the_generator() {
 #[tokio::test]
 async fn client_errors_get_openai_error_shapes() {
     let model = tiny_model();
-    let server = TestServer::start(engine(model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, HttpOptions::default()).await;
     let bad_json = send(
         server.addr,
         "POST",
@@ -255,7 +256,7 @@ async fn prompt_and_max_tokens_limits_refuse_with_the_limit_named() {
         max_tokens_limit: 8,
         ..HttpOptions::default()
     };
-    let server = TestServer::start(engine(model, TEST_CTX, 2), opts).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, opts).await;
     let long = post(
         server.addr,
         "/v1/completions",
@@ -297,7 +298,7 @@ async fn api_key_is_required_on_v1_when_set() {
         model_id: Some("tiny-test".into()),
         ..HttpOptions::default()
     };
-    let server = TestServer::start(engine(model, TEST_CTX, 2), opts).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, opts).await;
     let none = send(server.addr, "GET", "/v1/models", &[], None).await;
     assert_eq!(none.status, 401);
     assert_eq!(none.json()["error"]["code"], "invalid_api_key");
@@ -334,7 +335,7 @@ async fn api_key_is_required_on_v1_when_set() {
 #[tokio::test]
 async fn health_models_and_metrics() {
     let model = tiny_model();
-    let server = TestServer::start(engine(model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, HttpOptions::default()).await;
     let health = send(server.addr, "GET", "/health", &[], None).await;
     assert_eq!(
         (health.status, health.json()["status"].clone()),

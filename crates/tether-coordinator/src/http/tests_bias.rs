@@ -1,5 +1,5 @@
-//! `logit_bias`, `ignore_eos` and `min_tokens` over real sockets, against the in-process
-//! engine and single-process generations with the same sampler.
+//! `logit_bias`, `ignore_eos` and `min_tokens` over real sockets, against the coordinator
+//! over an embedded worker and single-process generations with the same sampler.
 
 use serde_json::json;
 use tether_gguf::GgufFile;
@@ -37,7 +37,11 @@ fn end_token(t: &Tokenizer) -> u32 {
 async fn a_favored_token_wins_every_greedy_step_on_both_endpoints() {
     let t = tokenizer();
     let (id, letter) = letter_token(&t);
-    let server = TestServer::start(engine(tiny_model(), TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(
+        engine(tiny_model(), TEST_CTX, 2).await,
+        HttpOptions::default(),
+    )
+    .await;
     let bias = json!({ id.to_string(): 100 });
     let reply = post(
         server.addr,
@@ -88,7 +92,7 @@ async fn a_banned_greedy_token_never_comes_out() {
         reference_with(model, TEST_CTX, &prompt, 16, params);
     assert!(!want_tokens.contains(&banned), "{want_tokens:?}");
     assert_ne!(want_text, greedy_text);
-    let server = TestServer::start(engine(model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, HttpOptions::default()).await;
     let reply = post(
         server.addr,
         "/v1/completions",
@@ -109,7 +113,11 @@ async fn a_banned_greedy_token_never_comes_out() {
 async fn ignore_eos_and_min_tokens_keep_going_past_a_favored_end_token() {
     let t = tokenizer();
     let eog = end_token(&t);
-    let server = TestServer::start(engine(tiny_model(), TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(
+        engine(tiny_model(), TEST_CTX, 2).await,
+        HttpOptions::default(),
+    )
+    .await;
     let addr = server.addr;
     let ask = async |extra: serde_json::Value| {
         let mut body = json!({"prompt": "ba be", "max_tokens": 9, "temperature": 0,
@@ -146,7 +154,11 @@ async fn ignore_eos_and_min_tokens_keep_going_past_a_favored_end_token() {
 async fn min_tokens_holds_back_stop_strings_and_bad_biases_are_400() {
     let t = tokenizer();
     let (id, letter) = letter_token(&t);
-    let server = TestServer::start(engine(tiny_model(), TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(
+        engine(tiny_model(), TEST_CTX, 2).await,
+        HttpOptions::default(),
+    )
+    .await;
     let body = |min_tokens: usize| {
         json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
                "temperature": 0, "logit_bias": { id.to_string(): 100 }, "stop": letter,
@@ -186,7 +198,11 @@ async fn min_tokens_holds_back_stop_strings_and_bad_biases_are_400() {
 async fn stop_token_ids_end_like_an_end_token_and_wait_for_min_tokens() {
     let t = tokenizer();
     let (id, _) = letter_token(&t);
-    let server = TestServer::start(engine(tiny_model(), TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(
+        engine(tiny_model(), TEST_CTX, 2).await,
+        HttpOptions::default(),
+    )
+    .await;
     let body = |min_tokens: usize, ids: serde_json::Value| {
         json!({"prompt": "ba be", "max_tokens": 8, "temperature": 0,
                "logit_bias": { id.to_string(): 100 }, "stop_token_ids": ids,

@@ -22,7 +22,7 @@ fn parse_chunks(data: &[String]) -> Vec<Value> {
 #[tokio::test]
 async fn streamed_completion_concatenates_to_the_whole_reply() {
     let model = tiny_model();
-    let server = TestServer::start(engine(model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, HttpOptions::default()).await;
     let request = json!({"prompt": "ba be bi", "max_tokens": 20, "temperature": 0});
     let whole = post(server.addr, "/v1/completions", &request).await.json();
 
@@ -55,7 +55,7 @@ async fn streamed_completion_concatenates_to_the_whole_reply() {
 #[tokio::test]
 async fn streamed_chat_sends_role_then_content_then_finish() {
     let model = tiny_model();
-    let server = TestServer::start(engine(model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, HttpOptions::default()).await;
     let request = json!({"messages": [{"role": "system", "content": "be"}, {"role": "user", "content": "ba"}],
                          "max_tokens": 10, "temperature": 0});
     let whole = post(server.addr, "/v1/chat/completions", &request)
@@ -96,7 +96,7 @@ async fn streamed_chat_sends_role_then_content_then_finish() {
 #[tokio::test]
 async fn streamed_stop_string_ends_the_stream_with_stop() {
     let model = tiny_model();
-    let server = TestServer::start(engine(model, TEST_CTX, 2), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 2).await, HttpOptions::default()).await;
     let request = json!({"prompt": "ka ke ki", "max_tokens": 20, "temperature": 0});
     let whole = post(server.addr, "/v1/completions", &request).await.json();
     let text = whole["choices"][0]["text"]
@@ -134,15 +134,17 @@ async fn streamed_stop_string_ends_the_stream_with_stop() {
 async fn client_hanging_up_mid_stream_frees_the_engine() {
     let model = tiny_model();
     let ctx = 2048;
-    // No queue: a second request is refused while the first still generates.
-    let engine = engine(model, ctx, 0);
-    let server = TestServer::start(engine.clone(), HttpOptions::default()).await;
     let prompt = [1u32, 300];
+    // Before the engine starts: this long generation blocks the test's thread, which also
+    // runs the engine's worker.
     let (_, _, ended_at_eog) = reference(model, ctx, &prompt, ctx - 8);
     assert!(
         !ended_at_eog,
         "the test prompt must generate to max_tokens when left alone"
     );
+    // One slot: the next request runs only once the cancelled one gave it back.
+    let engine = engine(model, ctx, 0).await;
+    let server = TestServer::start(engine.clone(), HttpOptions::default()).await;
     let long = json!({"prompt": prompt, "max_tokens": ctx - 8, "temperature": 0, "stream": true})
         .to_string();
     let mut stream = TcpStream::connect(server.addr).await.expect("connects");
@@ -192,7 +194,7 @@ async fn client_hanging_up_mid_stream_frees_the_engine() {
 async fn client_hanging_up_on_a_whole_reply_cancels_the_request() {
     let model = tiny_model();
     let ctx = 2048;
-    let engine = engine(model, ctx, 0);
+    let engine = engine(model, ctx, 0).await;
     let server = TestServer::start(engine.clone(), HttpOptions::default()).await;
     // The prompt the streaming test above checks to run to max_tokens when left alone.
     let long = json!({"prompt": [1, 300], "max_tokens": ctx - 8, "temperature": 0}).to_string();

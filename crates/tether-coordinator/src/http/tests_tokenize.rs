@@ -14,7 +14,7 @@ async fn tokenize_gives_the_prompt_tokens_of_a_completion_and_detokenize_inverts
     let t = Tokenizer::from_gguf(&GgufFile::open(model).expect("opens")).expect("tokenizer");
     let text = "ba be bi bo";
     let want = t.encode(text, t.add_bos_default(), false);
-    let server = TestServer::start(engine(model, TEST_CTX, 1), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 1).await, HttpOptions::default()).await;
 
     let by_content = post(server.addr, "/tokenize", &json!({"content": text})).await;
     assert_eq!(by_content.status, 200, "{}", by_content.body);
@@ -61,7 +61,7 @@ async fn bad_tokenize_bodies_are_refused_naming_the_field() {
     let vocab = Tokenizer::from_gguf(&GgufFile::open(model).expect("opens"))
         .expect("tokenizer")
         .vocab_size();
-    let server = TestServer::start(engine(model, TEST_CTX, 1), HttpOptions::default()).await;
+    let server = TestServer::start(engine(model, TEST_CTX, 1).await, HttpOptions::default()).await;
     let cases = [
         ("/tokenize", json!({}), "content"),
         (
