@@ -1,20 +1,16 @@
-//! Opens the real GGUF files shipped in /work/shared (skipped when absent).
-
-use std::path::Path;
+//! Opens real GGUF files of the test data (skipped when absent).
 
 use tether_gguf::{GgmlType, GgufFile};
 
-fn open_if_present(path: &str) -> Option<GgufFile> {
-    if !Path::new(path).exists() {
-        println!("skipping: {path} not present");
-        return None;
-    }
-    Some(GgufFile::open(path).unwrap_or_else(|e| panic!("{e}")))
+/// `relative` inside the test data, opened, when present.
+fn open_if_present(relative: &str) -> Option<GgufFile> {
+    let path = tether_test_data::path(relative)?;
+    Some(GgufFile::open(&path).unwrap_or_else(|e| panic!("{e}")))
 }
 
 #[test]
 fn stories260k_has_the_documented_shape() {
-    let Some(f) = open_if_present("/work/shared/models/stories260K.gguf") else {
+    let Some(f) = open_if_present("models/stories260K.gguf") else {
         return;
     };
     assert!(f.version() == 2 || f.version() == 3);
@@ -56,8 +52,8 @@ fn stories260k_has_the_documented_shape() {
 #[test]
 fn tokenizer_vocab_files_parse() {
     for (path, model) in [
-        ("/work/shared/tokenizers/ggml-vocab-llama-spm.gguf", "llama"),
-        ("/work/shared/tokenizers/ggml-vocab-gpt-2.gguf", "gpt2"),
+        ("tokenizers/ggml-vocab-llama-spm.gguf", "llama"),
+        ("tokenizers/ggml-vocab-gpt-2.gguf", "gpt2"),
     ] {
         let Some(f) = open_if_present(path) else {
             continue;
@@ -76,7 +72,7 @@ fn tokenizer_vocab_files_parse() {
 
 #[test]
 fn describe_summarizes_a_real_model() {
-    let Some(f) = open_if_present("/work/shared/models/stories260K.gguf") else {
+    let Some(f) = open_if_present("models/stories260K.gguf") else {
         return;
     };
     let text = tether_gguf::describe(&f);
@@ -92,8 +88,7 @@ fn describe_summarizes_a_real_model() {
 
 #[test]
 fn rewriting_a_real_model_reproduces_it_byte_for_byte() {
-    let path = "/work/shared/models/stories260K.gguf";
-    let Some(f) = open_if_present(path) else {
+    let Some(f) = open_if_present("models/stories260K.gguf") else {
         return;
     };
     let mut w = tether_gguf::GgufWriter::new();
@@ -107,7 +102,7 @@ fn rewriting_a_real_model_reproduces_it_byte_for_byte() {
     let mut out = Vec::new();
     w.write_to(&mut out, "rewrite")
         .unwrap_or_else(|e| panic!("{e}"));
-    let original = std::fs::read(path).unwrap_or_default();
+    let original = std::fs::read(f.path()).unwrap_or_default();
     assert_eq!(out.len(), original.len());
     assert!(out == original, "rewritten file differs from the original");
 }

@@ -257,25 +257,13 @@ fn quantized_kv_caches_match_the_cpu() {
     }
 }
 
-/// stories260K from `TETHER_MODELS` (a folder), else `../shared/models` of the workspace.
-fn stories_path() -> PathBuf {
-    let dir = std::env::var_os("TETHER_MODELS").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models"),
-        PathBuf::from,
-    );
-    dir.join("stories260K.gguf")
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn stories260k_matches_the_reference() {
-    let path = stories_path();
-    let file = GgufFile::open(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (set TETHER_MODELS to the folder holding stories260K.gguf)",
-            path.display()
-        )
-    });
+    let Some(path) = tether_test_data::stories260k() else {
+        return;
+    };
+    let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     check_against_reference(&file, "stories260K", false);
 }
 

@@ -37,11 +37,9 @@ pub fn tiny_model() -> &'static Path {
     })
 }
 
-/// `stories260K.gguf` from the shared models folder, when present.
+/// `stories260K.gguf` from the test data, when present.
 pub fn stories_model() -> Option<PathBuf> {
-    let path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/stories260K.gguf");
-    path.exists().then_some(path)
+    tether_test_data::stories260k()
 }
 
 /// The engine `tether serve` runs: a coordinator that loads the model by two-phase commit

@@ -49,28 +49,19 @@ pub fn synth_model(dir: &TempDir, shape: SynthShape, ty: GgmlType, seed: u64) ->
     path
 }
 
-/// `../shared/models/stories260K.gguf` from the workspace, when present.
+/// `models/stories260K.gguf` of the test data, when present and its tokenizer loads.
 pub fn stories260k() -> Option<PathBuf> {
-    let path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/stories260K.gguf");
-    if path.exists() {
-        let file = GgufFile::open(&path).expect("open stories260K");
-        if let Err(e) = Tokenizer::from_gguf(&file) {
-            // The tokenizer is tether-model's; this test is about the pipeline.
-            eprintln!(
-                "note: the tokenizer cannot read {}: {e}; skipping",
-                path.display()
-            );
-            return None;
-        }
-        Some(path)
-    } else {
+    let path = tether_test_data::stories260k()?;
+    let file = GgufFile::open(&path).expect("open stories260K");
+    if let Err(e) = Tokenizer::from_gguf(&file) {
+        // The tokenizer is tether-model's; this test is about the pipeline.
         eprintln!(
-            "note: {} is absent; skipping the real-model part",
+            "note: the tokenizer cannot read {}: {e}; skipping",
             path.display()
         );
-        None
+        return None;
     }
+    Some(path)
 }
 
 /// Prompt token ids of `text` as the model wants them.

@@ -1,4 +1,4 @@
-//! llama.cpp's tokenizer test vectors (../shared/tokenizers): every input must give exactly the
+//! llama.cpp's tokenizer test vectors (`tokenizers/` of the test data): every input must give exactly the
 //! expected ids, and decoding must give the input back.
 
 use std::path::PathBuf;
@@ -9,13 +9,7 @@ use super::{Tokenizer, TokenizerKind};
 const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
 
 fn vectors_dir() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/tokenizers");
-    if dir.is_dir() {
-        Some(dir)
-    } else {
-        eprintln!("skipping: ../shared absent ({} not found)", dir.display());
-        None
-    }
+    tether_test_data::path("tokenizers")
 }
 
 /// Inputs as llama.cpp's test-tokenizer-0 reads them: each is the text before a separator

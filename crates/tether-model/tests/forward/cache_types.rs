@@ -10,7 +10,6 @@ use tether_model::{
 
 use crate::support::{backend, spec, synth};
 
-const STORIES: &str = "/work/shared/models/stories260K.gguf";
 const PROMPT: [u32; 12] = [1, 17, 250, 3, 99, 41, 7, 300, 128, 64, 5, 211];
 
 fn generator(file: &GgufFile, ty: GgmlType) -> Generator<CpuBackend> {
@@ -143,11 +142,10 @@ fn unsupported_cache_types_are_refused_clearly() {
 
 #[test]
 fn stories260k_with_quantized_caches() {
-    if !std::path::Path::new(STORIES).exists() {
-        println!("skipping: {STORIES} is absent");
+    let Some(stories) = tether_test_data::stories260k() else {
         return;
-    }
-    let file = GgufFile::open(STORIES).unwrap();
+    };
+    let file = GgufFile::open(stories).unwrap();
     let cfg = ModelConfig::from_gguf(&file).unwrap();
     if !cfg.head_dim.is_multiple_of(32) {
         // stories260K has heads of 8: quantized caches must be refused, naming why.

@@ -7,8 +7,6 @@ use tether_model::{Generator, Sampler, SamplingParams, SynthShape};
 use crate::reference_model::{Reference, relative_error};
 use crate::support::{backend, synth};
 
-const STORIES: &str = "/work/shared/models/stories260K.gguf";
-
 /// Checks per-position relative error below `tol`, then `n_greedy` greedy tokens.
 ///
 /// With `max_near_ties == 0` the tokens must equal the reference's own greedy run. Otherwise
@@ -65,11 +63,10 @@ fn compare(
 
 #[test]
 fn stories260k_matches_reference() {
-    if !std::path::Path::new(STORIES).exists() {
-        println!("skipping: {STORIES} is absent");
+    let Some(stories) = tether_test_data::stories260k() else {
         return;
-    }
-    let file = GgufFile::open(STORIES).unwrap();
+    };
+    let file = GgufFile::open(stories).unwrap();
     let tokens = [1, 403, 261, 353, 6, 44, 290, 18, 409, 31, 511, 2];
     compare(&file, &tokens, 1e-4, &[1], 32, 0, "stories260K");
 }
