@@ -17,9 +17,13 @@
 //! for a duration: `TETHER_CHAOS_SECONDS=1800` runs steps until 30 minutes have passed
 //! (then the count is only an upper bound).
 
+mod chaos_cluster;
 mod chaos_hostile;
+mod chaos_stream;
 mod support;
 
+use chaos_cluster::Cluster;
+use chaos_stream::Stream;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::sync::Arc;
@@ -103,183 +107,6 @@ struct Stats {
     port_reused: u64,
     port_moved: u64,
     failures: Vec<String>,
-}
-
-struct Cluster {
-    model: TinyModel,
-    workers: [Worker; 2],
-    proxies: [Proxy; 2],
-    serve: Option<Serve>,
-}
-
-impl Cluster {
-    fn serve_args(&self) -> Vec<String> {
-        [
-            "--model",
-            self.model.arg(),
-            "--worker",
-            &self.proxies[0].addr,
-            "--worker",
-            &self.proxies[1].addr,
-            "--lease-ttl",
-            "1s",
-            "--threads",
-            "1",
-            "--ctx",
-            "4096",
-        ]
-        .map(str::to_string)
-        .to_vec()
-    }
-
-    fn spawn_serve(&mut self) {
-        let args = self.serve_args();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        self.serve = Some(Serve::spawn(&args));
-    }
-
-    /// Waits for the spawned serve to listen; Err when it exited or took too long.
-    fn await_listening(&mut self, timeout: Duration) -> Result<(), String> {
-        let start = Instant::now();
-        let serve = self.serve.as_mut().ok_or("no serve")?;
-        loop {
-            if let Some(addr) = serve.listening_addr() {
-                serve.addr = addr;
-                return Ok(());
-            }
-            if let Ok(Some(status)) = serve.child.try_wait() {
-                return Err(format!("serve exited {status:?}; log:\n{}", serve.log()));
-            }
-            if start.elapsed() > timeout {
-                return Err(format!(
-                    "serve not listening after {timeout:?}; log:\n{}",
-                    serve.log()
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn stop_serve(&mut self, signal: i32) {
-        if let Some(mut serve) = self.serve.take() {
-            // Already gone (and reaped): there is nothing to signal.
-            if serve.child.try_wait().ok().flatten().is_some() {
-                return;
-            }
-            send_signal(serve.child.id(), signal);
-            if signal == libc::SIGTERM && serve.wait_exit(Duration::from_secs(15)).is_none() {
-                send_signal(serve.child.id(), libc::SIGKILL);
-            }
-            let _ = serve.wait_exit(Duration::from_secs(5));
-        }
-    }
-
-    /// Polls both workers until `want(sessions, bytes)` holds; the time it took, or None.
-    fn wait_workers(&self, timeout: Duration, want: impl Fn(u64, u64) -> bool) -> Option<Duration> {
-        let start = Instant::now();
-        for w in &self.workers {
-            w.wait_status(timeout.saturating_sub(start.elapsed()), |s| {
-                let (n, b) = support::sessions_and_bytes(s);
-                want(n, b)
-            })?;
-        }
-        Some(start.elapsed())
-    }
-
-    fn worker_states(&self) -> String {
-        self.workers
-            .iter()
-            .map(|w| format!("{} {:?}", w.addr, support::sessions_and_bytes(&w.status())))
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
-}
-
-/// A streamed completion read on its own thread until it ends, stalls, or is told to stop.
-struct Stream {
-    stop: Arc<AtomicBool>,
-    /// Events received so far.
-    events: Arc<AtomicU64>,
-    reader: std::thread::JoinHandle<Result<&'static str, String>>,
-}
-
-impl Stream {
-    /// Starts a long streamed completion and waits for its first text.
-    fn start(addr: &str) -> Result<Stream, String> {
-        let body = serde_json::json!({
-            "prompt": [1, 5, 6], "max_tokens": 3000, "temperature": 0.0, "stream": true,
-        })
-        .to_string();
-        let sock = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
-        let mut tcp = std::net::TcpStream::connect_timeout(&sock, Duration::from_secs(5))
-            .map_err(|e| format!("connect: {e}"))?;
-        tcp.set_read_timeout(Some(STREAM_STALL))
-            .map_err(|e| e.to_string())?;
-        write!(
-            tcp,
-            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .map_err(|e| format!("write: {e}"))?;
-        let mut reader = BufReader::new(tcp);
-        let mut line = String::new();
-        while !line.contains("\"text\"") {
-            line.clear();
-            match reader.read_line(&mut line) {
-                Ok(0) => return Err("stream ended before its first token".into()),
-                Ok(_) => {}
-                Err(e) => return Err(format!("no first token within {STREAM_STALL:?}: {e}")),
-            }
-        }
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&stop);
-        let events = Arc::new(AtomicU64::new(1));
-        let count = Arc::clone(&events);
-        let reader = std::thread::spawn(move || {
-            let mut line = String::new();
-            loop {
-                if flag.load(Ordering::SeqCst) {
-                    return Ok("still running");
-                }
-                line.clear();
-                match reader.read_line(&mut line) {
-                    Ok(0) => return Ok("cut"),
-                    Ok(_) if line.contains("[DONE]") => return Ok("done"),
-                    Ok(_) => {
-                        if line.starts_with("data: ") {
-                            count.fetch_add(1, Ordering::SeqCst);
-                        }
-                    }
-                    Err(e) => return Err(format!("stream stalled past {STREAM_STALL:?}: {e}")),
-                }
-            }
-        });
-        Ok(Stream {
-            stop,
-            events,
-            reader,
-        })
-    }
-
-    /// Lets the stream run for `settle` more (it must end or keep delivering), then stops
-    /// reading, so the client goes away if it still runs; says how it ended.
-    fn finish(self, settle: Duration) -> Result<String, String> {
-        let before = self.events.load(Ordering::SeqCst);
-        let start = Instant::now();
-        while !self.reader.is_finished() && start.elapsed() < settle {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.stop.store(true, Ordering::SeqCst);
-        let ended = self
-            .reader
-            .join()
-            .unwrap_or_else(|_| Err("reader panicked".into()))?;
-        let after = self.events.load(Ordering::SeqCst);
-        Ok(format!(
-            "{ended}, {after} events ({} while settling)",
-            after - before
-        ))
-    }
 }
 
 fn env_u64(name: &str) -> Option<u64> {
