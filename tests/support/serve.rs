@@ -18,7 +18,7 @@ impl Serve {
     /// Starts `tether serve --listen 127.0.0.1:0 ARGS` and waits until it listens.
     pub fn start(args: &[&str]) -> Serve {
         let (tx, rx) = std::sync::mpsc::channel();
-        let mut serve = Serve::launch(args, Some(tx));
+        let mut serve = Serve::launch("127.0.0.1:0", args, Some(tx));
         match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(addr) => {
                 serve.addr = addr.trim().to_string();
@@ -30,12 +30,21 @@ impl Serve {
 
     /// Starts `tether serve --listen 127.0.0.1:0 ARGS` without waiting for it to listen.
     pub fn spawn(args: &[&str]) -> Serve {
-        Serve::launch(args, None)
+        Serve::launch("127.0.0.1:0", args, None)
     }
 
-    fn launch(args: &[&str], listening: Option<std::sync::mpsc::Sender<String>>) -> Serve {
+    /// Starts `tether serve --listen LISTEN ARGS` without waiting for it to listen.
+    pub fn spawn_at(listen: &str, args: &[&str]) -> Serve {
+        Serve::launch(listen, args, None)
+    }
+
+    fn launch(
+        listen: &str,
+        args: &[&str],
+        listening: Option<std::sync::mpsc::Sender<String>>,
+    ) -> Serve {
         let mut child = Command::new(TETHER)
-            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["serve", "--listen", listen])
             .args(args)
             .env("TETHER_LOG", "info")
             .env("NO_COLOR", "1")
@@ -85,6 +94,18 @@ impl Serve {
         let log = self.log();
         let rest = log.split("tether serve listening on http://").nth(1)?;
         rest.split_whitespace().next().map(str::to_string)
+    }
+
+    /// The HTTP address from its "bound" line (printed before the model loads), waiting
+    /// up to `timeout` for it.
+    pub fn wait_bound(&self, timeout: Duration) -> Option<String> {
+        let needle = "tether serve bound http://";
+        if !self.log_contains(needle, timeout) {
+            return None;
+        }
+        let log = self.log();
+        let rest = log.split(needle).nth(1)?;
+        rest.split(';').next().map(str::to_string)
     }
 
     /// Waits up to `timeout` for the process to exit.

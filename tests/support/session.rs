@@ -98,6 +98,7 @@ pub fn full_load(
         decision_timeout: None,
         chunk_bytes: 64 << 10,
         local_path: None,
+        same_file: None,
     };
     (request, std::sync::Arc::new(GgufSource(file)), cfg.n_embd)
 }

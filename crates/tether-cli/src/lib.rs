@@ -6,6 +6,7 @@ pub mod device;
 pub mod load_bars;
 pub mod model_source;
 pub mod signals;
+pub mod timings;
 
 /// Prints an error with its causes on one line (no backtrace: users read these) and maps
 /// the outcome to the process exit status.

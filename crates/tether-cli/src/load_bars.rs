@@ -20,7 +20,7 @@ impl LoadBars {
         let task = tokio::spawn(async move {
             let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stderr());
             let style = ProgressStyle::with_template(
-                "{prefix:<24} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {eta}",
+                "{prefix:<24} [{bar:30}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} {eta}",
             )
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("=> ");
@@ -45,6 +45,15 @@ impl LoadBars {
                 }
                 if done {
                     bars.iter().for_each(ProgressBar::finish);
+                    if let Some(r) = progress.report() {
+                        let _ = multi.println(format!(
+                            "loaded {:.2} GB on {} worker(s) in {:.2} s ({:.2} GB/s)",
+                            r.tensor_bytes() as f64 / 1e9,
+                            r.workers.len(),
+                            r.total.as_secs_f64(),
+                            r.gb_per_s()
+                        ));
+                    }
                     return;
                 }
             }

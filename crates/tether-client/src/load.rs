@@ -4,12 +4,13 @@
 use crate::{ClientError, ErrorKind, WorkerClient};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tether_proto::v1 as pb;
 use tether_protocol::forward::grpc::{output_from_proto, request_to_proto};
-use tether_protocol::grpc::spec_to_proto;
+use tether_protocol::grpc::{identity_to_proto, spec_to_proto, timings_from_proto};
 use tether_protocol::{
-    AbortCause, BlockSpec, ForwardInput, ForwardOutput, Outcome, Rows, SessionId, TokenPos, TxnId,
+    AbortCause, BlockSpec, FileIdentity, ForwardInput, ForwardOutput, Outcome, PrepareTimings,
+    Rows, SessionId, TokenPos, TxnId,
 };
 
 /// Where a client reads tensor bytes from (an mmap of the GGUF file, or memory).
@@ -45,6 +46,23 @@ pub struct LoadRequest {
     /// instead of receiving chunks; `None`: stream them. A worker that will not read it
     /// answers [`crate::ErrorKind::LocalFileRefused`], having staged nothing.
     pub local_path: Option<String>,
+    /// With `local_path`: the identity of the source's file. The worker then reads it
+    /// without checksums if its file is that very file (and refuses otherwise), and this
+    /// client computes none: no pass over the tensor bytes here.
+    pub same_file: Option<FileIdentity>,
+}
+
+/// A worker's yes vote in Prepare, with where the time went.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Prepared {
+    /// Bytes the worker reserved for the block.
+    pub reserved: u64,
+    /// The worker's own split of its Prepare (zero from workers that do not report it).
+    pub worker: PrepareTimings,
+    /// Time this client spent computing the tensors' CRC-32s before sending Begin.
+    pub digests: Duration,
+    /// The whole call, from the first digest to the reply.
+    pub wall: Duration,
 }
 
 /// Default chunk size: large enough to stream fast, far below the message limit.
@@ -111,6 +129,24 @@ impl WorkerClient {
         source: Arc<dyn TensorSource>,
         sent: Arc<AtomicU64>,
     ) -> Result<u64, ClientError> {
+        self.prepare_timed(session, load, source, sent)
+            .await
+            .map(|p| p.reserved)
+    }
+
+    /// [`Self::prepare_with_progress`], returning where the time went as well.
+    pub async fn prepare_timed(
+        &self,
+        session: SessionId,
+        load: LoadRequest,
+        source: Arc<dyn TensorSource>,
+        sent: Arc<AtomicU64>,
+    ) -> Result<Prepared, ClientError> {
+        let started = Instant::now();
+        let same_file = load
+            .same_file
+            .as_ref()
+            .filter(|_| load.local_path.is_some());
         let mut digests = Vec::with_capacity(load.tensors.len());
         for name in &load.tensors {
             let missing = || {
@@ -124,9 +160,13 @@ impl WorkerClient {
             digests.push(pb::TensorDigest {
                 name: name.clone(),
                 bytes: data.len() as u64,
-                crc32: source.crc32(name).ok_or_else(missing)?,
+                crc32: match same_file {
+                    Some(_) => 0,
+                    None => source.crc32(name).ok_or_else(missing)?,
+                },
             });
         }
+        let digests_took = started.elapsed();
         let begin = pb::PrepareBegin {
             session_id: session.to_string(),
             txn_id: load.txn.to_string(),
@@ -138,6 +178,7 @@ impl WorkerClient {
                 .decision_timeout
                 .map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX)),
             local_path: load.local_path.clone().unwrap_or_default(),
+            same_file: same_file.map(identity_to_proto),
         };
         // Over the limit, h2 would only say "protocol error"; say which limit instead.
         let begin_bytes = prost::Message::encoded_len(&begin);
@@ -179,8 +220,18 @@ impl WorkerClient {
             .clone()
             .prepare(futures::stream::iter(messages))
             .await
-            .map_err(|s| ClientError::rpc("prepare", &self.addr, &s))?;
-        Ok(reply.into_inner().reserved_bytes)
+            .map_err(|s| ClientError::rpc("prepare", &self.addr, &s))?
+            .into_inner();
+        Ok(Prepared {
+            reserved: reply.reserved_bytes,
+            worker: reply
+                .timings
+                .as_ref()
+                .map(timings_from_proto)
+                .unwrap_or_default(),
+            digests: digests_took,
+            wall: started.elapsed(),
+        })
     }
 
     async fn decide(

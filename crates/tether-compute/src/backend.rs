@@ -89,6 +89,10 @@ pub trait Backend: Send + Sync + 'static {
     /// the caller, so it lives and dies with the stage (session) that uses it.
     type Replays: Default + Send + 'static;
 
+    /// What a run of weight uploads keeps ([`Backend::begin_uploads`]); owned by the stage
+    /// being loaded.
+    type Uploads: Send + 'static;
+
     /// A human-readable device name (`cpu`, `cuda:0 NVIDIA H100 80GB HBM3`).
     fn name(&self) -> String;
 
@@ -142,6 +146,25 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Copies `src` into `dst` at byte `offset`.
     fn upload(&self, dst: &mut Self::Buffer, offset: usize, src: &[u8]) -> Result<()>;
+
+    /// Starts a run of weight uploads (one load): whatever [`Backend::upload_weight`] needs
+    /// to overlap its copies (the cuda backend's pinned buffers and copy streams). The
+    /// stage being loaded owns it; dropping it waits for its copies.
+    fn begin_uploads(&self) -> Result<Self::Uploads>;
+
+    /// Copies `src` into `dst` at byte `offset` as part of `uploads`. The copy may still be
+    /// in flight when this returns (`src` has been read already); it is done once
+    /// [`Backend::finish_uploads`] returns, and nothing may read `dst` before.
+    fn upload_weight(
+        &self,
+        uploads: &mut Self::Uploads,
+        dst: &mut Self::Buffer,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<()>;
+
+    /// Waits until every copy of `uploads` is done, then frees what they used.
+    fn finish_uploads(&self, uploads: Self::Uploads) -> Result<()>;
 
     /// Copies bytes from `src` at byte `offset` into `dst`, waiting for pending work first.
     fn download(&self, src: &Self::Buffer, offset: usize, dst: &mut [u8]) -> Result<()>;

@@ -34,6 +34,7 @@ async fn a_changed_worker_list_moves_the_model_to_the_new_workers() {
         threads: Some(2),
         max_memory: Some(1 << 30),
         gpus: Vec::new(),
+        ..LocalOptions::default()
     };
     let workers = LocalWorkers::start(2, &options).await.expect("workers");
     let (old, new) = (&workers.workers[0], &workers.workers[1]);

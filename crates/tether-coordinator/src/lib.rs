@@ -8,6 +8,7 @@ mod discovery_tests;
 pub mod engine;
 pub mod http;
 pub mod load;
+pub mod load_report;
 mod loss;
 pub mod model_file;
 pub mod placement;
@@ -18,6 +19,7 @@ mod stage_call;
 
 pub use discovery::WorkerDns;
 pub use engine::{Coordinator, CoordinatorConfig, CoordinatorError};
+pub use load_report::{LoadReport, WorkerLoad};
 pub use model_file::ModelFile;
 pub use placement::{Plan, place};
 pub use progress::{LoadProgress, WorkerProgress};

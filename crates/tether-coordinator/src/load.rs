@@ -3,17 +3,18 @@
 //! the file with `--model-path-on-workers`), then Commit on all when every worker voted
 //! yes, or Abort on all and close every session. A half-loaded model never serves.
 
+mod prepare;
+
+use crate::load_report::{LoadReport, WorkerLoad};
 use crate::model_file::{MappedSource, ModelFile};
 use crate::placement::{Assignment, Plan};
 use crate::progress::LoadProgress;
 use futures::future::join_all;
+use prepare::{PrepareJob, prepare_worker};
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tether_client::DataLink;
-use tether_client::{
-    AttachOptions, ClientError, ErrorKind, LoadRequest, Session, TensorSource, WorkerClient,
-};
+use tether_client::{AttachOptions, LoadRequest, Prepared, Session, TensorSource, WorkerClient};
 use tether_protocol::{BlockSpec, Lease, SessionId, TxnId};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -136,80 +137,6 @@ pub struct LoadedStage {
     pub link: Option<Arc<DataLink>>,
 }
 
-/// One worker's vote in Prepare: the transaction it prepared (a fallback to streaming
-/// prepares under a fresh id), and the bytes reserved and the way the tensors came, or why
-/// it refused.
-struct Vote {
-    txn: TxnId,
-    result: Result<(u64, BytesVia), ClientError>,
-}
-
-/// What one worker's Prepare needs.
-struct PrepareJob<'a> {
-    client: &'a WorkerClient,
-    session: SessionId,
-    request: LoadRequest,
-    source: Arc<dyn TensorSource>,
-    sent: Arc<AtomicU64>,
-    total: u64,
-    path_on_workers: Option<&'a str>,
-    progress: Option<&'a LoadProgress>,
-}
-
-/// Prepares one worker: from its own copy of the model when a path is given and it agrees,
-/// else (or after it refused, with a warning) by streaming the bytes.
-async fn prepare_worker(job: PrepareJob<'_>) -> Vote {
-    let PrepareJob {
-        client,
-        session,
-        mut request,
-        source,
-        sent,
-        total,
-        path_on_workers,
-        progress,
-    } = job;
-    let addr = client.addr();
-    if let Some(path) = path_on_workers {
-        let local = LoadRequest {
-            local_path: Some(path.to_string()),
-            ..request.clone()
-        };
-        match client.prepare(session, local, Arc::clone(&source)).await {
-            Ok(reserved) => {
-                if let Some(p) = progress {
-                    p.mark_read_by_worker(addr);
-                }
-                tracing::info!(worker = %addr, path, bytes = total, "worker {addr} read its tensors from its own copy of the model");
-                return Vote {
-                    txn: request.txn,
-                    result: Ok((reserved, BytesVia::WorkerFile)),
-                };
-            }
-            Err(e) if e.kind() == ErrorKind::LocalFileRefused => {
-                tracing::warn!(worker = %addr, path, "worker {addr} did not read the model from its own copy, streaming its tensors instead: {e}");
-            }
-            Err(e) => {
-                return Vote {
-                    txn: request.txn,
-                    result: Err(e),
-                };
-            }
-        }
-        // The refused transaction is aborted on the worker; ids are used once.
-        request.txn = TxnId::new_random();
-    }
-    let txn = request.txn;
-    let result = client
-        .prepare_with_progress(session, request, source, sent)
-        .await
-        .map(|reserved| {
-            tracing::info!(worker = %addr, bytes = total, "streamed the tensors of worker {addr}'s block from the coordinator");
-            (reserved, BytesVia::Stream)
-        });
-    Vote { txn, result }
-}
-
 fn block_bytes(model: &ModelFile, a: &Assignment) -> u64 {
     a.tensors
         .iter()
@@ -320,6 +247,8 @@ pub async fn load_plan(
     clients: &[WorkerClient],
     options: &LoadOptions,
 ) -> Result<LoadedModel, LoadError> {
+    let started = Instant::now();
+    let mut report = LoadReport::default();
     let close_wait = options.lease.ttl + Duration::from_secs(1);
     let mut picked = Vec::with_capacity(plan.assignments.len());
     for a in &plan.assignments {
@@ -353,6 +282,8 @@ pub async fn load_plan(
         close_sessions(sessions, close_wait).await;
         return Err(e);
     }
+    report.attach = started.elapsed();
+    let preparing = Instant::now();
 
     let txn = TxnId::new_random();
     let source: Arc<dyn TensorSource> = Arc::new(MappedSource(Arc::clone(model)));
@@ -382,16 +313,19 @@ pub async fn load_plan(
                     decision_timeout: Some(options.decision_timeout),
                     chunk_bytes: options.chunk_bytes,
                     local_path: None,
+                    same_file: None,
                 },
                 source: Arc::clone(&source),
                 sent,
                 total,
                 path_on_workers: options.model_path_on_workers.as_deref(),
+                same_file: model.identity(),
                 progress: options.progress.as_deref(),
             })
         },
     ))
     .await;
+    report.prepare = preparing.elapsed();
 
     let refusal = picked.iter().zip(&votes).find_map(|((client, a), v)| {
         v.result.as_ref().err().map(|e| LoadError::Refused {
@@ -422,6 +356,7 @@ pub async fn load_plan(
         );
         tokio::time::sleep(pause).await;
     }
+    let committing = Instant::now();
     let committed = join_all(
         picked
             .iter()
@@ -442,6 +377,8 @@ pub async fn load_plan(
         });
     }
 
+    report.commit = committing.elapsed();
+    let linking = Instant::now();
     let links: Vec<Option<Arc<DataLink>>> = if options.data_links {
         join_all(
             picked
@@ -453,23 +390,50 @@ pub async fn load_plan(
     } else {
         vec![None; picked.len()]
     };
+    report.links = linking.elapsed();
     let stages: Vec<LoadedStage> = picked
         .iter()
         .zip(&sessions)
         .zip(&votes)
         .zip(links)
         .map(|((((client, a), (_, s)), v), link)| {
-            let (reserved, via) = v.result.as_ref().map_or((0, BytesVia::Stream), |r| *r);
+            let (prepared, via) = v
+                .result
+                .as_ref()
+                .map_or((Prepared::default(), BytesVia::Stream), |r| *r);
             LoadedStage {
                 client: client.clone(),
                 session: s.id(),
                 spec: a.spec,
-                reserved,
+                reserved: prepared.reserved,
                 via,
                 link,
             }
         })
         .collect();
+    report.workers = picked
+        .iter()
+        .zip(&votes)
+        .zip(&totals)
+        .map(|(((client, _), v), &tensor_bytes)| {
+            let (prepared, via) = v
+                .result
+                .as_ref()
+                .map_or((Prepared::default(), BytesVia::Stream), |r| *r);
+            WorkerLoad {
+                addr: client.addr().to_string(),
+                via,
+                tensor_bytes,
+                prepared,
+                refused_local: v.refused_local,
+            }
+        })
+        .collect();
+    report.total = started.elapsed();
+    report.log();
+    if let Some(progress) = &options.progress {
+        progress.set_report(report);
+    }
     let shut_links: Vec<Arc<DataLink>> = stages.iter().filter_map(|st| st.link.clone()).collect();
     tracing::info!(
         "forward passes go over data links to {} of {} workers, over gRPC to the rest",

@@ -2,13 +2,13 @@
 //! header the workers plan from, the hyper-parameters and the tokenizer.
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use tether_client::TensorSource;
 use tether_gguf::GgufFile;
 use tether_model::ModelConfig;
 use tether_model::tokenizer::Tokenizer;
+use tether_protocol::FileIdentity;
 
 /// Why the model file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +31,9 @@ pub struct ModelFile {
     /// CRC-32 of each tensor once computed: a reload, or a second Prepare after a worker
     /// refused its own copy, does not read the tensor again.
     crcs: Mutex<HashMap<String, u32>>,
+    /// Which file was mapped, taken from the handle that was mapped; `None` where the host
+    /// gives no identity.
+    identity: Option<FileIdentity>,
 }
 
 impl ModelFile {
@@ -41,18 +44,19 @@ impl ModelFile {
             path: path.display().to_string(),
             detail,
         };
-        let file = GgufFile::open(&path).map_err(|e| err(e.to_string()))?;
+        // One handle for the map, the length, the header and the identity, so that all
+        // four describe the same file even if the path is replaced meanwhile.
+        let handle = std::fs::File::open(&path).map_err(|e| err(format!("opening it: {e}")))?;
+        let file = GgufFile::map_file(&path.display().to_string(), &handle)
+            .map_err(|e| err(e.to_string()))?;
         let config = ModelConfig::from_gguf(&file).map_err(|e| err(e.to_string()))?;
         let tokenizer = Tokenizer::from_gguf(&file).map_err(|e| err(e.to_string()))?;
-        let file_bytes = std::fs::metadata(&path)
+        let file_bytes = handle
+            .metadata()
             .map_err(|e| err(format!("reading its size: {e}")))?
             .len();
-        let mut header = Vec::new();
-        std::fs::File::open(&path)
-            .map_err(|e| err(e.to_string()))?
-            .take(file.data_offset())
-            .read_to_end(&mut header)
-            .map_err(|e| err(format!("reading its header: {e}")))?;
+        let header = file.header_bytes().to_vec();
+        let identity = FileIdentity::of(&handle);
         Ok(Arc::new(ModelFile {
             path,
             file,
@@ -61,6 +65,7 @@ impl ModelFile {
             config,
             tokenizer: Arc::new(tokenizer),
             crcs: Mutex::new(HashMap::new()),
+            identity,
         }))
     }
 
@@ -104,6 +109,11 @@ impl ModelFile {
         let crc = crc32fast::hash(self.file.tensor_data(self.file.tensor(name)?));
         crcs().insert(name.to_string(), crc);
         Some(crc)
+    }
+
+    /// Which file was mapped (see [`FileIdentity`]); `None` where the host gives none.
+    pub fn identity(&self) -> Option<&FileIdentity> {
+        self.identity.as_ref()
     }
 
     /// `tokenizer.chat_template`, when present.

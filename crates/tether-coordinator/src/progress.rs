@@ -1,6 +1,7 @@
 //! How far each worker's Prepare stream has got, and whether the worker read its own copy
 //! of the model instead, for progress bars: the load writes, a front end reads snapshots.
 
+use crate::load_report::LoadReport;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -17,6 +18,8 @@ struct Entry {
 #[derive(Debug, Default)]
 pub struct LoadProgress {
     entries: Mutex<Vec<Entry>>,
+    /// Where the last finished load spent its time.
+    report: Mutex<Option<LoadReport>>,
 }
 
 /// A worker's progress at one moment.
@@ -59,6 +62,19 @@ impl LoadProgress {
             e.read_by_worker = true;
             e.sent.store(e.total, Ordering::Relaxed);
         }
+    }
+
+    /// Records where a finished load spent its time.
+    pub(crate) fn set_report(&self, report: LoadReport) {
+        *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
+    }
+
+    /// Where the last finished load spent its time; `None` before one has finished.
+    pub fn report(&self) -> Option<LoadReport> {
+        self.report
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Every worker's progress now.

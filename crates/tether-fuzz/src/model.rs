@@ -129,6 +129,7 @@ impl TinyModel {
             gguf_file_bytes: self.bytes.len() as u64,
             // Streamed: the fuzz worker has no --model-dir, so a mutated path is refused.
             local_path: String::new(),
+            same_file: None,
         }
     }
 

@@ -247,6 +247,28 @@ impl GgufFile {
             .unwrap_or(&[])
     }
 
+    /// Asks the kernel to start reading `data` (bytes of this file's map, e.g. a tensor's)
+    /// into the page cache now, so that a copy reaching them later finds them there: a
+    /// loader hints what lies ahead of its copy, and the disk reads while it copies. A hint
+    /// only: files held in memory, slices of other memory and refusals are ignored.
+    pub fn read_ahead(&self, data: &[u8]) {
+        let Storage::Mapped(map) = &self.storage else {
+            return;
+        };
+        let base = map.as_ptr() as usize;
+        let start = (data.as_ptr() as usize).wrapping_sub(base);
+        if data.is_empty() || start >= map.len() || data.len() > map.len() - start {
+            return;
+        }
+        // The range must start on a page; rounding down only widens the hint.
+        let aligned = start - start % 4096;
+        let _ = map.advise_range(
+            memmap2::Advice::WillNeed,
+            aligned,
+            data.len() + (start - aligned),
+        );
+    }
+
     /// Dequantize tensor `t` to `f32` (a convenience for tests and the cpu backend).
     pub fn tensor_f32(&self, t: &TensorInfo) -> Result<Vec<f32>, GgufError> {
         let invalid = |reason: String| GgufError::Invalid {

@@ -2,6 +2,8 @@
 
 use crate::block::BlockSpec;
 use crate::error::WorkerError;
+use crate::file_identity::FileIdentity;
+use crate::prepare_timings::PrepareTimings;
 use crate::session::EndReason;
 use crate::status::{CounterValues, MemorySource, SessionSummary, WorkerStatus};
 use tether_gguf::GgmlType;
@@ -41,6 +43,56 @@ pub fn to_status(e: WorkerError) -> Status {
         );
     }
     status
+}
+
+/// The wire form of a file identity.
+pub fn identity_to_proto(id: &FileIdentity) -> pb::FileIdentity {
+    pb::FileIdentity {
+        boot_id: id.boot_id.clone(),
+        device: id.device,
+        inode: id.inode,
+        bytes: id.bytes,
+        modified_ns: id.modified_ns,
+    }
+}
+
+/// A file identity from the wire; any values are accepted, as they are only compared.
+pub fn identity_from_proto(id: pb::FileIdentity) -> FileIdentity {
+    FileIdentity {
+        boot_id: id.boot_id,
+        device: id.device,
+        inode: id.inode,
+        bytes: id.bytes,
+        modified_ns: id.modified_ns,
+    }
+}
+
+/// The wire form of a Prepare's timings.
+pub fn timings_to_proto(t: &PrepareTimings) -> pb::PrepareTimings {
+    let us = |d: std::time::Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    pb::PrepareTimings {
+        plan_us: us(t.plan),
+        allocate_us: us(t.allocate),
+        read_us: us(t.read),
+        checksum_us: us(t.checksum),
+        upload_us: us(t.upload),
+        finish_us: us(t.finish),
+        tensor_bytes: t.tensor_bytes,
+    }
+}
+
+/// A Prepare's timings from the wire (any values are accepted: they are only shown).
+pub fn timings_from_proto(t: &pb::PrepareTimings) -> PrepareTimings {
+    let us = std::time::Duration::from_micros;
+    PrepareTimings {
+        plan: us(t.plan_us),
+        allocate: us(t.allocate_us),
+        read: us(t.read_us),
+        checksum: us(t.checksum_us),
+        upload: us(t.upload_us),
+        finish: us(t.finish_us),
+        tensor_bytes: t.tensor_bytes,
+    }
 }
 
 /// Refuses a peer speaking another protocol major version.

@@ -5,10 +5,12 @@
 
 pub mod block;
 pub mod error;
+pub mod file_identity;
 pub mod forward;
 pub mod grpc;
 pub mod ids;
 pub mod link;
+pub mod prepare_timings;
 pub mod session;
 pub mod status;
 pub mod tls;
@@ -17,8 +19,10 @@ pub mod txn;
 
 pub use block::BlockSpec;
 pub use error::{Result, WorkerError, error_chain};
+pub use file_identity::FileIdentity;
 pub use forward::{ForwardCall, ForwardInput, ForwardOutput, MAX_TOP_K, Rows, TokenPos};
 pub use ids::{SessionId, TxnId};
+pub use prepare_timings::PrepareTimings;
 pub use session::{EndReason, Lease, SessionEnd};
 pub use status::{CounterValues, MemorySource, SessionSummary, WorkerStatus};
 pub use token::BearerToken;

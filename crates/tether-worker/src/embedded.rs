@@ -9,6 +9,7 @@
 //! them: another user of the host cannot run Forward on the live session, kill it or
 //! drain it.
 
+use crate::model_dir::ModelDirs;
 use crate::model_stage::ModelStageFactory;
 use crate::registry::{RegistryConfig, SessionRegistry};
 use crate::server::{ServerOptions, serve};
@@ -31,6 +32,9 @@ pub struct LocalOptions {
     pub max_memory: Option<u64>,
     /// GPUs to serve from, one worker each (cuda backend); empty: cpu workers.
     pub gpus: Vec<usize>,
+    /// Directories the workers may read model files from themselves, as a worker's
+    /// `--model-dir` (the coordinator names the file); empty: they read none.
+    pub model_dirs: ModelDirs,
 }
 
 /// Why embedded workers could not start.
@@ -62,17 +66,18 @@ impl LocalWorker {
         max_memory: Option<u64>,
         gpu: Option<usize>,
     ) -> Result<LocalWorker, LocalError> {
-        Self::start_guarded(index, threads, max_memory, gpu, None).await
+        Self::start_guarded(index, threads, max_memory, gpu, None, ModelDirs::default()).await
     }
 
     /// As [`LocalWorker::start`], requiring `token` on every worker and admin call and on
-    /// every data link when one is given.
+    /// every data link when one is given, and reading model files within `model_dirs`.
     pub async fn start_guarded(
         index: usize,
         threads: Option<usize>,
         max_memory: Option<u64>,
         gpu: Option<usize>,
         token: Option<BearerToken>,
+        model_dirs: ModelDirs,
     ) -> Result<LocalWorker, LocalError> {
         let err = |detail: String| LocalError { index, detail };
         let factory: Arc<dyn StageFactory> = match gpu {
@@ -97,7 +102,10 @@ impl LocalWorker {
         let registry = Arc::new(SessionRegistry::new(
             factory,
             max_memory,
-            RegistryConfig::default(),
+            RegistryConfig {
+                model_dirs,
+                ..RegistryConfig::default()
+            },
         ));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -193,6 +201,7 @@ impl LocalWorkers {
                 options.max_memory,
                 gpu,
                 Some(token.clone()),
+                options.model_dirs.clone(),
             )
             .await?;
             workers.push(worker);

@@ -18,6 +18,7 @@ pub mod metrics_http;
 pub mod model_dir;
 pub mod model_stage;
 pub mod participant;
+mod read_ahead;
 pub mod reaper;
 pub mod registry;
 pub mod serve;

@@ -12,6 +12,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 use tether_protocol::BlockSpec;
 use tether_protocol::Outcome;
+use tether_protocol::{FileIdentity, PrepareTimings};
 use tether_protocol::{Result, WorkerError};
 use tether_protocol::{SessionId, TxnId};
 use tokio::time::Instant;
@@ -37,6 +38,10 @@ pub struct PrepareBegin {
     /// The worker's own copy of the model to read the tensors from (within its
     /// `--model-dir`); `None`: the client sends them in chunks.
     pub local_path: Option<String>,
+    /// With `local_path`: the identity of the coordinator's copy. When the worker's file
+    /// has it, the tensors are read without CRC-32 checks (the digests' CRC-32s are then
+    /// 0); when it has not, the Prepare is refused as a local read.
+    pub same_file: Option<FileIdentity>,
 }
 
 /// A Prepare whose block is built and reserved, receiving tensor bytes. Dropping it before
@@ -52,6 +57,10 @@ pub struct PrepareUpload {
     /// Where the tensors came from: with `LocalFile` they are all staged already and no
     /// chunk is accepted.
     source: TensorSourceKind,
+    /// Planning and allocation so far; the rest is filled in by [`PrepareUpload::finish`].
+    timings: PrepareTimings,
+    /// When the tensor bytes began to come (or the worker began reading its own copy).
+    bytes_since: std::time::Instant,
 }
 
 /// Marks the transaction failed if Prepare stops before handing over to [`PrepareUpload`].
@@ -84,6 +93,7 @@ impl SessionRegistry {
             tensors,
             decision_timeout,
             local_path,
+            same_file,
         } = begin;
         let (session_bytes, cancel) = self
             .open_prepare(session, txn)
@@ -95,11 +105,20 @@ impl SessionRegistry {
             armed: true,
         };
 
+        let mut timings = PrepareTimings::default();
+        let started = std::time::Instant::now();
         let gguf_header = Arc::new(gguf_header);
         let local = match local_path {
             Some(requested) => Some(
-                self.open_local_model(session, txn, requested, &gguf_header, gguf_file_bytes)
-                    .await?,
+                self.open_local_model(
+                    session,
+                    txn,
+                    requested,
+                    &gguf_header,
+                    gguf_file_bytes,
+                    same_file,
+                )
+                .await?,
             ),
             None => None,
         };
@@ -109,7 +128,13 @@ impl SessionRegistry {
                 factory.plan(&gguf_header, gguf_file_bytes, &spec)
             })
             .await?;
-        let staging = Staging::new(plan.tensors(), &tensors)?;
+        let mut staging = Staging::new(plan.tensors(), &tensors)?;
+        if local.as_ref().is_some_and(LocalModel::is_same_file) {
+            // The very file the coordinator mapped: a checksum would compare it with itself.
+            staging.skip_checksums();
+        }
+        timings.plan = started.elapsed();
+        let allocating = std::time::Instant::now();
         let what = format!(
             "prepare {txn} of session {session}: layers {}..{}",
             spec.first_layer, spec.last_layer
@@ -121,7 +146,9 @@ impl SessionRegistry {
             .run_blocking("building the layer block", move || plan.build())
             .await?;
         let mut staged = OwnedStage { stage, reservation };
-        let mut staging = staging;
+        timings.allocate = allocating.elapsed();
+        tracing::debug!(session = %session, txn = %txn, plan_ms = timings.plan.as_millis(), allocate_ms = timings.allocate.as_millis(), "prepare: block planned and allocated");
+        let bytes_since = std::time::Instant::now();
         let source = match local {
             Some(local) => {
                 (staging, staged) = self
@@ -144,6 +171,8 @@ impl SessionRegistry {
             cancel,
             decision_timeout: timeout,
             source,
+            timings,
+            bytes_since,
         })
     }
 
@@ -156,12 +185,13 @@ impl SessionRegistry {
         requested: String,
         header: &Arc<Vec<u8>>,
         file_bytes: u64,
+        same_file: Option<FileIdentity>,
     ) -> Result<LocalModel> {
         let dirs = self.config.model_dirs.clone();
         let header = Arc::clone(header);
         let opened = self
             .run_blocking("opening the worker's copy of the model", move || {
-                LocalModel::open(&dirs, &requested, &header, file_bytes)
+                LocalModel::open(&dirs, &requested, &header, file_bytes, same_file)
             })
             .await;
         self.note_local_refusal(session, txn, &opened);
@@ -326,18 +356,29 @@ impl PrepareUpload {
     }
 
     /// Verifies every tensor and moves the block to the prepared state. Returns the bytes
-    /// it holds.
-    pub fn finish(mut self) -> Result<u64> {
+    /// it holds and where the Prepare spent its time.
+    pub fn finish(mut self) -> Result<(u64, PrepareTimings)> {
         let mut staged = self
             .staged
             .take()
             .ok_or_else(|| WorkerError::Internal("upload already finished".into()))?;
         let staging = std::mem::replace(&mut self.staging, Staging::empty());
+        let staged_times = staging.times();
+        let mut timings = self.timings;
+        timings.checksum = staged_times.checksum;
+        timings.upload = staged_times.upload;
+        timings.tensor_bytes = staged_times.bytes;
+        timings.read = self
+            .bytes_since
+            .elapsed()
+            .saturating_sub(staged_times.checksum + staged_times.upload);
+        let finishing = std::time::Instant::now();
         if let Err(e) = staging.finish().and_then(|()| staged.stage.finish_load()) {
             drop(staged);
             self.registry.fail_prepare(self.session, self.txn);
             return Err(e);
         }
+        timings.finish = finishing.elapsed();
         let bytes = staged.reservation.bytes();
         let deadline = Instant::now() + self.decision_timeout;
         let prepared = {
@@ -359,7 +400,18 @@ impl PrepareUpload {
             TensorSourceKind::LocalFile => "local file",
         };
         tracing::info!(session = %self.session, txn = %self.txn, bytes, tensors_from = source, "prepared");
-        Ok(bytes)
+        tracing::debug!(
+            session = %self.session,
+            txn = %self.txn,
+            read_ms = timings.read.as_millis(),
+            checksum_ms = timings.checksum.as_millis(),
+            upload_ms = timings.upload.as_millis(),
+            finish_ms = timings.finish.as_millis(),
+            tensor_bytes = timings.tensor_bytes,
+            gb_per_s = format!("{:.2}", tether_protocol::prepare_timings::gb_per_s(timings.tensor_bytes, timings.total())),
+            "prepare timings"
+        );
+        Ok((bytes, timings))
     }
 }
 

@@ -21,6 +21,7 @@ use tether_protocol::BlockSpec;
 use tether_protocol::Lease;
 use tether_protocol::TxnId;
 use tether_protocol::WorkerError;
+use tether_protocol::{FileIdentity, ForwardCall, ForwardInput, ForwardOutput, Rows, TokenPos};
 
 /// The coordinator's model in `dir/coordinator/tiny.gguf` and the worker's directory
 /// `dir/models`.
@@ -105,6 +106,7 @@ fn begin(model: &Path, session: crate::SessionId, local_path: Option<&str>) -> (
         tensors,
         decision_timeout: None,
         local_path: local_path.map(str::to_string),
+        same_file: None,
     };
     (begin, tensor_bytes)
 }
@@ -139,14 +141,68 @@ async fn refused(
 ) -> (crate::SessionId, String) {
     let session = open(reg);
     let (b, _) = begin(model, session, Some(local_path));
+    (session, refusal(reg, b).await)
+}
+
+/// The refusal of Prepare `b` (reading a local file), after checking it left nothing
+/// behind.
+async fn refusal(reg: &Arc<SessionRegistry>, b: PrepareBegin) -> String {
+    let path = b.local_path.clone().unwrap_or_default();
     let message = match reg.begin_prepare(b).await {
-        Ok(_) => panic!("{local_path} was read"),
+        Ok(_) => panic!("{path} was read"),
         Err(WorkerError::LocalFile(m)) => m,
-        Err(other) => panic!("{local_path}: not a local-file refusal: {other:?}"),
+        Err(other) => panic!("{path}: not a local-file refusal: {other:?}"),
     };
     assert_eq!(reg.status().session_bytes, 0, "{message}");
     assert!(reg.sessions().iter().all(|s| s.bytes == 0), "{message}");
-    (session, message)
+    message
+}
+
+/// A Prepare reading `local_path` as the very file `identity` names: no CRC-32s sent.
+fn same_file_begin(
+    model: &Path,
+    session: crate::SessionId,
+    local_path: &str,
+    identity: FileIdentity,
+) -> PrepareBegin {
+    let (mut b, _) = begin(model, session, Some(local_path));
+    b.tensors.iter_mut().for_each(|t| t.crc32 = 0);
+    b.same_file = Some(identity);
+    b
+}
+
+fn identity(path: &Path) -> FileIdentity {
+    FileIdentity::of(&std::fs::File::open(path).unwrap()).expect("a file identity on Linux")
+}
+
+/// Prepares and commits the whole model in `session` from streamed chunks.
+async fn load_streamed(reg: &Arc<SessionRegistry>, model: &Path, session: crate::SessionId) {
+    let (b, _) = begin(model, session, None);
+    let txn = b.txn;
+    let file = GgufFile::open(model).unwrap();
+    let names: Vec<String> = b.tensors.iter().map(|t| t.name.clone()).collect();
+    let mut upload = reg.begin_prepare(b).await.unwrap();
+    for name in &names {
+        upload
+            .accept(name, 0, file.tensor_data(file.tensor(name).unwrap()))
+            .unwrap();
+    }
+    upload.finish().unwrap();
+    reg.commit(session, txn).unwrap();
+}
+
+/// The logits of the last of three prompt tokens.
+async fn logits(reg: &Arc<SessionRegistry>, session: crate::SessionId) -> Vec<f32> {
+    let call = ForwardCall {
+        tokens: (0..3).map(|pos| TokenPos { seq: 0, pos }).collect(),
+        input: ForwardInput::TokenIds(vec![1, 5, 9]),
+        logits_rows: vec![2],
+        rows: Rows::Logits,
+    };
+    match reg.forward(session, call).await.unwrap() {
+        ForwardOutput::Logits(l) => l,
+        other => panic!("not logits: {other:?}"),
+    }
 }
 
 #[tokio::test]
@@ -161,7 +217,7 @@ async fn a_faithful_copy_is_read_locally_and_prepares() {
     assert_eq!(upload.source(), TensorSourceKind::LocalFile);
     let err = upload.accept("token_embd.weight", 0, &[0; 4]).unwrap_err();
     assert!(err.to_string().contains("without chunks"), "{err}");
-    let reserved = upload.finish().unwrap();
+    let (reserved, _) = upload.finish().unwrap();
     assert!(reserved > tensor_bytes, "{reserved} <= {tensor_bytes}");
     reg.commit(session, txn).unwrap();
     assert_eq!(
@@ -204,7 +260,7 @@ async fn one_flipped_tensor_byte_fails_the_checksum_and_a_streamed_prepare_follo
             .accept(name, 0, file.tensor_data(file.tensor(name).unwrap()))
             .unwrap();
     }
-    assert!(upload.finish().unwrap() > 0);
+    assert!(upload.finish().unwrap().0 > 0);
     reg.commit(session, txn).unwrap();
     assert_eq!(
         reg.metrics.tensor_bytes(TensorSourceKind::Network),
@@ -251,4 +307,55 @@ async fn a_worker_without_model_dir_refuses_local_reads() {
     ));
     let (_, m) = refused(&reg, &files.model, files.model.to_str().unwrap()).await;
     assert!(m.contains("without --model-dir"), "{m}");
+}
+
+#[tokio::test]
+async fn the_coordinators_own_file_is_read_without_checksums_to_the_same_logits() {
+    let files = Files::new();
+    // The worker's directory is the coordinator's: it reads the very file mapped there.
+    let reg = registry(files.model.parent().unwrap());
+    let own = open(&reg);
+    let b = same_file_begin(&files.model, own, "tiny.gguf", identity(&files.model));
+    let txn = b.txn;
+    let upload = reg.begin_prepare(b).await.unwrap();
+    assert_eq!(upload.source(), TensorSourceKind::LocalFile);
+    let (_, timings) = upload.finish().unwrap();
+    assert_eq!(timings.checksum, Duration::ZERO, "{timings:?}");
+    assert!(timings.tensor_bytes > 0, "{timings:?}");
+    reg.commit(own, txn).unwrap();
+    let streamed = open(&reg);
+    load_streamed(&reg, &files.model, streamed).await;
+    let (a, b) = (logits(&reg, own).await, logits(&reg, streamed).await);
+    assert!(!a.is_empty());
+    assert_eq!(a, b, "the worker's own read must load the same weights");
+    assert_eq!(reg.metrics.local_refused(), 0);
+}
+
+#[tokio::test]
+async fn another_file_or_a_changed_one_fails_the_identity_check() {
+    let files = Files::new();
+    // Byte for byte the coordinator's file, but another file: it needs CRC-32s.
+    files.copy("tiny.gguf", |_, _| {});
+    let reg = registry(&files.models());
+    let b = same_file_begin(
+        &files.model,
+        open(&reg),
+        "tiny.gguf",
+        identity(&files.model),
+    );
+    let m = refusal(&reg, b).await;
+    assert!(m.contains("identity check failed"), "{m}");
+    assert!(m.contains("another file"), "{m}");
+
+    // The worker's own file, changed after the coordinator took its identity.
+    let copy = files.models().join("tiny.gguf");
+    let before = identity(&copy);
+    let file = std::fs::OpenOptions::new().write(true).open(&copy).unwrap();
+    file.set_modified(std::time::SystemTime::now() + Duration::from_secs(5))
+        .unwrap();
+    drop(file);
+    let b = same_file_begin(&files.model, open(&reg), "tiny.gguf", before);
+    let m = refusal(&reg, b).await;
+    assert!(m.contains("changed"), "{m}");
+    assert_eq!(reg.metrics.tensor_bytes(TensorSourceKind::LocalFile), 0);
 }

@@ -69,6 +69,7 @@ fn begin(session: crate::SessionId, txn: TxnId) -> PrepareBegin {
             .collect(),
         decision_timeout: None,
         local_path: None,
+        same_file: None,
     }
 }
 
@@ -79,7 +80,7 @@ async fn prepare(reg: &Arc<SessionRegistry>, session: crate::SessionId) -> (TxnI
     for i in 0..2 {
         upload.accept(&format!("blk.{i}.w"), 0, &data).unwrap();
     }
-    (txn, upload.finish().unwrap())
+    (txn, upload.finish().unwrap().0)
 }
 
 fn txn_series(op: &str, result: &str) -> String {

@@ -61,6 +61,7 @@ fn begin(session: crate::SessionId, txn: TxnId) -> PrepareBegin {
         tensors,
         decision_timeout: None,
         local_path: None,
+        same_file: None,
     }
 }
 

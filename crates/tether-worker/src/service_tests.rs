@@ -86,6 +86,7 @@ fn load_request() -> (LoadRequest, Arc<dyn TensorSource>) {
         decision_timeout: None,
         chunk_bytes: 10,
         local_path: None,
+        same_file: None,
     };
     (req, Arc::new(source))
 }

@@ -3,6 +3,7 @@
 
 use crate::stage::{ServingStage, TensorNeed};
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 use tether_protocol::{Result, WorkerError};
 
 /// A tensor the client promises to send: name, length and CRC-32 (IEEE).
@@ -26,6 +27,21 @@ struct Incoming {
 /// The upload state of one Prepare: which bytes have arrived and whether they check out.
 pub struct Staging {
     tensors: HashMap<String, Incoming>,
+    times: StagingTimes,
+    /// False when the bytes come from the very file the client's digests were taken
+    /// from, so a checksum would compare the file with itself.
+    checksums: bool,
+}
+
+/// Time spent checksumming and copying to the device, and the bytes staged, so far.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StagingTimes {
+    /// Computing CRC-32s.
+    pub checksum: Duration,
+    /// Copying into the stage (to the device).
+    pub upload: Duration,
+    /// Tensor bytes accepted.
+    pub bytes: u64,
 }
 
 impl Staging {
@@ -64,14 +80,26 @@ impl Staging {
                 missing.name, missing.bytes
             )));
         }
-        Ok(Self { tensors })
+        Ok(Self {
+            tensors,
+            times: StagingTimes::default(),
+            checksums: true,
+        })
     }
 
     /// Staging that expects nothing (a placeholder after [`Staging::finish`]).
     pub(crate) fn empty() -> Self {
         Self {
             tensors: HashMap::new(),
+            times: StagingTimes::default(),
+            checksums: true,
         }
+    }
+
+    /// Stops computing and checking CRC-32s: only for bytes read from the very file the
+    /// client mapped (its identity checked), never for bytes from the network.
+    pub(crate) fn skip_checksums(&mut self) {
+        self.checksums = false;
     }
 
     /// Checks one chunk and copies it into the stage.
@@ -101,10 +129,22 @@ impl Staging {
                 t.expected_bytes
             )));
         };
+        let started = Instant::now();
         stage.load_tensor(name, offset, data)?;
-        t.hasher.update(data);
+        let uploaded = Instant::now();
+        if self.checksums {
+            t.hasher.update(data);
+            self.times.checksum += uploaded.elapsed();
+        }
         t.received = end;
+        self.times.upload += uploaded - started;
+        self.times.bytes += data.len() as u64;
         Ok(())
+    }
+
+    /// Time spent so far checksumming and copying, and the bytes staged.
+    pub fn times(&self) -> StagingTimes {
+        self.times
     }
 
     /// Every announced tensor with its length, by name.
@@ -121,6 +161,9 @@ impl Staging {
     /// The first tensor (by name) whose bytes so far do not have the announced CRC-32: its
     /// name, the CRC-32 of what arrived, and the announced one.
     pub(crate) fn crc_mismatch(&self) -> Option<(String, u32, u32)> {
+        if !self.checksums {
+            return None;
+        }
         let mut bad: Vec<(String, u32, u32)> = self
             .tensors
             .iter()
@@ -145,7 +188,7 @@ impl Staging {
                 )));
             }
             let crc = t.hasher.finalize();
-            if crc != t.expected_crc {
+            if self.checksums && crc != t.expected_crc {
                 return Err(WorkerError::InvalidArgument(format!(
                     "tensor {name:?}: CRC-32 of the received bytes is {crc:#010x}, the client announced {:#010x}; the data was corrupted in transit or the client read a different file",
                     t.expected_crc

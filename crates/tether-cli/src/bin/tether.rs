@@ -40,6 +40,7 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    tether_cli::timings::mark_process_start();
     let cli = Cli::parse();
     // Long-running services log their lifecycle by default; one-shot commands stay quiet.
     let default_filter = match cli.command {

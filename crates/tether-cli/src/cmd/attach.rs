@@ -171,6 +171,7 @@ async fn attach(args: AttachArgs) -> anyhow::Result<()> {
             decision_timeout: None,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             local_path: None,
+            same_file: None,
         };
         let reserved = client
             .prepare(session.id(), load, Arc::new(GgufSource(file)))

@@ -7,10 +7,12 @@ use crate::device::{gpus_named, single_gpu};
 use crate::model_source::{ModelArgs, ResolvedModel};
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use std::path::Path;
 use std::sync::Arc;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::GgufFile;
 use tether_model::{Generator, ModelConfig, Stage, StageSpec, load_stage_from_file};
+use tether_worker::ModelDirs;
 use tether_worker::embedded::{LocalOptions, LocalWorkers};
 
 /// Where and how a model runs in this process.
@@ -117,25 +119,50 @@ pub fn context_size(dev: &DeviceArgs, cfg: &ModelConfig, min_ctx: usize) -> Resu
     Ok(ctx)
 }
 
+/// Embedded workers started for one model file, and that file's path as they read it.
+pub struct StartedLocal {
+    /// The workers.
+    pub workers: LocalWorkers,
+    /// The model's path for the load's `model_path_on_workers`: the workers read their
+    /// tensors from their own map of it instead of receiving them over loopback gRPC.
+    /// `None` when its directory could not be allowed (the bytes are then streamed).
+    pub model_path: Option<String>,
+}
+
 /// Starts the embedded workers of `run` and `serve`: one per GPU `device` names (`auto`:
-/// every GPU the machine has), else `count` cpu workers sharing `threads`.
+/// every GPU the machine has), else `count` cpu workers sharing `threads`. They may read
+/// `model` themselves (its directory is their model directory).
 pub async fn start_local_workers(
     device: &str,
     count: usize,
     threads: Option<usize>,
-) -> Result<LocalWorkers> {
+    model: &Path,
+) -> Result<StartedLocal> {
     let gpus = gpus_named(device)?;
     if count == 0 {
         bail!("--local-workers must be at least 1");
     }
     // One worker per GPU unless more were asked for.
     let n = count.max(gpus.len());
+    let readable = model.canonicalize().ok().and_then(|file| {
+        let dir = file.parent()?.to_path_buf();
+        let dirs = ModelDirs::new(&[dir]).ok()?;
+        Some((file.to_str()?.to_string(), dirs))
+    });
+    if readable.is_none() {
+        tracing::warn!(model = %model.display(), "the embedded workers cannot read the model themselves; its tensors are streamed to them");
+    }
+    let (model_path, model_dirs) = readable.unzip();
     let options = LocalOptions {
         threads,
         max_memory: None,
         gpus,
+        model_dirs: model_dirs.unwrap_or_default(),
     };
-    Ok(LocalWorkers::start(n, &options).await?)
+    Ok(StartedLocal {
+        workers: LocalWorkers::start(n, &options).await?,
+        model_path,
+    })
 }
 
 /// The line every command prints before using the synthetic demo model.

@@ -7,6 +7,7 @@ use crate::cmd::local::{DEMO_LABEL, DeviceArgs, context_size, start_local_worker
 use crate::cmd::path_on_workers::PathOnWorkersArgs;
 use crate::cmd::worker_link::WorkerLinkArgs;
 use crate::model_source::ModelArgs;
+use crate::timings::{Timeline, process_start};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::io::Write;
@@ -54,6 +55,10 @@ pub struct RunArgs {
     /// Share of the model per worker, e.g. `3,1` (default: in proportion to free memory).
     #[arg(long, value_delimiter = ',')]
     pub split: Option<Vec<f64>>,
+    /// Print where the time went, from process start to the first token and the end, as a
+    /// table on stderr (the load split per worker included).
+    #[arg(long)]
+    pub timings: bool,
 }
 
 /// Sampling flags, named as llama.cpp names them.
@@ -136,23 +141,34 @@ async fn run_async(args: RunArgs) -> Result<()> {
         true => Default::default(),
         false => args.worker_link.client_options()?,
     };
-    let started = Instant::now();
+    let mut timeline = Timeline::new();
+    let mut since = process_start();
     let resolved = args.model.resolve()?;
     if resolved.is_demo {
         eprintln!("{DEMO_LABEL}");
     }
     let model = ModelFile::open(&resolved.path)?;
+    since = timeline.phase("open the model (GGUF header, tokenizer)", since);
     let ctx = context_size(&args.device, model.config(), 1)?;
     args.path_on_workers
         .check_remote(!args.workers.is_empty())?;
+    let mut own_copy = args.path_on_workers.path();
     let local = if args.workers.is_empty() {
-        Some(
-            start_local_workers(&args.device.device, args.local_workers, args.device.threads)
-                .await?,
+        let started = start_local_workers(
+            &args.device.device,
+            args.local_workers,
+            args.device.threads,
+            &resolved.path,
         )
+        .await?;
+        own_copy = started.model_path;
+        Some(started.workers)
     } else {
         None
     };
+    if local.is_some() {
+        since = timeline.phase("start embedded workers (device, kernels)", since);
+    }
     let (addrs, client) = match &local {
         Some(l) => (l.addrs(), args.worker_link.embedded_options(l)),
         None => (args.workers.clone(), remote_client),
@@ -171,20 +187,30 @@ async fn run_async(args: RunArgs) -> Result<()> {
     };
     let progress = Arc::new(tether_coordinator::LoadProgress::default());
     config.load.progress = Some(Arc::clone(&progress));
-    config.load.model_path_on_workers = args.path_on_workers.path();
+    config.load.model_path_on_workers = own_copy;
     config.load.data_links = !args.worker_link.grpc_forward;
-    let bars = crate::load_bars::LoadBars::start(progress);
+    let bars = crate::load_bars::LoadBars::start(Arc::clone(&progress));
+    let loading = Instant::now();
     let loaded = Coordinator::start(model, config).await;
     bars.finish().await;
     let coordinator = loaded?;
+    if let Some(report) = progress.report() {
+        timeline.load(&report, since, loading.elapsed());
+    }
+    since = Instant::now();
     if let Some(plan) = coordinator.plan().filter(|p| p.assignments.len() > 1) {
         eprint!("{plan}");
     }
-    let load_s = started.elapsed().as_secs_f64();
-    let result = generate(&args, &coordinator, params, ctx, load_s).await;
+    let load_s = since.duration_since(process_start()).as_secs_f64();
+    let result = generate(&args, &coordinator, params, ctx, load_s, &mut timeline).await;
+    let stopping = Instant::now();
     coordinator.shutdown().await;
     if let Some(local) = local {
         local.shutdown().await;
+    }
+    timeline.phase("shut down (close sessions, free memory)", stopping);
+    if args.timings {
+        timeline.print();
     }
     result
 }
@@ -195,7 +221,9 @@ async fn generate(
     params: SamplingParams,
     ctx: usize,
     load_s: f64,
+    timeline: &mut Timeline,
 ) -> Result<()> {
+    let tokenizing = Instant::now();
     let tokenizer = coordinator.tokenizer();
     let add_bos = !args.no_bos && tokenizer.add_bos_default();
     let prompt = tokenizer.encode(&args.prompt, add_bos, false);
@@ -208,10 +236,13 @@ async fn generate(
             prompt.len()
         );
     }
+    let gen_start = timeline.phase(
+        format!("tokenize the prompt ({} tokens)", prompt.len()),
+        tokenizing,
+    );
     let mut out = std::io::stdout().lock();
     out.write_all(args.prompt.as_bytes())?;
     out.flush()?;
-    let gen_start = Instant::now();
     let mut events = coordinator.submit(GenRequest {
         prompt: prompt.clone(),
         max_tokens: args.n_predict,
@@ -224,6 +255,14 @@ async fn generate(
     let finish = loop {
         match events.recv().await {
             Some(Ok(GenEvent::Token(tok))) => {
+                if first_token.is_none() {
+                    timeline.phase(
+                        "prompt to first token (first kernel launches, graph capture)",
+                        gen_start,
+                    );
+                    let at = process_start().elapsed();
+                    timeline.part(0, "= process start to first token", at);
+                }
                 first_token.get_or_insert_with(|| gen_start.elapsed().as_secs_f64());
                 tokens.push(tok);
                 // An error writing (a closed pipe) drops `events`, which cancels the request.
@@ -236,6 +275,10 @@ async fn generate(
         }
     };
     writeln!(out)?;
+    timeline.phase(
+        format!("prompt and {} generated tokens", tokens.len()),
+        gen_start,
+    );
     let total = gen_start.elapsed().as_secs_f64();
     let prefill = first_token.unwrap_or(total);
     let decode_n = tokens.len().saturating_sub(1);

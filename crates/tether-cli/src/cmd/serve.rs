@@ -11,16 +11,19 @@ use crate::cmd::worker_link::WorkerLinkArgs;
 use crate::ctl::units::parse_duration;
 use crate::model_source::ModelArgs;
 use crate::signals::first_signal;
+use crate::timings::{Timeline, process_start};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tether_coordinator::http::admin::admin_router;
+use tether_coordinator::http::loading::ServingGate;
 use tether_coordinator::http::template::TemplateBudget;
 use tether_coordinator::http::{HttpOptions, default_max_heavy_requests, router, serve, serve_tls};
 use tether_coordinator::load::LoadOptions;
 use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile, WorkerDns};
 use tether_protocol::Lease;
+use tether_worker::embedded::LocalWorkers;
 
 /// Arguments of `tether serve`.
 #[derive(Args, Debug)]
@@ -120,6 +123,10 @@ pub struct ServeArgs {
     pub tls: ServeTlsArgs,
     #[command(flatten)]
     pub path_on_workers: PathOnWorkersArgs,
+    /// Print where the time went from process start until the model served, as a table on
+    /// stderr (the load split per worker included).
+    #[arg(long)]
+    pub timings: bool,
     /// Test hook: sleep this long between Prepare and Commit of the model load.
     #[arg(long, hide = true, value_parser = parse_duration)]
     pub debug_pause_before_commit: Option<Duration>,
@@ -169,57 +176,48 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
         true => Default::default(),
         false => args.worker_link.client_options()?,
     };
-    let resolved = args.model.resolve()?;
-    if resolved.is_demo {
-        eprintln!("{DEMO_LABEL}");
-    }
-    let model = ModelFile::open(&resolved.path)?;
-    let embedded = args.workers.is_empty() && args.worker_dns.is_none();
     args.path_on_workers.check_remote(!embedded)?;
-    let local = if embedded {
-        Some(start_local_workers(&args.device, args.local_workers, args.threads).await?)
-    } else {
-        None
-    };
-    let (addrs, client) = match &local {
-        Some(l) => (l.addrs(), args.worker_link.embedded_options(l)),
-        None => (args.workers.clone(), remote_client),
-    };
-    let defaults = CoordinatorConfig::new(&model, addrs.clone());
-    let mut config = CoordinatorConfig {
-        cache_k: args.cache.k(),
-        cache_v: args.cache.v(),
-        split: args.split.clone(),
-        ctx_per_seq: args.ctx.unwrap_or(defaults.ctx_per_seq),
-        parallel: args.parallel,
-        ubatch: args.ubatch,
-        queue_depth: args.queue,
-        context_shift: args.shift.policy(),
-        model_id: args.model_id.clone().unwrap_or(defaults.model_id.clone()),
-        load: LoadOptions {
-            lease: Lease {
-                heartbeat_interval: args.lease_ttl / 3,
-                ttl: args.lease_ttl,
-            },
-            pause_before_commit: args.debug_pause_before_commit,
-            model_path_on_workers: args.path_on_workers.path(),
-            data_links: !args.worker_link.grpc_forward,
-            ..defaults.load.clone()
-        },
-        client,
-        worker_dns: args.worker_dns.clone().map(|name| WorkerDns {
-            name,
-            refresh: args.dns_refresh,
-        }),
-        ..defaults
-    };
-    // The engine logs the placement it loaded.
+    // Bound before anything loads: a busy port fails in a moment, not after a load, and
+    // /health answers "loading" with the progress meanwhile.
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let addr = listener.local_addr().context("reading the bound address")?;
+    let scheme = if https.is_some() { "https" } else { "http" };
+    println!(
+        "tether serve bound {scheme}://{addr}; loading the model (GET /health answers 503 until it serves)"
+    );
     let progress = Arc::new(tether_coordinator::LoadProgress::default());
-    config.load.progress = Some(Arc::clone(&progress));
-    let bars = crate::load_bars::LoadBars::start(progress);
-    let loaded = Coordinator::start(model, config).await;
-    bars.finish().await;
-    let coordinator = Arc::new(loaded?);
+    let gate = ServingGate::new(Arc::clone(&progress));
+    let (signalled_tx, mut signalled) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        first_signal().await;
+        let _ = signalled_tx.send(());
+    };
+    let limits = args.conn.limits();
+    let mut server = match https {
+        Some(config) => tokio::spawn(serve_tls(listener, config, gate.router(), limits, shutdown)),
+        None => tokio::spawn(serve(listener, gate.router(), limits, shutdown)),
+    };
+    let mut timeline = Timeline::new();
+    let loaded = tokio::select! {
+        loaded = load(&args, embedded, remote_client, Arc::clone(&progress), &mut timeline) => loaded,
+        _ = &mut signalled => {
+            tracing::info!("signal received while loading: the load is cancelled");
+            return finish_server(server.await);
+        }
+        done = &mut server => {
+            // The listener failed before the model loaded.
+            return finish_server(done);
+        }
+    };
+    let (coordinator, local) = match loaded {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            server.abort();
+            return Err(e);
+        }
+    };
     let mut opts = HttpOptions {
         api_key: args.api_key.clone(),
         request_timeout: args.request_timeout,
@@ -249,23 +247,13 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
                 .or_else(|| args.worker_link.worker_token.clone()),
         },
     ));
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
-    let addr = listener.local_addr().context("reading the bound address")?;
-    // Scripts and tests read this line to learn the port.
-    let scheme = if https.is_some() { "https" } else { "http" };
+    gate.open(app);
+    if args.timings {
+        timeline.part(0, "= process start to serving", process_start().elapsed());
+        timeline.print();
+    }
+    // Scripts and tests read this line to learn that the model serves, and the port.
     println!("tether serve listening on {scheme}://{addr}");
-    let (signalled_tx, signalled) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        first_signal().await;
-        let _ = signalled_tx.send(());
-    };
-    let limits = args.conn.limits();
-    let mut server = match https {
-        Some(config) => tokio::spawn(serve_tls(listener, config, app, limits, shutdown)),
-        None => tokio::spawn(serve(listener, app, limits, shutdown)),
-    };
     let served = tokio::select! {
         done = &mut server => done,
         _ = signalled => match tokio::time::timeout(args.shutdown_grace, &mut server).await {
@@ -289,4 +277,94 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
     served.context("serving HTTP")?;
     tracing::info!("coordinator stopped; every worker session is closed");
     Ok(())
+}
+
+/// The outcome of the HTTP server task when it ended before the model served.
+fn finish_server(
+    done: std::result::Result<std::io::Result<()>, tokio::task::JoinError>,
+) -> Result<()> {
+    done.context("the HTTP server task failed")?
+        .context("serving HTTP")
+}
+
+/// Opens the model, starts the embedded workers when there are no remote ones, and loads
+/// the model over the workers, reporting the bytes to `progress`.
+async fn load(
+    args: &ServeArgs,
+    embedded: bool,
+    remote_client: tether_client::ClientOptions,
+    progress: Arc<tether_coordinator::LoadProgress>,
+    timeline: &mut Timeline,
+) -> Result<(Arc<Coordinator>, Option<LocalWorkers>)> {
+    let mut since = Instant::now();
+    let resolved = args.model.resolve()?;
+    if resolved.is_demo {
+        eprintln!("{DEMO_LABEL}");
+    }
+    let model = ModelFile::open(&resolved.path)?;
+    since = timeline.phase("open the model (GGUF header, tokenizer)", since);
+    let mut own_copy = args.path_on_workers.path();
+    let local = if embedded {
+        let started = start_local_workers(
+            &args.device,
+            args.local_workers,
+            args.threads,
+            &resolved.path,
+        )
+        .await?;
+        since = timeline.phase("start embedded workers (device, kernels)", since);
+        own_copy = started.model_path;
+        Some(started.workers)
+    } else {
+        None
+    };
+    let (addrs, client) = match &local {
+        Some(l) => (l.addrs(), args.worker_link.embedded_options(l)),
+        None => (args.workers.clone(), remote_client),
+    };
+    let defaults = CoordinatorConfig::new(&model, addrs.clone());
+    let mut config = CoordinatorConfig {
+        cache_k: args.cache.k(),
+        cache_v: args.cache.v(),
+        split: args.split.clone(),
+        ctx_per_seq: args.ctx.unwrap_or(defaults.ctx_per_seq),
+        parallel: args.parallel,
+        ubatch: args.ubatch,
+        queue_depth: args.queue,
+        context_shift: args.shift.policy(),
+        model_id: args.model_id.clone().unwrap_or(defaults.model_id.clone()),
+        load: LoadOptions {
+            lease: Lease {
+                heartbeat_interval: args.lease_ttl / 3,
+                ttl: args.lease_ttl,
+            },
+            pause_before_commit: args.debug_pause_before_commit,
+            model_path_on_workers: own_copy,
+            data_links: !args.worker_link.grpc_forward,
+            ..defaults.load.clone()
+        },
+        client,
+        worker_dns: args.worker_dns.clone().map(|name| WorkerDns {
+            name,
+            refresh: args.dns_refresh,
+        }),
+        ..defaults
+    };
+    // The engine logs the placement it loaded.
+    config.load.progress = Some(Arc::clone(&progress));
+    let bars = crate::load_bars::LoadBars::start(Arc::clone(&progress));
+    let loaded = Coordinator::start(model, config).await;
+    bars.finish().await;
+    if let Some(report) = progress.report() {
+        timeline.load(&report, since, since.elapsed());
+    }
+    match loaded {
+        Ok(coordinator) => Ok((Arc::new(coordinator), local)),
+        Err(e) => {
+            if let Some(local) = local {
+                local.shutdown().await;
+            }
+            Err(e.into())
+        }
+    }
 }

@@ -92,6 +92,7 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     type Buffer = CpuBuffer;
     type Replays = ();
+    type Uploads = ();
 
     fn name(&self) -> String {
         "cpu".to_string()
@@ -147,6 +148,25 @@ impl Backend for CpuBackend {
         let end = offset.checked_add(src.len());
         need("upload", "destination buffer", dst.bytes(), end)?;
         dst.as_bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn begin_uploads(&self) -> Result<()> {
+        Ok(())
+    }
+
+    // Host memory to host memory: nothing to overlap.
+    fn upload_weight(
+        &self,
+        _uploads: &mut (),
+        dst: &mut CpuBuffer,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<()> {
+        self.upload(dst, offset, src)
+    }
+
+    fn finish_uploads(&self, _uploads: ()) -> Result<()> {
         Ok(())
     }
 

@@ -29,10 +29,12 @@ mod packed;
 mod ptx_cache;
 mod rope;
 mod staging;
+mod upload;
 
 pub use device::CudaBuffer;
 pub use gemm::GEMM_MIN_TOKENS;
 pub use graph::CudaReplays;
+pub use upload::CudaUploads;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -22,6 +22,7 @@ const THREADS: u32 = 256;
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Replays = super::CudaReplays;
+    type Uploads = super::CudaUploads;
 
     fn replay<R>(&self, replays: &mut Self::Replays, key: u64, f: impl FnOnce() -> R) -> Result<R> {
         self.replay_step(replays, key, f)
@@ -79,6 +80,41 @@ impl Backend for CudaBackend {
         // has copied `src` into its own staging before returning, so `src` may go after.
         unsafe { result::memcpy_htod_async(at, src, self.device.stream.cu_stream()) }
             .map_err(|e| driver_err(&format!("uploading {} bytes", src.len()), e))
+    }
+
+    fn begin_uploads(&self) -> Result<super::CudaUploads> {
+        super::CudaUploads::new(&self.device)
+    }
+
+    fn upload_weight(
+        &self,
+        uploads: &mut super::CudaUploads,
+        dst: &mut CudaBuffer,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<()> {
+        if self.device.recording_here() {
+            return self.upload(dst, offset, src);
+        }
+        if dst.packed {
+            return Err(shape_err(
+                "upload",
+                "the buffer holds a finished weight in the packed layout; it cannot be written again".to_string(),
+            ));
+        }
+        self.wrote();
+        need(
+            "upload",
+            "destination buffer",
+            dst.bytes(),
+            offset.checked_add(src.len()),
+        )?;
+        let at = self.addr("upload", "destination buffer", dst)? + offset as u64;
+        uploads.copy(at, src)
+    }
+
+    fn finish_uploads(&self, mut uploads: super::CudaUploads) -> Result<()> {
+        uploads.wait()
     }
 
     fn download(&self, src: &CudaBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {

@@ -11,6 +11,7 @@ mod endpoints;
 pub mod error;
 mod heavy;
 pub mod listen;
+pub mod loading;
 pub mod metrics;
 mod prepare;
 mod run;

@@ -66,6 +66,7 @@ pub async fn engine(model: &Path, ctx: usize, queue: usize) -> Arc<TestEngine> {
         threads: Some(1),
         max_memory: Some(1 << 30),
         gpus: Vec::new(),
+        ..LocalOptions::default()
     };
     let workers = LocalWorkers::start(1, &options)
         .await

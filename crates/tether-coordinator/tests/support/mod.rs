@@ -125,6 +125,7 @@ pub async fn cluster(path: &Path, n: usize, tune: impl FnOnce(&mut CoordinatorCo
             threads: Some(n),
             max_memory: Some(1 << 30),
             gpus: Vec::new(),
+            ..LocalOptions::default()
         },
     )
     .await

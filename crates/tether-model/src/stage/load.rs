@@ -87,12 +87,17 @@ impl<B: Backend> Stage<B> {
                 data.len()
             )));
         };
+        let uploading = |source| ModelError::Compute {
+            what: format!("uploading tensor '{name}' at offset {offset}"),
+            source,
+        };
+        let uploads = match &mut self.uploads {
+            Some(u) => u,
+            empty => empty.insert(self.backend.begin_uploads().map_err(uploading)?),
+        };
         self.backend
-            .upload(&mut w.buf, at, data)
-            .map_err(|source| ModelError::Compute {
-                what: format!("uploading tensor '{name}' at offset {offset}"),
-                source,
-            })?;
+            .upload_weight(uploads, &mut w.buf, at, data)
+            .map_err(uploading)?;
         add_range(&mut w.written, offset, end);
         self.loaded = false;
         Ok(())
@@ -100,6 +105,14 @@ impl<B: Backend> Stage<B> {
 
     /// Checks that every tensor has been written in full and makes the stage ready to run.
     pub fn finish_load(&mut self) -> Result<(), ModelError> {
+        if let Some(uploads) = self.uploads.take() {
+            self.backend
+                .finish_uploads(uploads)
+                .map_err(|source| ModelError::Compute {
+                    what: "waiting for the weight uploads".to_string(),
+                    source,
+                })?;
+        }
         for w in &self.weights {
             let size = w.buf.bytes() as u64;
             let full = size == 0 || w.written.first() == Some(&(0, size));

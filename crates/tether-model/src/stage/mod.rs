@@ -155,6 +155,9 @@ struct Scratch<Buf> {
 
 /// A block of layers with its weights, KV cache and scratch on one backend.
 pub struct Stage<B: Backend> {
+    /// The copies of a load in flight; first, so that a stage dropped mid-load waits for
+    /// them before its weights are freed.
+    uploads: Option<B::Uploads>,
     backend: Arc<B>,
     cfg: ModelConfig,
     spec: StageSpec,
@@ -506,6 +509,7 @@ impl<B: Backend> Stage<B> {
             allocs,
             loaded: false,
             replays: B::Replays::default(),
+            uploads: None,
         })
     }
 

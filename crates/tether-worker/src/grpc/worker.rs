@@ -13,7 +13,9 @@ use tether_protocol::Lease;
 use tether_protocol::Outcome;
 use tether_protocol::WorkerError;
 use tether_protocol::forward::grpc::{output_to_proto, request_from_proto};
-use tether_protocol::grpc::{check_version, spec_from_proto, to_status};
+use tether_protocol::grpc::{
+    check_version, identity_from_proto, spec_from_proto, timings_to_proto, to_status,
+};
 use tether_protocol::{SessionId, TxnId};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -170,6 +172,7 @@ impl pb::worker_server::Worker for WorkerService {
             gguf_header: begin.gguf_header,
             gguf_file_bytes: begin.gguf_file_bytes,
             local_path: (!begin.local_path.is_empty()).then_some(begin.local_path),
+            same_file: begin.same_file.map(identity_from_proto),
         };
         let (session, txn) = (begin.session, begin.txn);
         let mut upload = self
@@ -210,10 +213,11 @@ impl pb::worker_server::Worker for WorkerService {
                 Err(status) => return Err(status),
             }
         }
-        let reserved_bytes = upload.finish().map_err(to_status)?;
+        let (reserved_bytes, timings) = upload.finish().map_err(to_status)?;
         Ok(Response::new(pb::PrepareReply {
             txn_id: txn.to_string(),
             reserved_bytes,
+            timings: Some(timings_to_proto(&timings)),
         }))
     }
 
