@@ -124,6 +124,9 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     /// Prompt tokens processed since start.
     pub prompt_tokens: u64,
+    /// Prompt tokens whose KV cells were reused from an earlier request instead of being
+    /// processed (prefix caching); the hit rate is this over it plus `prompt_tokens`.
+    pub prefix_hit_tokens: u64,
 }
 
 /// A generation engine: the coordinator's pipeline over workers, or anything else that

@@ -57,6 +57,9 @@ pub struct CoordinatorConfig {
     pub retry_every: Duration,
     /// Whether a generation that fills its context drops old tokens and goes on.
     pub context_shift: Option<ContextShift>,
+    /// Whether a request reuses the KV cells of an earlier one that shares the start of its
+    /// prompt (`--no-prefix-cache` turns it off).
+    pub prefix_cache: bool,
 }
 
 impl CoordinatorConfig {
@@ -82,6 +85,7 @@ impl CoordinatorConfig {
             client: ClientOptions::default(),
             retry_every: Duration::from_secs(3),
             context_shift: None,
+            prefix_cache: true,
         }
     }
 }
@@ -112,6 +116,7 @@ pub(crate) struct Setup {
     pub load: LoadOptions,
     pub client: ClientOptions,
     pub context_shift: Option<ContextShift>,
+    pub prefix_cache: bool,
 }
 
 impl Setup {
@@ -190,6 +195,7 @@ pub struct Coordinator {
     tokenizer: Arc<Tokenizer>,
     n_vocab: usize,
     context_shift: Option<ContextShift>,
+    prefix_cache: bool,
     shared: Arc<Shared>,
     submit: mpsc::Sender<Admitted>,
     stop: CancellationToken,
@@ -271,6 +277,7 @@ impl Coordinator {
             load: config.load.clone(),
             client: config.client.clone(),
             context_shift: config.context_shift,
+            prefix_cache: config.prefix_cache,
         };
         let first = match setup
             .connect_and_load(&model, config.worker_dns.is_none())
@@ -323,6 +330,7 @@ impl Coordinator {
             tokenizer: model.tokenizer(),
             n_vocab: model.config().n_vocab,
             context_shift: config.context_shift,
+            prefix_cache: config.prefix_cache,
             shared,
             submit,
             stop,
@@ -340,6 +348,11 @@ impl Coordinator {
     /// The worker list in force now, in layer order (with `worker_dns`, as last resolved).
     pub fn workers(&self) -> Vec<String> {
         self.workers.borrow().clone()
+    }
+
+    /// Whether requests reuse the KV cells of earlier ones that share their prompt's start.
+    pub fn prefix_cache(&self) -> bool {
+        self.prefix_cache
     }
 
     /// How this coordinator connects to its workers (token and TLS).
@@ -405,6 +418,7 @@ impl Generation for Coordinator {
             running: self.shared.running.load(Ordering::Relaxed),
             generated_tokens: self.shared.generated_tokens.load(Ordering::Relaxed),
             prompt_tokens: self.shared.prompt_tokens.load(Ordering::Relaxed),
+            prefix_hit_tokens: self.shared.prefix_hit_tokens.load(Ordering::Relaxed),
         }
     }
 

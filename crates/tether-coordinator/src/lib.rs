@@ -12,6 +12,7 @@ pub mod load_report;
 mod loss;
 pub mod model_file;
 pub mod placement;
+mod prefix;
 pub mod progress;
 mod scheduler;
 mod sequence;

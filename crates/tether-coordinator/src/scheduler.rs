@@ -10,6 +10,7 @@ use crate::load::{LoadedModel, LoadedStage};
 use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
+use crate::prefix::{CellCopy, PrefixCache, copy_cells, slot_uses};
 use crate::sequence::{Batch, Events, Next, Sequence, build_step, split_batch};
 use crate::stage_call;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -33,6 +34,8 @@ pub(crate) struct Shared {
     pub running: AtomicUsize,
     pub generated_tokens: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    /// Prompt tokens whose KV cells were reused instead of prefilled.
+    pub prefix_hit_tokens: AtomicU64,
 }
 
 impl Shared {
@@ -43,6 +46,7 @@ impl Shared {
             running: AtomicUsize::new(0),
             generated_tokens: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
+            prefix_hit_tokens: AtomicU64::new(0),
         }
     }
 
@@ -80,6 +84,10 @@ pub(crate) struct Scheduler {
     to_clear: Vec<u32>,
     /// `(slot, cells to keep)` of sequences whose context was shifted.
     to_truncate: Vec<(u32, usize)>,
+    /// What each slot's cells hold, with prefix caching on.
+    prefix: Option<PrefixCache>,
+    /// Prefixes to copy between slots before the next step.
+    to_copy: Vec<CellCopy>,
     rotation: usize,
 }
 
@@ -93,6 +101,7 @@ impl Scheduler {
         retry_every: Duration,
     ) -> Self {
         let n_seq = setup.shape.n_seq;
+        let prefix = setup.prefix_cache.then(|| PrefixCache::new(n_seq));
         Self {
             shared,
             requests,
@@ -103,6 +112,8 @@ impl Scheduler {
             slots: (0..n_seq).map(|_| None).collect(),
             to_clear: Vec::new(),
             to_truncate: Vec::new(),
+            prefix,
+            to_copy: Vec::new(),
             rotation: 0,
         }
     }
@@ -139,13 +150,16 @@ impl Scheduler {
         self.slots.iter().filter(|s| s.is_some()).count()
     }
 
-    /// Takes the request out of slot `i` (its cells are cleared before the next step). The
-    /// caller sends its last event afterwards, so a client that sees it sees the counters
-    /// already updated.
+    /// Takes the request out of slot `i`: its cells are kept for prefix reuse, or cleared
+    /// before the next step without it. The caller sends its last event afterwards, so a
+    /// client that sees it sees the counters already updated.
     fn free(&mut self, i: usize) -> Option<Sequence> {
         let seq = self.slots[i].take();
         if let Some(seq) = &seq {
-            self.to_clear.push(seq.slot);
+            match &mut self.prefix {
+                Some(prefix) => prefix.release(i, &seq.tokens[..seq.fed]),
+                None => self.to_clear.push(seq.slot),
+            }
         }
         self.shared.running.store(self.active(), Ordering::Relaxed);
         seq
@@ -188,7 +202,7 @@ impl Scheduler {
             }));
             return;
         }
-        let Some(i) = self.slots.iter().position(Option::is_none) else {
+        let Some((i, cached)) = self.place(&req.prompt) else {
             let _ = events.try_send(Err(GenError::Internal(
                 "no free sequence slot for an admitted request".into(),
             )));
@@ -198,7 +212,7 @@ impl Scheduler {
             slot: i as u32,
             prompt_len: req.prompt.len(),
             tokens: req.prompt,
-            fed: 0,
+            fed: cached,
             generated: 0,
             dropped: 0,
             max_tokens: req.max_tokens,
@@ -208,6 +222,27 @@ impl Scheduler {
             events,
         });
         self.shared.running.store(self.active(), Ordering::Relaxed);
+    }
+
+    /// A free slot for `prompt` and how many of its first tokens that slot's cells will
+    /// hold before the next step (copies between slots queued for it).
+    fn place(&mut self, prompt: &[u32]) -> Option<(usize, usize)> {
+        let Some(prefix) = &mut self.prefix else {
+            return Some((self.slots.iter().position(Option::is_none)?, 0));
+        };
+        let keep = self.setup.context_shift.map(|s| s.keep);
+        let p = prefix.place(prompt, &slot_uses(&self.slots, keep))?;
+        if let Some(from) = p.copy_from {
+            self.to_copy.push(CellCopy {
+                from: from as u32,
+                to: p.slot as u32,
+                cells: p.cached as u32,
+            });
+        }
+        self.shared
+            .prefix_hit_tokens
+            .fetch_add(p.cached as u64, Ordering::Relaxed);
+        Some((p.slot, p.cached))
     }
 
     fn admit(&mut self) {
@@ -228,6 +263,11 @@ impl Scheduler {
         }
         self.to_clear.clear();
         self.to_truncate.clear();
+        // The sessions, and the cells they held, end with the model.
+        self.to_copy.clear();
+        if let Some(prefix) = &mut self.prefix {
+            prefix.clear();
+        }
         self.shared.running.store(0, Ordering::Relaxed);
     }
 
@@ -254,6 +294,9 @@ impl Scheduler {
                     },
                 }
                 continue;
+            }
+            if let Err(reason) = copy_cells(&stages, &mut self.to_copy).await {
+                break Ended::Lost(reason);
             }
             let mut chunks = build_step(
                 &self.slots,

@@ -111,6 +111,10 @@ pub struct ServeArgs {
     /// every worker session is closed.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+    /// Prefill every prompt whole: do not reuse the KV cells of an earlier request that
+    /// shares the start of the prompt (prefix caching is on by default).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
     #[command(flatten)]
     pub conn: ConnArgs,
     #[command(flatten)]
@@ -332,6 +336,7 @@ async fn load(
         ubatch: args.ubatch,
         queue_depth: args.queue,
         context_shift: args.shift.policy(),
+        prefix_cache: !args.no_prefix_cache,
         model_id: args.model_id.clone().unwrap_or(defaults.model_id.clone()),
         load: LoadOptions {
             lease: Lease {

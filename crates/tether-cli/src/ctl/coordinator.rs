@@ -197,6 +197,7 @@ fn print_model(v: &Value) {
         v.get("queued").and_then(Value::as_u64).unwrap_or(0),
         v.get("running").and_then(Value::as_u64).unwrap_or(0),
     );
+    println!("  {}", prefix_line(v));
     for a in v
         .get("placement")
         .and_then(Value::as_array)
@@ -221,4 +222,20 @@ fn print_model(v: &Value) {
             bytes(a, "total_bytes"),
         );
     }
+}
+
+/// The prefix cache's state and hit rate: reused prompt tokens over all prompt tokens.
+fn prefix_line(v: &Value) -> String {
+    if v.get("prefix_cache").and_then(Value::as_bool) != Some(true) {
+        return "prefix cache off".to_string();
+    }
+    let count = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let (hit, processed) = (count("prefix_hit_tokens"), count("prompt_tokens"));
+    let all = hit + processed;
+    let rate = if all == 0 {
+        0.0
+    } else {
+        100.0 * hit as f64 / all as f64
+    };
+    format!("prefix cache on: {hit} of {all} prompt tokens reused ({rate:.1}%)")
 }

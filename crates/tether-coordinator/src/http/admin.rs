@@ -87,6 +87,9 @@ async fn model(State(state): State<Shared>) -> Json<Value> {
         "unavailable_reason": reason,
         "queued": stats.queued,
         "running": stats.running,
+        "prefix_cache": state.coordinator.prefix_cache(),
+        "prompt_tokens": stats.prompt_tokens,
+        "prefix_hit_tokens": stats.prefix_hit_tokens,
         "placement": plan,
     }))
 }

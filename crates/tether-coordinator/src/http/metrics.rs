@@ -122,6 +122,12 @@ impl Metrics {
                 "Tokens the engine generated.",
                 stats.generated_tokens,
             ),
+            (
+                "tether_engine_prefix_cache_hit_tokens_total",
+                "Prompt tokens whose KV cells were reused from an earlier request instead of \
+                 being processed; the hit rate is this over itself plus the processed ones.",
+                stats.prefix_hit_tokens,
+            ),
         ];
         for (name, help, value) in counters {
             let _ = writeln!(
@@ -220,11 +226,13 @@ mod tests {
             running: 1,
             generated_tokens: 42,
             prompt_tokens: 7,
+            prefix_hit_tokens: 5,
         };
         let text = Metrics::default().render(&stats);
         assert!(text.contains("tether_engine_queued_requests 3"));
         assert!(text.contains("tether_engine_running_requests 1"));
         assert!(text.contains("tether_engine_generated_tokens_total 42"));
         assert!(text.contains("tether_engine_prompt_tokens_total 7"));
+        assert!(text.contains("tether_engine_prefix_cache_hit_tokens_total 5"));
     }
 }

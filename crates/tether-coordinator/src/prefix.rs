@@ -1,0 +1,337 @@
+//! Prefix reuse over the sequence slots. A slot's KV cells outlive its request: the cache
+//! remembers which tokens each slot's cells hold, and a new request takes the free slot
+//! whose cells already hold the longest part of its prompt, so only the rest is prefilled.
+//! When a longer prefix lives in a slot that is busy, its first whole blocks are copied
+//! into the chosen slot on every worker instead. Taking a slot for another prompt
+//! overwrites what it held: that is the eviction, least recently used first among equals.
+//!
+//! Tokens are hashed in blocks of [`BLOCK`] with a chain hash (each block's hash covers
+//! every token before it), so comparing two slots' prefixes is a comparison of hashes, and
+//! a paged KV cache can later key its shared blocks by the same hashes.
+
+use crate::load::LoadedStage;
+use crate::loss::Loss;
+use crate::sequence::Sequence;
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+/// Tokens per block: the unit of copies between slots and of the chain hash.
+pub(crate) const BLOCK: usize = 32;
+
+/// The chain hash of every full block of `tokens`.
+fn chain_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut prev = 0u64;
+    tokens
+        .chunks_exact(BLOCK)
+        .map(|block| {
+            // DefaultHasher::new() has fixed keys: the same tokens hash the same in every
+            // process, which a cache shared beyond one coordinator would need.
+            let mut h = DefaultHasher::new();
+            prev.hash(&mut h);
+            block.hash(&mut h);
+            prev = h.finish();
+            prev
+        })
+        .collect()
+}
+
+/// What one slot's cells hold: `tokens[p]` at position `p`.
+#[derive(Debug, Default)]
+struct Held {
+    tokens: Vec<u32>,
+    chain: Vec<u64>,
+    /// When the slot was last taken or released ([`PrefixCache`]'s clock).
+    last_used: u64,
+}
+
+impl Held {
+    fn set(&mut self, tokens: &[u32], now: u64) {
+        self.tokens.clear();
+        self.tokens.extend_from_slice(tokens);
+        self.chain = chain_hashes(tokens);
+        self.last_used = now;
+    }
+
+    /// How many first tokens of `prompt` (whose blocks hash to `chain`) this slot holds.
+    fn common(&self, prompt: &[u32], chain: &[u64]) -> usize {
+        // Chain hashes match for a leading run of blocks and then never again.
+        let shared = chain.iter().zip(&self.chain).take_while(|(a, b)| a == b);
+        let blocks = shared.count();
+        let mut n = blocks * BLOCK;
+        // A hash collision must not make outputs differ: the tokens decide.
+        if self.tokens[..n] != prompt[..n] {
+            n = 0;
+        }
+        let end = self.tokens.len().min(prompt.len());
+        while n < end && self.tokens[n] == prompt[n] {
+            n += 1;
+        }
+        n
+    }
+}
+
+/// A slot as the scheduler sees it when a request comes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SlotUse {
+    /// No request: its cells hold what the cache remembers for it.
+    Free,
+    /// Running a request whose first `valid` prompt tokens are in its cells now.
+    Busy { valid: usize },
+}
+
+/// Where a new request goes and what it starts with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Placement {
+    /// The free slot the request takes.
+    pub slot: usize,
+    /// A busy slot whose first `cached` cells are to be copied into `slot` first.
+    pub copy_from: Option<usize>,
+    /// Prompt tokens whose cells are reused: prefill starts at this position.
+    pub cached: usize,
+}
+
+/// The tokens each slot's cells hold, for prefix reuse.
+#[derive(Debug)]
+pub(crate) struct PrefixCache {
+    held: Vec<Held>,
+    clock: u64,
+}
+
+impl PrefixCache {
+    /// A cache of `n_slots` slots that hold nothing.
+    pub fn new(n_slots: usize) -> Self {
+        Self {
+            held: (0..n_slots).map(|_| Held::default()).collect(),
+            clock: 0,
+        }
+    }
+
+    /// Forgets everything (the workers' sessions, and so their cells, are new).
+    pub fn clear(&mut self) {
+        let n = self.held.len();
+        *self = Self::new(n);
+    }
+
+    /// Chooses a free slot for `prompt` (not empty) among `slots` (at least one free) and
+    /// records that the slot now holds the prompt. The last prompt token is never counted
+    /// as cached: running it gives the logits of the first generated token.
+    pub fn place(&mut self, prompt: &[u32], slots: &[SlotUse]) -> Option<Placement> {
+        let chain = chain_hashes(prompt);
+        let most = prompt.len().saturating_sub(1);
+        let mut own: Option<(usize, usize)> = None;
+        let mut copy: Option<(usize, usize)> = None;
+        for (i, (held, state)) in self.held.iter().zip(slots).enumerate() {
+            let common = held.common(prompt, &chain).min(most);
+            match *state {
+                SlotUse::Free => {
+                    let better = own.is_none_or(|(j, n)| {
+                        common > n || (common == n && held.last_used < self.held[j].last_used)
+                    });
+                    if better {
+                        own = Some((i, common));
+                    }
+                }
+                SlotUse::Busy { valid } => {
+                    let whole = common.min(valid) / BLOCK * BLOCK;
+                    if copy.is_none_or(|(_, n)| whole > n) {
+                        copy = Some((i, whole));
+                    }
+                }
+            }
+        }
+        let (own_slot, own_cached) = own?;
+        let placement = match copy {
+            Some((from, cached)) if cached > own_cached => Placement {
+                slot: self.least_recently_used(slots).unwrap_or(own_slot),
+                copy_from: Some(from),
+                cached,
+            },
+            _ => Placement {
+                slot: own_slot,
+                copy_from: None,
+                cached: own_cached,
+            },
+        };
+        self.clock += 1;
+        self.held[placement.slot].set(prompt, self.clock);
+        Some(placement)
+    }
+
+    fn least_recently_used(&self, slots: &[SlotUse]) -> Option<usize> {
+        (0..self.held.len())
+            .filter(|&i| slots.get(i) == Some(&SlotUse::Free))
+            .min_by_key(|&i| self.held[i].last_used)
+    }
+
+    /// Records what `slot`'s cells hold once its request is over: `tokens[p]` at `p`.
+    pub fn release(&mut self, slot: usize, tokens: &[u32]) {
+        self.clock += 1;
+        if let Some(held) = self.held.get_mut(slot) {
+            held.set(tokens, self.clock);
+        }
+    }
+}
+
+/// What each slot of `slots` is to [`PrefixCache::place`]. A running request's prompt is
+/// in its cells up to what it has fed; after a context shift, only up to the kept tokens
+/// (`keep`), since what follows them was dropped.
+pub(crate) fn slot_uses(slots: &[Option<Sequence>], keep: Option<usize>) -> Vec<SlotUse> {
+    slots
+        .iter()
+        .map(|s| match s {
+            None => SlotUse::Free,
+            Some(seq) => {
+                let mut valid = seq.fed.min(seq.prompt_len);
+                if seq.dropped > 0 {
+                    valid = valid.min(keep.unwrap_or(0));
+                }
+                SlotUse::Busy { valid }
+            }
+        })
+        .collect()
+}
+
+/// A copy of a slot's first cells into another slot, queued until the next step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CellCopy {
+    pub from: u32,
+    pub to: u32,
+    pub cells: u32,
+}
+
+/// Makes every queued copy on every worker, in order, before the step that needs them.
+pub(crate) async fn copy_cells(
+    stages: &[LoadedStage],
+    copies: &mut Vec<CellCopy>,
+) -> Result<(), Loss> {
+    for c in copies.drain(..) {
+        for st in stages {
+            st.client
+                .kv_copy(st.session, c.from, c.to, c.cells)
+                .await
+                .map_err(Loss::Call)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokens(seed: u32, n: usize) -> Vec<u32> {
+        (0..n as u32).map(|i| seed * 1000 + i).collect()
+    }
+
+    fn joined(a: &[u32], b: &[u32]) -> Vec<u32> {
+        [a, b].concat()
+    }
+
+    const FREE: SlotUse = SlotUse::Free;
+
+    #[test]
+    fn chain_hashes_cover_every_token_before() {
+        let a = tokens(1, 96);
+        let mut b = a.clone();
+        b[5] = 9;
+        let (ha, hb) = (chain_hashes(&a), chain_hashes(&b));
+        assert_eq!(ha.len(), 3);
+        assert!(
+            ha.iter().zip(&hb).all(|(x, y)| x != y),
+            "one token changes them all"
+        );
+        assert_eq!(
+            chain_hashes(&a[..70]),
+            ha[..2],
+            "partial blocks are not hashed"
+        );
+    }
+
+    #[test]
+    fn a_free_slot_with_the_prompt_is_taken_whatever_its_length() {
+        let mut cache = PrefixCache::new(3);
+        let history = tokens(1, 50);
+        cache.release(1, &history);
+        let next = joined(&history, &tokens(2, 10));
+        let p = cache.place(&next, &[FREE; 3]).unwrap();
+        assert_eq!(
+            p,
+            Placement {
+                slot: 1,
+                copy_from: None,
+                cached: 50
+            }
+        );
+        // The same prompt again: everything but the last token.
+        cache.release(1, &next);
+        let p = cache.place(&next, &[FREE; 3]).unwrap();
+        assert_eq!((p.slot, p.cached), (1, next.len() - 1));
+    }
+
+    #[test]
+    fn a_prompt_that_leaves_off_mid_block_reuses_up_to_where_it_differs() {
+        let mut cache = PrefixCache::new(2);
+        cache.release(0, &tokens(1, 80));
+        let mut prompt = tokens(1, 80);
+        prompt[45] = 7;
+        let p = cache.place(&prompt, &[FREE; 2]).unwrap();
+        assert_eq!((p.slot, p.cached), (0, 45));
+    }
+
+    #[test]
+    fn a_longer_prefix_in_a_busy_slot_is_copied_in_whole_blocks() {
+        let mut cache = PrefixCache::new(3);
+        let system = tokens(1, 70);
+        cache.release(2, &tokens(3, 40));
+        cache.release(1, &tokens(4, 40));
+        cache.place(&joined(&system, &tokens(5, 5)), &[FREE; 3]);
+        // Slot 0 (never used) runs the first request; 60 of its prompt tokens are in.
+        let busy = [SlotUse::Busy { valid: 60 }, FREE, FREE];
+        let p = cache.place(&joined(&system, &tokens(6, 9)), &busy).unwrap();
+        assert_eq!(
+            p,
+            Placement {
+                slot: 2,
+                copy_from: Some(0),
+                cached: 32
+            },
+            "one whole block of the 60 cells; into the least recently used slot"
+        );
+        // Fewer cells in than a block: nothing to copy.
+        let busy = [
+            SlotUse::Busy { valid: 31 },
+            FREE,
+            SlotUse::Busy { valid: 64 },
+        ];
+        let p = cache.place(&tokens(8, 40), &busy).unwrap();
+        assert_eq!((p.slot, p.copy_from, p.cached), (1, None, 0));
+    }
+
+    #[test]
+    fn eviction_takes_the_least_recently_used_slot() {
+        let mut cache = PrefixCache::new(3);
+        cache.release(0, &tokens(1, 40));
+        cache.release(1, &tokens(2, 40));
+        cache.release(2, &tokens(3, 40));
+        cache.place(&tokens(2, 41), &[FREE; 3]);
+        cache.release(1, &tokens(2, 45));
+        // Nothing shared: slot 0 is the oldest.
+        let p = cache.place(&tokens(9, 10), &[FREE; 3]).unwrap();
+        assert_eq!((p.slot, p.cached), (0, 0));
+        cache.release(0, &tokens(9, 12));
+        let p = cache.place(&tokens(8, 10), &[FREE; 3]).unwrap();
+        assert_eq!(p.slot, 2);
+        assert_eq!(
+            cache.place(&tokens(8, 10), &[SlotUse::Busy { valid: 0 }; 3]),
+            None
+        );
+    }
+
+    #[test]
+    fn clear_forgets_every_slot() {
+        let mut cache = PrefixCache::new(1);
+        cache.release(0, &tokens(1, 40));
+        cache.clear();
+        let p = cache.place(&tokens(1, 40), &[FREE]).unwrap();
+        assert_eq!(p.cached, 0);
+    }
+}

@@ -1,0 +1,160 @@
+//! Prefix caching through embedded workers: requests that share the start of their prompt
+//! with an earlier or a running one reuse its KV cells, and generate exactly the tokens of
+//! a full prefill (the single-process generator's), on one and two workers; few slots
+//! force eviction; reuse is counted, and off with `prefix_cache: false`.
+
+mod support;
+
+use support::{TempDir, cluster, collect, generate, greedy, reference, tiny_model};
+use tether_coordinator::api::{FinishReason, GenError, GenEvent, Generation};
+
+const CTX: usize = 256;
+
+/// `n` token ids from `seed`, clear of the low ids a tokenizer keeps for control tokens.
+fn ids(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 3 + (i * 37 + seed * 101) % 250)
+        .collect()
+}
+
+fn cat(parts: &[&[u32]]) -> Vec<u32> {
+    parts.concat()
+}
+
+fn hits(c: &impl Generation) -> u64 {
+    c.stats().prefix_hit_tokens
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reused_prefixes_give_the_tokens_of_a_full_prefill() {
+    let dir = TempDir::new("prefix-equal");
+    let path = tiny_model(&dir, 21);
+    // A 70-token "system prompt": two whole blocks of 32 and 6 tokens more.
+    let system = ids(1, 70);
+    let first = cat(&[&system, &ids(2, 10)]);
+    let off_block = cat(&[&system, &ids(3, 12)]);
+    let at_block = cat(&[&system[..64], &ids(4, 9)]);
+    let inside_block = cat(&[&system[..40], &ids(5, 7)]);
+    let unrelated = ids(6, 30);
+    let n = 12;
+    let first_out = reference(&path, &first, n, CTX);
+    // The next turn of a chat: the first exchange and a new message.
+    let turn = cat(&[&first, &first_out, &ids(7, 8)]);
+    let waves: Vec<Vec<Vec<u32>>> = vec![
+        vec![first.clone(), off_block.clone()],
+        vec![turn, at_block, first.clone(), inside_block],
+        vec![unrelated, off_block, first],
+    ];
+    let expected: Vec<Vec<Vec<u32>>> = waves
+        .iter()
+        .map(|w| w.iter().map(|p| reference(&path, p, n, CTX)).collect())
+        .collect();
+    for workers in [1, 2] {
+        for prefix_cache in [true, false] {
+            let c = cluster(&path, workers, |cfg| {
+                cfg.parallel = 2;
+                cfg.prefix_cache = prefix_cache;
+            })
+            .await;
+            for (w, (wave, want)) in waves.iter().zip(&expected).enumerate() {
+                // More requests than slots at once: they queue, interleave and evict.
+                let running: Vec<_> = wave
+                    .iter()
+                    .map(|p| c.coordinator.submit(greedy(p, n)).expect("submit"))
+                    .collect();
+                for (k, (rx, want)) in running.into_iter().zip(want).enumerate() {
+                    let (tokens, end) = collect(rx).await;
+                    end.expect("no error");
+                    assert_eq!(
+                        &tokens, want,
+                        "{workers} workers, prefix cache {prefix_cache}, wave {w} request {k}"
+                    );
+                }
+            }
+            let reused = hits(&c.coordinator);
+            if prefix_cache {
+                assert!(reused >= 70, "{workers} workers: {reused} tokens reused");
+            } else {
+                assert_eq!(reused, 0, "{workers} workers: reuse while off");
+            }
+            c.coordinator.shutdown().await;
+            c.workers.shutdown().await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_requests_prefix_is_copied_in_whole_blocks() {
+    let dir = TempDir::new("prefix-copy");
+    let path = tiny_model(&dir, 22);
+    let system = ids(1, 70);
+    let long = cat(&[&system, &ids(2, 30)]);
+    let other = cat(&[&system, &ids(3, 5)]);
+    let long_out = reference(&path, &long, 120, CTX);
+    assert_eq!(
+        long_out.len(),
+        120,
+        "the long request must still run when the other comes"
+    );
+    let other_out = reference(&path, &other, 10, CTX);
+    for workers in [1, 2] {
+        let c = cluster(&path, workers, |cfg| cfg.parallel = 2).await;
+        let mut long_rx = c.coordinator.submit(greedy(&long, 120)).expect("submit");
+        // Once the first token is out, the long prompt is in its slot's cells.
+        let first = long_rx.recv().await.expect("an event").expect("a token");
+        let (tokens, end) = generate(&c.coordinator, &other, 10).await;
+        end.expect("no error");
+        assert_eq!(tokens, other_out, "{workers} workers");
+        assert_eq!(
+            hits(&c.coordinator),
+            64,
+            "{workers} workers: the 70 shared tokens hold two whole blocks"
+        );
+        let mut rest = vec![match first {
+            GenEvent::Token(t) => t,
+            other => panic!("expected a token, got {other:?}"),
+        }];
+        // Tokens until Done, which ends the loop.
+        while let GenEvent::Token(t) = long_rx.recv().await.expect("an event").expect("no error") {
+            rest.push(t);
+        }
+        assert_eq!(
+            rest, long_out,
+            "{workers} workers: the source goes on untouched"
+        );
+        c.coordinator.shutdown().await;
+        c.workers.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_slot_evicts_and_a_prompt_over_the_context_is_refused() {
+    let dir = TempDir::new("prefix-evict");
+    let path = tiny_model(&dir, 23);
+    let a = ids(1, 50);
+    let b = ids(2, 50);
+    let (a_out, b_out) = (reference(&path, &a, 8, CTX), reference(&path, &b, 8, CTX));
+    let c = cluster(&path, 1, |cfg| cfg.parallel = 1).await;
+    let mut reused = Vec::new();
+    for (prompt, want) in [(&a, &a_out), (&a, &a_out), (&b, &b_out), (&a, &a_out)] {
+        let (tokens, end) = generate(&c.coordinator, prompt, 8).await;
+        end.expect("no error");
+        assert_eq!(&tokens, want);
+        reused.push(hits(&c.coordinator));
+    }
+    // The same prompt again reuses all but its last token; `b` evicts `a`.
+    assert_eq!(reused, vec![0, 49, 49, 49]);
+    let err = c
+        .coordinator
+        .submit(greedy(&ids(3, CTX + 1), 4))
+        .expect_err("a prompt over the context");
+    assert!(matches!(err, GenError::InvalidRequest(_)), "{err:?}");
+    let (_, end) = generate(&c.coordinator, &a, 4).await;
+    assert_eq!(
+        end,
+        Ok(FinishReason::Length),
+        "still serving after the refusal"
+    );
+    c.coordinator.shutdown().await;
+    c.workers.shutdown().await;
+}
