@@ -1,10 +1,11 @@
-//! The API server's connection limits: `--max-connections`, `--header-timeout`,
-//! `--body-timeout`, `--max-body-bytes`.
+//! The API server's connection settings: `--max-connections`, `--header-timeout`,
+//! `--body-timeout`, `--max-body-bytes`, and the origins browsers may call it from
+//! (`--cors`).
 
 use crate::ctl::units::parse_duration;
 use clap::Args;
 use std::time::Duration;
-use tether_coordinator::http::{ConnLimits, DEFAULT_MAX_BODY_BYTES, HttpOptions};
+use tether_coordinator::http::{ConnLimits, CorsOrigin, DEFAULT_MAX_BODY_BYTES, HttpOptions};
 
 /// Descriptors kept free beyond the connection cap: worker channels, model files, logs.
 const SPARE_DESCRIPTORS: u64 = 256;
@@ -26,6 +27,10 @@ pub struct ConnArgs {
     /// Largest request body accepted, in bytes; larger ones get 413 before being read.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
+    /// An origin browsers may call the API from (CORS), e.g. https://app.example.com;
+    /// repeat for more, `*` for any. Without it no CORS headers are sent.
+    #[arg(long = "cors", value_name = "ORIGIN")]
+    pub cors: Vec<CorsOrigin>,
 }
 
 impl ConnArgs {
@@ -51,10 +56,11 @@ impl ConnArgs {
         }
     }
 
-    /// Sets the body limits of `opts`.
+    /// Sets the body limits and CORS origins of `opts`.
     pub fn apply(&self, opts: &mut HttpOptions) {
         opts.max_body_bytes = self.max_body_bytes;
         opts.body_timeout = self.body_timeout;
+        opts.cors = self.cors.clone();
     }
 }
 
@@ -86,7 +92,14 @@ fn raise_descriptor_limit() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
     use tether_coordinator::http::DEFAULT_BODY_TIMEOUT;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        conn: ConnArgs,
+    }
 
     #[test]
     fn defaults_match_the_library() {
@@ -95,5 +108,27 @@ mod tests {
             ConnLimits::default().header_timeout,
             Duration::from_secs(30)
         );
+    }
+
+    #[test]
+    fn cors_origins_repeat_and_bad_ones_are_refused_naming_the_flag() {
+        let cli = Cli::try_parse_from(["t"]).expect("no flags");
+        let mut opts = HttpOptions::default();
+        cli.conn.apply(&mut opts);
+        assert!(opts.cors.is_empty());
+
+        let cli = Cli::try_parse_from(["t", "--cors", "https://a.example", "--cors", "*"])
+            .expect("two origins");
+        cli.conn.apply(&mut opts);
+        assert_eq!(opts.cors.len(), 2);
+        assert_eq!(opts.cors[1], CorsOrigin::Any);
+
+        for bad in ["https://a.example\n", "https://a.example/", ""] {
+            let err = match Cli::try_parse_from(["t", "--cors", bad]) {
+                Ok(_) => panic!("{bad:?} was accepted"),
+                Err(e) => e.to_string(),
+            };
+            assert!(err.contains("--cors"), "{bad:?}: {err}");
+        }
     }
 }

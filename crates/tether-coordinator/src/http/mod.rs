@@ -7,6 +7,7 @@
 
 pub mod admin;
 mod body_deadline;
+pub mod cors;
 mod endpoints;
 pub mod error;
 mod heavy;
@@ -27,6 +28,8 @@ pub(crate) mod test_support;
 mod tests;
 #[cfg(test)]
 mod tests_bias;
+#[cfg(test)]
+mod tests_cors;
 #[cfg(test)]
 mod tests_errors;
 #[cfg(test)]
@@ -49,6 +52,7 @@ use tether_model::tokenizer::Tokenizer;
 
 use crate::api::{Generation, Health, ModelInfo};
 pub use body_deadline::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES};
+pub use cors::CorsOrigin;
 pub use error::ApiError;
 use heavy::HeavyWork;
 pub use heavy::default_max_heavy_requests;
@@ -78,6 +82,8 @@ pub struct HttpOptions {
     pub max_body_bytes: usize,
     /// Time a client has to send its whole request body; slower ones get 408.
     pub body_timeout: Duration,
+    /// Origins browsers may call the API from (CORS); empty sends no CORS headers.
+    pub cors: Vec<CorsOrigin>,
 }
 
 impl Default for HttpOptions {
@@ -92,6 +98,7 @@ impl Default for HttpOptions {
             max_heavy_requests: heavy::default_max_heavy_requests(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             body_timeout: DEFAULT_BODY_TIMEOUT,
+            cors: Vec::new(),
         }
     }
 }
@@ -128,6 +135,7 @@ pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
     let template = ChatTemplate::for_model(&model, &tokenizer, opts.template_budget);
     let model_id = opts.model_id.clone().unwrap_or_else(|| model.id.clone());
     let heavy = HeavyWork::new(opts.max_heavy_requests);
+    let cors = cors::layer(&opts.cors);
     let state = Arc::new(AppState {
         engine,
         opts,
@@ -155,16 +163,22 @@ pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
         ))
         // The body was read under our own limit above.
         .layer(axum::extract::DefaultBodyLimit::disable());
-    Router::new()
+    let app = Router::new()
         .merge(v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
-        .fallback(not_found)
-        .layer(middleware::from_fn_with_state(
-            Arc::clone(&state),
-            count_requests,
-        ))
-        .with_state(state)
+        .fallback(not_found);
+    // Outside the key check, so preflights pass without a key; inside the counting, so
+    // they are counted like any request.
+    let app = match cors {
+        Some(cors) => app.layer(cors),
+        None => app,
+    };
+    app.layer(middleware::from_fn_with_state(
+        Arc::clone(&state),
+        count_requests,
+    ))
+    .with_state(state)
 }
 
 /// Serves `router` on `listener` under `limits` until `shutdown` completes, then lets
