@@ -160,6 +160,9 @@ impl Setup {
             cache_k: args.cache.k(),
             cache_v: args.cache.v(),
             client: ClientOptions::with_token(workers.token().clone()),
+            // Every repetition sends the same prompt: a cached prefix would skip the
+            // prefill this bench measures.
+            prefix_cache: false,
             ..CoordinatorConfig::new(model, workers.addrs())
         };
         config.load.data_links = !args.grpc_forward;
