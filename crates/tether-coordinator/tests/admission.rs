@@ -78,7 +78,10 @@ async fn max_tokens_and_a_full_context_end_with_length() {
         completion_tokens: 16 - 4 + 1,
     };
     assert_eq!((tokens.len(), end), (13, Some(Ok(want))));
-    assert_eq!(e.stats().prompt_tokens, 8);
+    // The second prompt's first three tokens come from the first one's cells (prefix
+    // caching); its last token still runs to give the first token's logits.
+    assert_eq!(e.stats().prefix_hit_tokens, 3);
+    assert_eq!(e.stats().prompt_tokens, 8 - 3);
     assert_eq!(e.stats().generated_tokens, 16);
     c.coordinator.shutdown().await;
     c.workers.shutdown().await;
