@@ -54,20 +54,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, dst: &mut CudaBuffer, offset: usize, src: &[u8]) -> Result<()> {
-        if dst.packed {
-            return Err(shape_err(
-                "upload",
-                "the buffer holds a finished weight in the packed layout; it cannot be written again".to_string(),
-            ));
-        }
-        self.wrote();
-        need(
-            "upload",
-            "destination buffer",
-            dst.bytes(),
-            offset.checked_add(src.len()),
-        )?;
-        let at = self.addr("upload", "destination buffer", dst)? + offset as u64;
+        let at = self.upload_target(dst, offset, src.len())?;
         if src.is_empty() {
             return Ok(());
         }
@@ -96,20 +83,7 @@ impl Backend for CudaBackend {
         if self.device.recording_here() {
             return self.upload(dst, offset, src);
         }
-        if dst.packed {
-            return Err(shape_err(
-                "upload",
-                "the buffer holds a finished weight in the packed layout; it cannot be written again".to_string(),
-            ));
-        }
-        self.wrote();
-        need(
-            "upload",
-            "destination buffer",
-            dst.bytes(),
-            offset.checked_add(src.len()),
-        )?;
-        let at = self.addr("upload", "destination buffer", dst)? + offset as u64;
+        let at = self.upload_target(dst, offset, src.len())?;
         uploads.copy(at, src)
     }
 
@@ -587,5 +561,26 @@ impl Backend for CudaBackend {
         out: &mut [Vec<(u32, f32)>],
     ) -> Result<()> {
         self.top_on_device(x, n, k, scratch, out)
+    }
+}
+
+impl CudaBackend {
+    /// The device address `offset` bytes into `dst` where `len` bytes may be written, after
+    /// the checks every upload path shares (not a packed weight, inside the buffer).
+    fn upload_target(&self, dst: &CudaBuffer, offset: usize, len: usize) -> Result<u64> {
+        if dst.packed {
+            return Err(shape_err(
+                "upload",
+                "the buffer holds a finished weight in the packed layout; it cannot be written again".to_string(),
+            ));
+        }
+        self.wrote();
+        need(
+            "upload",
+            "destination buffer",
+            dst.bytes(),
+            offset.checked_add(len),
+        )?;
+        Ok(self.addr("upload", "destination buffer", dst)? + offset as u64)
     }
 }
