@@ -13,6 +13,8 @@ mod vocab;
 mod oracle_tests;
 #[cfg(test)]
 mod pipeline_tests;
+#[cfg(test)]
+mod pretokenize_reference_tests;
 
 use std::collections::{HashMap, HashSet};
 
@@ -224,7 +226,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             add_bos: vocab
                 .add_bos
-                .unwrap_or(is_spm || pre_kind == PreTokenizerKind::Llama3),
+                .unwrap_or(is_spm || pre_kind.adds_bos_by_default()),
             add_eos: vocab.add_eos.unwrap_or(false),
             add_space_prefix: is_spm && vocab.add_space_prefix.unwrap_or(true),
             engine,
@@ -303,7 +305,7 @@ impl Tokenizer {
                     token_to_id: &self.token_to_id,
                     ranks,
                     byte_chars,
-                    ignore_merges: pre.kind() == PreTokenizerKind::Llama3,
+                    ignore_merges: pre.kind().ignores_merges(),
                     unknown: self.unknown,
                 };
                 let mut scratch = String::new();

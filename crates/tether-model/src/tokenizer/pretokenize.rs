@@ -1,5 +1,8 @@
-//! Splitting text into words before byte-level BPE, with the regex each model family uses
-//! (chosen by `tokenizer.ggml.pre`).
+//! Splitting text into words before byte-level BPE, with the regexes each model family uses
+//! (chosen by `tokenizer.ggml.pre`). Most families split with one regex; DeepSeek's published
+//! pre-tokenizers are a sequence of splits, each applied to the words the previous one made
+//! (Hugging Face's `Split` with `Isolated` behaviour: matches and the text between them both
+//! become words).
 
 use fancy_regex::Regex;
 
@@ -15,6 +18,42 @@ const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])
 /// Qwen2's split: as Llama 3 but every digit is a word of its own.
 const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Mistral's tekken (Mistral Nemo): words split where lower case turns to upper case, no
+/// contractions, single digits, and `/` may trail a punctuation run.
+const TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// DeepSeek LLM (7B/67B): newlines alone; an optional space + a run of cased letters (the
+/// published class lists Latin, Greek, Cyrillic, Armenian, Georgian, Cherokee, Glagolitic,
+/// Coptic, Deseret, Osage, Old Hungarian, Warang Citi and Adlam ranges); an optional space +
+/// ASCII or full-width punctuation; trailing whitespace; CJK and Hangul runs; single digits
+/// (the tokenizer's `Digits` step with `individual_digits`).
+const DEEPSEEK_LLM: &[&str] = &[
+    r"[\r\n]",
+    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}",
+];
+
+/// DeepSeek Coder: newlines alone, an optional space + letters, an optional space +
+/// punctuation, CJK and Hangul runs, single digits.
+const DEEPSEEK_CODER: &[&str] = &[
+    r"[\r\n]",
+    r"\s?\p{L}+",
+    r"\s?\p{P}+",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}",
+];
+
+/// DeepSeek V3 (and R1): digits in groups of at most three, CJK and kana runs, then a
+/// Llama 3-like split where ASCII punctuation may lead an ASCII word and marks join letters.
+const DEEPSEEK_V3: &[&str] = &[
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##,
+];
+
 /// The pre-tokenizer regex families this crate knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreTokenizerKind {
@@ -22,18 +61,31 @@ pub enum PreTokenizerKind {
     Gpt2,
     /// Llama 3's regex (`llama-bpe`, `llama3`, `llama-v3`); also skips merges for whole-word tokens.
     Llama3,
-    /// Qwen2's regex (`qwen2`).
+    /// Qwen2's regex (`qwen2`, and `deepseek-r1-qwen` of the Qwen-based R1 distills).
     Qwen2,
+    /// Mistral's tekken (`tekken`, Mistral Nemo); also skips merges for whole-word tokens.
+    Tekken,
+    /// DeepSeek LLM's split sequence (`deepseek-llm`).
+    DeepseekLlm,
+    /// DeepSeek Coder's split sequence (`deepseek-coder`).
+    DeepseekCoder,
+    /// DeepSeek V3's split sequence (`deepseek-v3`, also DeepSeek R1).
+    DeepseekV3,
 }
 
 impl PreTokenizerKind {
     /// The family for a `tokenizer.ggml.pre` value. Names this crate does not know use GPT-2's
     /// regex, which is right for many older BPE models and close for most others; the original
-    /// name stays available from `Tokenizer::pre_tokenizer` so callers can warn.
+    /// name stays available from `Tokenizer::pre_tokenizer` so callers can warn. The Llama-based
+    /// DeepSeek R1 distills carry `llama-bpe`, so they need no name of their own.
     pub fn from_name(name: &str) -> PreTokenizerKind {
         match name {
             "llama-bpe" | "llama3" | "llama-v3" => PreTokenizerKind::Llama3,
-            "qwen2" => PreTokenizerKind::Qwen2,
+            "qwen2" | "deepseek-r1-qwen" => PreTokenizerKind::Qwen2,
+            "tekken" => PreTokenizerKind::Tekken,
+            "deepseek-llm" => PreTokenizerKind::DeepseekLlm,
+            "deepseek-coder" => PreTokenizerKind::DeepseekCoder,
+            "deepseek-v3" => PreTokenizerKind::DeepseekV3,
             _ => PreTokenizerKind::Gpt2,
         }
     }
@@ -41,17 +93,31 @@ impl PreTokenizerKind {
     /// Whether `name` is a `tokenizer.ggml.pre` value this crate splits as its model does
     /// (the names [`Self::from_name`] lists, and GPT-2's own).
     pub fn is_known(name: &str) -> bool {
-        matches!(
-            name,
-            "default" | "gpt2" | "gpt-2" | "llama-bpe" | "llama3" | "llama-v3" | "qwen2"
-        )
+        matches!(name, "default" | "gpt2" | "gpt-2")
+            || PreTokenizerKind::from_name(name) != PreTokenizerKind::Gpt2
     }
 
-    fn pattern(self) -> &'static str {
+    /// Whether a word that is itself a vocabulary token is taken whole instead of merged
+    /// (what the Llama 3 and tekken tokenizers do).
+    pub fn ignores_merges(self) -> bool {
+        matches!(self, PreTokenizerKind::Llama3 | PreTokenizerKind::Tekken)
+    }
+
+    /// Whether the family adds BOS when the file does not say.
+    pub fn adds_bos_by_default(self) -> bool {
+        matches!(self, PreTokenizerKind::Llama3 | PreTokenizerKind::Tekken)
+    }
+
+    /// The regexes applied one after another; each splits every word the previous made.
+    pub fn patterns(self) -> &'static [&'static str] {
         match self {
-            PreTokenizerKind::Gpt2 => GPT2,
-            PreTokenizerKind::Llama3 => LLAMA3,
-            PreTokenizerKind::Qwen2 => QWEN2,
+            PreTokenizerKind::Gpt2 => &[GPT2],
+            PreTokenizerKind::Llama3 => &[LLAMA3],
+            PreTokenizerKind::Qwen2 => &[QWEN2],
+            PreTokenizerKind::Tekken => &[TEKKEN],
+            PreTokenizerKind::DeepseekLlm => DEEPSEEK_LLM,
+            PreTokenizerKind::DeepseekCoder => DEEPSEEK_CODER,
+            PreTokenizerKind::DeepseekV3 => DEEPSEEK_V3,
         }
     }
 }
@@ -59,17 +125,23 @@ impl PreTokenizerKind {
 /// A compiled pre-tokenizer.
 pub(super) struct PreTokenizer {
     kind: PreTokenizerKind,
-    regex: Regex,
+    steps: Vec<Regex>,
 }
 
 impl PreTokenizer {
-    /// Compiles the regex for `kind`.
+    /// Compiles the regexes for `kind`.
     pub fn new(kind: PreTokenizerKind) -> Result<PreTokenizer, TokenizerError> {
-        let regex = Regex::new(kind.pattern()).map_err(|e| TokenizerError::Regex {
-            kind: format!("{kind:?}"),
-            reason: e.to_string(),
-        })?;
-        Ok(PreTokenizer { kind, regex })
+        let steps = kind
+            .patterns()
+            .iter()
+            .map(|pattern| {
+                Regex::new(pattern).map_err(|e| TokenizerError::Regex {
+                    kind: format!("{kind:?}"),
+                    reason: e.to_string(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(PreTokenizer { kind, steps })
     }
 
     /// The regex family.
@@ -78,24 +150,43 @@ impl PreTokenizer {
     }
 
     /// Calls `emit` with each word of `text`, in order; the words concatenate back to `text`.
-    /// Text the regex does not match (none for these patterns, but kept for safety) is emitted
-    /// as a word of its own; if the regex engine gives up (backtrack limit), the rest of the
-    /// text becomes one word rather than being lost.
     pub fn split<'t>(&self, text: &'t str, mut emit: impl FnMut(&'t str)) {
-        let mut covered = 0;
-        for found in self.regex.find_iter(text) {
-            let Ok(m) = found else { break };
-            if m.start() > covered {
-                emit(&text[covered..m.start()]);
+        match self.steps.as_slice() {
+            [only] => split_one(only, text, &mut emit),
+            [first, rest @ ..] => {
+                let mut words = Vec::new();
+                split_one(first, text, &mut |w| words.push(w));
+                for step in rest {
+                    let mut next = Vec::with_capacity(words.len());
+                    for word in words {
+                        split_one(step, word, &mut |w| next.push(w));
+                    }
+                    words = next;
+                }
+                words.into_iter().for_each(emit);
             }
-            if m.end() > m.start() {
-                emit(m.as_str());
-            }
-            covered = m.end();
+            [] => emit(text),
         }
-        if covered < text.len() {
-            emit(&text[covered..]);
+    }
+}
+
+/// One split: each match is a word, and so is the text between matches (none for the
+/// single-regex families, whose patterns match everything). If the regex engine gives up
+/// (backtrack limit), the rest of the text becomes one word rather than being lost.
+fn split_one<'t>(regex: &Regex, text: &'t str, emit: &mut impl FnMut(&'t str)) {
+    let mut covered = 0;
+    for found in regex.find_iter(text) {
+        let Ok(m) = found else { break };
+        if m.start() > covered {
+            emit(&text[covered..m.start()]);
         }
+        if m.end() > m.start() {
+            emit(m.as_str());
+        }
+        covered = m.end();
+    }
+    if covered < text.len() {
+        emit(&text[covered..]);
     }
 }
 
@@ -137,6 +228,43 @@ mod tests {
             words(PreTokenizerKind::Qwen2, "a 123"),
             ["a", " ", "1", "2", "3"]
         );
+    }
+
+    #[test]
+    fn tekken_splits_at_case_changes_and_single_digits() {
+        assert_eq!(
+            words(PreTokenizerKind::Tekken, "HelloWorld 12"),
+            ["Hello", "World", " ", "1", "2"]
+        );
+    }
+
+    #[test]
+    fn deepseek_sequences_split_each_word_again() {
+        assert_eq!(
+            words(PreTokenizerKind::DeepseekCoder, "ab12 cd"),
+            ["ab", "1", "2", " cd"]
+        );
+        assert_eq!(
+            words(PreTokenizerKind::DeepseekV3, "abc 12345"),
+            ["abc", " ", "123", "45"]
+        );
+    }
+
+    #[test]
+    fn deepseek_and_mistral_names_are_known() {
+        for (name, kind) in [
+            ("deepseek-llm", PreTokenizerKind::DeepseekLlm),
+            ("deepseek-coder", PreTokenizerKind::DeepseekCoder),
+            ("deepseek-v3", PreTokenizerKind::DeepseekV3),
+            ("deepseek-r1-qwen", PreTokenizerKind::Qwen2),
+            ("tekken", PreTokenizerKind::Tekken),
+        ] {
+            assert_eq!(PreTokenizerKind::from_name(name), kind, "{name}");
+            assert!(PreTokenizerKind::is_known(name), "{name}");
+        }
+        assert!(!PreTokenizerKind::is_known("some-new-model"));
+        assert!(PreTokenizerKind::Tekken.ignores_merges());
+        assert!(!PreTokenizerKind::DeepseekV3.ignores_merges());
     }
 
     #[test]
