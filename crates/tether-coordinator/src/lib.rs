@@ -7,6 +7,7 @@ pub mod discovery;
 mod discovery_tests;
 pub mod engine;
 pub mod http;
+pub mod lifecycle;
 pub mod load;
 pub mod load_report;
 mod loss;
@@ -20,6 +21,7 @@ mod stage_call;
 
 pub use discovery::WorkerDns;
 pub use engine::{Coordinator, CoordinatorConfig, CoordinatorError};
+pub use lifecycle::{ModelChangeError, ModelChangeReport, ModelLoad};
 pub use load_report::{LoadReport, WorkerLoad};
 pub use model_file::ModelFile;
 pub use placement::{Plan, place};

@@ -2,29 +2,41 @@
 //! step's batch of every active sequence through the workers (cut into groups of sequences
 //! that are in flight on different workers at once), samples, and reports. When a
 //! worker's session ends it fails the in-flight requests, closes the other sessions and
-//! loads again in the background over the workers that answer.
+//! loads again in the background over the workers that answer. A model replaced through
+//! the admin API is swapped at a step boundary ([`replace`]).
+
+mod pipeline;
+pub(crate) mod replace;
 
 use crate::api::{FinishReason, GenError, GenEvent, GenRequest, Health};
 use crate::engine::Setup;
-use crate::load::{LoadedModel, LoadedStage};
+use crate::load::LoadedModel;
 use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
 use crate::prefix::{CellCopy, PrefixCache, copy_cells, slot_uses};
-use crate::sequence::{Batch, Events, Next, Sequence, build_step, split_batch};
-use crate::stage_call;
+use crate::sequence::{Batch, Next, Sequence, build_step, split_batch};
+use pipeline::{RowsOut, clear_slots, rows_wanted, run_pipeline, truncate_slots};
+use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tether_model::Sampler;
-use tether_protocol::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 /// A request accepted by `submit`, waiting for a slot.
 pub(crate) struct Admitted {
     pub req: GenRequest,
-    pub events: Events,
+    pub events: crate::sequence::Events,
+    /// The model epoch it was admitted for.
+    pub epoch: u64,
+}
+
+/// What the front sends the scheduler: requests, and model replacements.
+pub(crate) struct Inbox {
+    pub requests: mpsc::Receiver<Admitted>,
+    pub control: mpsc::Receiver<Replace>,
 }
 
 /// What the engine's front and the scheduler share.
@@ -57,7 +69,7 @@ impl Shared {
             .clone()
     }
 
-    fn set_health(&self, health: Health) {
+    pub fn set_health(&self, health: Health) {
         *self.health.lock().unwrap_or_else(|e| e.into_inner()) = health;
     }
 
@@ -70,6 +82,16 @@ impl Shared {
 enum Ended {
     Stopped,
     Lost(Loss),
+    /// Retired for a replacement; the old sessions are closed.
+    Replaced(Replace),
+}
+
+/// What the scheduler does next.
+enum Step {
+    Serve(LoadedModel),
+    Recover(Loss),
+    /// No model is loaded (unloaded through the admin API).
+    Idle,
 }
 
 /// The scheduler's state.
@@ -80,6 +102,15 @@ pub(crate) struct Scheduler {
     pub model: Arc<ModelFile>,
     pub setup: Setup,
     pub retry_every: Duration,
+    /// Replacements from the front.
+    control: mpsc::Receiver<Replace>,
+    /// The epoch of the model served (or last served).
+    epoch: u64,
+    /// How long a retired model's requests may run on before they are ended.
+    grace: Duration,
+    /// The first request for the next model, waiting for the switch.
+    held: Option<Admitted>,
+    retiring: Option<Retiring>,
     slots: Vec<Option<Sequence>>,
     to_clear: Vec<u32>,
     /// `(slot, cells to keep)` of sequences whose context was shifted.
@@ -94,12 +125,14 @@ pub(crate) struct Scheduler {
 impl Scheduler {
     pub fn new(
         shared: Arc<Shared>,
-        requests: mpsc::Receiver<Admitted>,
+        inbox: Inbox,
         stop: CancellationToken,
         model: Arc<ModelFile>,
         setup: Setup,
         retry_every: Duration,
+        grace: Duration,
     ) -> Self {
+        let Inbox { requests, control } = inbox;
         let n_seq = setup.shape.n_seq;
         let prefix = setup.prefix_cache.then(|| PrefixCache::new(n_seq));
         Self {
@@ -109,6 +142,11 @@ impl Scheduler {
             model,
             setup,
             retry_every,
+            control,
+            epoch: 0,
+            grace,
+            held: None,
+            retiring: None,
             slots: (0..n_seq).map(|_| None).collect(),
             to_clear: Vec::new(),
             to_truncate: Vec::new(),
@@ -121,25 +159,41 @@ impl Scheduler {
     /// Serves until stopped, loading again whenever a worker is lost or the worker list
     /// changes. `first` is the first load, or why it failed (then loading is retried).
     pub async fn run(mut self, first: Result<LoadedModel, Loss>) {
-        let mut loaded = first;
+        let mut step = match first {
+            Ok(model) => Step::Serve(model),
+            Err(reason) => Step::Recover(reason),
+        };
         loop {
-            let reason = match loaded {
-                Ok(model) => match self.serve(model).await {
+            let replace = match step {
+                Step::Serve(model) => match self.serve(model).await {
                     Ended::Stopped => break,
-                    Ended::Lost(reason) => reason,
+                    Ended::Lost(reason) => {
+                        step = Step::Recover(reason);
+                        continue;
+                    }
+                    Ended::Replaced(r) => r,
                 },
-                Err(reason) => reason,
+                Step::Recover(reason) => match self.recover(reason).await {
+                    Ok(Some(m)) => {
+                        step = Step::Serve(m);
+                        continue;
+                    }
+                    Ok(None) => break,
+                    Err(r) => r,
+                },
+                Step::Idle => match self.idle().await {
+                    Some(r) => r,
+                    None => break,
+                },
             };
-            match self.recover(reason).await {
-                Some(m) => loaded = Ok(m),
-                None => break,
-            }
+            step = self.switch(replace).map_or(Step::Idle, Step::Serve);
         }
         let reason = "the coordinator has shut down";
         self.shared
             .set_health(Health::Unavailable(reason.to_string()));
         self.requests.close();
-        while let Ok(a) = self.requests.try_recv() {
+        let mut held = self.held.take();
+        while let Some(a) = held.take().or_else(|| self.requests.try_recv().ok()) {
             let _ = a
                 .events
                 .try_send(Err(GenError::Unavailable(reason.to_string())));
@@ -187,7 +241,7 @@ impl Scheduler {
 
     /// Gives a request a free slot, or ends it at once when there is nothing to do.
     fn start(&mut self, a: Admitted) {
-        let Admitted { req, events } = a;
+        let Admitted { req, events, .. } = a;
         if req.deadline.is_some_and(|d| Instant::now() >= d) {
             let _ = events.try_send(Err(GenError::Timeout(
                 "the deadline passed while the request was queued".into(),
@@ -246,9 +300,13 @@ impl Scheduler {
     }
 
     fn admit(&mut self) {
-        while self.slots.iter().any(Option::is_none) {
+        let epoch = self.epoch;
+        if let Some(a) = self.held.take_if(|a| a.epoch == epoch) {
+            self.start(a);
+        }
+        while self.held.is_none() && self.slots.iter().any(Option::is_none) {
             match self.requests.try_recv() {
-                Ok(a) => self.start(a),
+                Ok(a) => self.take_in(a),
                 Err(_) => break,
             }
         }
@@ -275,6 +333,9 @@ impl Scheduler {
         let stages = loaded.stages.clone();
         let stop = self.stop.clone();
         let ended = loop {
+            while let Ok(replace) = self.control.try_recv() {
+                self.begin_retire(replace);
+            }
             self.reap();
             if let Err(reason) = truncate_slots(&stages, &mut self.to_truncate).await {
                 break Ended::Lost(reason);
@@ -283,13 +344,19 @@ impl Scheduler {
                 break Ended::Lost(reason);
             }
             self.admit();
+            if self.retired()
+                && let Some(retiring) = self.retiring.take()
+            {
+                break Ended::Replaced(retiring.replace);
+            }
             if self.active() == 0 {
                 tokio::select! {
                     () = stop.cancelled() => break Ended::Stopped,
                     reason = loaded.lost() => break Ended::Lost(Loss::SessionEnded(reason)),
                     reason = self.setup.workers_changed() => break Ended::Lost(Loss::WorkersChanged(reason)),
-                    next = self.requests.recv() => match next {
-                        Some(a) => self.start(a),
+                    Some(replace) = self.control.recv() => self.begin_retire(replace),
+                    next = self.requests.recv(), if self.held.is_none() => match next {
+                        Some(a) => self.take_in(a),
                         None => break Ended::Stopped,
                     },
                 }
@@ -330,11 +397,20 @@ impl Scheduler {
                 break Ended::Lost(loaded.lost_reason().map_or(reason, Loss::SessionEnded));
             }
         };
+        // A model being retired is not loaded again when it is lost meanwhile; stopping
+        // while retiring drops the replacement, which the front hears of.
+        let ended = match (self.retiring.take(), ended) {
+            (Some(retiring), Ended::Lost(_)) => Ended::Replaced(retiring.replace),
+            (_, ended) => ended,
+        };
         let reason = match &ended {
             Ended::Stopped => "the coordinator is shutting down".to_string(),
             Ended::Lost(r) => format!("{r}; the model is not served until it is loaded again"),
+            Ended::Replaced(_) => "the model was replaced or unloaded".to_string(),
         };
-        self.shared.set_health(Health::Unavailable(reason.clone()));
+        if !matches!(ended, Ended::Replaced(_)) {
+            self.shared.set_health(Health::Unavailable(reason.clone()));
+        }
         self.fail_all(&GenError::Unavailable(reason));
         loaded.close().await;
         ended
@@ -422,7 +498,8 @@ impl Scheduler {
 
     /// Loads again every `retry_every` until it works or the coordinator stops; requests
     /// meanwhile are refused.
-    async fn recover(&mut self, reason: Loss) -> Option<LoadedModel> {
+    /// `Err` carries a replacement that came meanwhile (the lost model is not loaded again).
+    async fn recover(&mut self, reason: Loss) -> Result<Option<LoadedModel>, Replace> {
         let stop = self.stop.clone();
         let every = self.retry_every;
         loop {
@@ -430,19 +507,21 @@ impl Scheduler {
             tokio::pin!(wait);
             loop {
                 tokio::select! {
-                    () = stop.cancelled() => return None,
+                    () = stop.cancelled() => return Ok(None),
                     () = &mut wait => break,
-                    next = self.requests.recv() => match next {
+                    Some(replace) = self.control.recv() => return Err(replace),
+                    next = self.requests.recv(), if self.held.is_none() => match next {
+                        Some(a) if a.epoch > self.epoch => self.held = Some(a),
                         Some(a) => {
                             let _ = a.events.try_send(Err(GenError::Unavailable(self.shared.health_text())));
                         }
-                        None => return None,
+                        None => return Ok(None),
                     },
                 }
             }
             tracing::info!("loading the model again after: {reason}");
             let attempt = tokio::select! {
-                () = stop.cancelled() => return None,
+                () = stop.cancelled() => return Ok(None),
                 r = self.setup.connect_and_load(&self.model, false) => r,
             };
             match attempt {
@@ -450,7 +529,7 @@ impl Scheduler {
                     tracing::info!("model loaded again:\n{plan}");
                     *self.shared.plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan);
                     self.shared.set_health(Health::Ready);
-                    return Some(loaded);
+                    return Ok(Some(loaded));
                 }
                 Err(e) => {
                     tracing::warn!("loading again failed: {e}");
@@ -471,139 +550,4 @@ impl Shared {
             Health::Unavailable(why) => why,
         }
     }
-}
-
-/// Forgets the KV cells of freed slots on every worker.
-async fn clear_slots(stages: &[LoadedStage], slots: &mut Vec<u32>) -> Result<(), Loss> {
-    for seq in slots.drain(..) {
-        for st in stages {
-            st.client
-                .kv_clear(st.session, seq)
-                .await
-                .map_err(Loss::Call)?;
-        }
-    }
-    Ok(())
-}
-
-/// Forgets the cells of shifted sequences past their kept prefix on every worker.
-async fn truncate_slots(stages: &[LoadedStage], slots: &mut Vec<(u32, usize)>) -> Result<(), Loss> {
-    for (seq, keep) in slots.drain(..) {
-        let keep = u32::try_from(keep)
-            .map_err(|_| Loss::Internal(format!("{keep} cells do not fit a u32")))?;
-        for st in stages {
-            st.client
-                .kv_truncate(st.session, seq, keep)
-                .await
-                .map_err(Loss::Call)?;
-        }
-    }
-    Ok(())
-}
-
-/// What the last worker returned for a batch's logits rows.
-enum RowsOut {
-    /// `[rows][n_vocab]`, for the sequences' samplers.
-    Logits(Vec<f32>),
-    /// One greedy token per row.
-    ArgMax(Vec<u32>),
-    /// Row r's most likely candidates are `candidates[starts[r]..starts[r + 1]]`.
-    Top {
-        starts: Vec<usize>,
-        candidates: Vec<(u32, f32)>,
-    },
-}
-
-/// What the last worker should return for `batch`'s logits rows: arg-max tokens when every
-/// row samples greedily, the top k candidates when every row's sampler needs no more than
-/// its k most likely tokens (k the largest of them), else every logit. A 128k vocabulary's
-/// logits are 512 KiB a row on the network; 40 candidates are 320 bytes.
-fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
-    if batch.logits_rows.is_empty() {
-        return Rows::Logits;
-    }
-    let samplers = || batch.sample_for.iter().map(|&i| slots[i].as_ref());
-    if samplers().all(|s| s.is_some_and(|s| s.sampler.is_greedy())) {
-        return Rows::ArgMax;
-    }
-    let mut k = 0;
-    for s in samplers() {
-        match s.and_then(|s| s.sampler.candidates_needed(&s.tokens)) {
-            Some(n) if n as u64 <= u64::from(MAX_TOP_K) => k = k.max(n as u32),
-            _ => return Rows::Logits,
-        }
-    }
-    Rows::Top(k.max(1))
-}
-
-/// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
-/// groups in order (a later group of a sequence needs the cells of an earlier one) and
-/// passes each on as soon as it is done, so group k+1 runs on one worker while group k
-/// runs on the next. Returns what each group's logits rows asked for, in order.
-async fn run_pipeline(stages: &[LoadedStage], groups: &[Batch]) -> Result<Vec<RowsOut>, Loss> {
-    let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
-    let mut workers = Vec::with_capacity(stages.len());
-    let last = stages.len().saturating_sub(1);
-    let alone = groups.len() == 1;
-    for (i, st) in stages.iter().enumerate() {
-        let (tx, next) = mpsc::unbounded_channel();
-        let mut input = std::mem::replace(&mut rx, next);
-        workers.push(async move {
-            let mut logits = Vec::new();
-            while let Some((k, x)) = input.recv().await {
-                let b = &groups[k];
-                let rows: &[u32] = if i == last { &b.logits_rows } else { &[] };
-                let want = if i == last { b.rows } else { Rows::Logits };
-                let out = stage_call::forward(st, &b.tokens, x, rows, want, alone)
-                    .await
-                    .map_err(Loss::Call)?;
-                match out {
-                    ForwardOutput::Hidden(h) if i < last => {
-                        // The next worker gone means another worker failed; its error wins.
-                        let _ = tx.send((k, ForwardInput::Hidden(h)));
-                    }
-                    ForwardOutput::Logits(l) if i == last && want == Rows::Logits => {
-                        logits.push(RowsOut::Logits(l))
-                    }
-                    ForwardOutput::ArgMax(t) if i == last && want == Rows::ArgMax => {
-                        logits.push(RowsOut::ArgMax(t))
-                    }
-                    ForwardOutput::Top { counts, candidates }
-                        if i == last && matches!(want, Rows::Top(_)) =>
-                    {
-                        let mut starts = Vec::with_capacity(counts.len() + 1);
-                        starts.push(0);
-                        for c in counts {
-                            starts.push(starts[starts.len() - 1] + c as usize);
-                        }
-                        logits.push(RowsOut::Top { starts, candidates })
-                    }
-                    ForwardOutput::Hidden(_) if rows.is_empty() => {
-                        logits.push(RowsOut::Logits(Vec::new()))
-                    }
-                    _ => {
-                        return Err(Loss::BadReply(format!(
-                            "worker {} returned the wrong kind of output",
-                            st.client.addr()
-                        )));
-                    }
-                }
-            }
-            Ok::<_, Loss>(logits)
-        });
-    }
-    for (k, b) in groups.iter().enumerate() {
-        let _ = first.send((k, ForwardInput::TokenIds(b.ids.clone())));
-    }
-    drop(first);
-    let mut outputs = futures::future::try_join_all(workers).await?;
-    let logits = outputs.pop().unwrap_or_default();
-    if logits.len() != groups.len() {
-        return Err(Loss::Internal(format!(
-            "the pipeline returned logits for {} of {} groups",
-            logits.len(),
-            groups.len()
-        )));
-    }
-    Ok(logits)
 }

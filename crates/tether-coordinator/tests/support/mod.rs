@@ -153,6 +153,7 @@ pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenRequest {
         sampling: SamplingParams::greedy(),
         deadline: None,
         stop_tokens: Vec::new(),
+        model_epoch: None,
     }
 }
 
