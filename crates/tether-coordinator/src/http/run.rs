@@ -61,7 +61,6 @@ impl Run {
             sampling: prepared.sampling,
             deadline: Some(deadline),
             stop_tokens: prepared.stop_tokens,
-            model_epoch: Some(state.epoch),
         })?;
         Ok(Run {
             events: Some(events),

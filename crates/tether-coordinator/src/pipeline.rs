@@ -1,0 +1,208 @@
+//! Moving batches through the workers in layer order: one step's groups at once
+//! ([`run_pipeline`]), or a stream of lanes' batches through stage loops that stay up while
+//! a model serves ([`stage_loops`]). Both pass a batch over one worker the same way
+//! ([`pass`]).
+
+use crate::load::LoadedStage;
+use crate::loss::Loss;
+use crate::sequence::{Batch, Sequence};
+use crate::stage_call;
+use std::future::Future;
+use std::sync::Arc;
+use tether_protocol::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
+use tokio::sync::mpsc;
+
+/// What the last worker returned for a batch's logits rows.
+pub(crate) enum RowsOut {
+    /// `[rows][n_vocab]`, for the sequences' samplers.
+    Logits(Vec<f32>),
+    /// One greedy token per row.
+    ArgMax(Vec<u32>),
+    /// Row r's most likely candidates are `candidates[starts[r]..starts[r + 1]]`.
+    Top {
+        starts: Vec<usize>,
+        candidates: Vec<(u32, f32)>,
+    },
+}
+
+/// What the last worker should return for `batch`'s logits rows: arg-max tokens when every
+/// row samples greedily, the top k candidates when every row's sampler needs no more than
+/// its k most likely tokens (k the largest of them), else every logit. A 128k vocabulary's
+/// logits are 512 KiB a row on the network; 40 candidates are 320 bytes.
+pub(crate) fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
+    if batch.logits_rows.is_empty() {
+        return Rows::Logits;
+    }
+    let samplers = || batch.sample_for.iter().map(|&i| slots[i].as_ref());
+    if samplers().all(|s| s.is_some_and(|s| s.sampler.is_greedy())) {
+        return Rows::ArgMax;
+    }
+    let mut k = 0;
+    for s in samplers() {
+        match s.and_then(|s| s.sampler.candidates_needed(&s.tokens)) {
+            Some(n) if n as u64 <= u64::from(MAX_TOP_K) => k = k.max(n as u32),
+            _ => return Rows::Logits,
+        }
+    }
+    Rows::Top(k.max(1))
+}
+
+/// A batch after one worker: the next worker's input, or (after the last) its rows.
+enum Passed {
+    Next(ForwardInput),
+    Rows(RowsOut),
+}
+
+/// Runs `b` over worker `i` of `stages` with input `x`; `alone` as [`stage_call::forward`].
+async fn pass(
+    stages: &[LoadedStage],
+    i: usize,
+    b: &Batch,
+    x: ForwardInput,
+    alone: bool,
+) -> Result<Passed, Loss> {
+    let st = &stages[i];
+    let last = i + 1 == stages.len();
+    let rows: &[u32] = if last { &b.logits_rows } else { &[] };
+    let want = if last { b.rows } else { Rows::Logits };
+    let out = stage_call::forward(st, &b.tokens, x, rows, want, alone)
+        .await
+        .map_err(Loss::Call)?;
+    Ok(match out {
+        ForwardOutput::Hidden(h) if !last => Passed::Next(ForwardInput::Hidden(h)),
+        ForwardOutput::Logits(l) if last && want == Rows::Logits => {
+            Passed::Rows(RowsOut::Logits(l))
+        }
+        ForwardOutput::ArgMax(t) if last && want == Rows::ArgMax => {
+            Passed::Rows(RowsOut::ArgMax(t))
+        }
+        ForwardOutput::Top { counts, candidates } if last && matches!(want, Rows::Top(_)) => {
+            let mut starts = Vec::with_capacity(counts.len() + 1);
+            starts.push(0);
+            for c in counts {
+                starts.push(starts[starts.len() - 1] + c as usize);
+            }
+            Passed::Rows(RowsOut::Top { starts, candidates })
+        }
+        ForwardOutput::Hidden(_) if rows.is_empty() => Passed::Rows(RowsOut::Logits(Vec::new())),
+        _ => {
+            return Err(Loss::BadReply(format!(
+                "worker {} returned the wrong kind of output",
+                st.client.addr()
+            )));
+        }
+    })
+}
+
+/// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
+/// groups in order (a later group of a sequence needs the cells of an earlier one) and
+/// passes each on as soon as it is done, so group k+1 runs on one worker while group k
+/// runs on the next. Returns what each group's logits rows asked for, in order.
+pub(crate) async fn run_pipeline(
+    stages: &[LoadedStage],
+    groups: &[Batch],
+) -> Result<Vec<RowsOut>, Loss> {
+    let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
+    let mut workers = Vec::with_capacity(stages.len());
+    let alone = groups.len() == 1;
+    for i in 0..stages.len() {
+        let (tx, next) = mpsc::unbounded_channel();
+        let mut input = std::mem::replace(&mut rx, next);
+        workers.push(async move {
+            let mut logits = Vec::new();
+            while let Some((k, x)) = input.recv().await {
+                match pass(stages, i, &groups[k], x, alone).await? {
+                    Passed::Next(x) => {
+                        // The next worker gone means another worker failed; its error wins.
+                        let _ = tx.send((k, x));
+                    }
+                    Passed::Rows(r) => logits.push(r),
+                }
+            }
+            Ok::<_, Loss>(logits)
+        });
+    }
+    for (k, b) in groups.iter().enumerate() {
+        let _ = first.send((k, ForwardInput::TokenIds(b.ids.clone())));
+    }
+    drop(first);
+    let mut outputs = futures::future::try_join_all(workers).await?;
+    let logits = outputs.pop().unwrap_or_default();
+    if logits.len() != groups.len() {
+        return Err(Loss::Internal(format!(
+            "the pipeline returned logits for {} of {} groups",
+            logits.len(),
+            groups.len()
+        )));
+    }
+    Ok(logits)
+}
+
+/// One batch of a lane's step on its way through the stage loops.
+pub(crate) struct Job {
+    /// The lane whose step it belongs to.
+    pub lane: usize,
+    /// Its place among the step's batches.
+    pub k: usize,
+    pub batch: Arc<Batch>,
+    /// Nothing else is in flight (see [`stage_call::forward`]).
+    pub alone: bool,
+}
+
+/// A batch that left the last worker (lane, place, rows), or the error that stopped a loop.
+pub(crate) type Done = Result<(usize, usize, RowsOut), Loss>;
+
+/// Where a lane's batches enter the first worker.
+pub(crate) struct Jobs(mpsc::UnboundedSender<(Job, ForwardInput)>);
+
+impl Jobs {
+    /// Sends `job` into the first worker's loop; false when that loop has stopped (a worker
+    /// failed, and its error is on its way as a [`Done`]).
+    pub fn send(&self, job: Job) -> bool {
+        let ids = ForwardInput::TokenIds(job.batch.ids.clone());
+        self.0.send((job, ids)).is_ok()
+    }
+}
+
+/// One loop per worker, each taking batches in the order they come (so a sequence's
+/// batches reach a worker in the order they were sent) and handing each to the next worker
+/// as soon as it is done; what leaves the last worker comes out of the returned receiver.
+/// The future runs every loop; it ends once the returned [`Jobs`] is dropped and the loops
+/// have drained, or a loop has failed (its error is sent as the last [`Done`]).
+pub(crate) fn stage_loops(
+    stages: &[LoadedStage],
+) -> (
+    Jobs,
+    mpsc::UnboundedReceiver<Done>,
+    impl Future<Output = ()> + '_,
+) {
+    let (jobs, mut hidden) = mpsc::unbounded_channel::<(Job, ForwardInput)>();
+    let (done_tx, done) = mpsc::unbounded_channel::<Done>();
+    let mut loops = Vec::with_capacity(stages.len());
+    for i in 0..stages.len() {
+        let (tx, next) = mpsc::unbounded_channel::<(Job, ForwardInput)>();
+        let mut input = std::mem::replace(&mut hidden, next);
+        let done = done_tx.clone();
+        loops.push(async move {
+            while let Some((job, x)) = input.recv().await {
+                match pass(stages, i, &job.batch, x, job.alone).await {
+                    Ok(Passed::Next(x)) => {
+                        // The next loop gone means another worker failed; its error is sent.
+                        let _ = tx.send((job, x));
+                    }
+                    Ok(Passed::Rows(r)) => {
+                        let _ = done.send(Ok((job.lane, job.k, r)));
+                    }
+                    Err(e) => {
+                        let _ = done.send(Err(e));
+                        return;
+                    }
+                }
+            }
+        });
+    }
+    let run = async move {
+        futures::future::join_all(loops).await;
+    };
+    (Jobs(jobs), done, run)
+}
