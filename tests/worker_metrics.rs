@@ -36,7 +36,7 @@ fn planned_total(model: &std::path::Path, ctx: usize) -> u64 {
 }
 
 #[test]
-fn metrics_follow_a_session_and_health_follows_drain() {
+fn metrics_follow_a_session_and_health_follows_drain_and_undrain() {
     let model = TinyModel::new();
     let worker = Worker::start(&["--metrics-listen", "127.0.0.1:0"]);
     let metrics = metrics_addr(&worker);
@@ -166,6 +166,19 @@ fn metrics_follow_a_session_and_health_follows_drain() {
             Health::NotServing
         );
         assert_eq!(value(&scrape(&metrics), "tether_draining"), 1.0);
+
+        assert!(admin.undrain().await.expect("undrain"), "it was draining");
+        assert_eq!(
+            check_health(&worker.addr, "", &options)
+                .await
+                .expect("health"),
+            Health::Serving
+        );
+        assert_eq!(value(&scrape(&metrics), "tether_draining"), 0.0);
+        assert!(
+            !admin.undrain().await.expect("undrain"),
+            "it drains no more"
+        );
     });
 }
 

@@ -87,7 +87,7 @@ fn a_client_that_stops_heartbeating_is_reaped_within_ttl_plus_one_second() {
 }
 
 #[test]
-fn tetherctl_lists_kills_and_drains() {
+fn tetherctl_lists_kills_drains_and_undrains() {
     let worker = Worker::start(&[]);
     let client = Attached::start(&worker.addr, &["--model", "unused.gguf", "--no-load"]);
     let sessions = tetherctl_json(&worker.addr, &["sessions"]);
@@ -121,6 +121,54 @@ fn tetherctl_lists_kills_and_drains() {
         "a draining worker refuses new sessions"
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("draining"));
+    let undrained = tetherctl_json(&worker.addr, &["undrain"]);
+    assert_eq!(undrained["was_draining"], true, "{undrained}");
+    assert_eq!(worker.status()["draining"], false);
+    // Attaching works again.
+    let again = Attached::start(&worker.addr, &["--model", "unused.gguf", "--no-load"]);
+    assert_eq!(worker.status()["sessions"], 1);
+    drop(again);
+}
+
+#[test]
+fn tetherctl_watch_shows_the_status_again_until_interrupted() {
+    let worker = Worker::start(&[]);
+    let mut watch = std::process::Command::new(support::TETHERCTL)
+        .args([
+            "--worker",
+            &worker.addr,
+            "--json",
+            "--watch",
+            "0.2",
+            "status",
+        ])
+        .env_remove("TETHER_ADMIN_TOKEN")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run tetherctl --watch");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        watch.try_wait().expect("poll").is_none(),
+        "--watch keeps running"
+    );
+    watch.kill().expect("interrupting it");
+    let out = watch.wait_with_output().expect("its output");
+    let shown: Vec<serde_json::Value> = serde_json::Deserializer::from_slice(&out.stdout)
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .expect("a JSON status per refresh");
+    assert!(
+        shown.len() >= 3,
+        "{} refreshes in 1.5 s at 0.2 s",
+        shown.len()
+    );
+    assert!(shown.iter().all(|s| s["sessions"] == 0), "{shown:?}");
+    let refused = std::process::Command::new(support::TETHERCTL)
+        .args(["--worker", &worker.addr, "--watch", "0.01", "status"])
+        .output()
+        .expect("run tetherctl");
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("at least 0.1"));
 }
 
 #[test]

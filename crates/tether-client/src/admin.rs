@@ -99,4 +99,15 @@ impl AdminClient {
             .map_err(|s| self.link.call_failed("drain", &self.addr, &s))?;
         Ok(reply.into_inner().sessions)
     }
+
+    /// Takes new sessions again after a drain; returns whether the worker was draining.
+    pub async fn undrain(&mut self) -> Result<bool, ClientError> {
+        let req = self.request("undrain", pb::UndrainRequest {})?;
+        let reply = self
+            .rpc
+            .undrain(req)
+            .await
+            .map_err(|s| self.link.call_failed("undrain", &self.addr, &s))?;
+        Ok(reply.into_inner().was_draining)
+    }
 }

@@ -22,6 +22,10 @@ pub struct GenRequest {
     /// More token ids that end the request as an end-of-generation token does (vLLM's
     /// `stop_token_ids`): not sent, finish `Stop`.
     pub stop_tokens: Vec<u32>,
+    /// The [`Generation::model_epoch`] the prompt was made for: when the model was
+    /// replaced since, the request is refused (its tokens belong to the other model's
+    /// tokenizer). `None`: whichever model serves.
+    pub model_epoch: Option<u64>,
 }
 
 /// Why a generation ended.
@@ -113,6 +117,20 @@ pub struct ModelInfo {
     pub chat_template: Option<String>,
 }
 
+/// A model change in progress.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelChange {
+    /// The model being loaded, or the one being unloaded.
+    pub model: String,
+    /// What happens now: `unloading`, `loading` or `switching` (the new model committed,
+    /// the old one finishes its requests).
+    pub phase: &'static str,
+    /// Tensor bytes sent to (or read by) the workers so far.
+    pub bytes_loaded: u64,
+    /// Tensor bytes of the whole load.
+    pub bytes_total: u64,
+}
+
 /// Counters the engine keeps for `/metrics`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EngineStats {
@@ -140,6 +158,19 @@ pub trait Generation: Send + Sync + 'static {
     fn health(&self) -> Health;
     /// Counters for `/metrics`.
     fn stats(&self) -> EngineStats;
+    /// Which load of a model serves: it changes whenever the model is replaced or
+    /// unloaded, so front ends know to read [`Generation::model`] and the tokenizer again.
+    fn model_epoch(&self) -> u64 {
+        0
+    }
+    /// Whether a model is loaded at all (false after an unload).
+    fn model_loaded(&self) -> bool {
+        true
+    }
+    /// A model change in progress (load beside, unload, load after unload), for `/health`.
+    fn model_change(&self) -> Option<ModelChange> {
+        None
+    }
     /// Starts a request. Events arrive on the receiver; dropping the receiver cancels the
     /// request and frees its sequence slot at the next step.
     fn submit(

@@ -3,17 +3,20 @@
 //! [`Generation`] requests with continuous batching.
 
 use crate::api::{
-    ContextShift, EngineStats, GenError, GenEvent, GenRequest, Generation, Health, ModelInfo,
+    ContextShift, EngineStats, GenError, GenEvent, GenRequest, Generation, Health, ModelChange,
+    ModelInfo,
 };
 use crate::discovery::{WorkerDns, resolve, watch_dns, worker_list};
+use crate::lifecycle::ChangeState;
 use crate::load::{LoadError, LoadOptions, LoadedModel, load_plan};
 use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::{PlacementError, Plan, ServeShape, WorkerCapacity, place};
-use crate::scheduler::{Admitted, Scheduler, Shared};
+use crate::scheduler::replace::Replace;
+use crate::scheduler::{Admitted, Inbox, Scheduler, Shared};
 use futures::future::join_all;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tether_client::{ClientOptions, WorkerClient};
 use tether_gguf::GgmlType;
@@ -60,21 +63,14 @@ pub struct CoordinatorConfig {
     /// Whether a request reuses the KV cells of an earlier one that shares the start of its
     /// prompt (`--no-prefix-cache` turns it off).
     pub prefix_cache: bool,
-    /// Lanes of sequences that go through the workers on their own (`--pipeline-lanes`);
-    /// `None`: one per worker, so each worker is busy with one lane while the others run.
-    pub pipeline_lanes: Option<usize>,
-    /// Fewest prompt tokens in one forward pass when a prompt is cut into chunks so that
-    /// several workers overlap (`--prefill-chunk`).
-    pub prefill_chunk: usize,
+    /// How long requests running on a model being replaced or unloaded may go on before
+    /// they are ended with an error.
+    pub retire_grace: Duration,
 }
-
-/// Fewest prompt tokens a chunk takes when a prompt is cut for several workers.
-pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 
 impl CoordinatorConfig {
     /// Defaults for `model` over `workers`: the model's training context (at most 4096),
-    /// 4 sequences, micro-batches of 512, an f16 KV cache, a queue of 64, a retry every 3 s,
-    /// a lane per worker and prompt chunks of at least [`DEFAULT_PREFILL_CHUNK`] tokens.
+    /// 4 sequences, micro-batches of 512, an f16 KV cache, a queue of 64, a retry every 3 s.
     pub fn new(model: &ModelFile, workers: Vec<String>) -> Self {
         let model_id = model
             .path()
@@ -96,8 +92,7 @@ impl CoordinatorConfig {
             retry_every: Duration::from_secs(3),
             context_shift: None,
             prefix_cache: true,
-            pipeline_lanes: None,
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            retire_grace: Duration::from_secs(60),
         }
     }
 }
@@ -119,7 +114,9 @@ pub enum CoordinatorError {
     Load(#[from] LoadError),
 }
 
-/// What connecting and loading need, kept by the scheduler for loading again.
+/// What connecting and loading need, kept by the scheduler for loading again (and copied
+/// by the front for loading another model).
+#[derive(Clone)]
 pub(crate) struct Setup {
     /// The latest worker list; a load marks the list it used as seen.
     pub workers: watch::Receiver<Vec<String>>,
@@ -129,10 +126,6 @@ pub(crate) struct Setup {
     pub client: ClientOptions,
     pub context_shift: Option<ContextShift>,
     pub prefix_cache: bool,
-    /// Lanes; `None`: one per worker.
-    pub lanes: Option<usize>,
-    /// Fewest prompt tokens in a chunk cut for several workers.
-    pub prefill_chunk: usize,
 }
 
 impl Setup {
@@ -205,19 +198,38 @@ impl Setup {
     }
 }
 
+/// The model requests are checked against and admitted for.
+pub(crate) struct Served {
+    pub info: ModelInfo,
+    pub tokenizer: Arc<Tokenizer>,
+    pub file: Arc<ModelFile>,
+    /// Bumped by every load and unload through the admin API.
+    pub epoch: u64,
+    /// False after an unload, until a load.
+    pub loaded: bool,
+}
+
 /// The generation engine over workers.
 pub struct Coordinator {
-    info: ModelInfo,
-    tokenizer: Arc<Tokenizer>,
-    n_vocab: usize,
+    pub(crate) served: RwLock<Served>,
     context_shift: Option<ContextShift>,
     prefix_cache: bool,
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     submit: mpsc::Sender<Admitted>,
-    stop: CancellationToken,
+    /// Model replacements for the scheduler.
+    pub(crate) control: mpsc::Sender<Replace>,
+    pub(crate) stop: CancellationToken,
     workers: watch::Receiver<Vec<String>>,
     /// How the workers are reached (token, TLS), for the admin view's own connections.
     client: ClientOptions,
+    /// How to load another model (admin API).
+    pub(crate) setup: Setup,
+    /// Whether a load needs every worker (a fixed list) or takes those that answer.
+    pub(crate) require_all: bool,
+    /// Held while a model is loaded or unloaded through the admin API: one at a time.
+    pub(crate) changing: tokio::sync::Mutex<()>,
+    /// The change under way, for `/health`.
+    pub(crate) change: Mutex<Option<ChangeState>>,
     /// The scheduler and, with `worker_dns`, the resolver.
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -240,9 +252,6 @@ impl Coordinator {
         }
         if config.queue_depth == 0 {
             return bad("the queue depth must be at least 1");
-        }
-        if config.pipeline_lanes == Some(0) || config.prefill_chunk == 0 {
-            return bad("--pipeline-lanes and --prefill-chunk must be at least 1");
         }
         if let Some(shift) = config.context_shift
             && shift.keep + 2 > config.ctx_per_seq
@@ -297,8 +306,6 @@ impl Coordinator {
             client: config.client.clone(),
             context_shift: config.context_shift,
             prefix_cache: config.prefix_cache,
-            lanes: config.pipeline_lanes,
-            prefill_chunk: config.prefill_chunk,
         };
         let first = match setup
             .connect_and_load(&model, config.worker_dns.is_none())
@@ -329,34 +336,49 @@ impl Coordinator {
         };
         let shared = Arc::new(shared);
         let (submit, requests) = mpsc::channel(config.queue_depth);
+        let (control, replacements) = mpsc::channel(1);
+        let front_setup = setup.clone();
         let scheduler = Scheduler::new(
             Arc::clone(&shared),
-            requests,
+            Inbox {
+                requests,
+                control: replacements,
+            },
             stop.clone(),
             Arc::clone(&model),
             setup,
             config.retry_every,
+            config.retire_grace,
         );
         tasks.push(tokio::spawn(scheduler.run(first)));
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         Ok(Coordinator {
-            info: ModelInfo {
-                id: config.model_id,
-                ctx_per_seq: config.ctx_per_seq,
-                created,
-                chat_template: model.chat_template(),
-            },
-            tokenizer: model.tokenizer(),
-            n_vocab: model.config().n_vocab,
+            served: RwLock::new(Served {
+                info: ModelInfo {
+                    id: config.model_id,
+                    ctx_per_seq: config.ctx_per_seq,
+                    created,
+                    chat_template: model.chat_template(),
+                },
+                tokenizer: model.tokenizer(),
+                file: model,
+                epoch: 0,
+                loaded: true,
+            }),
             context_shift: config.context_shift,
             prefix_cache: config.prefix_cache,
             shared,
             submit,
+            control,
             stop,
             workers,
             client: config.client,
+            setup: front_setup,
+            require_all: config.worker_dns.is_none(),
+            changing: tokio::sync::Mutex::new(()),
+            change: Mutex::new(None),
             tasks: Mutex::new(tasks),
         })
     }
@@ -390,8 +412,13 @@ impl Coordinator {
         }
     }
 
-    fn check(&self, req: &GenRequest) -> Result<(), GenError> {
-        let ctx = self.info.ctx_per_seq;
+    pub(crate) fn served(&self) -> std::sync::RwLockReadGuard<'_, Served> {
+        self.served.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn check(req: &GenRequest, served: &Served) -> Result<(), GenError> {
+        let ctx = served.info.ctx_per_seq;
+        let n_vocab = served.file.config().n_vocab;
         if req.prompt.is_empty() {
             return Err(GenError::InvalidRequest(
                 "the prompt has no tokens; give at least one".into(),
@@ -403,10 +430,9 @@ impl Coordinator {
                 req.prompt.len()
             )));
         }
-        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.n_vocab) {
+        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= n_vocab) {
             return Err(GenError::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary of {} tokens",
-                self.n_vocab
+                "token id {bad} is outside the vocabulary of {n_vocab} tokens"
             )));
         }
         Ok(())
@@ -422,11 +448,23 @@ impl Drop for Coordinator {
 
 impl Generation for Coordinator {
     fn model(&self) -> ModelInfo {
-        self.info.clone()
+        self.served().info.clone()
     }
 
     fn tokenizer(&self) -> Arc<Tokenizer> {
-        Arc::clone(&self.tokenizer)
+        Arc::clone(&self.served().tokenizer)
+    }
+
+    fn model_epoch(&self) -> u64 {
+        self.served().epoch
+    }
+
+    fn model_loaded(&self) -> bool {
+        self.served().loaded
+    }
+
+    fn model_change(&self) -> Option<ModelChange> {
+        self.change_progress()
     }
 
     fn health(&self) -> Health {
@@ -447,19 +485,29 @@ impl Generation for Coordinator {
         &self,
         req: GenRequest,
     ) -> Result<mpsc::Receiver<Result<GenEvent, GenError>>, GenError> {
+        // Held while the request is queued, so it joins the queue tagged with the epoch of
+        // the model it was checked against: a replacement bumps the epoch under the
+        // write lock.
+        let served = self.served();
         if let Health::Unavailable(why) = self.shared.health() {
             return Err(GenError::Unavailable(why));
         }
-        self.check(&req)?;
+        if req.model_epoch.is_some_and(|e| e != served.epoch) {
+            return Err(GenError::Unavailable(
+                "the model was replaced while the request was being prepared; send it again".into(),
+            ));
+        }
+        Self::check(&req, &served)?;
         // Room for every event a request can produce, so the scheduler never waits on a
         // slow reader (tokio allocates channel blocks lazily).
         let most = match self.context_shift {
             Some(_) => req.max_tokens,
-            None => req.max_tokens.min(self.info.ctx_per_seq),
+            None => req.max_tokens.min(served.info.ctx_per_seq),
         };
         let capacity = most + 2;
         let (events, rx) = mpsc::channel(capacity);
-        match self.submit.try_send(Admitted { req, events }) {
+        let epoch = served.epoch;
+        match self.submit.try_send(Admitted { req, events, epoch }) {
             Ok(()) => Ok(rx),
             Err(mpsc::error::TrySendError::Full(_)) => Err(GenError::Busy(format!(
                 "every sequence slot is taken and {} requests are queued; retry later",

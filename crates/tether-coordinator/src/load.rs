@@ -89,6 +89,8 @@ pub enum LoadError {
         last: usize,
         /// Its error.
         detail: String,
+        /// Whether it refused for lack of memory (its admission said no).
+        out_of_memory: bool,
     },
     /// Commit failed on a worker after every worker prepared; every session was closed.
     #[error(
@@ -333,6 +335,7 @@ pub async fn load_plan(
             first: a.spec.first_layer,
             last: a.spec.last_layer,
             detail: e.to_string(),
+            out_of_memory: e.kind() == tether_client::ErrorKind::ResourceExhausted,
         })
     });
     if let Some(refusal) = refusal {

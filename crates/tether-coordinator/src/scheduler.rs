@@ -2,19 +2,22 @@
 //! step's batch of every active sequence through the workers (cut into groups of sequences
 //! that are in flight on different workers at once), samples, and reports. When a
 //! worker's session ends it fails the in-flight requests, closes the other sessions and
-//! loads again in the background over the workers that answer.
+//! loads again in the background over the workers that answer. A model replaced through
+//! the admin API is swapped at a step boundary ([`replace`]).
 
-mod lanes;
+mod pipeline;
+pub(crate) mod replace;
 
 use crate::api::{FinishReason, GenError, GenEvent, GenRequest, Health};
 use crate::engine::Setup;
-use crate::load::{LoadedModel, LoadedStage};
+use crate::load::LoadedModel;
 use crate::loss::Loss;
 use crate::model_file::ModelFile;
-use crate::pipeline::{RowsOut, rows_wanted, run_pipeline};
 use crate::placement::Plan;
 use crate::prefix::{CellCopy, PrefixCache, copy_cells, slot_uses};
-use crate::sequence::{Batch, Events, Next, Sequence, StepShape, build_step, split_batch};
+use crate::sequence::{Batch, Next, Sequence, build_step, split_batch};
+use pipeline::{RowsOut, clear_slots, rows_wanted, run_pipeline, truncate_slots};
+use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,7 +28,15 @@ use tokio_util::sync::CancellationToken;
 /// A request accepted by `submit`, waiting for a slot.
 pub(crate) struct Admitted {
     pub req: GenRequest,
-    pub events: Events,
+    pub events: crate::sequence::Events,
+    /// The model epoch it was admitted for.
+    pub epoch: u64,
+}
+
+/// What the front sends the scheduler: requests, and model replacements.
+pub(crate) struct Inbox {
+    pub requests: mpsc::Receiver<Admitted>,
+    pub control: mpsc::Receiver<Replace>,
 }
 
 /// What the engine's front and the scheduler share.
@@ -58,7 +69,7 @@ impl Shared {
             .clone()
     }
 
-    fn set_health(&self, health: Health) {
+    pub fn set_health(&self, health: Health) {
         *self.health.lock().unwrap_or_else(|e| e.into_inner()) = health;
     }
 
@@ -71,6 +82,16 @@ impl Shared {
 enum Ended {
     Stopped,
     Lost(Loss),
+    /// Retired for a replacement; the old sessions are closed.
+    Replaced(Replace),
+}
+
+/// What the scheduler does next.
+enum Step {
+    Serve(LoadedModel),
+    Recover(Loss),
+    /// No model is loaded (unloaded through the admin API).
+    Idle,
 }
 
 /// The scheduler's state.
@@ -81,6 +102,15 @@ pub(crate) struct Scheduler {
     pub model: Arc<ModelFile>,
     pub setup: Setup,
     pub retry_every: Duration,
+    /// Replacements from the front.
+    control: mpsc::Receiver<Replace>,
+    /// The epoch of the model served (or last served).
+    epoch: u64,
+    /// How long a retired model's requests may run on before they are ended.
+    grace: Duration,
+    /// The first request for the next model, waiting for the switch.
+    held: Option<Admitted>,
+    retiring: Option<Retiring>,
     slots: Vec<Option<Sequence>>,
     to_clear: Vec<u32>,
     /// `(slot, cells to keep)` of sequences whose context was shifted.
@@ -90,23 +120,20 @@ pub(crate) struct Scheduler {
     /// Prefixes to copy between slots before the next step.
     to_copy: Vec<CellCopy>,
     rotation: usize,
-    /// Lanes of the model being served (1: every step carries every sequence).
-    lanes: usize,
-    /// How a step is cut over the workers of the model being served.
-    step: StepShape,
 }
 
 impl Scheduler {
     pub fn new(
         shared: Arc<Shared>,
-        requests: mpsc::Receiver<Admitted>,
+        inbox: Inbox,
         stop: CancellationToken,
         model: Arc<ModelFile>,
         setup: Setup,
         retry_every: Duration,
+        grace: Duration,
     ) -> Self {
+        let Inbox { requests, control } = inbox;
         let n_seq = setup.shape.n_seq;
-        let setup_ubatch = setup.shape.ubatch;
         let prefix = setup.prefix_cache.then(|| PrefixCache::new(n_seq));
         Self {
             shared,
@@ -115,39 +142,58 @@ impl Scheduler {
             model,
             setup,
             retry_every,
+            control,
+            epoch: 0,
+            grace,
+            held: None,
+            retiring: None,
             slots: (0..n_seq).map(|_| None).collect(),
             to_clear: Vec::new(),
             to_truncate: Vec::new(),
             prefix,
             to_copy: Vec::new(),
             rotation: 0,
-            lanes: 1,
-            step: StepShape::new(setup_ubatch, 1, 1),
         }
     }
 
     /// Serves until stopped, loading again whenever a worker is lost or the worker list
     /// changes. `first` is the first load, or why it failed (then loading is retried).
     pub async fn run(mut self, first: Result<LoadedModel, Loss>) {
-        let mut loaded = first;
+        let mut step = match first {
+            Ok(model) => Step::Serve(model),
+            Err(reason) => Step::Recover(reason),
+        };
         loop {
-            let reason = match loaded {
-                Ok(model) => match self.serve(model).await {
+            let replace = match step {
+                Step::Serve(model) => match self.serve(model).await {
                     Ended::Stopped => break,
-                    Ended::Lost(reason) => reason,
+                    Ended::Lost(reason) => {
+                        step = Step::Recover(reason);
+                        continue;
+                    }
+                    Ended::Replaced(r) => r,
                 },
-                Err(reason) => reason,
+                Step::Recover(reason) => match self.recover(reason).await {
+                    Ok(Some(m)) => {
+                        step = Step::Serve(m);
+                        continue;
+                    }
+                    Ok(None) => break,
+                    Err(r) => r,
+                },
+                Step::Idle => match self.idle().await {
+                    Some(r) => r,
+                    None => break,
+                },
             };
-            match self.recover(reason).await {
-                Some(m) => loaded = Ok(m),
-                None => break,
-            }
+            step = self.switch(replace).map_or(Step::Idle, Step::Serve);
         }
         let reason = "the coordinator has shut down";
         self.shared
             .set_health(Health::Unavailable(reason.to_string()));
         self.requests.close();
-        while let Ok(a) = self.requests.try_recv() {
+        let mut held = self.held.take();
+        while let Some(a) = held.take().or_else(|| self.requests.try_recv().ok()) {
             let _ = a
                 .events
                 .try_send(Err(GenError::Unavailable(reason.to_string())));
@@ -173,15 +219,11 @@ impl Scheduler {
         seq
     }
 
-    /// Ends cancelled requests (receiver dropped) and those past their deadline, but none
-    /// of a lane that is `busy` (in flight: its step's output will come back for them).
-    fn reap(&mut self, busy: &[bool]) {
+    /// Ends cancelled requests (receiver dropped) and those past their deadline.
+    fn reap(&mut self) {
         let now = Instant::now();
         for i in 0..self.slots.len() {
             let Some(seq) = &self.slots[i] else { continue };
-            if busy.get(seq.lane).copied().unwrap_or(false) {
-                continue;
-            }
             let cancelled = seq.events.is_closed();
             if !cancelled && seq.deadline.is_none_or(|d| now < d) {
                 continue;
@@ -199,7 +241,7 @@ impl Scheduler {
 
     /// Gives a request a free slot, or ends it at once when there is nothing to do.
     fn start(&mut self, a: Admitted) {
-        let Admitted { req, events } = a;
+        let Admitted { req, events, .. } = a;
         if req.deadline.is_some_and(|d| Instant::now() >= d) {
             let _ = events.try_send(Err(GenError::Timeout(
                 "the deadline passed while the request was queued".into(),
@@ -220,10 +262,8 @@ impl Scheduler {
             )));
             return;
         };
-        let lane = self.quietest_lane();
         self.slots[i] = Some(Sequence {
             slot: i as u32,
-            lane,
             prompt_len: req.prompt.len(),
             tokens: req.prompt,
             fed: cached,
@@ -260,9 +300,13 @@ impl Scheduler {
     }
 
     fn admit(&mut self) {
-        while self.slots.iter().any(Option::is_none) {
+        let epoch = self.epoch;
+        if let Some(a) = self.held.take_if(|a| a.epoch == epoch) {
+            self.start(a);
+        }
+        while self.held.is_none() && self.slots.iter().any(Option::is_none) {
             match self.requests.try_recv() {
-                Ok(a) => self.start(a),
+                Ok(a) => self.take_in(a),
                 Err(_) => break,
             }
         }
@@ -287,52 +331,46 @@ impl Scheduler {
 
     async fn serve(&mut self, mut loaded: LoadedModel) -> Ended {
         let stages = loaded.stages.clone();
-        let n = stages.len();
-        self.lanes = self
-            .setup
-            .lanes
-            .unwrap_or(n)
-            .clamp(1, self.slots.len().max(1));
-        self.step = StepShape::new(self.setup.shape.ubatch, n, self.setup.prefill_chunk);
-        let ended = if self.lanes == 1 {
-            self.serve_steps(&stages, &mut loaded).await
-        } else {
-            self.serve_lanes(&stages, &mut loaded).await
-        };
-        let reason = match &ended {
-            Ended::Stopped => "the coordinator is shutting down".to_string(),
-            Ended::Lost(r) => format!("{r}; the model is not served until it is loaded again"),
-        };
-        self.shared.set_health(Health::Unavailable(reason.clone()));
-        self.fail_all(&GenError::Unavailable(reason));
-        loaded.close().await;
-        ended
-    }
-
-    /// Serves with one lane: each step carries every sequence through the workers, then
-    /// every sequence is sampled before the next step starts.
-    async fn serve_steps(&mut self, stages: &[LoadedStage], loaded: &mut LoadedModel) -> Ended {
         let stop = self.stop.clone();
-        loop {
-            if let Err(reason) = self.tidy(stages, &[]).await {
-                return Ended::Lost(reason);
+        let ended = loop {
+            while let Ok(replace) = self.control.try_recv() {
+                self.begin_retire(replace);
+            }
+            self.reap();
+            if let Err(reason) = truncate_slots(&stages, &mut self.to_truncate).await {
+                break Ended::Lost(reason);
+            }
+            if let Err(reason) = clear_slots(&stages, &mut self.to_clear).await {
+                break Ended::Lost(reason);
+            }
+            self.admit();
+            if self.retired()
+                && let Some(retiring) = self.retiring.take()
+            {
+                break Ended::Replaced(retiring.replace);
             }
             if self.active() == 0 {
                 tokio::select! {
-                    () = stop.cancelled() => return Ended::Stopped,
-                    reason = loaded.lost() => return Ended::Lost(Loss::SessionEnded(reason)),
-                    reason = self.setup.workers_changed() => return Ended::Lost(Loss::WorkersChanged(reason)),
-                    next = self.requests.recv() => match next {
-                        Some(a) => self.start(a),
-                        None => return Ended::Stopped,
+                    () = stop.cancelled() => break Ended::Stopped,
+                    reason = loaded.lost() => break Ended::Lost(Loss::SessionEnded(reason)),
+                    reason = self.setup.workers_changed() => break Ended::Lost(Loss::WorkersChanged(reason)),
+                    Some(replace) = self.control.recv() => self.begin_retire(replace),
+                    next = self.requests.recv(), if self.held.is_none() => match next {
+                        Some(a) => self.take_in(a),
+                        None => break Ended::Stopped,
                     },
                 }
                 continue;
             }
-            if let Err(reason) = copy_cells(stages, &mut self.to_copy).await {
-                return Ended::Lost(reason);
+            if let Err(reason) = copy_cells(&stages, &mut self.to_copy).await {
+                break Ended::Lost(reason);
             }
-            let mut chunks = build_step(&self.slots, 0, self.step, self.rotation);
+            let mut chunks = build_step(
+                &self.slots,
+                self.setup.shape.ubatch,
+                self.rotation,
+                stages.len(),
+            );
             self.rotation = self.rotation.wrapping_add(1);
             let mut groups = match chunks.len() {
                 1 => split_batch(chunks.remove(0), stages.len()),
@@ -342,10 +380,10 @@ impl Scheduler {
                 g.rows = rows_wanted(&self.slots, g);
             }
             let results = tokio::select! {
-                () = stop.cancelled() => return Ended::Stopped,
-                reason = loaded.lost() => return Ended::Lost(Loss::SessionEnded(reason)),
-                reason = self.setup.workers_changed() => return Ended::Lost(Loss::WorkersChanged(reason)),
-                r = run_pipeline(stages, &groups) => r,
+                () = stop.cancelled() => break Ended::Stopped,
+                reason = loaded.lost() => break Ended::Lost(Loss::SessionEnded(reason)),
+                reason = self.setup.workers_changed() => break Ended::Lost(Loss::WorkersChanged(reason)),
+                r = run_pipeline(&stages, &groups) => r,
             };
             let applied = results.and_then(|outputs| {
                 groups
@@ -354,35 +392,28 @@ impl Scheduler {
                     .try_for_each(|(b, out)| self.apply(b, &out))
             });
             if let Err(reason) = applied {
-                return Ended::Lost(blame(loaded, reason));
+                // A lost session shuts every data link, so the call that fails first may be
+                // on a worker that is still up: the loss, recorded before, is the cause.
+                break Ended::Lost(loaded.lost_reason().map_or(reason, Loss::SessionEnded));
             }
+        };
+        // A model being retired is not loaded again when it is lost meanwhile; stopping
+        // while retiring drops the replacement, which the front hears of.
+        let ended = match (self.retiring.take(), ended) {
+            (Some(retiring), Ended::Lost(_)) => Ended::Replaced(retiring.replace),
+            (_, ended) => ended,
+        };
+        let reason = match &ended {
+            Ended::Stopped => "the coordinator is shutting down".to_string(),
+            Ended::Lost(r) => format!("{r}; the model is not served until it is loaded again"),
+            Ended::Replaced(_) => "the model was replaced or unloaded".to_string(),
+        };
+        if !matches!(ended, Ended::Replaced(_)) {
+            self.shared.set_health(Health::Unavailable(reason.clone()));
         }
-    }
-
-    /// Between steps: ends the cancelled and late requests of lanes not `busy`, forgets the
-    /// cells of shifted and freed sequences on every worker, and admits waiting requests.
-    async fn tidy(&mut self, stages: &[LoadedStage], busy: &[bool]) -> Result<(), Loss> {
-        self.reap(busy);
-        truncate_slots(stages, &mut self.to_truncate).await?;
-        clear_slots(stages, &mut self.to_clear).await?;
-        self.admit();
-        Ok(())
-    }
-
-    /// The lane with the fewest sequences (the first of them on a tie).
-    fn quietest_lane(&self) -> usize {
-        let counts = self.lane_counts();
-        (0..self.lanes).min_by_key(|&l| counts[l]).unwrap_or(0)
-    }
-
-    /// Sequences per lane.
-    fn lane_counts(&self) -> Vec<usize> {
-        let lanes = self.lanes.max(1);
-        let mut counts = vec![0; lanes];
-        for seq in self.slots.iter().flatten() {
-            counts[seq.lane.min(lanes - 1)] += 1;
-        }
-        counts
+        self.fail_all(&GenError::Unavailable(reason));
+        loaded.close().await;
+        ended
     }
 
     /// Moves every sequence of `batch` forward and samples the rows that asked for logits
@@ -467,7 +498,8 @@ impl Scheduler {
 
     /// Loads again every `retry_every` until it works or the coordinator stops; requests
     /// meanwhile are refused.
-    async fn recover(&mut self, reason: Loss) -> Option<LoadedModel> {
+    /// `Err` carries a replacement that came meanwhile (the lost model is not loaded again).
+    async fn recover(&mut self, reason: Loss) -> Result<Option<LoadedModel>, Replace> {
         let stop = self.stop.clone();
         let every = self.retry_every;
         loop {
@@ -475,19 +507,21 @@ impl Scheduler {
             tokio::pin!(wait);
             loop {
                 tokio::select! {
-                    () = stop.cancelled() => return None,
+                    () = stop.cancelled() => return Ok(None),
                     () = &mut wait => break,
-                    next = self.requests.recv() => match next {
+                    Some(replace) = self.control.recv() => return Err(replace),
+                    next = self.requests.recv(), if self.held.is_none() => match next {
+                        Some(a) if a.epoch > self.epoch => self.held = Some(a),
                         Some(a) => {
                             let _ = a.events.try_send(Err(GenError::Unavailable(self.shared.health_text())));
                         }
-                        None => return None,
+                        None => return Ok(None),
                     },
                 }
             }
             tracing::info!("loading the model again after: {reason}");
             let attempt = tokio::select! {
-                () = stop.cancelled() => return None,
+                () = stop.cancelled() => return Ok(None),
                 r = self.setup.connect_and_load(&self.model, false) => r,
             };
             match attempt {
@@ -495,7 +529,7 @@ impl Scheduler {
                     tracing::info!("model loaded again:\n{plan}");
                     *self.shared.plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan);
                     self.shared.set_health(Health::Ready);
-                    return Some(loaded);
+                    return Ok(Some(loaded));
                 }
                 Err(e) => {
                     tracing::warn!("loading again failed: {e}");
@@ -516,39 +550,4 @@ impl Shared {
             Health::Unavailable(why) => why,
         }
     }
-}
-
-/// Forgets the KV cells of freed slots on every worker.
-async fn clear_slots(stages: &[LoadedStage], slots: &mut Vec<u32>) -> Result<(), Loss> {
-    for seq in slots.drain(..) {
-        for st in stages {
-            st.client
-                .kv_clear(st.session, seq)
-                .await
-                .map_err(Loss::Call)?;
-        }
-    }
-    Ok(())
-}
-
-/// Forgets the cells of shifted sequences past their kept prefix on every worker.
-async fn truncate_slots(stages: &[LoadedStage], slots: &mut Vec<(u32, usize)>) -> Result<(), Loss> {
-    for (seq, keep) in slots.drain(..) {
-        let keep = u32::try_from(keep)
-            .map_err(|_| Loss::Internal(format!("{keep} cells do not fit a u32")))?;
-        for st in stages {
-            st.client
-                .kv_truncate(st.session, seq, keep)
-                .await
-                .map_err(Loss::Call)?;
-        }
-    }
-    Ok(())
-}
-
-/// Why serving stopped when a call failed with `reason`: a lost session shuts every data
-/// link, so the call that fails first may be on a worker that is still up; the loss,
-/// recorded before, is then the cause.
-fn blame(loaded: &LoadedModel, reason: Loss) -> Loss {
-    loaded.lost_reason().map_or(reason, Loss::SessionEnded)
 }

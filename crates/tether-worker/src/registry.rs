@@ -323,6 +323,21 @@ impl SessionRegistry {
         inner.sessions.len()
     }
 
+    /// Takes new sessions again after [`SessionRegistry::drain`]; returns whether it was
+    /// draining. Refused once shutdown has begun: that is one-way.
+    pub fn undrain(&self) -> Result<bool> {
+        let mut inner = self.lock();
+        if inner.closed {
+            return Err(WorkerError::Unavailable(
+                "the worker is shutting down; it takes no sessions again".into(),
+            ));
+        }
+        let was_draining = std::mem::replace(&mut inner.draining, false);
+        self.accepting.send_replace(true);
+        tracing::info!(was_draining, "undrained: new sessions are taken again");
+        Ok(was_draining)
+    }
+
     /// Refuses new sessions and ends every live one with reason `shutdown`.
     pub fn shutdown(&self) -> usize {
         let sessions: Vec<Session> = {

@@ -268,6 +268,20 @@ async fn drain_refuses_new_sessions_but_keeps_current_ones() {
 }
 
 #[tokio::test]
+async fn undrain_takes_sessions_again_but_not_after_shutdown() {
+    let reg = registry(1 << 20);
+    assert!(!reg.undrain().unwrap(), "it was not draining");
+    reg.drain();
+    assert!(reg.open("a", lease(1000)).is_err());
+    assert!(reg.undrain().unwrap(), "it was draining");
+    assert!(!reg.status().draining);
+    reg.open("a", lease(1000)).unwrap();
+    reg.shutdown();
+    assert!(matches!(reg.undrain(), Err(WorkerError::Unavailable(_))));
+    assert!(reg.open("b", lease(1000)).is_err());
+}
+
+#[tokio::test]
 async fn lease_is_clamped_to_the_limits() {
     let reg = registry(1 << 20);
     let t = reg

@@ -184,6 +184,7 @@ impl Setup {
             sampling: SamplingParams::greedy(),
             deadline: None,
             stop_tokens: Vec::new(),
+            model_epoch: None,
         })?;
         let workers = &self.workers;
         let (mut first, mut tokens, mut inside_from) = (None, 0usize, workers.forward_time());

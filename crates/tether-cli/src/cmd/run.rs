@@ -249,6 +249,7 @@ async fn generate(
         sampling: params,
         deadline: None,
         stop_tokens: Vec::new(),
+        model_epoch: None,
     })?;
     let mut first_token: Option<f64> = None;
     let mut tokens = Vec::new();

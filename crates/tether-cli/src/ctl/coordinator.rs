@@ -7,6 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::Value;
 use std::path::PathBuf;
+use std::time::Duration;
 use ureq::tls::{Certificate, ClientCert, PrivateKey, RootCerts, TlsConfig};
 
 /// How tetherctl checks a coordinator that serves HTTPS (`serve --tls-cert`).
@@ -66,20 +67,27 @@ impl CoordinatorTlsArgs {
     }
 }
 
-/// Runs one command against a coordinator.
+/// Runs one command against a coordinator; a view again every `watch` until interrupted.
 pub fn run(
     url: &str,
     api_key: Option<&str>,
     tls: &CoordinatorTlsArgs,
     command: &Command,
     json: bool,
+    watch: Option<Duration>,
 ) -> Result<()> {
     let path = match command {
         Command::Workers | Command::Status => "workers",
         Command::Sessions => "sessions",
-        Command::Model => "model",
-        Command::Kill { .. } | Command::Drain => {
-            bail!("kill and drain act on one worker: give --worker ADDR instead of --coordinator")
+        Command::Model { change: None } => "model",
+        Command::Model { change: Some(_) } if watch.is_some() => {
+            bail!("--watch refreshes a view; a model change runs once")
+        }
+        Command::Model { change: Some(_) } => "",
+        Command::Kill { .. } | Command::Drain | Command::Undrain => {
+            bail!(
+                "kill, drain and undrain act on one worker: give --worker ADDR instead of --coordinator"
+            )
         }
     };
     let base = if url.contains("://") {
@@ -89,19 +97,34 @@ pub fn run(
     };
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .tls_config(tls.config()?)
+        .http_status_as_error(false)
         .build()
         .into();
-    let value = fetch(&agent, &format!("{base}/v1/admin/{path}"), api_key)?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&value)?);
-        return Ok(());
+    if let Command::Model {
+        change: Some(change),
+    } = command
+    {
+        return super::model_change::run(&agent, &base, api_key, change, json);
     }
-    match path {
-        "workers" => print_workers(&value),
-        "sessions" => print_sessions(&value),
-        _ => print_model(&value),
+    loop {
+        let value = fetch(&agent, &format!("{base}/v1/admin/{path}"), api_key)?;
+        if json {
+            println!("{}", serde_json::to_string_pretty(&value)?);
+        } else {
+            match path {
+                "workers" => print_workers(&value),
+                "sessions" => print_sessions(&value),
+                _ => print_model(&value),
+            }
+        }
+        let Some(every) = watch else {
+            return Ok(());
+        };
+        std::thread::sleep(every);
+        if !json {
+            println!();
+        }
     }
-    Ok(())
 }
 
 fn fetch(agent: &ureq::Agent, url: &str, api_key: Option<&str>) -> Result<Value> {
@@ -109,13 +132,29 @@ fn fetch(agent: &ureq::Agent, url: &str, api_key: Option<&str>) -> Result<Value>
     if let Some(key) = api_key {
         request = request.header("Authorization", &format!("Bearer {key}"));
     }
-    let mut response = request
+    let response = request
         .call()
         .with_context(|| format!("asking the coordinator at {url}"))?;
+    reply_json(url, response)
+}
+
+/// The JSON body of a 2xx reply; the API's error message otherwise.
+pub(super) fn reply_json(
+    url: &str,
+    mut response: ureq::http::Response<ureq::Body>,
+) -> Result<Value> {
+    let status = response.status();
     let text = response
         .body_mut()
         .read_to_string()
         .with_context(|| format!("reading the reply of {url}"))?;
+    if !status.is_success() {
+        let message = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+            .unwrap_or(text);
+        bail!("{url} answered {status}: {message}");
+    }
     serde_json::from_str(&text).with_context(|| format!("{url} did not answer JSON"))
 }
 
@@ -179,6 +218,23 @@ fn print_sessions(value: &Value) {
 }
 
 fn print_model(v: &Value) {
+    if v.get("loaded").and_then(Value::as_bool) == Some(false) {
+        println!(
+            "no model loaded: {}",
+            v.get("unavailable_reason")
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+        );
+    }
+    if let Some(change) = v.get("model_change").filter(|c| !c.is_null()) {
+        println!(
+            "changing: {} {} ({} of {})",
+            change.get("phase").and_then(Value::as_str).unwrap_or("?"),
+            change.get("model").and_then(Value::as_str).unwrap_or("?"),
+            bytes(change, "bytes_loaded"),
+            bytes(change, "bytes_total"),
+        );
+    }
     let serving = v.get("serving").and_then(Value::as_bool) == Some(true);
     println!(
         "model {}  ctx {}  {}  queued {}  running {}",

@@ -2,6 +2,7 @@
 //! are `tether_client::AdminClient`'s.
 
 mod coordinator;
+mod model_change;
 pub mod units;
 
 use crate::cmd::tls_args::WorkerTlsArgs;
@@ -41,6 +42,10 @@ pub struct Cli {
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Show `status`, `sessions`, `workers` or `model` again every SECS seconds until
+    /// interrupted (Ctrl-C).
+    #[arg(long, global = true, value_name = "SECS", value_parser = watch_interval)]
+    pub watch: Option<std::time::Duration>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -59,10 +64,53 @@ pub enum Command {
     },
     /// Refuse new sessions; current ones carry on until they end.
     Drain,
+    /// Take new sessions again after a drain.
+    Undrain,
     /// (--coordinator) Every worker's status.
     Workers,
-    /// (--coordinator) The model's placement over the workers and whether it serves.
-    Model,
+    /// (--coordinator) The model's placement over the workers and whether it serves;
+    /// `load`, `reload` and `unload` change it without a restart.
+    Model {
+        #[command(subcommand)]
+        change: Option<ModelChange>,
+    },
+}
+
+/// A change of the coordinator's model.
+#[derive(Subcommand, Debug, Clone)]
+pub enum ModelChange {
+    /// Load a GGUF file (a path the coordinator can read) beside the served model and
+    /// switch to it once it is committed on every worker.
+    Load {
+        /// The model file.
+        path: String,
+        /// Its id in the API (default: the file name without extension).
+        #[arg(long)]
+        id: Option<String>,
+        /// When it does not fit beside the served model, unload that one first (requests
+        /// are refused until the new one serves).
+        #[arg(long)]
+        unload_first: bool,
+    },
+    /// Load the served model's file again, beside the running copy.
+    Reload {
+        /// When a second copy does not fit, unload the first one first (a short outage).
+        #[arg(long)]
+        unload_first: bool,
+    },
+    /// Unload the model: requests are refused until a load.
+    Unload,
+}
+
+/// `--watch`: seconds between refreshes, at least 0.1.
+fn watch_interval(text: &str) -> Result<std::time::Duration, String> {
+    let secs: f64 = text
+        .parse()
+        .map_err(|_| format!("--watch takes seconds (like 2 or 0.5), not {text:?}"))?;
+    if !secs.is_finite() || secs < 0.1 {
+        return Err(format!("--watch must be at least 0.1 seconds, not {secs}"));
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 /// Runs one tetherctl command.
@@ -74,6 +122,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             &cli.coordinator_tls,
             &cli.command,
             cli.json,
+            cli.watch,
+        );
+    }
+    let watched = matches!(cli.command, Command::Status | Command::Sessions);
+    if cli.watch.is_some() && !watched {
+        anyhow::bail!(
+            "--watch refreshes `status` and `sessions` of a worker, not {:?}",
+            cli.command
         );
     }
     let Some(worker) = cli.worker.clone() else {
@@ -90,27 +146,45 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         ..ClientOptions::default()
     };
     let mut admin = AdminClient::connect(&worker, token, &options).await?;
-    match cli.command {
+    loop {
+        worker_command(&mut admin, &worker, &cli.command, cli.json).await?;
+        let Some(every) = cli.watch else {
+            return Ok(());
+        };
+        tokio::time::sleep(every).await;
+        if !cli.json {
+            println!();
+        }
+    }
+}
+
+async fn worker_command(
+    admin: &mut AdminClient,
+    worker: &str,
+    command: &Command,
+    json: bool,
+) -> anyhow::Result<()> {
+    match command {
         Command::Status => {
             let status = admin.status().await?;
-            if cli.json {
+            if json {
                 println!("{}", serde_json::to_string_pretty(&status)?);
             } else {
-                print_status(&worker, &status);
+                print_status(worker, &status);
             }
         }
         Command::Sessions => {
             let sessions = admin.sessions().await?;
-            if cli.json {
+            if json {
                 println!("{}", serde_json::to_string_pretty(&sessions)?);
             } else {
                 print_sessions(&sessions);
             }
         }
         Command::Kill { session } => {
-            let id = SessionId::parse(&session).context("tetherctl kill")?;
+            let id = SessionId::parse(session).context("tetherctl kill")?;
             let bytes_freed = admin.kill(id).await?;
-            if cli.json {
+            if json {
                 println!(
                     "{}",
                     serde_json::json!({ "session_id": session, "bytes_freed": bytes_freed })
@@ -122,18 +196,31 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Workers | Command::Model => {
+        Command::Workers | Command::Model { .. } => {
             anyhow::bail!("`workers` and `model` read a coordinator: give --coordinator URL")
         }
         Command::Drain => {
             let sessions = admin.drain().await?;
-            if cli.json {
+            if json {
                 println!(
                     "{}",
                     serde_json::json!({ "draining": true, "sessions": sessions })
                 );
             } else {
                 println!("draining: new sessions are refused; {sessions} live session(s) carry on");
+            }
+        }
+        Command::Undrain => {
+            let was_draining = admin.undrain().await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "draining": false, "was_draining": was_draining })
+                );
+            } else if was_draining {
+                println!("undrained: new sessions are taken again");
+            } else {
+                println!("the worker was not draining; it takes new sessions");
             }
         }
     }

@@ -1,11 +1,13 @@
 //! The coordinator's operator view for `tetherctl --coordinator`: the model's placement and
-//! health, and each worker's status and sessions, read live from the workers.
+//! health, and each worker's status and sessions, read live from the workers; and the
+//! model's lifecycle (load, reload, unload) in `admin_model`.
 
 use super::bearer_allowed;
 use super::error::ApiError;
 use crate::api::{Generation, Health};
 use crate::engine::Coordinator;
 use axum::Router;
+use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Json, Response};
@@ -22,7 +24,8 @@ struct AdminState {
 
 type Shared = Arc<AdminState>;
 
-/// `GET /v1/admin/{model,workers,sessions}`, behind `api_key` when one is set.
+/// `GET /v1/admin/{model,workers,sessions}`, `POST` and `DELETE /v1/admin/model`, behind
+/// `api_key` when one is set.
 /// `worker_admin_token` is sent to workers that require one.
 pub fn admin_router(
     coordinator: Arc<Coordinator>,
@@ -35,7 +38,10 @@ pub fn admin_router(
         worker_admin_token,
     });
     Router::new()
-        .route("/v1/admin/model", get(model))
+        .route(
+            "/v1/admin/model",
+            get(model).post(load_model).delete(unload_model),
+        )
         .route("/v1/admin/workers", get(workers_status))
         .route("/v1/admin/sessions", get(sessions))
         .route_layer(middleware::from_fn_with_state(
@@ -52,8 +58,29 @@ async fn require_key(State(state): State<Shared>, req: Request, next: Next) -> R
     next.run(req).await
 }
 
+async fn load_model(State(state): State<Shared>, body: Bytes) -> Response {
+    super::admin_model::load(&state.coordinator, body)
+        .await
+        .into_response()
+}
+
+async fn unload_model(State(state): State<Shared>) -> Response {
+    super::admin_model::unload(&state.coordinator)
+        .await
+        .into_response()
+}
+
 async fn model(State(state): State<Shared>) -> Json<Value> {
     let info = state.coordinator.model();
+    let loaded = state.coordinator.model_loaded();
+    let change = state.coordinator.model_change().map(|c| {
+        json!({
+            "model": c.model,
+            "phase": c.phase,
+            "bytes_loaded": c.bytes_loaded,
+            "bytes_total": c.bytes_total,
+        })
+    });
     let (serving, reason) = match state.coordinator.health() {
         Health::Ready => (true, None),
         Health::Unavailable(why) => (false, Some(why)),
@@ -82,6 +109,9 @@ async fn model(State(state): State<Shared>) -> Json<Value> {
     let stats = state.coordinator.stats();
     Json(json!({
         "id": info.id,
+        "loaded": loaded,
+        "path": state.coordinator.model_path(),
+        "model_change": change,
         "ctx_per_seq": info.ctx_per_seq,
         "serving": serving,
         "unavailable_reason": reason,

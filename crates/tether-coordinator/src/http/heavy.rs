@@ -15,7 +15,7 @@ use super::error::ApiError;
 pub(super) const HEAVY_BODY_BYTES: usize = 16 << 10;
 
 /// The cap on heavy request work running at once.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(super) struct HeavyWork {
     permits: Arc<Semaphore>,
     limit: usize,

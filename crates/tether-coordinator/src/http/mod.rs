@@ -6,6 +6,7 @@
 //! chat templates, detokenizing as tokens stream, and cutting at stop strings.
 
 pub mod admin;
+mod admin_model;
 mod body_deadline;
 pub mod cors;
 mod endpoints;
@@ -33,12 +34,14 @@ mod tests_cors;
 #[cfg(test)]
 mod tests_errors;
 #[cfg(test)]
+mod tests_lifecycle;
+#[cfg(test)]
 mod tests_stream;
 #[cfg(test)]
 mod tests_tokenize;
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -103,7 +106,7 @@ impl Default for HttpOptions {
     }
 }
 
-/// What every handler shares.
+/// What every handler shares, for one load of a model (one [`Generation::model_epoch`]).
 struct AppState {
     engine: Arc<dyn Generation>,
     opts: HttpOptions,
@@ -113,9 +116,74 @@ struct AppState {
     template: ChatTemplate,
     metrics: Arc<Metrics>,
     heavy: HeavyWork,
+    /// The engine's model epoch this state was built for; requests carry it, so one
+    /// prepared with a replaced model's tokenizer is refused instead of served.
+    epoch: u64,
+    /// Whether a model was loaded when this state was built.
+    loaded: bool,
 }
 
 type SharedState = Arc<AppState>;
+
+impl AppState {
+    fn build(
+        engine: Arc<dyn Generation>,
+        opts: HttpOptions,
+        metrics: Arc<Metrics>,
+        heavy: HeavyWork,
+    ) -> AppState {
+        let epoch = engine.model_epoch();
+        let loaded = engine.model_loaded();
+        let model = engine.model();
+        let tokenizer = engine.tokenizer();
+        let template = ChatTemplate::for_model(&model, &tokenizer, opts.template_budget);
+        // The configured id names the model served at start, not one loaded later.
+        let model_id = match (&opts.model_id, epoch) {
+            (Some(id), 0) => id.clone(),
+            _ => model.id.clone(),
+        };
+        AppState {
+            engine,
+            opts,
+            model,
+            model_id,
+            tokenizer,
+            template,
+            metrics,
+            heavy,
+            epoch,
+            loaded,
+        }
+    }
+}
+
+/// The router's state: the [`AppState`] of the model serving now, built again when the
+/// engine's model changes (a load or unload through the admin API).
+#[derive(Clone)]
+struct Front(Arc<RwLock<SharedState>>);
+
+impl Front {
+    fn current(&self) -> SharedState {
+        let state = Arc::clone(&self.0.read().unwrap_or_else(|e| e.into_inner()));
+        if state.engine.model_epoch() == state.epoch {
+            return state;
+        }
+        let next = Arc::new(AppState::build(
+            Arc::clone(&state.engine),
+            state.opts.clone(),
+            Arc::clone(&state.metrics),
+            state.heavy.clone(),
+        ));
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::clone(&next);
+        next
+    }
+}
+
+impl axum::extract::FromRef<Front> for SharedState {
+    fn from_ref(front: &Front) -> SharedState {
+        front.current()
+    }
+}
 
 /// Endpoints named in `/metrics`; anything else is counted as `other`.
 const ENDPOINTS: [&str; 7] = [
@@ -130,22 +198,15 @@ const ENDPOINTS: [&str; 7] = [
 
 /// The API's routes over `engine`.
 pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
-    let model = engine.model();
-    let tokenizer = engine.tokenizer();
-    let template = ChatTemplate::for_model(&model, &tokenizer, opts.template_budget);
-    let model_id = opts.model_id.clone().unwrap_or_else(|| model.id.clone());
     let heavy = HeavyWork::new(opts.max_heavy_requests);
     let cors = cors::layer(&opts.cors);
-    let state = Arc::new(AppState {
+    let state = Arc::new(AppState::build(
         engine,
         opts,
-        model,
-        model_id,
-        tokenizer,
-        template,
-        metrics: Arc::new(Metrics::default()),
+        Arc::new(Metrics::default()),
         heavy,
-    });
+    ));
+    let front = Front(Arc::new(RwLock::new(Arc::clone(&state))));
     let v1 = Router::new()
         .route("/v1/completions", post(endpoints::completions))
         .route("/v1/chat/completions", post(endpoints::chat_completions))
@@ -178,7 +239,7 @@ pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
         Arc::clone(&state),
         count_requests,
     ))
-    .with_state(state)
+    .with_state(front)
 }
 
 /// Serves `router` on `listener` under `limits` until `shutdown` completes, then lets
@@ -253,6 +314,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// `GET /v1/models`.
 async fn list_models(State(state): State<SharedState>) -> Response {
+    if !state.loaded {
+        return axum::Json(json!({"object": "list", "data": []})).into_response();
+    }
     axum::Json(json!({
         "object": "list",
         "data": [{
@@ -266,16 +330,28 @@ async fn list_models(State(state): State<SharedState>) -> Response {
     .into_response()
 }
 
-/// `GET /health`: 200 when the engine serves, else 503 with the reason.
+/// `GET /health`: 200 when the engine serves, else 503 with the reason; the model served
+/// and, while one runs, the model change and its progress.
 async fn health(State(state): State<SharedState>) -> Response {
-    match state.engine.health() {
-        Health::Ready => (StatusCode::OK, axum::Json(json!({"status": "ok"}))).into_response(),
+    let (status, mut body) = match state.engine.health() {
+        Health::Ready => (StatusCode::OK, json!({"status": "ok"})),
         Health::Unavailable(reason) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"status": "unavailable", "reason": reason})),
-        )
-            .into_response(),
+            json!({"status": "unavailable", "reason": reason}),
+        ),
+    };
+    if state.loaded {
+        body["model"] = json!(state.model_id);
     }
+    if let Some(change) = state.engine.model_change() {
+        body["model_change"] = json!({
+            "model": change.model,
+            "phase": change.phase,
+            "bytes_loaded": change.bytes_loaded,
+            "bytes_total": change.bytes_total,
+        });
+    }
+    (status, axum::Json(body)).into_response()
 }
 
 /// `GET /metrics`.

@@ -61,6 +61,7 @@ impl Run {
             sampling: prepared.sampling,
             deadline: Some(deadline),
             stop_tokens: prepared.stop_tokens,
+            model_epoch: Some(state.epoch),
         })?;
         Ok(Run {
             events: Some(events),

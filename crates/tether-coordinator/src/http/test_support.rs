@@ -18,6 +18,7 @@ use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use super::admin::admin_router;
 use super::{ConnLimits, HttpOptions, router, serve};
 use crate::{Coordinator, CoordinatorConfig, ModelFile};
 
@@ -27,14 +28,28 @@ pub const TEST_CTX: usize = 256;
 /// A synthetic tiny llama, written once per test process.
 pub fn tiny_model() -> &'static Path {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("tether-http-tests-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir is writable");
-        let path = dir.join("tiny-q8_0.gguf");
-        tether_model::synthesize(&path, SynthShape::Tiny, GgmlType::Q8_0, 7)
-            .expect("synthesizing the tiny model");
-        path
-    })
+    PATH.get_or_init(|| synthesize_tiny("tiny-q8_0.gguf", 7))
+}
+
+/// A second tiny llama of the same shape with other weights (another seed), for model
+/// changes whose outputs must differ.
+pub fn other_tiny_model() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| synthesize_tiny("other-tiny-q8_0.gguf", 11))
+}
+
+fn synthesize_tiny(name: &str, seed: u64) -> PathBuf {
+    let path = test_dir().join(name);
+    tether_model::synthesize(&path, SynthShape::Tiny, GgmlType::Q8_0, seed)
+        .expect("synthesizing the tiny model");
+    path
+}
+
+/// This test process's directory for files it writes.
+pub fn test_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tether-http-tests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir is writable");
+    dir
 }
 
 /// `stories260K.gguf` from the test data, when present.
@@ -48,7 +63,19 @@ pub struct TestEngine {
     coordinator: Arc<Coordinator>,
     // Declared after the coordinator, so it is dropped after it: the coordinator's sessions
     // end on a live worker.
-    _workers: LocalWorkers,
+    workers: LocalWorkers,
+}
+
+impl TestEngine {
+    /// The embedded worker.
+    pub fn worker(&self) -> &tether_worker::embedded::LocalWorker {
+        &self.workers.workers[0]
+    }
+
+    /// The secret the worker's admin calls take.
+    pub fn worker_token(&self) -> String {
+        self.workers.token().expose().to_string()
+    }
 }
 
 impl Deref for TestEngine {
@@ -62,9 +89,21 @@ impl Deref for TestEngine {
 /// The production engine over `model` with one sequence slot of `ctx` cells and `queue`
 /// requests waiting for it (at least one: the coordinator's queue cannot be empty).
 pub async fn engine(model: &Path, ctx: usize, queue: usize) -> Arc<TestEngine> {
+    engine_with(model, ctx, queue, 1 << 30, |_| {}).await
+}
+
+/// [`engine`] over a worker that admits at most `max_memory` bytes, with `configure`
+/// applied to the coordinator's settings.
+pub async fn engine_with(
+    model: &Path,
+    ctx: usize,
+    queue: usize,
+    max_memory: u64,
+    configure: impl FnOnce(&mut CoordinatorConfig),
+) -> Arc<TestEngine> {
     let options = LocalOptions {
         threads: Some(1),
-        max_memory: Some(1 << 30),
+        max_memory: Some(max_memory),
         gpus: Vec::new(),
         ..LocalOptions::default()
     };
@@ -78,12 +117,13 @@ pub async fn engine(model: &Path, ctx: usize, queue: usize) -> Arc<TestEngine> {
     config.parallel = 1;
     config.ubatch = 32;
     config.queue_depth = queue.max(1);
+    configure(&mut config);
     let coordinator = Coordinator::start(file, config)
         .await
         .expect("loading the test model over the worker");
     Arc::new(TestEngine {
         coordinator: Arc::new(coordinator),
-        _workers: workers,
+        workers,
     })
 }
 
@@ -137,12 +177,27 @@ pub struct TestServer {
 impl TestServer {
     /// Serves `engine` with `opts`.
     pub async fn start(engine: Arc<TestEngine>, opts: HttpOptions) -> TestServer {
+        let app = router(Arc::clone(&engine.coordinator) as _, opts);
+        Self::start_router(engine, app).await
+    }
+
+    /// Serves `engine` with `opts` and the admin routes, as `tether serve` does.
+    pub async fn start_with_admin(engine: Arc<TestEngine>, opts: HttpOptions) -> TestServer {
+        let admin = admin_router(
+            Arc::clone(&engine.coordinator),
+            opts.api_key.clone(),
+            Some(engine.worker_token()),
+        );
+        let app = router(Arc::clone(&engine.coordinator) as _, opts).merge(admin);
+        Self::start_router(engine, app).await
+    }
+
+    async fn start_router(engine: Arc<TestEngine>, app: axum::Router) -> TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("binding a free port");
         let addr = listener.local_addr().expect("local address");
         let (tx, rx) = oneshot::channel::<()>();
-        let app = router(Arc::clone(&engine.coordinator) as _, opts);
         let task = tokio::spawn(serve(listener, app, ConnLimits::default(), async move {
             let _ = rx.await;
         }));

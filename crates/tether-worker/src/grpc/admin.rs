@@ -59,4 +59,12 @@ impl pb::admin_server::Admin for AdminService {
         let sessions = self.registry.drain() as u32;
         Ok(Response::new(pb::DrainReply { sessions }))
     }
+
+    async fn undrain(
+        &self,
+        _: Request<pb::UndrainRequest>,
+    ) -> Result<Response<pb::UndrainReply>, Status> {
+        let was_draining = self.registry.undrain().map_err(to_status)?;
+        Ok(Response::new(pb::UndrainReply { was_draining }))
+    }
 }

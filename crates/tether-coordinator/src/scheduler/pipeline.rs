@@ -1,0 +1,150 @@
+//! The scheduler's calls over the workers: KV bookkeeping of freed and shifted slots, and
+//! one step's groups run through every worker as a pipeline.
+
+use crate::load::LoadedStage;
+use crate::loss::Loss;
+use crate::sequence::{Batch, Sequence};
+use crate::stage_call;
+use tether_protocol::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
+use tokio::sync::mpsc;
+
+/// Forgets the KV cells of freed slots on every worker.
+pub(super) async fn clear_slots(stages: &[LoadedStage], slots: &mut Vec<u32>) -> Result<(), Loss> {
+    for seq in slots.drain(..) {
+        for st in stages {
+            st.client
+                .kv_clear(st.session, seq)
+                .await
+                .map_err(Loss::Call)?;
+        }
+    }
+    Ok(())
+}
+
+/// Forgets the cells of shifted sequences past their kept prefix on every worker.
+pub(super) async fn truncate_slots(
+    stages: &[LoadedStage],
+    slots: &mut Vec<(u32, usize)>,
+) -> Result<(), Loss> {
+    for (seq, keep) in slots.drain(..) {
+        let keep = u32::try_from(keep)
+            .map_err(|_| Loss::Internal(format!("{keep} cells do not fit a u32")))?;
+        for st in stages {
+            st.client
+                .kv_truncate(st.session, seq, keep)
+                .await
+                .map_err(Loss::Call)?;
+        }
+    }
+    Ok(())
+}
+
+/// What the last worker returned for a batch's logits rows.
+pub(super) enum RowsOut {
+    /// `[rows][n_vocab]`, for the sequences' samplers.
+    Logits(Vec<f32>),
+    /// One greedy token per row.
+    ArgMax(Vec<u32>),
+    /// Row r's most likely candidates are `candidates[starts[r]..starts[r + 1]]`.
+    Top {
+        starts: Vec<usize>,
+        candidates: Vec<(u32, f32)>,
+    },
+}
+
+/// What the last worker should return for `batch`'s logits rows: arg-max tokens when every
+/// row samples greedily, the top k candidates when every row's sampler needs no more than
+/// its k most likely tokens (k the largest of them), else every logit. A 128k vocabulary's
+/// logits are 512 KiB a row on the network; 40 candidates are 320 bytes.
+pub(super) fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
+    if batch.logits_rows.is_empty() {
+        return Rows::Logits;
+    }
+    let samplers = || batch.sample_for.iter().map(|&i| slots[i].as_ref());
+    if samplers().all(|s| s.is_some_and(|s| s.sampler.is_greedy())) {
+        return Rows::ArgMax;
+    }
+    let mut k = 0;
+    for s in samplers() {
+        match s.and_then(|s| s.sampler.candidates_needed(&s.tokens)) {
+            Some(n) if n as u64 <= u64::from(MAX_TOP_K) => k = k.max(n as u32),
+            _ => return Rows::Logits,
+        }
+    }
+    Rows::Top(k.max(1))
+}
+
+/// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
+/// groups in order (a later group of a sequence needs the cells of an earlier one) and
+/// passes each on as soon as it is done, so group k+1 runs on one worker while group k
+/// runs on the next. Returns what each group's logits rows asked for, in order.
+pub(super) async fn run_pipeline(
+    stages: &[LoadedStage],
+    groups: &[Batch],
+) -> Result<Vec<RowsOut>, Loss> {
+    let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
+    let mut workers = Vec::with_capacity(stages.len());
+    let last = stages.len().saturating_sub(1);
+    let alone = groups.len() == 1;
+    for (i, st) in stages.iter().enumerate() {
+        let (tx, next) = mpsc::unbounded_channel();
+        let mut input = std::mem::replace(&mut rx, next);
+        workers.push(async move {
+            let mut logits = Vec::new();
+            while let Some((k, x)) = input.recv().await {
+                let b = &groups[k];
+                let rows: &[u32] = if i == last { &b.logits_rows } else { &[] };
+                let want = if i == last { b.rows } else { Rows::Logits };
+                let out = stage_call::forward(st, &b.tokens, x, rows, want, alone)
+                    .await
+                    .map_err(Loss::Call)?;
+                match out {
+                    ForwardOutput::Hidden(h) if i < last => {
+                        // The next worker gone means another worker failed; its error wins.
+                        let _ = tx.send((k, ForwardInput::Hidden(h)));
+                    }
+                    ForwardOutput::Logits(l) if i == last && want == Rows::Logits => {
+                        logits.push(RowsOut::Logits(l))
+                    }
+                    ForwardOutput::ArgMax(t) if i == last && want == Rows::ArgMax => {
+                        logits.push(RowsOut::ArgMax(t))
+                    }
+                    ForwardOutput::Top { counts, candidates }
+                        if i == last && matches!(want, Rows::Top(_)) =>
+                    {
+                        let mut starts = Vec::with_capacity(counts.len() + 1);
+                        starts.push(0);
+                        for c in counts {
+                            starts.push(starts[starts.len() - 1] + c as usize);
+                        }
+                        logits.push(RowsOut::Top { starts, candidates })
+                    }
+                    ForwardOutput::Hidden(_) if rows.is_empty() => {
+                        logits.push(RowsOut::Logits(Vec::new()))
+                    }
+                    _ => {
+                        return Err(Loss::BadReply(format!(
+                            "worker {} returned the wrong kind of output",
+                            st.client.addr()
+                        )));
+                    }
+                }
+            }
+            Ok::<_, Loss>(logits)
+        });
+    }
+    for (k, b) in groups.iter().enumerate() {
+        let _ = first.send((k, ForwardInput::TokenIds(b.ids.clone())));
+    }
+    drop(first);
+    let mut outputs = futures::future::try_join_all(workers).await?;
+    let logits = outputs.pop().unwrap_or_default();
+    if logits.len() != groups.len() {
+        return Err(Loss::Internal(format!(
+            "the pipeline returned logits for {} of {} groups",
+            logits.len(),
+            groups.len()
+        )));
+    }
+    Ok(logits)
+}
