@@ -3,9 +3,14 @@
 //! `tetherctl status` shows, so a leak or a stuck session is a line on a dashboard.
 
 use crate::registry::SessionRegistry;
-use std::fmt::Write as _;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+use tether_metrics::{LabelText, register, render};
 use tether_protocol::EndReason;
 
 /// Upper bounds (seconds) of the forward-pass latency buckets: from a decode step of a tiny
@@ -35,10 +40,6 @@ impl TxnOp {
             Self::Abort => "abort",
         }
     }
-
-    fn index(self) -> usize {
-        self as usize
-    }
 }
 
 /// Where a Prepare's tensor bytes came from.
@@ -61,180 +62,181 @@ impl TensorSourceKind {
     }
 }
 
+/// Labels of one two-phase-commit series: `op` and `result`.
+type TxnLabels = [(&'static str, &'static str); 2];
+/// Labels of a series told apart by one fixed label.
+type OneLabel = [(&'static str, &'static str); 1];
+/// Gauges set at each scrape from the registry's status.
+type Gauges<L> = Family<L, Gauge<u64, AtomicU64>>;
+
+fn txn_labels(op: TxnOp, ok: bool) -> TxnLabels {
+    [
+        ("op", op.as_str()),
+        ("result", if ok { "ok" } else { "refused" }),
+    ]
+}
+
+fn source_labels(source: TensorSourceKind) -> OneLabel {
+    [("source", source.as_str())]
+}
+
 /// Counters the registry keeps for the metrics endpoint only.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct WorkerMetrics {
-    /// `[op][0 = ok, 1 = refused]`.
-    txn: [[AtomicU64; 2]; 3],
+    txn: Family<TxnLabels, Counter>,
     forward: Histogram,
+    /// The forward passes' time in all, for `forward_time` (prometheus-client's histogram
+    /// keeps its sum to itself).
+    forward_nanos: AtomicU64,
     /// Tensor bytes staged, by [`TensorSourceKind`].
-    tensor_bytes: [AtomicU64; 2],
+    tensor_bytes: Family<OneLabel, Counter>,
     /// Prepares that named the worker's own copy of the model and were refused.
-    local_refused: AtomicU64,
+    local_refused: Counter,
+}
+
+impl Default for WorkerMetrics {
+    fn default() -> Self {
+        let metrics = Self {
+            txn: Family::default(),
+            forward: Histogram::new(FORWARD_BUCKETS),
+            forward_nanos: AtomicU64::new(0),
+            tensor_bytes: Family::default(),
+            local_refused: Counter::default(),
+        };
+        // Every series exists from the start, at 0, so a dashboard's rate() has a first
+        // point before the first event.
+        for op in TxnOp::ALL {
+            for ok in [true, false] {
+                drop(metrics.txn.get_or_create(&txn_labels(op, ok)));
+            }
+        }
+        for source in TensorSourceKind::ALL {
+            drop(metrics.tensor_bytes.get_or_create(&source_labels(source)));
+        }
+        metrics
+    }
 }
 
 impl WorkerMetrics {
     /// Counts one outcome of a two-phase-commit step.
     pub fn count_txn(&self, op: TxnOp, ok: bool) {
-        self.txn[op.index()][usize::from(!ok)].fetch_add(1, Ordering::Relaxed);
+        self.txn.get_or_create(&txn_labels(op, ok)).inc();
     }
 
     /// How many `op` steps ended ok (`true`) or refused (`false`).
+    #[cfg(test)]
     pub fn txn_count(&self, op: TxnOp, ok: bool) -> u64 {
-        self.txn[op.index()][usize::from(!ok)].load(Ordering::Relaxed)
+        self.txn.get_or_create(&txn_labels(op, ok)).get()
     }
 
     /// Records the duration of one forward pass.
     pub fn observe_forward(&self, took: Duration) {
-        self.forward.observe(took);
+        self.forward.observe(took.as_secs_f64());
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.forward_nanos.fetch_add(nanos, Ordering::Relaxed);
     }
 
     /// The time every forward pass so far took in all.
     pub fn forward_total(&self) -> Duration {
-        Duration::from_nanos(self.forward.sum_nanos.load(Ordering::Relaxed))
+        Duration::from_nanos(self.forward_nanos.load(Ordering::Relaxed))
     }
 
     /// Counts tensor bytes copied into a staged block from `source`.
     pub fn count_tensor_bytes(&self, source: TensorSourceKind, bytes: u64) {
-        self.tensor_bytes[source as usize].fetch_add(bytes, Ordering::Relaxed);
+        self.tensor_bytes
+            .get_or_create(&source_labels(source))
+            .inc_by(bytes);
     }
 
     /// Tensor bytes staged from `source` so far.
+    #[cfg(test)]
     pub fn tensor_bytes(&self, source: TensorSourceKind) -> u64 {
-        self.tensor_bytes[source as usize].load(Ordering::Relaxed)
+        self.tensor_bytes
+            .get_or_create(&source_labels(source))
+            .get()
     }
 
     /// Counts one refused read of the worker's own copy of the model.
     pub fn count_local_refused(&self) {
-        self.local_refused.fetch_add(1, Ordering::Relaxed);
+        self.local_refused.inc();
     }
 
     /// Refused reads of the worker's own copy of the model so far.
+    #[cfg(test)]
     pub fn local_refused(&self) -> u64 {
-        self.local_refused.load(Ordering::Relaxed)
+        self.local_refused.get()
     }
 }
 
-/// A latency histogram over [`FORWARD_BUCKETS`], lock-free.
-#[derive(Debug, Default)]
-struct Histogram {
-    /// Observations per bucket, not cumulative; the last slot counts those above every bound.
-    buckets: [AtomicU64; FORWARD_BUCKETS.len() + 1],
-    sum_nanos: AtomicU64,
-}
-
-impl Histogram {
-    fn observe(&self, took: Duration) {
-        let secs = took.as_secs_f64();
-        let slot = FORWARD_BUCKETS
-            .iter()
-            .position(|&bound| secs <= bound)
-            .unwrap_or(FORWARD_BUCKETS.len());
-        self.buckets[slot].fetch_add(1, Ordering::Relaxed);
-        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+/// A family of gauges holding `values`, for series read from the status at each scrape.
+fn gauges<L>(values: impl IntoIterator<Item = (L, u64)>) -> Gauges<L>
+where
+    L: Clone + std::hash::Hash + Eq,
+{
+    let family = Gauges::default();
+    for (labels, value) in values {
+        family.get_or_create(&labels).set(value);
     }
-
-    fn write(&self, out: &mut String, name: &str) {
-        let mut cumulative = 0u64;
-        for (bound, count) in FORWARD_BUCKETS.iter().zip(&self.buckets) {
-            cumulative += count.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
-        }
-        cumulative += self.buckets[FORWARD_BUCKETS.len()].load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
-        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum {sum}");
-        let _ = writeln!(out, "{name}_count {cumulative}");
-    }
-}
-
-/// Escapes a label value as the exposition format asks (backslash, quote, newline).
-fn label(value: &str) -> String {
-    let mut s = String::with_capacity(value.len());
-    for c in value.chars() {
-        match c {
-            '\\' => s.push_str("\\\\"),
-            '"' => s.push_str("\\\""),
-            '\n' => s.push_str("\\n"),
-            c => s.push(c),
-        }
-    }
-    s
-}
-
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
+    family
 }
 
 impl SessionRegistry {
-    /// Everything the worker reports, in the Prometheus text exposition format (0.0.4).
+    /// Everything the worker reports, in the Prometheus text exposition format: the live
+    /// counters, and the status read now.
     pub fn prometheus_text(&self) -> String {
         let status = self.status();
         let sessions = self.sessions();
-        let mut out = String::with_capacity(4096);
+        let mut reg = Registry::default();
 
-        header(
-            &mut out,
-            "tether_device_bytes",
-            "gauge",
-            "Device memory: total and free as the driver reports them, used = total - free, baseline = used when the worker started.",
-        );
         let used = status
             .device_total_bytes
             .saturating_sub(status.device_free_bytes);
-        for (kind, value) in [
-            ("total", status.device_total_bytes),
-            ("free", status.device_free_bytes),
-            ("used", used),
-            ("baseline", status.baseline_used_bytes),
-        ] {
-            let _ = writeln!(out, "tether_device_bytes{{kind=\"{kind}\"}} {value}");
-        }
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
+            "tether_device_bytes",
+            "Device memory: total and free as the driver reports them, used = total - free, baseline = used when the worker started.",
+            gauges([
+                ([("kind", "total")], status.device_total_bytes),
+                ([("kind", "free")], status.device_free_bytes),
+                ([("kind", "used")], used),
+                ([("kind", "baseline")], status.baseline_used_bytes),
+            ]),
+        );
+        register(
+            &mut reg,
             "tether_max_memory_bytes",
-            "gauge",
             "The admission limit all sessions share (--max-memory).",
+            ConstGauge::new(status.max_memory_bytes),
         );
-        let _ = writeln!(out, "tether_max_memory_bytes {}", status.max_memory_bytes);
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_session_bytes",
-            "gauge",
             "Bytes held by one live session (committed and staged).",
+            gauges(sessions.iter().map(|s| {
+                (
+                    [
+                        ("session", LabelText(s.session_id.clone())),
+                        ("client", LabelText(s.client_name.clone())),
+                    ],
+                    s.bytes,
+                )
+            })),
         );
-        for s in &sessions {
-            let _ = writeln!(
-                out,
-                "tether_session_bytes{{session=\"{}\",client=\"{}\"}} {}",
-                label(&s.session_id),
-                label(&s.client_name),
-                s.bytes
-            );
-        }
-
-        header(&mut out, "tether_sessions", "gauge", "Live sessions.");
-        let _ = writeln!(out, "tether_sessions {}", status.sessions);
+        register(
+            &mut reg,
+            "tether_sessions",
+            "Live sessions.",
+            ConstGauge::new(u64::from(status.sessions)),
+        );
 
         let c = status.counters;
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_sessions_opened_total",
-            "counter",
             "Sessions opened since the worker started.",
+            ConstCounter::new(c.opened),
         );
-        let _ = writeln!(out, "tether_sessions_opened_total {}", c.opened);
-
-        header(
-            &mut out,
-            "tether_sessions_ended_total",
-            "counter",
-            "Sessions ended since the worker started, by reason.",
-        );
+        let ended = Family::<OneLabel, Counter>::default();
         for (reason, value) in [
             (EndReason::Closed, c.closed),
             (EndReason::Disconnected, c.disconnected),
@@ -242,173 +244,97 @@ impl SessionRegistry {
             (EndReason::Killed, c.killed),
             (EndReason::Shutdown, c.shutdown),
         ] {
-            let _ = writeln!(
-                out,
-                "tether_sessions_ended_total{{reason=\"{}\"}} {value}",
-                reason.as_str()
-            );
+            ended
+                .get_or_create(&[("reason", reason.as_str())])
+                .inc_by(value);
         }
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
+            "tether_sessions_ended_total",
+            "Sessions ended since the worker started, by reason.",
+            ended,
+        );
+        register(
+            &mut reg,
             "tether_reaped_total",
-            "counter",
             "Sessions ended by the reaper: no heartbeat within their lease TTL.",
+            ConstCounter::new(c.reaped),
         );
-        let _ = writeln!(out, "tether_reaped_total {}", c.reaped);
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_txn_total",
-            "counter",
             "Two-phase-commit steps by operation and result.",
+            self.metrics.txn.clone(),
         );
-        for op in TxnOp::ALL {
-            for (result, ok) in [("ok", true), ("refused", false)] {
-                let _ = writeln!(
-                    out,
-                    "tether_txn_total{{op=\"{}\",result=\"{result}\"}} {}",
-                    op.as_str(),
-                    self.metrics.txn_count(op, ok)
-                );
-            }
-        }
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_txn_timed_out_total",
-            "counter",
             "Prepared transactions aborted because no decision came within their timeout.",
+            ConstCounter::new(c.txn_timed_out),
         );
-        let _ = writeln!(out, "tether_txn_timed_out_total {}", c.txn_timed_out);
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_tensor_bytes_total",
-            "counter",
             "Tensor bytes staged by Prepare, by where they came from: chunks over the network, or the worker's own copy of the model file (--model-dir).",
+            self.metrics.tensor_bytes.clone(),
         );
-        for source in TensorSourceKind::ALL {
-            let _ = writeln!(
-                out,
-                "tether_tensor_bytes_total{{source=\"{}\"}} {}",
-                source.as_str(),
-                self.metrics.tensor_bytes(source)
-            );
-        }
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_local_model_refused_total",
-            "counter",
             "Prepares that asked the worker to read its own copy of the model and were refused (no --model-dir, outside it, missing, or a different file); the coordinator then streams.",
+            self.metrics.local_refused.clone(),
         );
-        let _ = writeln!(
-            out,
-            "tether_local_model_refused_total {}",
-            self.metrics.local_refused()
-        );
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_forward_seconds",
-            "histogram",
             "Duration of successful forward passes.",
+            self.metrics.forward.clone(),
         );
-        self.metrics
-            .forward
-            .write(&mut out, "tether_forward_seconds");
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_unaccounted_bytes",
-            "gauge",
             "Memory the worker holds beyond its idle baseline and its sessions' bytes (a leak shows here).",
+            ConstGauge::new(status.unaccounted_bytes),
         );
-        let _ = writeln!(out, "tether_unaccounted_bytes {}", status.unaccounted_bytes);
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_unaccounted_source",
-            "gauge",
             "What tether_unaccounted_bytes counts (1 for the source in use): driver_per_process (NVML), device_used (cuMemGetInfo) or process_rss (cpu).",
+            gauges([([("source", status.memory_source.as_str())], 1)]),
         );
-        let _ = writeln!(
-            out,
-            "tether_unaccounted_source{{source=\"{}\"}} 1",
-            status.memory_source.as_str()
-        );
-
-        header(
-            &mut out,
+        // Absent when the driver cannot tell: a 0 would read as "holds nothing".
+        let per_process = (status.process_device_bytes > 0).then_some([
+            ([("when", "now")], status.process_device_bytes),
+            ([("when", "start")], status.baseline_process_device_bytes),
+        ]);
+        register(
+            &mut reg,
             "tether_process_device_bytes",
-            "gauge",
             "Device memory of the worker process as the driver counts it per process (NVML), now and at start; absent when it cannot tell.",
+            gauges(per_process.into_iter().flatten()),
         );
-        if status.process_device_bytes > 0 {
-            let _ = writeln!(
-                out,
-                "tether_process_device_bytes{{when=\"now\"}} {}",
-                status.process_device_bytes
-            );
-            let _ = writeln!(
-                out,
-                "tether_process_device_bytes{{when=\"start\"}} {}",
-                status.baseline_process_device_bytes
-            );
-        }
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_process_resident_bytes",
-            "gauge",
             "Resident memory of the worker process, now and at start (Linux).",
+            gauges([
+                ([("when", "now")], status.process_rss_bytes),
+                ([("when", "baseline")], status.baseline_rss_bytes),
+            ]),
         );
-        for (when, value) in [
-            ("now", status.process_rss_bytes),
-            ("baseline", status.baseline_rss_bytes),
-        ] {
-            let _ = writeln!(
-                out,
-                "tether_process_resident_bytes{{when=\"{when}\"}} {value}"
-            );
-        }
-
-        header(
-            &mut out,
+        register(
+            &mut reg,
             "tether_draining",
-            "gauge",
             "1 while the worker refuses new sessions (draining or shutting down).",
+            ConstGauge::new(u64::from(status.draining)),
         );
-        let _ = writeln!(out, "tether_draining {}", u8::from(status.draining));
-        out
+        render(&reg)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn histogram_buckets_are_cumulative_and_sum_in_seconds() {
-        let h = Histogram::default();
-        h.observe(Duration::from_micros(300)); // first bucket
-        h.observe(Duration::from_millis(3)); // 0.005
-        h.observe(Duration::from_secs(20)); // above every bound
-        let mut out = String::new();
-        h.write(&mut out, "x");
-        assert!(out.contains("x_bucket{le=\"0.0005\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"0.0025\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"0.005\"} 2\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"10\"} 2\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"), "{out}");
-        assert!(out.contains("x_count 3\n"), "{out}");
-        let sum: f64 = out
-            .lines()
-            .find_map(|l| l.strip_prefix("x_sum "))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(f64::NAN);
-        assert!((sum - 20.0033).abs() < 1e-9, "{sum}");
-    }
 
     #[test]
     fn tensor_bytes_are_kept_apart_by_source() {
@@ -427,9 +353,24 @@ mod tests {
         );
     }
 
-    #[test]
-    fn label_values_are_escaped() {
-        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    #[tokio::test]
+    async fn a_client_name_stays_inside_its_label() {
+        use crate::registry::RegistryConfig;
+        use crate::testing::FakeFactory;
+        use std::sync::Arc;
+        let registry = SessionRegistry::new(
+            Arc::new(FakeFactory { free: 1 << 20 }),
+            1 << 20,
+            RegistryConfig::default(),
+        );
+        let lease = tether_protocol::Lease {
+            heartbeat_interval: Duration::from_millis(100),
+            ttl: Duration::from_secs(5),
+        };
+        let _ticket = registry.open("a\"b\\c\nd", lease).expect("open");
+        let text = registry.prometheus_text();
+        assert!(text.contains(",client=\"a\\\"b\\\\c\\nd\"} "), "{text}");
+        assert!(text.contains("\ntether_sessions 1\n"), "{text}");
     }
 
     #[test]

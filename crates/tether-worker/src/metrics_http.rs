@@ -1,22 +1,9 @@
-//! The metrics endpoint: a minimal HTTP/1.1 server answering `GET /metrics` with the
-//! registry's Prometheus text. Each connection gets one response and is closed, which is
-//! all a scraper needs; requests are read with a size and time bound, so a slow or hostile
-//! peer holds nothing for long.
+//! The metrics endpoint: `GET /metrics` answered with the registry's Prometheus text on a
+//! port of its own, by the server the coordinator's exposition shares.
 
 use crate::registry::SessionRegistry;
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_util::task::TaskTracker;
-
-/// Largest request head read; a scrape's is a few hundred bytes.
-const MAX_REQUEST_BYTES: usize = 8 << 10;
-/// How long a peer may take to send its request and read the answer.
-const IO_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Content type of the Prometheus text exposition format.
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+use tokio::net::TcpListener;
 
 /// Serves `GET /metrics` on `listener` until `shutdown` resolves, then waits for the
 /// answers in flight.
@@ -25,68 +12,8 @@ pub async fn serve_metrics(
     registry: Arc<SessionRegistry>,
     shutdown: impl Future<Output = ()>,
 ) {
-    let connections = TaskTracker::new();
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    let registry = Arc::clone(&registry);
-                    connections.spawn(async move {
-                        let answered = tokio::time::timeout(IO_TIMEOUT, answer(stream, &registry)).await;
-                        if !matches!(answered, Ok(Ok(()))) {
-                            tracing::debug!(%peer, "metrics request dropped: slow, malformed or closed");
-                        }
-                    });
-                }
-                Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!("metrics endpoint cannot accept a connection: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            },
-        }
-    }
-    connections.close();
-    connections.wait().await;
-}
-
-/// Reads one request head and writes one response.
-async fn answer(mut stream: TcpStream, registry: &SessionRegistry) -> std::io::Result<()> {
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        if head.len() > MAX_REQUEST_BYTES {
-            return respond(&mut stream, "431 Request Header Fields Too Large", "").await;
-        }
-        let n = stream.read(&mut buf).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let request_line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-    let mut parts = request_line.split(|&b| b == b' ');
-    let (method, target) = (parts.next().unwrap_or_default(), parts.next());
-    let path = target.map(|t| t.split(|&b| b == b'?').next().unwrap_or_default());
-    match (method, path) {
-        (b"GET", Some(b"/metrics")) => {
-            respond(&mut stream, "200 OK", &registry.prometheus_text()).await
-        }
-        (b"GET", _) => respond(&mut stream, "404 Not Found", "try GET /metrics\n").await,
-        _ => respond(&mut stream, "405 Method Not Allowed", "only GET /metrics\n").await,
-    }
-}
-
-async fn respond(stream: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
-    let head = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: {CONTENT_TYPE}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+    let router = tether_metrics::router(move || registry.prometheus_text());
+    tether_metrics::serve(listener, router, shutdown).await;
 }
 
 #[cfg(test)]
@@ -94,7 +21,10 @@ mod tests {
     use super::*;
     use crate::registry::RegistryConfig;
     use crate::testing::FakeFactory;
+    use std::time::Duration;
     use tether_protocol::Lease;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
     use tokio_util::sync::CancellationToken;
 
     async fn request(addr: std::net::SocketAddr, raw: &[u8]) -> String {
@@ -142,8 +72,9 @@ mod tests {
         assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
         let post = request(addr, b"POST /metrics HTTP/1.1\r\n\r\n").await;
         assert!(post.starts_with("HTTP/1.1 405"), "{post}");
-        // One byte past the limit, all of which the server reads, so closing sends no reset.
-        let huge = vec![b'a'; MAX_REQUEST_BYTES + 1];
+        // An unfinished head as large as the read buffer (8 KiB): the server reads all of
+        // it before refusing, so closing sends no reset.
+        let huge = vec![b'a'; 8 << 10];
         let refused = request(addr, &huge).await;
         assert!(refused.starts_with("HTTP/1.1 431"), "{refused}");
 

@@ -1,10 +1,14 @@
-//! Counters and histograms of the HTTP API, written in Prometheus' text format.
+//! Counters and histograms of the HTTP API, in Prometheus' text format.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tether_metrics::{LabelText, register, render};
 
 use crate::api::EngineStats;
 
@@ -14,104 +18,84 @@ const BUCKETS: [f64; 14] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
-/// A cumulative histogram of durations.
-#[derive(Debug, Default)]
-struct Histogram {
-    /// One count per bound in [`BUCKETS`]; `+Inf` is `count`.
-    buckets: [u64; BUCKETS.len()],
-    count: u64,
-    sum: f64,
-}
-
-impl Histogram {
-    fn observe(&mut self, seconds: f64) {
-        for (bound, n) in BUCKETS.iter().zip(self.buckets.iter_mut()) {
-            if seconds <= *bound {
-                *n += 1;
-            }
-        }
-        self.count += 1;
-        self.sum += seconds;
-    }
-
-    fn write(&self, out: &mut String, name: &str) {
-        for (bound, n) in BUCKETS.iter().zip(self.buckets.iter()) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {n}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}", self.sum);
-        let _ = writeln!(out, "{name}_count {}", self.count);
-    }
+/// Labels of a request series.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RequestLabels {
+    endpoint: LabelText,
+    code: u16,
 }
 
 /// What the HTTP layer has seen since start.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
-    /// Requests by `(endpoint, status code)`.
-    requests: Mutex<BTreeMap<(String, u16), u64>>,
-    prompt_tokens: AtomicU64,
-    completion_tokens: AtomicU64,
-    time_to_first_token: Mutex<Histogram>,
-    request_duration: Mutex<Histogram>,
+    requests: Family<RequestLabels, Counter>,
+    prompt_tokens: Counter,
+    completion_tokens: Counter,
+    time_to_first_token: Histogram,
+    request_duration: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            requests: Family::default(),
+            prompt_tokens: Counter::default(),
+            completion_tokens: Counter::default(),
+            time_to_first_token: Histogram::new(BUCKETS),
+            request_duration: Histogram::new(BUCKETS),
+        }
+    }
 }
 
 impl Metrics {
     /// Counts a finished request to `endpoint` answered with `status`.
     pub fn count_request(&self, endpoint: &str, status: u16) {
-        if let Ok(mut map) = self.requests.lock() {
-            *map.entry((endpoint.to_owned(), status)).or_insert(0) += 1;
-        }
+        self.requests
+            .get_or_create(&RequestLabels {
+                endpoint: LabelText(endpoint.to_owned()),
+                code: status,
+            })
+            .inc();
     }
 
     /// Adds the tokens of one generation.
     pub fn count_tokens(&self, prompt: usize, completion: usize) {
-        self.prompt_tokens
-            .fetch_add(prompt as u64, Ordering::Relaxed);
-        self.completion_tokens
-            .fetch_add(completion as u64, Ordering::Relaxed);
+        self.prompt_tokens.inc_by(prompt as u64);
+        self.completion_tokens.inc_by(completion as u64);
     }
 
     /// Records the time from a request's arrival to its first generated token.
     pub fn observe_first_token(&self, elapsed: Duration) {
-        if let Ok(mut h) = self.time_to_first_token.lock() {
-            h.observe(elapsed.as_secs_f64());
-        }
+        self.time_to_first_token.observe(elapsed.as_secs_f64());
     }
 
     /// Records the time a generation request took, until its last byte.
     pub fn observe_duration(&self, elapsed: Duration) {
-        if let Ok(mut h) = self.request_duration.lock() {
-            h.observe(elapsed.as_secs_f64());
-        }
+        self.request_duration.observe(elapsed.as_secs_f64());
     }
 
     /// Everything, with the engine's `stats`, in Prometheus' text exposition format.
     pub fn render(&self, stats: &EngineStats) -> String {
-        let mut out = String::new();
-        out.push_str(
-            "# HELP tether_http_requests_total HTTP requests by endpoint and status code.\n",
+        let mut reg = Registry::default();
+        register(
+            &mut reg,
+            "tether_http_requests_total",
+            "HTTP requests by endpoint and status code.",
+            self.requests.clone(),
         );
-        out.push_str("# TYPE tether_http_requests_total counter\n");
-        if let Ok(map) = self.requests.lock() {
-            for ((endpoint, status), n) in map.iter() {
-                let _ = writeln!(
-                    out,
-                    "tether_http_requests_total{{endpoint=\"{}\",code=\"{status}\"}} {n}",
-                    escape_label(endpoint)
-                );
-            }
-        }
-        let counters = [
-            (
-                "tether_http_prompt_tokens_total",
-                "Prompt tokens of requests served over HTTP.",
-                self.prompt_tokens.load(Ordering::Relaxed),
-            ),
-            (
-                "tether_http_generated_tokens_total",
-                "Tokens generated for requests served over HTTP.",
-                self.completion_tokens.load(Ordering::Relaxed),
-            ),
+        register(
+            &mut reg,
+            "tether_http_prompt_tokens_total",
+            "Prompt tokens of requests served over HTTP.",
+            self.prompt_tokens.clone(),
+        );
+        register(
+            &mut reg,
+            "tether_http_generated_tokens_total",
+            "Tokens generated for requests served over HTTP.",
+            self.completion_tokens.clone(),
+        );
+        let engine_counters = [
             (
                 "tether_engine_prompt_tokens_total",
                 "Prompt tokens the engine processed.",
@@ -129,11 +113,8 @@ impl Metrics {
                 stats.prefix_hit_tokens,
             ),
         ];
-        for (name, help, value) in counters {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
-            );
+        for (name, help, value) in engine_counters {
+            register(&mut reg, name, help, ConstCounter::new(value));
         }
         let gauges = [
             (
@@ -148,39 +129,22 @@ impl Metrics {
             ),
         ];
         for (name, help, value) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
-            );
+            register(&mut reg, name, help, ConstGauge::new(value));
         }
-        let histograms = [
-            (
-                "tether_time_to_first_token_seconds",
-                "Time from a request's arrival to its first token.",
-                &self.time_to_first_token,
-            ),
-            (
-                "tether_request_duration_seconds",
-                "Time a generation request took.",
-                &self.request_duration,
-            ),
-        ];
-        for (name, help, h) in histograms {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-            if let Ok(h) = h.lock() {
-                h.write(&mut out, name);
-            }
-        }
-        out
+        register(
+            &mut reg,
+            "tether_time_to_first_token_seconds",
+            "Time from a request's arrival to its first token.",
+            self.time_to_first_token.clone(),
+        );
+        register(
+            &mut reg,
+            "tether_request_duration_seconds",
+            "Time a generation request took.",
+            self.request_duration.clone(),
+        );
+        render(&reg)
     }
-}
-
-/// A label value with `\`, `"` and newlines escaped.
-fn escape_label(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -214,7 +178,7 @@ mod tests {
         let text = m.render(&EngineStats::default());
         assert!(text.contains("tether_request_duration_seconds_bucket{le=\"0.01\"} 0"));
         assert!(text.contains("tether_request_duration_seconds_bucket{le=\"0.025\"} 1"));
-        assert!(text.contains("tether_request_duration_seconds_bucket{le=\"5\"} 2"));
+        assert!(text.contains("tether_request_duration_seconds_bucket{le=\"5.0\"} 2"));
         assert!(text.contains("tether_request_duration_seconds_bucket{le=\"+Inf\"} 2"));
         assert!(text.contains("tether_request_duration_seconds_count 2"));
     }

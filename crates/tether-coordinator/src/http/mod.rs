@@ -46,7 +46,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -355,16 +355,8 @@ async fn health(State(state): State<SharedState>) -> Response {
 }
 
 /// `GET /metrics`.
-async fn metrics_text(State(state): State<SharedState>) -> Response {
-    let body = state.metrics.render(&state.engine.stats());
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        body,
-    )
-        .into_response()
+async fn metrics_text(State(state): State<SharedState>, headers: HeaderMap) -> Response {
+    tether_metrics::response(&headers, state.metrics.render(&state.engine.stats()))
 }
 
 /// Unknown paths, in the API's error shape.
