@@ -185,16 +185,13 @@ impl Setup {
         Ok((loaded, plan))
     }
 
-    /// Resolves, with the reason, once the worker list differs from the one last loaded
+    /// Resolves, with the new list, once the worker list differs from the one last loaded
     /// over; never when the list is fixed.
-    pub async fn workers_changed(&mut self) -> String {
+    pub async fn workers_changed(&mut self) -> Vec<String> {
         if self.workers.changed().await.is_err() {
             return std::future::pending().await;
         }
-        format!(
-            "the worker list changed to [{}]",
-            self.workers.borrow().join(", ")
-        )
+        self.workers.borrow().clone()
     }
 }
 

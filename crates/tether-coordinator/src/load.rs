@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tether_client::DataLink;
 use tether_client::{AttachOptions, LoadRequest, Prepared, Session, TensorSource, WorkerClient};
-use tether_protocol::{BlockSpec, Lease, SessionId, TxnId};
+use tether_protocol::{BlockSpec, EndReason, Lease, SessionId, TxnId};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -147,12 +147,28 @@ fn block_bytes(model: &ModelFile, a: &Assignment) -> u64 {
         .sum()
 }
 
+/// Why a loaded model's sessions ended, as the session watcher saw it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SessionLoss {
+    /// A worker ended its session: it crashed, shut down, reaped or killed it.
+    #[error("worker {worker} ended its session ({reason})")]
+    Ended {
+        /// The worker's address.
+        worker: String,
+        /// Why the worker ended it.
+        reason: EndReason,
+    },
+    /// The watcher itself is gone (the model was dropped meanwhile).
+    #[error("the session watcher stopped")]
+    WatcherStopped,
+}
+
 /// A model committed on every worker of a plan. Its sessions are watched: when any ends,
 /// the others are closed and [`LoadedModel::lost`] resolves. Dropping it closes them all.
 pub struct LoadedModel {
     /// The blocks, in layer order.
     pub stages: Vec<LoadedStage>,
-    lost: watch::Receiver<Option<String>>,
+    lost: watch::Receiver<Option<SessionLoss>>,
     close: Option<oneshot::Sender<()>>,
     guard: Option<JoinHandle<()>>,
     close_wait: Duration,
@@ -160,15 +176,15 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     /// Resolves with the reason once any session has ended (all others are then closed).
-    pub async fn lost(&mut self) -> String {
+    pub async fn lost(&mut self) -> SessionLoss {
         match self.lost.wait_for(Option::is_some).await {
-            Ok(reason) => reason.clone().unwrap_or_default(),
-            Err(_) => "the session watcher stopped".to_string(),
+            Ok(reason) => reason.clone().unwrap_or(SessionLoss::WatcherStopped),
+            Err(_) => SessionLoss::WatcherStopped,
         }
     }
 
     /// Why a session ended, if one has.
-    pub fn lost_reason(&self) -> Option<String> {
+    pub fn lost_reason(&self) -> Option<SessionLoss> {
         self.lost.borrow().clone()
     }
 
@@ -194,7 +210,7 @@ impl Drop for LoadedModel {
 async fn watch_sessions(
     mut sessions: Vec<(String, Session)>,
     links: Vec<Arc<DataLink>>,
-    lost: watch::Sender<Option<String>>,
+    lost: watch::Sender<Option<SessionLoss>>,
     close: oneshot::Receiver<()>,
     close_wait: Duration,
 ) {
@@ -207,7 +223,7 @@ async fn watch_sessions(
         }));
         tokio::select! {
             ((addr, end), _, _) = ends => {
-                let reason = format!("worker {addr} ended its session ({})", end.reason);
+                let reason = SessionLoss::Ended { worker: addr, reason: end.reason };
                 tracing::warn!("{reason}; closing the sessions on the other workers");
                 let _ = lost.send(Some(reason));
             }

@@ -3,6 +3,7 @@
 //! health reports its text. Every way ends in loading the model again.
 
 use crate::engine::CoordinatorError;
+use crate::load::SessionLoss;
 use tether_client::ClientError;
 
 /// Why a loaded model stopped being served.
@@ -10,10 +11,10 @@ use tether_client::ClientError;
 pub(crate) enum Loss {
     /// A worker's session ended: the worker crashed, shut down, reaped or killed it.
     #[error("{0}")]
-    SessionEnded(String),
+    SessionEnded(#[source] SessionLoss),
     /// The worker list changed (`--worker-dns`): the model moves to the new list.
-    #[error("{0}")]
-    WorkersChanged(String),
+    #[error("the worker list changed to [{}]", .0.join(", "))]
+    WorkersChanged(Vec<String>),
     /// A call to a worker failed (forward, KV clear or truncate).
     #[error("{0}")]
     Call(#[source] ClientError),
