@@ -17,9 +17,6 @@ const TILE_CELLS: usize = 64;
 const THREADS: u32 = 128;
 /// Head sizes the kernel is instantiated for.
 const HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
-/// Setting this variable to `0` keeps prefill attention off the flash kernel (on the tiled
-/// and per-token kernels it replaced), e.g. to rule it out when results look wrong.
-pub(super) const ENV_SWITCH: &str = "TETHER_FLASH_ATTENTION";
 
 /// Bytes of dynamic shared memory a block of heads of `head_dim` takes: the query tile and
 /// two K and two V tiles (double buffered), rows padded by 8 halves.
@@ -93,10 +90,9 @@ pub(super) struct FlashKernels {
 }
 
 impl FlashKernels {
-    /// Enables the kernels `ctx`'s device can run, unless [`ENV_SWITCH`] is `0`.
+    /// Enables the kernels `ctx`'s device can run.
     pub(super) fn enable(ctx: &CudaContext, cc: (i32, i32), kernels: &Kernels) -> Result<Self> {
-        let off = std::env::var_os(ENV_SWITCH).is_some_and(|v| v == "0");
-        if off || cc.0 < 8 {
+        if cc.0 < 8 {
             return Ok(Self::default());
         }
         let limit = ctx

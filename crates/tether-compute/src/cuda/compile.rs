@@ -12,7 +12,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
-use super::ptx_cache::{cache_dir, fnv1a, store};
+use super::ptx_cache::{fnv1a, store};
 use crate::backend::Result;
 use crate::cuda::device::driver_err;
 use crate::error::ComputeError;
@@ -400,10 +400,9 @@ pub(crate) struct Kernels {
 
 impl Kernels {
     /// Compiles (or reads from the disk cache) and loads every kernel file for compute
-    /// capability `cc` (`(9, 0)` for an H100).
-    pub(crate) fn load(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Self> {
+    /// capability `cc` (`(9, 0)` for an H100), caching compiled files in `dir`.
+    pub(crate) fn load(ctx: &Arc<CudaContext>, cc: (i32, i32), dir: Option<&Path>) -> Result<Self> {
         let nvrtc = nvrtc_version()?;
-        let dir = cache_dir();
         let mut functions = HashMap::new();
         for file in FILES {
             let load_err = |e| {
@@ -416,12 +415,12 @@ impl Kernels {
                     e,
                 )
             };
-            let (ptx, cached) = module_ptx(file, cc, nvrtc, dir.as_deref(), true)?;
+            let (ptx, cached) = module_ptx(file, cc, nvrtc, dir, true)?;
             let module = match ctx.load_module(Ptx::from_src(ptx)) {
                 Ok(m) => m,
                 // A cache entry the driver rejects is treated like a corrupt one.
                 Err(_) if cached => {
-                    let (ptx, _) = module_ptx(file, cc, nvrtc, dir.as_deref(), false)?;
+                    let (ptx, _) = module_ptx(file, cc, nvrtc, dir, false)?;
                     ctx.load_module(Ptx::from_src(ptx)).map_err(load_err)?
                 }
                 Err(e) => return Err(load_err(e)),

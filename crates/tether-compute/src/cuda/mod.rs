@@ -29,11 +29,13 @@ mod packed;
 mod ptx_cache;
 mod rope;
 mod staging;
+mod tuning;
 mod upload;
 
 pub use device::CudaBuffer;
 pub use gemm::GEMM_MIN_TOKENS;
 pub use graph::CudaReplays;
+pub use tuning::CudaTuning;
 pub use upload::CudaUploads;
 
 use std::sync::atomic::AtomicU64;
@@ -74,17 +76,17 @@ pub struct CudaBackend {
     /// The head sizes prefill attention takes the tensor-core flash kernel for.
     flash: attention_flash::FlashKernels,
     /// Whether kernels that allow it are launched as programmatic dependent launches
-    /// (compute capability 9.0 and later, unless `TETHER_PDL=0`): each kernel's blocks start
+    /// (compute capability 9.0 and later, unless tuned off): each kernel's blocks start
     /// while the previous one finishes, which hides a launch's latency and lets the decode
     /// products fetch their weights early.
     dependent_launches: bool,
     /// Products of at least this many tokens take the GEMM, smaller ones the matvec
     /// kernels in launches of up to 8 tokens; the second holds for products on the tensor
-    /// cores (`TETHER_GEMM_MIN_TOKENS` overrides both).
+    /// cores ([`CudaTuning::gemm_min_tokens`] overrides both).
     gemm_min_tokens: usize,
     gemm_min_tokens_mma: usize,
     /// Products of packed weights over at least this many tokens take the int8 tensor
-    /// cores (`usize::MAX` before compute capability 8.0; `TETHER_MMA_MIN_TOKENS`
+    /// cores (`usize::MAX` before compute capability 8.0; [`CudaTuning::mma_min_tokens`]
     /// overrides it).
     mma_min_tokens: usize,
     /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
@@ -111,10 +113,17 @@ pub fn device_count() -> usize {
 }
 
 impl CudaBackend {
-    /// Opens device `ordinal`, compiles (or loads from the disk cache) the kernels and
-    /// allocates the index staging memory. Fails with [`ComputeError::Unavailable`] when
-    /// there is no CUDA driver, no such device, or no NVRTC.
+    /// [`CudaBackend::with_tuning`] with the knobs the environment sets
+    /// ([`CudaTuning::from_env`]).
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_tuning(ordinal, &CudaTuning::from_env())
+    }
+
+    /// Opens device `ordinal`, compiles (or loads from the disk cache) the kernels and
+    /// allocates the index staging memory, with `tuning`'s knobs. Fails with
+    /// [`ComputeError::Unavailable`] when there is no CUDA driver, no such device, or no
+    /// NVRTC.
+    pub fn with_tuning(ordinal: usize, tuning: &CudaTuning) -> Result<Self> {
         // cudarc panics on the first call into a missing library; ask before calling.
         if !driver_present() {
             return Err(ComputeError::Unavailable(
@@ -147,8 +156,12 @@ impl CudaBackend {
             .map_err(|e| {
                 driver_err(&format!("reading the SM count of CUDA device {ordinal}"), e)
             })?;
-        let kernels = Kernels::load(&ctx, cc)?;
-        let flash = attention_flash::FlashKernels::enable(&ctx, cc, &kernels)?;
+        let kernels = Kernels::load(&ctx, cc, tuning.kernel_cache.as_deref())?;
+        let flash = if tuning.flash_attention {
+            attention_flash::FlashKernels::enable(&ctx, cc, &kernels)?
+        } else {
+            attention_flash::FlashKernels::default()
+        };
         let capture = ctx.new_stream().map_err(|e| {
             driver_err(
                 &format!("creating a capture stream on CUDA device {ordinal}"),
@@ -157,23 +170,14 @@ impl CudaBackend {
         })?;
         let nvml = nvml::pci_bus_id(ctx.cu_device()).and_then(|bus| nvml::Nvml::open(&bus));
         let device = Arc::new(Device::new(ctx, stream, format!("cuda:{ordinal} {gpu}")));
-        let dependent_launches =
-            cc.0 >= 9 && std::env::var_os("TETHER_PDL").is_none_or(|v| v != "0");
-        let tokens_from_env = |name: &str| {
-            std::env::var(name)
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .filter(|&n| n > 0)
-        };
+        let dependent_launches = cc.0 >= 9 && tuning.dependent_launches;
         let mma_min_tokens = if cc.0 >= 8 {
-            tokens_from_env("TETHER_MMA_MIN_TOKENS").unwrap_or(matvec::MMA_MIN_TOKENS)
+            tuning.mma_min_tokens.unwrap_or(matvec::MMA_MIN_TOKENS)
         } else {
             usize::MAX
         };
-        // The GEMM is tested from 9 tokens up, as it was first used.
-        let gemm_env = tokens_from_env("TETHER_GEMM_MIN_TOKENS").map(|n| n.max(9));
-        let gemm_min_tokens = gemm_env.unwrap_or(gemm::GEMM_MIN_TOKENS);
-        let gemm_min_tokens_mma = gemm_env.unwrap_or(gemm::GEMM_MIN_TOKENS_MMA);
+        let gemm_min_tokens = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS);
+        let gemm_min_tokens_mma = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS_MMA);
         let copy_in = kernels
             .get("copy_in")
             .ok()
@@ -211,7 +215,7 @@ impl CudaBackend {
     }
 
     /// Head sizes whose prefill attention runs on the tensor-core flash kernel on this
-    /// device (none before compute capability 8.0 or with `TETHER_FLASH_ATTENTION=0`).
+    /// device (none before compute capability 8.0 or when tuned off).
     pub fn flash_attention_head_dims(&self) -> &[usize] {
         self.flash.head_dims()
     }

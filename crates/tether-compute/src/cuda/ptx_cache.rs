@@ -1,16 +1,7 @@
 //! Where compiled kernels are cached on disk, and writing an entry so that no reader sees
 //! half of one.
 
-use std::path::{Path, PathBuf};
-
-/// `$TETHER_CACHE/kernels`, else `~/.cache/tether/kernels`; `None` when neither is known.
-pub(super) fn cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("TETHER_CACHE").filter(|d| !d.is_empty()) {
-        return Some(PathBuf::from(dir).join("kernels"));
-    }
-    let home = std::env::var_os("HOME").filter(|d| !d.is_empty())?;
-    Some(PathBuf::from(home).join(".cache/tether/kernels"))
-}
+use std::path::Path;
 
 /// FNV-1a: stable across Rust versions, unlike `DefaultHasher`, so cache names stay valid.
 pub(super) fn fnv1a(parts: &[&[u8]]) -> u64 {
