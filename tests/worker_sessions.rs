@@ -312,3 +312,45 @@ fn session_limits_refuse_over_grpc_and_open_nothing() {
         assert_eq!(sessions_and_bytes(&status).0, 2, "refusals opened nothing");
     });
 }
+
+/// A coordinator's runtime saturated by request work (here: its only thread blocked for
+/// four TTLs) must not stop its heartbeats: the session lives on a thread of its own.
+#[test]
+fn a_client_whose_runtime_is_blocked_keeps_its_lease() {
+    let worker = Worker::start(&[]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let ttl = Duration::from_millis(500);
+    let session = runtime.block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default())
+            .await
+            .expect("connect");
+        client
+            .attach(AttachOptions {
+                client_name: "blocked-runtime".into(),
+                lease: Lease {
+                    heartbeat_interval: Duration::from_millis(100),
+                    ttl,
+                },
+                heartbeat: true,
+            })
+            .await
+            .expect("attach")
+    });
+    // Outside `block_on` the runtime runs nothing at all: every task spawned on it stands
+    // still, as it would behind CPU-bound request handlers.
+    std::thread::sleep(ttl * 4);
+    let status = worker.status();
+    assert_eq!(
+        status["counters"]["reaped"],
+        0,
+        "the lease lapsed while the client's runtime was busy: {status}\n{}",
+        worker.log()
+    );
+    assert_eq!(status["sessions"], 1, "{status}");
+    assert!(session.end().is_none(), "{:?}", session.end());
+    let end = runtime.block_on(session.close());
+    assert_eq!(end.reason, tether_protocol::EndReason::Closed);
+}

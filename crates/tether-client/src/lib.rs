@@ -5,6 +5,7 @@
 mod admin;
 mod diagnose;
 mod health;
+mod lease_thread;
 mod link;
 mod load;
 mod session;
@@ -271,15 +272,30 @@ impl Interceptor for SendToken {
 /// The generated client over a channel that carries the token.
 pub(crate) type WorkerRpc = pb::worker_client::WorkerClient<InterceptedService<Channel, SendToken>>;
 
+/// Opens a connection to `addr` with `options`' token and message limits.
+pub(crate) async fn connect_rpc(
+    addr: &str,
+    options: &ClientOptions,
+) -> Result<WorkerRpc, ClientError> {
+    let channel = connect_channel(addr, options).await?;
+    Ok(
+        pb::worker_client::WorkerClient::with_interceptor(
+            channel,
+            SendToken(options.token.clone()),
+        )
+        .max_decoding_message_size(options.max_message_bytes)
+        .max_encoding_message_size(options.max_message_bytes),
+    )
+}
+
 /// A connection to one worker's session and serving API.
 #[derive(Clone)]
 pub struct WorkerClient {
     pub(crate) addr: String,
     pub(crate) rpc: WorkerRpc,
     info: WorkerInfo,
-    token: Option<BearerToken>,
-    tls: bool,
-    connect_timeout: Duration,
+    /// What it connected with, for the session connections opened on the lease thread.
+    options: ClientOptions,
     /// Largest message this client may send: its own limit or the worker's, the smaller.
     max_send_bytes: usize,
 }
@@ -287,13 +303,7 @@ pub struct WorkerClient {
 impl WorkerClient {
     /// Connects to `addr` ("host:port") and checks that the worker speaks this protocol.
     pub async fn connect(addr: &str, options: &ClientOptions) -> Result<Self, ClientError> {
-        let channel = connect_channel(addr, options).await?;
-        let mut rpc = pb::worker_client::WorkerClient::with_interceptor(
-            channel,
-            SendToken(options.token.clone()),
-        )
-        .max_decoding_message_size(options.max_message_bytes)
-        .max_encoding_message_size(options.max_message_bytes);
+        let mut rpc = connect_rpc(addr, options).await?;
         let hello = rpc
             .hello(pb::HelloRequest {
                 protocol_version: PROTOCOL_VERSION,
@@ -318,9 +328,7 @@ impl WorkerClient {
             addr: addr.to_string(),
             rpc,
             info,
-            token: options.token.clone(),
-            tls: options.tls.is_some(),
-            connect_timeout: options.connect_timeout,
+            options: options.clone(),
         })
     }
 
@@ -330,7 +338,7 @@ impl WorkerClient {
         &self,
         session: SessionId,
     ) -> Result<Option<DataLink>, ClientError> {
-        if self.tls || self.info.data_port == 0 {
+        if self.options.tls.is_some() || self.info.data_port == 0 {
             return Ok(None);
         }
         let host = data_host(&self.addr);
@@ -350,9 +358,9 @@ impl WorkerClient {
             at,
             pid: self.info.pid,
             max_frame_bytes: usize::try_from(self.info.max_message_bytes).unwrap_or(usize::MAX),
-            connect_timeout: self.connect_timeout,
+            connect_timeout: self.options.connect_timeout,
         };
-        let token = self.token.clone();
+        let token = self.options.token.clone();
         tokio::task::spawn_blocking(move || DataLink::open(&to, session, token.as_ref()))
             .await
             .map_err(|e| ClientError::protocol("data link", &self.addr, e.to_string()))?

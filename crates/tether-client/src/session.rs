@@ -1,6 +1,6 @@
 //! The client side of a session: the Attach stream, heartbeats, and learning how it ended.
 
-use crate::{ClientError, WorkerClient};
+use crate::{ClientError, ClientOptions, WorkerClient, connect_rpc};
 use std::time::Duration;
 use tether_proto::PROTOCOL_VERSION;
 use tether_proto::v1 as pb;
@@ -33,55 +33,34 @@ pub struct Session {
 }
 
 impl WorkerClient {
-    /// Opens a session; returns once the worker has sent its id.
+    /// Opens a session; returns once the worker has sent its id. The session's stream and
+    /// heartbeats run on a connection of their own on the lease thread (see
+    /// [`crate::lease_thread`]), not on the caller's runtime.
     pub async fn attach(&self, options: AttachOptions) -> Result<Session, ClientError> {
         let addr = self.addr.clone();
-        let (tx, rx) = mpsc::channel(8);
-        let open = pb::attach_request::Kind::Open(pb::Open {
-            protocol_version: PROTOCOL_VERSION,
-            client_name: options.client_name.clone(),
-            heartbeat_interval_ms: millis(options.lease.heartbeat_interval),
-            ttl_ms: millis(options.lease.ttl),
-        });
-        tx.try_send(pb::AttachRequest { kind: Some(open) })
-            .map_err(|_| ClientError::protocol("attach", &addr, "request queue closed"))?;
-        let mut rpc = self.rpc.clone();
-        let mut inbound = rpc
-            .attach(ReceiverStream::new(rx))
-            .await
-            .map_err(|s| ClientError::rpc("attach", &addr, &s))?
-            .into_inner();
-        let first = inbound
-            .message()
-            .await
-            .map_err(|s| ClientError::rpc("attach", &addr, &s))?;
-        let Some(pb::AttachEvent {
-            kind: Some(pb::attach_event::Kind::Opened(opened)),
-        }) = first
-        else {
-            return Err(ClientError::protocol(
-                "attach",
-                &addr,
-                "the worker's first event was not Opened",
-            ));
-        };
-        let id = SessionId::parse(&opened.session_id)
-            .map_err(|e| ClientError::domain("attach", &addr, e))?;
-        let lease = Lease {
-            heartbeat_interval: Duration::from_millis(opened.heartbeat_interval_ms.max(1).into()),
-            ttl: Duration::from_millis(opened.ttl_ms.max(1).into()),
-        };
+        let handle = crate::lease_thread::lease_runtime()
+            .map_err(|e| ClientError::protocol("attach", &addr, e))?;
+        let (opened_tx, opened_rx) = oneshot::channel();
         let (ended_tx, ended) = watch::channel(None);
         let (close_tx, close_rx) = oneshot::channel();
-        let task = tokio::spawn(run_session(
-            id,
-            lease,
-            options.heartbeat,
-            tx,
-            inbound,
-            ended_tx,
-            close_rx,
-        ));
+        let client_options = self.options.clone();
+        let task = handle.spawn(async move {
+            match open(&addr, &client_options, &options).await {
+                Ok((id, lease, tx, inbound)) => {
+                    // The caller gave up waiting: dropping the stream ends the session.
+                    if opened_tx.send(Ok((id, lease))).is_ok() {
+                        let heartbeat = options.heartbeat;
+                        run_session(id, lease, heartbeat, tx, inbound, ended_tx, close_rx).await;
+                    }
+                }
+                Err(e) => {
+                    let _ = opened_tx.send(Err(e));
+                }
+            }
+        });
+        let (id, lease) = opened_rx.await.map_err(|_| {
+            ClientError::protocol("attach", &self.addr, "the lease thread dropped the attach")
+        })??;
         Ok(Session {
             id,
             lease,
@@ -90,6 +69,57 @@ impl WorkerClient {
             task,
         })
     }
+}
+
+type Opened = (
+    SessionId,
+    Lease,
+    mpsc::Sender<pb::AttachRequest>,
+    tonic::Streaming<pb::AttachEvent>,
+);
+
+/// Connects and opens the Attach stream; returns once the worker has sent the session's id.
+async fn open(
+    addr: &str,
+    client_options: &ClientOptions,
+    options: &AttachOptions,
+) -> Result<Opened, ClientError> {
+    let (tx, rx) = mpsc::channel(8);
+    let open = pb::attach_request::Kind::Open(pb::Open {
+        protocol_version: PROTOCOL_VERSION,
+        client_name: options.client_name.clone(),
+        heartbeat_interval_ms: millis(options.lease.heartbeat_interval),
+        ttl_ms: millis(options.lease.ttl),
+    });
+    tx.try_send(pb::AttachRequest { kind: Some(open) })
+        .map_err(|_| ClientError::protocol("attach", addr, "request queue closed"))?;
+    let mut rpc = connect_rpc(addr, client_options).await?;
+    let mut inbound = rpc
+        .attach(ReceiverStream::new(rx))
+        .await
+        .map_err(|s| ClientError::rpc("attach", addr, &s))?
+        .into_inner();
+    let first = inbound
+        .message()
+        .await
+        .map_err(|s| ClientError::rpc("attach", addr, &s))?;
+    let Some(pb::AttachEvent {
+        kind: Some(pb::attach_event::Kind::Opened(opened)),
+    }) = first
+    else {
+        return Err(ClientError::protocol(
+            "attach",
+            addr,
+            "the worker's first event was not Opened",
+        ));
+    };
+    let id =
+        SessionId::parse(&opened.session_id).map_err(|e| ClientError::domain("attach", addr, e))?;
+    let lease = Lease {
+        heartbeat_interval: Duration::from_millis(opened.heartbeat_interval_ms.max(1).into()),
+        ttl: Duration::from_millis(opened.ttl_ms.max(1).into()),
+    };
+    Ok((id, lease, tx, inbound))
 }
 
 fn millis(d: Duration) -> u32 {
@@ -115,12 +145,14 @@ async fn run_session(
         let silence = tokio::time::sleep_until(last_heard + lease.ttl);
         tokio::select! {
             result = &mut close, if !closing => {
+                // The `Session` was dropped: dropping the stream ends the session.
+                if result.is_err() {
+                    break SessionEnd { reason: EndReason::Disconnected, bytes_freed: 0 };
+                }
                 closing = true;
-                if result.is_ok() {
-                    let close = pb::attach_request::Kind::Close(pb::Close {});
-                    if tx.send(pb::AttachRequest { kind: Some(close) }).await.is_err() {
-                        break SessionEnd { reason: EndReason::Disconnected, bytes_freed: 0 };
-                    }
+                let close = pb::attach_request::Kind::Close(pb::Close {});
+                if tx.send(pb::AttachRequest { kind: Some(close) }).await.is_err() {
+                    break SessionEnd { reason: EndReason::Disconnected, bytes_freed: 0 };
                 }
             }
             _ = beat.tick(), if heartbeat && !closing => {

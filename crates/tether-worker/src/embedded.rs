@@ -18,10 +18,13 @@ use std::sync::Arc;
 use tether_compute::{CpuBackend, CudaBackend};
 use tether_protocol::{BearerToken, WorkerStatus};
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 /// Memory left to the rest of the machine when no limit is given: a tenth, at most 1 GiB.
 const RESERVE_MAX: u64 = 1 << 30;
+
+/// Threads of each embedded worker's own runtime: enough for its gRPC streams, reaper and
+/// heartbeats; compute runs on the backend's threads and the blocking pool, not here.
+const WORKER_RUNTIME_THREADS: usize = 2;
 
 /// How to start embedded workers.
 #[derive(Clone, Debug, Default)]
@@ -53,7 +56,8 @@ pub struct LocalWorker {
     addr: String,
     registry: Arc<SessionRegistry>,
     stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<()>>,
+    /// Resolves when its runtime's thread has finished serving.
+    task: Option<oneshot::Receiver<()>>,
 }
 
 impl LocalWorker {
@@ -107,33 +111,56 @@ impl LocalWorker {
                 ..RegistryConfig::default()
             },
         ));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|e| err(format!("binding 127.0.0.1:0: {e}")))?;
         let addr = listener
             .local_addr()
             .map_err(|e| err(format!("reading the bound address: {e}")))?
             .to_string();
+        // The worker runs on a runtime of its own: heartbeats it receives and its reaper
+        // must not wait behind the embedding process's request work, or a busy coordinator
+        // would see its own session reaped.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(WORKER_RUNTIME_THREADS)
+            .thread_name(format!("tether-worker-{index}"))
+            .enable_all()
+            .build()
+            .map_err(|e| err(format!("starting its runtime: {e}")))?;
         let (stop, stopped) = oneshot::channel::<()>();
+        let (done_tx, done) = oneshot::channel::<()>();
         let serving = Arc::clone(&registry);
-        let task = tokio::spawn(async move {
-            let shutdown = async {
-                let _ = stopped.await;
-            };
-            let options = ServerOptions {
-                token,
-                ..ServerOptions::default()
-            };
-            if let Err(e) = serve(listener, serving, options, shutdown).await {
-                tracing::warn!("embedded worker {index} stopped: {e}");
-            }
-        });
+        std::thread::Builder::new()
+            .name(format!("tether-worker-{index}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let shutdown = async {
+                        let _ = stopped.await;
+                    };
+                    let options = ServerOptions {
+                        token,
+                        ..ServerOptions::default()
+                    };
+                    let served = match tokio::net::TcpListener::from_std(listener) {
+                        Ok(listener) => serve(listener, serving, options, shutdown)
+                            .await
+                            .map_err(|e| e.to_string()),
+                        Err(e) => Err(format!("registering its listener: {e}")),
+                    };
+                    if let Err(e) = served {
+                        tracing::warn!("embedded worker {index} stopped: {e}");
+                    }
+                });
+                let _ = done_tx.send(());
+            })
+            .map_err(|e| err(format!("starting its thread: {e}")))?;
+        let task = Some(done);
         tracing::debug!(%addr, max_memory, "embedded worker {index} listening");
         Ok(LocalWorker {
             addr,
             registry,
             stop: Some(stop),
-            task: Some(task),
+            task,
         })
     }
 
