@@ -1,6 +1,7 @@
 //! `tether bench`: prompt-processing and generation speed, as llama-bench measures them
 //! (`pp N`: N prompt tokens from an empty context; `tg N`: N tokens decoded one at a time).
 
+use crate::cmd::bench_serve::{ServeBenchArgs, refuse_stray_flags};
 use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::local::{AnyBackend, DEMO_LABEL, DeviceArgs, Loaded, load, open_backend};
 use crate::model_source::ModelArgs;
@@ -40,12 +41,15 @@ pub struct BenchArgs {
     /// Instead, measure these numbers of sequences decoding at once in this process (e.g.
     /// `1,4,16,64`), as llama-batched-bench does: each sequence takes a prompt of `-p`
     /// tokens, then `-n` decode steps take one token of every sequence; rows give the
-    /// aggregate tokens/s.
+    /// aggregate tokens/s. With --serve: the server's sequences (one count; default
+    /// --clients).
     #[arg(long, value_delimiter = ',', conflicts_with = "pipeline")]
     pub parallel: Option<Vec<usize>>,
     /// With --pipeline: send forward passes over gRPC instead of the workers' data links.
     #[arg(long, requires = "pipeline")]
     pub grpc_forward: bool,
+    #[command(flatten)]
+    pub serve: ServeBenchArgs,
 }
 
 /// Mean and standard deviation of tokens per second over the repetitions.
@@ -67,6 +71,10 @@ pub(crate) fn rate(samples: &[f64], tokens: usize) -> Rate {
 
 /// Runs the tests and prints a row per test.
 pub fn run(args: BenchArgs) -> Result<()> {
+    if args.serve.chosen() {
+        return crate::cmd::bench_serve::run(&args);
+    }
+    refuse_stray_flags(&args.serve)?;
     if args.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }

@@ -4,6 +4,7 @@ pub mod attach;
 pub mod bench;
 pub mod bench_parallel;
 pub mod bench_pipeline;
+pub mod bench_serve;
 pub mod cache_args;
 pub mod conn_args;
 pub mod context_shift;
