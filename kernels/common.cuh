@@ -752,3 +752,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32* r) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+
+// ---- int8 tensor cores (matvec_mma.cu, mmq.cu) ----
+// c = a . b over k = 32 for 16 rows and 8 tokens; a's bytes unsigned (Q4_0's nibbles) or
+// signed (Q8_0), b's signed.
+template <bool UNSIGNED_A>
+__device__ __forceinline__ void mma_8bit(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    if (UNSIGNED_A) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+            : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+            "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+            : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+    }
+#else
+    c[0] = c[1] = c[2] = c[3] = 0;
+#endif
+}

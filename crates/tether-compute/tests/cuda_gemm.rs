@@ -14,6 +14,12 @@ use tether_gguf::GgmlType;
 mod common;
 use common::{Rng, WEIGHT_TYPES, cpu, f32_bytes, get, gpu, put, random_weights};
 
+/// The GPU with the 8-bit products of 17-256 tokens off, so every batch here takes the
+/// GEMM (cuda_mmq.rs tests those products).
+fn gemm_gpu() -> CudaBackend {
+    gpu().without_mmq()
+}
+
 /// The cpu backend's answers for one case: its matmul, and the exact (f64) product of its
 /// own dequantized weights (get_rows) with the inputs. The cpu matmul rounds the inputs
 /// to 8 bits: on K-quants that alone was measured up to 2.2% of a row's largest value
@@ -135,7 +141,7 @@ fn check(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_matches_cpu_for_every_weight_type_and_edge_shape() {
-    let (g, c) = (gpu(), cpu());
+    let (g, c) = (gemm_gpu(), cpu());
     let mut rng = Rng(11);
     let mut failures = Vec::new();
     let mut cases = 0;
@@ -185,7 +191,7 @@ fn gemm_matches_cpu_for_every_weight_type_and_edge_shape() {
 fn gemm_splits_rows_and_tokens_that_overflow_the_workspace() {
     // 65 536 columns: the 32 Mi-value weight chunk holds 512 rows and the 8 Mi-value input
     // chunk 128 tokens, so this runs 2 row chunks x 2 token chunks, both with edges.
-    let (g, c) = (gpu(), cpu());
+    let (g, c) = (gemm_gpu(), cpu());
     let mut rng = Rng(12);
     check(&g, &c, &mut rng, GgmlType::Q8_0, [600, 65_536, 140]).unwrap();
 }
@@ -193,7 +199,7 @@ fn gemm_splits_rows_and_tokens_that_overflow_the_workspace() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_allocates_nothing_and_refuses_bad_sizes() {
-    let g = gpu();
+    let g = gemm_gpu();
     assert!(
         g.internal_bytes() >= 80 << 20,
         "the GEMM workspace (80 MiB) is missing from internal_bytes: {}",
@@ -259,7 +265,7 @@ fn time_matmul(g: &CudaBackend, ty: GgmlType, rows: usize, cols: usize, n: usize
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bench_prefill_gemm() {
-    let g = gpu();
+    let g = gemm_gpu();
     let n = 512;
     for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K] {
         let mut t = std::collections::HashMap::new();

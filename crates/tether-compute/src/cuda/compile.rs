@@ -372,6 +372,23 @@ const FILES: &[KernelFile] = &[
         entries: super::attention_flash::ENTRIES,
     },
     KernelFile {
+        name: "mmq",
+        source: include_str!("../../../../kernels/mmq.cu"),
+        dependent_launch: false,
+        entries: &[
+            "mmq_q4_0",
+            "mmq_q4_0p",
+            "mmq_q8_0",
+            "mmq_q8_0p",
+            "mmq_q4_k",
+            "mmq_q5_k",
+            "mmq_q6_k",
+            "mmq_q6_kp",
+            "mmq_iq4_xs",
+            "mmq_iq4_xsp",
+        ],
+    },
+    KernelFile {
         name: "gemm",
         source: include_str!("../../../../kernels/gemm.cu"),
         dependent_launch: false,

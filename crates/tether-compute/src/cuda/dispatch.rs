@@ -57,7 +57,8 @@ impl CudaBackend {
     }
 
     /// `out = w·x`, or `out += w·x` with `accumulate`, for operands `matmul_operands`
-    /// checked: the GEMM for prefill-sized batches, the matvec kernels for decode-sized.
+    /// checked: the GEMM for prefill-sized batches, the matvec kernels for decode-sized, the
+    /// 8-bit tensor-core products of mmq.rs between the two where they read the type.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn product(
         &self,
@@ -80,6 +81,9 @@ impl CudaBackend {
             out: op,
             accumulate,
         };
+        if let Some(kernel) = super::mmq::mmq_kernel(&a, self.mmq_max_tokens) {
+            return self.mmq(&a, kernel);
+        }
         // Only packed Q4_0 / Q8_0 have tensor-core products below the GEMM's size.
         let on_mma = w.packed && super::packed::packed_stem(ty).is_some();
         let gemm_from = if on_mma && self.mma_min_tokens <= MV_MAX_TOKENS {

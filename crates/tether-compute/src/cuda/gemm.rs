@@ -34,7 +34,7 @@ const W16_ELEMS: usize = 32 << 20;
 /// f16 values of the converted-token chunk (16 MiB).
 const X16_ELEMS: usize = 8 << 20;
 /// f32 split-K partial sums (32 MiB): 4 splits of 512 tokens x 4096 rows.
-const PARTIAL_ELEMS: usize = 8 << 20;
+pub(super) const PARTIAL_ELEMS: usize = 8 << 20;
 /// Most K splits of one chunk, and the fewest K tiles a split keeps (fewer and the
 /// pipeline fill and the partial write dominate).
 const MAX_SPLITS: usize = 16;
@@ -42,13 +42,13 @@ const MIN_SPLIT_K_TILES: usize = 8;
 /// Blocks of the tile kernel resident per multiprocessor (its launch bounds); split K
 /// until this many are busy. Measured best: 1 leaves small grids idle, 4 pays more for
 /// partial sums than it gains.
-const BLOCKS_PER_SM: usize = 2;
+pub(super) const BLOCKS_PER_SM: usize = 2;
 /// Tile sizes of the tile kernels; must match GEMM_M, GEMM_N, GEMM_K in gemm.cu.
 const TILE_M: usize = 128;
 const TILE_N: usize = 128;
-const TILE_K: usize = 32;
+pub(super) const TILE_K: usize = 32;
 /// Threads per block of the element-wise gemm.cu kernels.
-const THREADS: u32 = 256;
+pub(super) const THREADS: u32 = 256;
 
 /// One instantiation of gemm.cu's `gemm_block`: its entry point and threads per block.
 #[derive(Clone, Copy, Debug)]
@@ -95,7 +95,19 @@ impl GemmWorkspace {
     pub(super) fn bytes(&self) -> usize {
         self.w16.bytes() + self.x16.bytes() + self.partials.bytes()
     }
+
+    /// The workspace as the 8-bit products (mmq.rs) use it: (8-bit activations, their
+    /// scales, split-K partials) addresses; [`MMQ_XQ_BYTES`] bytes of activations,
+    /// a quarter of that of scales (8 bytes a block of 32), [`PARTIAL_ELEMS`] partials.
+    pub(super) fn mmq_areas(&self) -> (u64, u64, u64) {
+        (self.x16.ptr(), self.w16.ptr(), self.partials.ptr())
+    }
 }
+
+/// Bytes of 8-bit activations the products of mmq.rs quantize into the f16 token chunk.
+pub(super) const MMQ_XQ_BYTES: usize = X16_ELEMS * 2;
+// Their scales take a quarter of that in the (larger) f16 weight chunk.
+const _: () = assert!(MMQ_XQ_BYTES / 4 <= W16_ELEMS * 2);
 
 /// Workspace row length: `cols` rounded up to the GEMM's K step, so the kernel has no K
 /// tail and every workspace row is 64-byte aligned.
@@ -119,7 +131,12 @@ fn rows_per_chunk(kp: usize) -> usize {
 /// partial `partial_elems` f32: enough splits to fill the GPU's `slots` resident blocks
 /// when the tiles alone do not, within the partials workspace. Returns (splits, K tiles
 /// per split), every split non-empty.
-fn split_k(tiles: usize, k_tiles: usize, partial_elems: usize, slots: usize) -> (usize, usize) {
+pub(super) fn split_k(
+    tiles: usize,
+    k_tiles: usize,
+    partial_elems: usize,
+    slots: usize,
+) -> (usize, usize) {
     let wanted = slots / tiles.max(1);
     let splits = wanted
         .min(MAX_SPLITS)

@@ -20,6 +20,7 @@ mod gemm;
 mod graph;
 mod launch;
 mod matvec;
+mod mmq;
 mod moe;
 mod moe_int8;
 mod norm;
@@ -89,6 +90,9 @@ pub struct CudaBackend {
     /// cores (`usize::MAX` before compute capability 8.0; [`CudaTuning::mma_min_tokens`]
     /// overrides it).
     mma_min_tokens: usize,
+    /// Batches of 17 to this many tokens over the weight types mmq.rs reads take its int8
+    /// tensor-core kernels (0, none, before compute capability 8.0 or with `TETHER_MMQ=0`).
+    mmq_max_tokens: usize,
     /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
     gemm_ws: Mutex<GemmWorkspace>,
     /// Per-process memory of this device, when NVML is there to ask.
@@ -176,6 +180,7 @@ impl CudaBackend {
         } else {
             usize::MAX
         };
+        let mmq_max_tokens = mmq::mmq_max_tokens(cc);
         let gemm_min_tokens = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS);
         let gemm_min_tokens_mma = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS_MMA);
         let copy_in = kernels
@@ -202,6 +207,7 @@ impl CudaBackend {
             gemm_min_tokens,
             gemm_min_tokens_mma,
             mma_min_tokens,
+            mmq_max_tokens,
             gemm_ws,
             nvml,
         })

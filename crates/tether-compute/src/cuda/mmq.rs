@@ -1,0 +1,238 @@
+//! Products of batches too large for the decode kernels and too small for the f16 GEMM to
+//! pay for its decoding pass (kernels/mmq.cu): the weights are multiplied straight from
+//! their quantized blocks on the int8 tensor cores, against activations quantized once to
+//! 8 bits per 32 values.
+//!
+//! The activations, their scales and split-K partial sums live in the GEMM's workspace
+//! (gemm.rs), which the two paths never use at once, so this path allocates nothing.
+
+use cudarc::driver::LaunchConfig;
+use tether_gguf::GgmlType;
+
+use super::CudaBackend;
+use super::check::{row_bytes, shape_err};
+use super::gemm::{BLOCKS_PER_SM, MMQ_XQ_BYTES, PARTIAL_ELEMS, THREADS, TILE_K, split_k};
+use super::launch::{Arg, grid_for, int};
+use super::matvec::{MatmulArgs, XQ_MAX_COLS};
+use crate::backend::Result;
+
+/// `0` turns these kernels off (every batch they would take goes back to the matvec
+/// kernels or the GEMM), to measure one path against the other in one build; a number N
+/// makes them take batches of up to N tokens instead of [`MMQ_MAX_TOKENS`] (tuning).
+pub(super) const ENV_SWITCH: &str = "TETHER_MMQ";
+/// Tile of one block (MMQ_ROWS x MMQ_TOKENS in mmq.cu), its threads, and the columns it
+/// takes per pass (MMQ_K).
+const TILE_ROWS: usize = 64;
+const TILE_TOKENS: usize = 64;
+const BLOCK_THREADS: u32 = 128;
+const K_CHUNK: usize = 256;
+/// Most row tiles of one launch (grid y).
+const MAX_ROW_TILES: usize = 65_535;
+
+/// The token counts these kernels take by default: [`MMQ_MIN_TOKENS`] to this. Chosen by
+/// reasoning, not yet measured: up to a few hundred tokens, decoding a weight tile once for
+/// every 64 tokens in shared memory costs less than the GEMM's pass writing the whole
+/// weight as f16 and reading it back; at 512 (prefill micro-batches) the GEMM's 128 x 128
+/// f16 tiles reuse each decoded weight 512 times, and a kernel decoding Q4_0 into shared
+/// memory was measured at 0.96x of it there, so it keeps those.
+pub(crate) const MMQ_MAX_TOKENS: usize = 256;
+// The workspace holds every default batch, at the widest rows, in one chunk.
+const _: () = assert!(MMQ_XQ_BYTES / XQ_MAX_COLS >= MMQ_MAX_TOKENS);
+/// Below this the decode kernels (launches of 8 tokens reading each weight once) win.
+pub(crate) const MMQ_MIN_TOKENS: usize = 17;
+
+/// The largest batch these kernels take on a device of compute capability `cc`, from
+/// [`ENV_SWITCH`] or [`MMQ_MAX_TOKENS`]; 0 when they take none.
+pub(super) fn mmq_max_tokens(cc: (i32, i32)) -> usize {
+    if cc.0 < 8 {
+        return 0;
+    }
+    std::env::var(ENV_SWITCH)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(MMQ_MAX_TOKENS)
+}
+
+/// The mmq.cu kernel for `ty` weights (`packed` as stored): Q4_0, Q8_0, Q6_K and IQ4_XS in
+/// either layout, Q4_K and Q5_K as GGUF stores them (they are never packed).
+fn kernel(ty: GgmlType, packed: bool) -> Option<&'static str> {
+    Some(match (ty, packed) {
+        (GgmlType::Q4_0, false) => "mmq_q4_0",
+        (GgmlType::Q4_0, true) => "mmq_q4_0p",
+        (GgmlType::Q8_0, false) => "mmq_q8_0",
+        (GgmlType::Q8_0, true) => "mmq_q8_0p",
+        (GgmlType::Q4K, false) => "mmq_q4_k",
+        (GgmlType::Q5K, false) => "mmq_q5_k",
+        (GgmlType::Q6K, false) => "mmq_q6_k",
+        (GgmlType::Q6K, true) => "mmq_q6_kp",
+        (GgmlType::IQ4XS, false) => "mmq_iq4_xs",
+        (GgmlType::IQ4XS, true) => "mmq_iq4_xsp",
+        _ => return None,
+    })
+}
+
+/// The kernel that takes this product, if any: a type it reads, whole 8-bit blocks of
+/// activations, a row count the grid holds and from [`MMQ_MIN_TOKENS`] to `max_tokens`
+/// tokens.
+pub(super) fn mmq_kernel(a: &MatmulArgs, max_tokens: usize) -> Option<&'static str> {
+    let fits = a.cols > 0
+        && a.cols.is_multiple_of(32)
+        && a.cols <= XQ_MAX_COLS
+        && a.rows.div_ceil(TILE_ROWS) <= MAX_ROW_TILES
+        && (MMQ_MIN_TOKENS..=max_tokens).contains(&a.n_tokens);
+    if fits { kernel(a.ty, a.packed) } else { None }
+}
+
+impl CudaBackend {
+    /// This backend with the 8-bit tensor-core products off: their batches take the
+    /// matvec kernels or the f16 GEMM, as with `TETHER_MMQ=0` (tests and benchmarks of
+    /// those paths, and one path against the other in one process).
+    pub fn without_mmq(mut self) -> Self {
+        self.mmq_max_tokens = 0;
+        self
+    }
+
+    /// The product of `a` with `kernel` (from [`mmq_kernel`]): the tokens quantized to
+    /// 8-bit blocks once, then one launch per chunk of tokens the workspace holds, K split
+    /// across blocks when the tiles alone leave the GPU idle (partials summed in a fixed
+    /// order by gemm.cu's `gemm_reduce`, so results are deterministic).
+    pub(super) fn mmq(&self, a: &MatmulArgs, kernel: &str) -> Result<()> {
+        const OP: &str = "matmul";
+        let rb = row_bytes(OP, a.ty, a.cols)?;
+        let (rows_arg, cols_arg) = (int(OP, "rows", a.rows)?, int(OP, "cols", a.cols)?);
+        let token_chunk = MMQ_XQ_BYTES / a.cols;
+        if token_chunk == 0 {
+            return Err(shape_err(
+                OP,
+                format!(
+                    "{} columns do not fit the 8-bit activation workspace",
+                    a.cols
+                ),
+            ));
+        }
+        let chunks = a.cols.div_ceil(K_CHUNK);
+        // Held while enqueuing, as the GEMM holds it (one stream orders the calls).
+        let ws = self.lock_gemm();
+        let (xq, xds, partials) = ws.mmq_areas();
+        for t0 in (0..a.n_tokens).step_by(token_chunk) {
+            let nt = (a.n_tokens - t0).min(token_chunk);
+            self.quantize_q8(a.x + (t0 * a.cols * 4) as u64, a.cols, nt, xq, xds)?;
+            let (m_tiles, n_tiles) = (a.rows.div_ceil(TILE_ROWS), nt.div_ceil(TILE_TOKENS));
+            // split_k counts K in GEMM tiles of 32 columns; a split here is whole chunks.
+            let (_, per_split) = split_k(
+                m_tiles * n_tiles,
+                a.cols.div_ceil(TILE_K),
+                nt * a.rows,
+                BLOCKS_PER_SM * self.sm_count,
+            );
+            let per_split = per_split.div_ceil(K_CHUNK / TILE_K);
+            let splits = chunks.div_ceil(per_split);
+            let out = a.out + (t0 * a.rows * 4) as u64;
+            let (dst, stride) = if splits == 1 {
+                (out, 0)
+            } else {
+                (partials, (nt * a.rows) as u64)
+            };
+            debug_assert!(splits == 1 || splits * nt * a.rows <= PARTIAL_ELEMS);
+            let accumulate = Arg::I32(i32::from(a.accumulate));
+            let cfg = LaunchConfig {
+                grid_dim: (n_tiles as u32, m_tiles as u32, splits as u32),
+                block_dim: (BLOCK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let args = [
+                Arg::Ptr(a.w),
+                Arg::U64(rb as u64),
+                rows_arg,
+                cols_arg,
+                Arg::Ptr(xq),
+                Arg::Ptr(xds),
+                Arg::I32(nt as i32),
+                Arg::I32(per_split as i32),
+                Arg::Ptr(dst),
+                rows_arg,
+                Arg::U64(stride),
+                // Partials are written whole; their sum is what gets added.
+                if splits == 1 { accumulate } else { Arg::I32(0) },
+            ];
+            self.run(kernel, cfg, &args)?;
+            if splits > 1 {
+                let args = [
+                    Arg::Ptr(partials),
+                    Arg::I32(splits as i32),
+                    Arg::U64(stride),
+                    rows_arg,
+                    Arg::I32(nt as i32),
+                    Arg::Ptr(out),
+                    rows_arg,
+                    accumulate,
+                ];
+                self.run("gemm_reduce", grid_for(nt * a.rows, THREADS), &args)?;
+            }
+        }
+        drop(ws);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(ty: GgmlType, packed: bool, rows: usize, cols: usize, n_tokens: usize) -> MatmulArgs {
+        MatmulArgs {
+            w: 0,
+            ty,
+            packed,
+            rows,
+            cols,
+            x: 0,
+            n_tokens,
+            out: 0,
+            accumulate: false,
+        }
+    }
+
+    #[test]
+    fn takes_its_types_and_sizes_only() {
+        let q4 = |packed, cols, n| {
+            mmq_kernel(&args(GgmlType::Q4_0, packed, 4096, cols, n), MMQ_MAX_TOKENS)
+        };
+        assert_eq!(q4(true, 4096, 17), Some("mmq_q4_0p"));
+        assert_eq!(q4(false, 288, 256), Some("mmq_q4_0"));
+        assert_eq!(
+            q4(true, 4096, 16),
+            None,
+            "decode batches keep the matvec kernels"
+        );
+        assert_eq!(q4(true, 4096, 257), None, "prefill batches keep the GEMM");
+        assert_eq!(q4(false, 100, 64), None, "no whole 8-bit blocks");
+        assert_eq!(q4(false, XQ_MAX_COLS + 32, 64), None);
+        let k = |ty, packed| mmq_kernel(&args(ty, packed, 100, 2048, 64), MMQ_MAX_TOKENS);
+        assert_eq!(k(GgmlType::Q4K, false), Some("mmq_q4_k"));
+        assert_eq!(k(GgmlType::Q5K, false), Some("mmq_q5_k"));
+        assert_eq!(k(GgmlType::Q6K, true), Some("mmq_q6_kp"));
+        assert_eq!(k(GgmlType::IQ4XS, false), Some("mmq_iq4_xs"));
+        assert_eq!(k(GgmlType::Q3K, true), None);
+        assert_eq!(k(GgmlType::F16, false), None);
+        let tall = args(
+            GgmlType::Q8_0,
+            false,
+            TILE_ROWS * MAX_ROW_TILES + 1,
+            256,
+            64,
+        );
+        assert_eq!(
+            mmq_kernel(&tall, MMQ_MAX_TOKENS),
+            None,
+            "more row tiles than grid y holds"
+        );
+        let wide = args(GgmlType::Q8_0, true, 4096, 4096, 512);
+        assert_eq!(mmq_kernel(&wide, 512), Some("mmq_q8_0p"), "a larger bound");
+        assert_eq!(
+            mmq_kernel(&args(GgmlType::Q8_0, true, 64, 256, 17), 0),
+            None,
+            "off"
+        );
+    }
+}
