@@ -9,8 +9,11 @@
 // scales; each of the 4 warps then multiplies 32 rows x 32 tokens with mma m16n8k32
 // (m16n8k16 for Q6_K, whose scales cover 16 values) and adds every int32 block sum times
 // its weight scale times its activation scale (less min x activation sum) to f32
-// accumulators. Decoding a tile once for 64 tokens costs far less than the GEMM's pass that
-// writes the whole weight as f16 and reads it back, which dominated batches of 16-256.
+// accumulators. Each thread holds its share of a chunk's loads in registers: all of them
+// are issued together, one chunk ahead of the multiplications (the first version loaded
+// and stored one word at a time and ran at half the GEMM's speed on an H200). Decoding a
+// tile once for 64 tokens is meant to beat the GEMM's pass writing the whole weight as f16
+// and reading it back; the host keeps these kernels off until that is measured.
 //
 // Launch: blockDim.x = MMQ_THREADS, grid (ceil(nt / MMQ_TOKENS), ceil(rows / MMQ_ROWS),
 // splits); split z takes chunks [z * k_chunks, (z + 1) * k_chunks) of MMQ_K columns and
@@ -178,35 +181,77 @@ __device__ __forceinline__ void mmq_block(const u8* __restrict__ w, u64 row_byte
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
 
-    for (int chunk = c0; chunk < c1; chunk++) {
+    // Per thread: the loads of one chunk, held in registers so that every load of a chunk
+    // is in flight at once, and the next chunk's fly while this one is multiplied.
+    constexpr int NW = MMQ_ROWS * (MMQ_K / 4) / MMQ_THREADS;
+    constexpr int NS = MMQ_ROWS * GROUPS / MMQ_THREADS;
+    constexpr int NX = MMQ_TOKENS * (MMQ_K / 16) / MMQ_THREADS;
+    constexpr int ND = MMQ_TOKENS * (MMQ_K / 32) / MMQ_THREADS;
+    u32 rw[NW];
+    float rs[NS], rm[NS];
+    uint4 rx[NX];
+    float2 rd[ND];
+    auto load = [&](int chunk) {
         const int k0 = chunk * MMQ_K;
-        for (int i = tid; i < MMQ_ROWS * (MMQ_K / 4); i += MMQ_THREADS) {
+#pragma unroll
+        for (int it = 0; it < NW; it++) {
+            int i = tid + it * MMQ_THREADS;
             int r = i / (MMQ_K / 4), kw = (i % (MMQ_K / 4)) * 4;
-            u32 v = 0;
-            if (r0 + r < rows && k0 + kw < cols) v = mmq_word<TY>(w + (u64)(r0 + r) * row_bytes, k0 + kw);
-            *(u32*)&sw[r * MMQ_LD + kw] = v;
+            rw[it] = r0 + r < rows && k0 + kw < cols
+                         ? mmq_word<TY>(w + (u64)(r0 + r) * row_bytes, k0 + kw)
+                         : 0u;
         }
-        for (int i = tid; i < MMQ_ROWS * GROUPS; i += MMQ_THREADS) {
+#pragma unroll
+        for (int it = 0; it < NS; it++) {
+            int i = tid + it * MMQ_THREADS;
             int r = i / GROUPS, g = i % GROUPS;
-            float s = 0.0f, m = 0.0f;
+            rs[it] = rm[it] = 0.0f;
             if (r0 + r < rows && k0 + g * SUB < cols)
-                mmq_scale<TY>(w + (u64)(r0 + r) * row_bytes, (k0 + g * SUB) / SUB, &s, &m);
-            sws[r][g] = s;
-            if (MIN) swm[r][g] = m;
+                mmq_scale<TY>(w + (u64)(r0 + r) * row_bytes, (k0 + g * SUB) / SUB, &rs[it], &rm[it]);
         }
-        for (int i = tid; i < MMQ_TOKENS * (MMQ_K / 16); i += MMQ_THREADS) {
+#pragma unroll
+        for (int it = 0; it < NX; it++) {
+            int i = tid + it * MMQ_THREADS;
             int t = i / (MMQ_K / 16), c = (i % (MMQ_K / 16)) * 16;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (t0 + t < nt && k0 + c < cols) v = *(const uint4*)(xq + (u64)(t0 + t) * cols + k0 + c);
-            *(uint4*)&sx[t * MMQ_LD + c] = v;
+            rx[it] = t0 + t < nt && k0 + c < cols
+                         ? *(const uint4*)(xq + (u64)(t0 + t) * cols + k0 + c)
+                         : make_uint4(0, 0, 0, 0);
         }
-        for (int i = tid; i < MMQ_TOKENS * (MMQ_K / 32); i += MMQ_THREADS) {
+#pragma unroll
+        for (int it = 0; it < ND; it++) {
+            int i = tid + it * MMQ_THREADS;
             int t = i / (MMQ_K / 32), g = i % (MMQ_K / 32);
-            float2 v = make_float2(0.0f, 0.0f);
-            if (t0 + t < nt && k0 / 32 + g < groups32) v = xds[(u64)(t0 + t) * groups32 + k0 / 32 + g];
-            sxd[t][g] = v;
+            rd[it] = t0 + t < nt && k0 / 32 + g < groups32
+                         ? xds[(u64)(t0 + t) * groups32 + k0 / 32 + g]
+                         : make_float2(0.0f, 0.0f);
+        }
+    };
+    if (c0 < c1) load(c0);
+
+    for (int chunk = c0; chunk < c1; chunk++) {
+#pragma unroll
+        for (int it = 0; it < NW; it++) {
+            int i = tid + it * MMQ_THREADS;
+            *(u32*)&sw[(i / (MMQ_K / 4)) * MMQ_LD + (i % (MMQ_K / 4)) * 4] = rw[it];
+        }
+#pragma unroll
+        for (int it = 0; it < NS; it++) {
+            int i = tid + it * MMQ_THREADS;
+            sws[i / GROUPS][i % GROUPS] = rs[it];
+            if (MIN) swm[i / GROUPS][i % GROUPS] = rm[it];
+        }
+#pragma unroll
+        for (int it = 0; it < NX; it++) {
+            int i = tid + it * MMQ_THREADS;
+            *(uint4*)&sx[(i / (MMQ_K / 16)) * MMQ_LD + (i % (MMQ_K / 16)) * 16] = rx[it];
+        }
+#pragma unroll
+        for (int it = 0; it < ND; it++) {
+            int i = tid + it * MMQ_THREADS;
+            sxd[i / (MMQ_K / 32)][i % (MMQ_K / 32)] = rd[it];
         }
         __syncthreads();
+        if (chunk + 1 < c1) load(chunk + 1);
 
 #pragma unroll 2
         for (int g = 0; g < MMQ_K / 32; g++) {

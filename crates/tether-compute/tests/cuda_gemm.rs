@@ -17,7 +17,7 @@ use common::{Rng, WEIGHT_TYPES, cpu, f32_bytes, get, gpu, put, random_weights};
 /// The GPU with the 8-bit products of 17-256 tokens off, so every batch here takes the
 /// GEMM (cuda_mmq.rs tests those products).
 fn gemm_gpu() -> CudaBackend {
-    gpu().without_mmq()
+    gpu().with_mmq_max_tokens(0)
 }
 
 /// The cpu backend's answers for one case: its matmul, and the exact (f64) product of its

@@ -33,7 +33,7 @@ fn kquant_weights_give_the_cpus_products() {
             let packs = matches!(ty, GgmlType::Q6K | GgmlType::Q3K | GgmlType::IQ4XS)
                 && cols.is_multiple_of(2048);
             assert_eq!(w.packed, packs, "{ty} {rows}x{cols}: packed");
-            // Up to 8 tokens a launch; 13 is two launches; 17 and 64 take mmq.cu (Q3_K the GEMM). 8-bit
+            // Up to 8 tokens a launch; 13 is two launches; 17 and 64 take the GEMM. 8-bit
             // activations (blocks of 32 here, of 256 on the cpu) against weights with a min
             // offset: about 1% on 256-wide rows of random data.
             let mut rig = Rig {

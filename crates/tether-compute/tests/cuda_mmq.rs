@@ -19,13 +19,18 @@ use common::{Rng, cpu, f32_bytes, get, gpu, put, random_weights};
 
 type GpuBuffer = <CudaBackend as Backend>::Buffer;
 
+/// The GPU with the 8-bit products (off by default) on for 17 to 256 tokens.
+fn mmq_gpu() -> CudaBackend {
+    gpu().with_mmq_max_tokens(256)
+}
+
 /// Token counts on both sides of the tiles (64) and of the GEMM's boundary (256).
 const TOKENS: [usize; 9] = [17, 33, 63, 64, 100, 255, 256, 257, 512];
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn mmq_products_give_the_cpus_for_every_type_and_layout() {
-    let (g, c) = (gpu(), cpu());
+    let (g, c) = (mmq_gpu(), cpu());
     let mut rng = Rng(71);
     // (type, columns, whether finish_weight packs them, tolerance). Q4_0 and Q8_0 meet the
     // cpu's own 8-bit blocks; the K-quants' activations are blocks of 256 on the cpu.
@@ -77,7 +82,7 @@ fn products(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn mmq_products_split_k_and_many_tiles_give_the_cpus() {
-    let (g, c) = (gpu(), cpu());
+    let (g, c) = (mmq_gpu(), cpu());
     let mut rng = Rng(73);
     // Few tiles over long rows split K across blocks (partials summed by gemm_reduce, also
     // into a residual); many tiles run unsplit.
@@ -97,7 +102,7 @@ fn mmq_products_split_k_and_many_tiles_give_the_cpus() {
 fn mmq_batches_of_fused_products_give_the_cpus() {
     // q/k/v and gate/up/down over batches the fused decode kernels do not take: each runs
     // as its own 8-bit product here.
-    let (g, c) = (gpu(), cpu());
+    let (g, c) = (mmq_gpu(), cpu());
     let mut rng = Rng(79);
     for (ty, tol) in [(GgmlType::Q4_0, 1e-2), (GgmlType::Q4K, 2e-2)] {
         let mut rig = Rig {
@@ -116,7 +121,7 @@ fn mmq_batches_of_fused_products_give_the_cpus() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn mmq_products_allocate_nothing_and_repeat_their_bits() {
-    let g = gpu();
+    let g = mmq_gpu();
     let mut rng = Rng(83);
     let (ty, rows, cols, n) = (GgmlType::Q4K, 100, 4096, 40);
     let w = put(&g, &random_weights(&mut rng, ty, rows * cols));
@@ -156,13 +161,14 @@ fn time_matmul(g: &CudaBackend, w: &GpuBuffer, ty: GgmlType, shape: [usize; 3]) 
 }
 
 /// Where the 8-bit products beat the paths they replace: llama3-8b's matmuls (finished
-/// weights, so Q4_0 / Q8_0 / Q6_K packed) per layer, with and without them, by batch size.
+/// weights, so Q4_0 / Q8_0 / Q6_K packed) per layer, with them (up to 512 tokens) and
+/// without, by batch size.
 /// Prints; asserts nothing. `cargo test -p tether-compute --release --test cuda_mmq
 /// bench_ -- --ignored --nocapture`.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bench_mmq_against_the_gemm() {
-    let (on, off) = (gpu(), gpu().without_mmq());
+    let (on, off) = (gpu().with_mmq_max_tokens(512), gpu().with_mmq_max_tokens(0));
     let mut rng = Rng(89);
     // q, o; k, v; gate, up; down (rows, cols, per layer).
     let shapes = [

@@ -24,8 +24,8 @@ fn packed_weights_give_the_cpus_products() {
             let bytes = random_weights(&mut rng, ty, rows * cols);
             let w = finished(&g, &c, ty, &bytes, cols);
             assert_eq!(w.packed, packs, "{ty} {rows}x{cols}: packed");
-            // 8 tokens take the tensor-core matvec kernels, fewer dp4a, 24-65 the 8-bit
-            // products of mmq.cu.
+            // 8-48 tokens take the tensor cores (launches of up to 32: 40 is 32 + 8), fewer
+            // dp4a, 64 and 65 the GEMM.
             let mut rig = Rig {
                 g: &g,
                 c: &c,

@@ -1,7 +1,6 @@
 //! Every weight type the cpu backend serves, on the cuda backend: embedding rows
 //! (`get_rows`), decode products (the matvec kernels: 1, 3 and 8 tokens) and prefill products
-//! (64 tokens: the 8-bit tensor-core products of mmq.cu for the types they read, the GEMM
-//! for the others), plain and added into a residual (`matmul_add`), on 37 rows (off the
+//! (the GEMM: 64 tokens), plain and added into a residual (`matmul_add`), on 37 rows (off the
 //! kernels' 4-rows-per-block grid) and, where the type's blocks allow, rows 896 wide
 //! (qwen2-0.5b's width: 3.5 groups of 256).
 //!
@@ -21,8 +20,7 @@ use common::{Rng, WEIGHT_TYPES, cpu, f32_bytes, get, gpu, put, random_weights};
 
 /// Rows of every product: not a multiple of the 4 rows a matvec block takes.
 const ROWS: usize = 37;
-/// Tokens of the products: 1, 3 and 8 run the matvec kernels, 64 the 8-bit tensor-core
-/// products or the GEMM.
+/// Tokens of the products: 1, 3 and 8 run the matvec kernels, 64 the GEMM.
 const TOKEN_COUNTS: [usize; 4] = [1, 3, 8, 64];
 /// Relative error allowed against the cpu backend, which quantizes activations to 8 bits
 /// for most quantized types.
@@ -56,17 +54,7 @@ fn eight_bit_decode(ty: GgmlType) -> bool {
 
 /// Relative error allowed against the f64 product for `n` tokens of `ty`.
 fn vs_exact(ty: GgmlType, n: usize) -> f64 {
-    // Batches of 17-256 tokens of these take 8-bit activations too (kernels/mmq.cu).
-    let mmq = matches!(
-        ty,
-        GgmlType::Q4_0
-            | GgmlType::Q8_0
-            | GgmlType::Q4K
-            | GgmlType::Q5K
-            | GgmlType::Q6K
-            | GgmlType::IQ4XS
-    );
-    if n > 8 && !mmq {
+    if n > 8 {
         // The GEMM rounds weights and activations to f16.
         5e-3
     } else if eight_bit_decode(ty) {

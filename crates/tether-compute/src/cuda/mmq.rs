@@ -16,9 +16,8 @@ use super::launch::{Arg, grid_for, int};
 use super::matvec::{MatmulArgs, XQ_MAX_COLS};
 use crate::backend::Result;
 
-/// `0` turns these kernels off (every batch they would take goes back to the matvec
-/// kernels or the GEMM), to measure one path against the other in one build; a number N
-/// makes them take batches of up to N tokens instead of [`MMQ_MAX_TOKENS`] (tuning).
+/// Turns these kernels on: `TETHER_MMQ=N` makes them take batches of 17 to N tokens
+/// (unset or 0: off, every such batch takes the matvec kernels or the GEMM).
 pub(super) const ENV_SWITCH: &str = "TETHER_MMQ";
 /// Tile of one block (MMQ_ROWS x MMQ_TOKENS in mmq.cu), its threads, and the columns it
 /// takes per pass (MMQ_K).
@@ -29,20 +28,17 @@ const K_CHUNK: usize = 256;
 /// Most row tiles of one launch (grid y).
 const MAX_ROW_TILES: usize = 65_535;
 
-/// The token counts these kernels take by default: [`MMQ_MIN_TOKENS`] to this. Chosen by
-/// reasoning, not yet measured: up to a few hundred tokens, decoding a weight tile once for
-/// every 64 tokens in shared memory costs less than the GEMM's pass writing the whole
-/// weight as f16 and reading it back; at 512 (prefill micro-batches) the GEMM's 128 x 128
-/// f16 tiles reuse each decoded weight 512 times, and a kernel decoding Q4_0 into shared
-/// memory was measured at 0.96x of it there, so it keeps those.
-pub(crate) const MMQ_MAX_TOKENS: usize = 256;
-// The workspace holds every default batch, at the widest rows, in one chunk.
-const _: () = assert!(MMQ_XQ_BYTES / XQ_MAX_COLS >= MMQ_MAX_TOKENS);
+/// The largest batch these kernels take unless [`ENV_SWITCH`] says otherwise: none. On an
+/// H200 (llama3-8b, `tether bench --parallel 32,64 -p 128 -n 128`) they took batches of
+/// 17-256 tokens at 0.44-0.64x of the f16 GEMM's speed (Q4_0 924 / 1,776 t/s against
+/// 2,112 / 2,762; one 128-token prompt 2,581 against 5,426 t/s), before their loads were
+/// issued a chunk ahead; they stay off until measured faster.
+pub(crate) const MMQ_MAX_TOKENS: usize = 0;
 /// Below this the decode kernels (launches of 8 tokens reading each weight once) win.
 pub(crate) const MMQ_MIN_TOKENS: usize = 17;
 
 /// The largest batch these kernels take on a device of compute capability `cc`, from
-/// [`ENV_SWITCH`] or [`MMQ_MAX_TOKENS`]; 0 when they take none.
+/// [`ENV_SWITCH`] or [`MMQ_MAX_TOKENS`]; 0 when they take none (below 8.0 always).
 pub(super) fn mmq_max_tokens(cc: (i32, i32)) -> usize {
     if cc.0 < 8 {
         return 0;
@@ -84,11 +80,14 @@ pub(super) fn mmq_kernel(a: &MatmulArgs, max_tokens: usize) -> Option<&'static s
 }
 
 impl CudaBackend {
-    /// This backend with the 8-bit tensor-core products off: their batches take the
-    /// matvec kernels or the f16 GEMM, as with `TETHER_MMQ=0` (tests and benchmarks of
-    /// those paths, and one path against the other in one process).
-    pub fn without_mmq(mut self) -> Self {
-        self.mmq_max_tokens = 0;
+    /// This backend with the 8-bit tensor-core products taking batches of 17 to
+    /// `max_tokens` tokens (0: none, as with `TETHER_MMQ` unset), whatever the environment
+    /// says: tests of each path, and one path against the other in one process. Devices
+    /// before compute capability 8.0 never take them.
+    pub fn with_mmq_max_tokens(mut self, max_tokens: usize) -> Self {
+        if self.mmq_capable {
+            self.mmq_max_tokens = max_tokens;
+        }
         self
     }
 
@@ -195,9 +194,7 @@ mod tests {
 
     #[test]
     fn takes_its_types_and_sizes_only() {
-        let q4 = |packed, cols, n| {
-            mmq_kernel(&args(GgmlType::Q4_0, packed, 4096, cols, n), MMQ_MAX_TOKENS)
-        };
+        let q4 = |packed, cols, n| mmq_kernel(&args(GgmlType::Q4_0, packed, 4096, cols, n), 256);
         assert_eq!(q4(true, 4096, 17), Some("mmq_q4_0p"));
         assert_eq!(q4(false, 288, 256), Some("mmq_q4_0"));
         assert_eq!(
@@ -208,7 +205,7 @@ mod tests {
         assert_eq!(q4(true, 4096, 257), None, "prefill batches keep the GEMM");
         assert_eq!(q4(false, 100, 64), None, "no whole 8-bit blocks");
         assert_eq!(q4(false, XQ_MAX_COLS + 32, 64), None);
-        let k = |ty, packed| mmq_kernel(&args(ty, packed, 100, 2048, 64), MMQ_MAX_TOKENS);
+        let k = |ty, packed| mmq_kernel(&args(ty, packed, 100, 2048, 64), 256);
         assert_eq!(k(GgmlType::Q4K, false), Some("mmq_q4_k"));
         assert_eq!(k(GgmlType::Q5K, false), Some("mmq_q5_k"));
         assert_eq!(k(GgmlType::Q6K, true), Some("mmq_q6_kp"));
@@ -223,7 +220,7 @@ mod tests {
             64,
         );
         assert_eq!(
-            mmq_kernel(&tall, MMQ_MAX_TOKENS),
+            mmq_kernel(&tall, 256),
             None,
             "more row tiles than grid y holds"
         );

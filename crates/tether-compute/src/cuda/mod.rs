@@ -91,8 +91,10 @@ pub struct CudaBackend {
     /// overrides it).
     mma_min_tokens: usize,
     /// Batches of 17 to this many tokens over the weight types mmq.rs reads take its int8
-    /// tensor-core kernels (0, none, before compute capability 8.0 or with `TETHER_MMQ=0`).
+    /// tensor-core kernels (0, none, unless `TETHER_MMQ=N`; always 0 before compute
+    /// capability 8.0, `mmq_capable` false).
     mmq_max_tokens: usize,
+    mmq_capable: bool,
     /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
     gemm_ws: Mutex<GemmWorkspace>,
     /// Per-process memory of this device, when NVML is there to ask.
@@ -208,6 +210,7 @@ impl CudaBackend {
             gemm_min_tokens_mma,
             mma_min_tokens,
             mmq_max_tokens,
+            mmq_capable: cc.0 >= 8,
             gemm_ws,
             nvml,
         })
