@@ -16,9 +16,14 @@
 //! `TETHER_CHAOS_ITERATIONS=500 cargo test -p tether-cli --test chaos -- --nocapture`, or
 //! for a duration: `TETHER_CHAOS_SECONDS=1800` runs steps until 30 minutes have passed
 //! (then the count is only an upper bound).
+//!
+//! A second test (`chaos_prefix`) soaks the prefix cache: interleaved requests sharing
+//! prefixes around block boundaries while worker bytes must stay at the plan, then SIGKILL
+//! of serve must free every worker within a second.
 
 mod chaos_cluster;
 mod chaos_hostile;
+mod chaos_prefix;
 mod chaos_stream;
 mod support;
 
