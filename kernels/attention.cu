@@ -76,7 +76,8 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
 
 // Attention of query row t, head h over split z of the cells of spans[t] (equal shares of
 // at most chunk cells)
-// (pairs first_cell, n_cells); kh = h / (n_heads / n_kv_heads). Cache rows are
+// (pairs first_cell, n_cells; virtual cells of a ring of `ring` cells per sequence when ring
+// > 0, see ring_cell); kh = h / (n_heads / n_kv_heads). Cache rows are
 // [n_kv_heads][head_dim] of ty (F16, Q8_0, Q4_0), head_bytes per head.
 // Launch: gridDim = (n_heads, n_tokens, n_splits), blockDim.x = 128, dynamic shared memory
 // 4 * chunk bytes, head_dim <= 256.
@@ -86,8 +87,8 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
 // value row is one coalesced read). With one split the block writes out[t][h]; with several
 // it writes (o[head_dim], max, sum) to partial[t][h][z] for attention_merge.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention(const float* q, const u8* k, const u8* v, int ty, const u32* spans, int n_heads,
-              int n_kv_heads, int head_dim, u64 head_bytes, float scale, float softcap,
+    attention(const float* q, const u8* k, const u8* v, int ty, const u32* spans, u32 ring,
+              int n_heads, int n_kv_heads, int head_dim, u64 head_bytes, float scale, float softcap,
               u32 chunk, float* out, float* partial) {
     PDL_ENTRY();
     extern __shared__ float scores[];
@@ -103,8 +104,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     u32 c0 = blockIdx.z * share;
     int nc = c0 < n_cells ? (int)min(share, n_cells - c0) : 0;
     u64 cell_bytes = (u64)n_kv_heads * head_bytes;
-    const u8* kbase = k + (u64)(first + c0) * cell_bytes + (u64)kh * head_bytes;
-    const u8* vbase = v + (u64)(first + c0) * cell_bytes + (u64)kh * head_bytes;
+    const u8* kbase = k + (u64)kh * head_bytes;
+    const u8* vbase = v + (u64)kh * head_bytes;
+    u32 v0 = first + c0;  // the block's first virtual cell (see ring_cell)
     float qr[ATT_MAX_PER_LANE];
 #pragma unroll
     for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
@@ -116,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 #pragma unroll
         for (int i = 0; i < ATT_CPW; i++) {
             s[i] = 0.f;
-            const u8* kr = kbase + (u64)min(c + i, nc - 1) * cell_bytes;
+            const u8* kr = kbase + (u64)ring_cell(v0 + min(c + i, nc - 1), ring) * cell_bytes;
 #pragma unroll
             for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
                 int d = lane + 32 * j;
@@ -149,9 +151,11 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         for (; c + 4 <= nc; c += 4) {
 #pragma unroll
             for (int i = 0; i < 4; i++)
-                acc[i] += scores[c + i] * cache_at(ty, vbase + (u64)(c + i) * cell_bytes, d);
+                acc[i] += scores[c + i] *
+                          cache_at(ty, vbase + (u64)ring_cell(v0 + c + i, ring) * cell_bytes, d);
         }
-        for (; c < nc; c++) acc[0] += scores[c] * cache_at(ty, vbase + (u64)c * cell_bytes, d);
+        for (; c < nc; c++)
+            acc[0] += scores[c] * cache_at(ty, vbase + (u64)ring_cell(v0 + c, ring) * cell_bytes, d);
         float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         if (gridDim.z == 1) out[th * head_dim + d] = o * inv;
         else ph[d] = o;
@@ -166,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // 8..256): a group of G threads takes one cell, each thread 8 elements (one 16-byte load),
 // so a block keeps 128 / G cells times 4 in flight in both passes. Launch as `attention`.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_f16v(const float* q, const u8* k, const u8* v, int ty, const u32* spans,
+    attention_f16v(const float* q, const u8* k, const u8* v, int ty, const u32* spans, u32 ring,
                    int n_heads, int n_kv_heads, int head_dim, u64 head_bytes, float scale,
                    float softcap, u32 chunk, float* out, float* partial) {
     PDL_ENTRY();
@@ -186,9 +190,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     u32 c0 = blockIdx.z * share;
     int nc = c0 < n_cells ? (int)min(share, n_cells - c0) : 0;
     u64 cell_bytes = (u64)n_kv_heads * head_bytes;
-    u64 off = (u64)(first + c0) * cell_bytes + (u64)kh * head_bytes + 16 * gl;
+    u64 off = (u64)kh * head_bytes + 16 * gl;
     const u8* kbase = k + off;
     const u8* vbase = v + off;
+    u32 v0 = first + c0;  // the block's first virtual cell (see ring_cell)
     float qr[8];
 #pragma unroll
     for (int e = 0; e < 8; e++) qr[e] = qh[e] * scale;
@@ -198,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int c = min(base + i * groups + gi, nc - 1);
-            kv[i] = *(const uint4*)(kbase + (u64)c * cell_bytes);
+            kv[i] = *(const uint4*)(kbase + (u64)ring_cell(v0 + c, ring) * cell_bytes);
         }
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -231,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         for (int i = 0; i < 4; i++) {
             int c = base + i * groups + gi;
             p[i] = c < nc ? scores[c] : 0.f;
-            vv[i] = *(const uint4*)(vbase + (u64)min(c, nc - 1) * cell_bytes);
+            vv[i] = *(const uint4*)(vbase + (u64)ring_cell(v0 + min(c, nc - 1), ring) * cell_bytes);
         }
 #pragma unroll
         for (int i = 0; i < 4; i++) {

@@ -42,6 +42,15 @@ typedef unsigned long long u64;
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// The cache cell of virtual cell v when each sequence keeps a ring of `ring` cells (0: no
+// ring, v is the cell). Sequence s owns virtual cells [2 ring s, 2 ring (s + 1)), so a
+// window that wraps round its ring is still one run of consecutive virtual cells.
+__device__ __forceinline__ u32 ring_cell(u32 v, u32 ring) {
+    if (ring == 0) return v;
+    u32 per_seq = 2 * ring;
+    return (v / per_seq) * ring + (v % per_seq) % ring;
+}
+
 // Programmatic dependent launch (sm_90 and later; no-ops before, and when a kernel was
 // launched without it). The host launches decode kernels so that the next kernel's blocks
 // may start while this one runs: each kernel first lets its successor launch, then waits

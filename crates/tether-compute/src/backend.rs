@@ -65,6 +65,22 @@ pub struct AttnShape {
     pub n_kv_heads: usize,
     /// Elements per head.
     pub head_dim: usize,
+    /// Cells of each sequence's ring when the cache read is a ring (sliding-window layers
+    /// that keep only their window); 0: spans index cells directly. With a ring of `r`
+    /// cells, span cells are virtual: sequence `s` owns virtual cells `[2·r·s, 2·r·(s+1))`
+    /// and virtual cell `v` is stored in cache cell [`ring_cell`]`(v, r)`, so a window that
+    /// wraps round the ring is still one span of consecutive virtual cells.
+    pub ring_cells: u32,
+}
+
+/// The cache cell that holds virtual cell `v` of a ring of `ring_cells` cells per sequence
+/// (see [`AttnShape::ring_cells`]); `v` itself when `ring_cells` is 0.
+pub fn ring_cell(v: u32, ring_cells: u32) -> u32 {
+    if ring_cells == 0 {
+        return v;
+    }
+    let per_seq = 2 * ring_cells;
+    (v / per_seq) * ring_cells + (v % per_seq) % ring_cells
 }
 
 /// The KV cells one query token attends to: `n_cells` consecutive cells from `first_cell`,

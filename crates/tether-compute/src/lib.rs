@@ -13,7 +13,7 @@ pub mod rope;
 mod shape_check;
 
 pub use backend::{
-    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, MemoryInfo, Result, RopeParams,
+    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, MemoryInfo, Result, RopeParams, ring_cell,
     top_rows_scratch,
 };
 pub use cpu::{CpuBackend, CpuBuffer};

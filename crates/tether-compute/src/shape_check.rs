@@ -48,16 +48,33 @@ pub(crate) fn elems(op: &'static str, dims: &[usize]) -> Result<usize> {
         .ok_or_else(|| shape_err(op, format!("element count of {dims:?} overflows")))
 }
 
-/// Every span is non-empty and inside a cache of `n_cells` cells.
-pub(crate) fn spans(op: &'static str, spans: &[AttnSpan], n_cells: usize) -> Result<()> {
+/// Every span is non-empty and inside a cache of `n_cells` cells; with a ring of
+/// `ring_cells` cells (see [`AttnShape::ring_cells`](crate::AttnShape)), every span is at
+/// most one ring long and inside one sequence's virtual cells.
+pub(crate) fn spans(
+    op: &'static str,
+    spans: &[AttnSpan],
+    n_cells: usize,
+    ring_cells: u32,
+) -> Result<()> {
+    let (per_seq, limit) = if ring_cells == 0 {
+        (u64::MAX, n_cells as u64)
+    } else {
+        let r = u64::from(ring_cells);
+        (2 * r, n_cells as u64 / r * 2 * r)
+    };
     for (t, s) in spans.iter().enumerate() {
         let end = u64::from(s.first_cell) + u64::from(s.n_cells);
-        if s.n_cells == 0 || end > n_cells as u64 {
+        let one_seq = ring_cells == 0
+            || (s.n_cells <= ring_cells
+                && u64::from(s.first_cell) / per_seq == (end - 1) / per_seq);
+        if s.n_cells == 0 || end > limit || !one_seq {
             return Err(shape_err(
                 op,
                 format!(
                     "token {t} attends to cells {}..{end}, but the cache holds {n_cells} cells \
-                     and a span needs at least one",
+                     (ring of {ring_cells} cells per sequence, 0: none) and a span needs at \
+                     least one",
                     s.first_cell
                 ),
             ));

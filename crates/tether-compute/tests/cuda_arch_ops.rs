@@ -186,6 +186,7 @@ fn yarn_rope_and_the_fused_store_match_cpu() {
         n_heads: 4,
         n_kv_heads: 2,
         head_dim: 128,
+        ring_cells: 0,
     };
     for positions in [
         vec![0u32, 1, 5000, 131_000, 7, 9, 11, 13, 20, 21],
@@ -268,6 +269,7 @@ fn soft_capped_attention_matches_cpu() {
             n_heads: 4,
             n_kv_heads: 2,
             head_dim,
+            ring_cells: 0,
         };
         let kv_dim = 2 * head_dim;
         let n_cells = 300;

@@ -79,6 +79,7 @@ fn bench_decode_attention() {
         n_heads: 32,
         n_kv_heads: 8,
         head_dim: 128,
+        ring_cells: 0,
     };
     let kv_dim = shape.n_kv_heads * shape.head_dim;
     for cells in [512usize, 4096, 32768] {
@@ -120,6 +121,7 @@ fn bench_prefill_attention() {
             n_heads,
             n_kv_heads,
             head_dim,
+            ring_cells: 0,
         };
         let kv_dim = n_kv_heads * head_dim;
         for ctx in [512usize, 4096, 16384] {
@@ -164,6 +166,7 @@ fn bench_decode_layer() {
         n_heads: 32,
         n_kv_heads: 8,
         head_dim: 128,
+        ring_cells: 0,
     };
     let rope = RopeParams {
         n_rot: 128,

@@ -146,6 +146,7 @@ fn prefill_attention_matches_cpu_for_every_head_size_grouping_and_length() {
                 n_heads: group * n_kv_heads,
                 n_kv_heads,
                 head_dim,
+                ring_cells: 0,
             };
             let caches = Caches::new(
                 &g,
@@ -182,6 +183,7 @@ fn prefill_attention_over_quantized_caches_matches_cpu() {
                 n_heads: 32,
                 n_kv_heads: 8,
                 head_dim,
+                ring_cells: 0,
             };
             let caches = Caches::new(&g, &c, &mut rng, ty, 8 * head_dim, 1700);
             // Prompts after 900 cells, from cell 77: the union starts off a tile boundary
@@ -210,6 +212,7 @@ fn soft_capped_and_windowed_prefill_attention_matches_cpu() {
             n_heads: 8,
             n_kv_heads: 4,
             head_dim,
+            ring_cells: 0,
         };
         let caches = Caches::new(&g, &c, &mut rng, GgmlType::F16, 4 * head_dim, 2100);
         // A window of 1024 cells over 1500 earlier cells from cell 40.
@@ -242,6 +245,7 @@ fn mixed_prompt_and_decode_batches_match_cpu() {
         n_heads: 32,
         n_kv_heads: 8,
         head_dim: 128,
+        ring_cells: 0,
     };
     let caches = Caches::new(&g, &c, &mut rng, GgmlType::F16, 8 * 128, 4000);
     let mut spans = prompt(1000, 700, 333);
@@ -294,6 +298,7 @@ fn short_prefill_batches_after_a_long_context_are_split_and_match_cpu() {
                 n_heads: 32,
                 n_kv_heads: 8,
                 head_dim: 128,
+                ring_cells: 0,
             },
             GgmlType::F16,
             20u32,
@@ -303,6 +308,7 @@ fn short_prefill_batches_after_a_long_context_are_split_and_match_cpu() {
                 n_heads: 16,
                 n_kv_heads: 8,
                 head_dim: 256,
+                ring_cells: 0,
             },
             GgmlType::Q4_0,
             9,
@@ -312,6 +318,7 @@ fn short_prefill_batches_after_a_long_context_are_split_and_match_cpu() {
                 n_heads: 8,
                 n_kv_heads: 1,
                 head_dim: 64,
+                ring_cells: 0,
             },
             GgmlType::Q8_0,
             45,
@@ -346,6 +353,7 @@ fn decode_attention_split_over_a_long_context_matches_cpu() {
                 n_heads: 32,
                 n_kv_heads: 8,
                 head_dim: 128,
+                ring_cells: 0,
             },
             GgmlType::F16,
         ),
@@ -354,6 +362,7 @@ fn decode_attention_split_over_a_long_context_matches_cpu() {
                 n_heads: 16,
                 n_kv_heads: 8,
                 head_dim: 256,
+                ring_cells: 0,
             },
             GgmlType::Q8_0,
         ),
@@ -362,6 +371,7 @@ fn decode_attention_split_over_a_long_context_matches_cpu() {
                 n_heads: 32,
                 n_kv_heads: 8,
                 head_dim: 128,
+                ring_cells: 0,
             },
             GgmlType::Q4_0,
         ),

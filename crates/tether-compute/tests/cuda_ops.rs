@@ -18,6 +18,7 @@ mod cuda_ops {
     mod attention;
     mod fused;
     mod memory;
+    mod ring_attention;
 }
 
 /// ‖a − b‖ / ‖b‖.
@@ -223,6 +224,7 @@ fn rope_and_store_matches_cpu() {
         n_heads: 8,
         n_kv_heads: 2,
         head_dim: 64,
+        ring_cells: 0,
     };
     let (qd, kvd, cells_in_cache) = (8 * 64, 2 * 64, 16usize);
     for neox in [false, true] {

@@ -5,9 +5,18 @@
 //! into the chosen slot on every worker instead. Taking a slot for another prompt
 //! overwrites what it held: that is the eviction, least recently used first among equals.
 //!
+//! A model whose sliding-window layers keep only a ring of cells (see
+//! [`tether_model::kv_ring`]) can continue a slot only from a length whose window its ring
+//! still holds: each slot remembers the highest position written since its cells were
+//! last started afresh, and a prefix too far behind it is not reused (the prompt is
+//! prefilled from its start). Copies from busy slots are not made for such models, since
+//! what a running request has overwritten is not tracked.
+//!
 //! Tokens are hashed in blocks of [`BLOCK`] with a chain hash (each block's hash covers
 //! every token before it), so comparing two slots' prefixes is a comparison of hashes, and
 //! a paged KV cache can later key its shared blocks by the same hashes.
+
+use tether_model::KvRing;
 
 use crate::load::LoadedStage;
 use crate::loss::Loss;
@@ -41,6 +50,9 @@ struct Held {
     chain: Vec<u64>,
     /// When the slot was last taken or released ([`PrefixCache`]'s clock).
     last_used: u64,
+    /// At least the positions written into the slot's cells since they last started from
+    /// position 0: a ring keeps at most the last ring's worth before this.
+    written: usize,
 }
 
 impl Held {
@@ -94,21 +106,39 @@ pub(crate) struct Placement {
 pub(crate) struct PrefixCache {
     held: Vec<Held>,
     clock: u64,
+    /// The ring of the model's sliding-window layers, if they keep one.
+    ring: Option<KvRing>,
 }
 
 impl PrefixCache {
-    /// A cache of `n_slots` slots that hold nothing.
-    pub fn new(n_slots: usize) -> Self {
+    /// A cache of `n_slots` slots that hold nothing, for a model whose sliding-window
+    /// layers keep `ring` (`None`: every layer keeps the whole context).
+    pub fn new(n_slots: usize, ring: Option<KvRing>) -> Self {
         Self {
             held: (0..n_slots).map(|_| Held::default()).collect(),
             clock: 0,
+            ring,
         }
     }
 
     /// Forgets everything (the workers' sessions, and so their cells, are new).
     pub fn clear(&mut self) {
-        let n = self.held.len();
-        *self = Self::new(n);
+        *self = Self::new(self.held.len(), self.ring);
+    }
+
+    /// How many of `common` first tokens of a slot whose cells were written up to
+    /// `written` can be reused: all of them, or none when a ring no longer holds the
+    /// window their continuation needs.
+    fn reusable(&self, common: usize, written: usize) -> usize {
+        let Some(ring) = self.ring else {
+            return common;
+        };
+        let oldest = written.saturating_sub(ring.cells as usize);
+        let fits = |n: usize| u32::try_from(n).ok();
+        match (fits(oldest), fits(common)) {
+            (Some(oldest), Some(len)) if ring.serves(oldest, len) => common,
+            _ => 0,
+        }
     }
 
     /// Chooses a free slot for `prompt` (not empty) among `slots` (at least one free) and
@@ -120,7 +150,7 @@ impl PrefixCache {
         let mut own: Option<(usize, usize)> = None;
         let mut copy: Option<(usize, usize)> = None;
         for (i, (held, state)) in self.held.iter().zip(slots).enumerate() {
-            let common = held.common(prompt, &chain).min(most);
+            let common = self.reusable(held.common(prompt, &chain).min(most), held.written);
             match *state {
                 SlotUse::Free => {
                     let better = own.is_none_or(|(j, n)| {
@@ -130,6 +160,7 @@ impl PrefixCache {
                         own = Some((i, common));
                     }
                 }
+                SlotUse::Busy { .. } if self.ring.is_some() => {}
                 SlotUse::Busy { valid } => {
                     let whole = common.min(valid) / BLOCK * BLOCK;
                     if copy.is_none_or(|(_, n)| whole > n) {
@@ -152,7 +183,12 @@ impl PrefixCache {
             },
         };
         self.clock += 1;
-        self.held[placement.slot].set(prompt, self.clock);
+        let held = &mut self.held[placement.slot];
+        // A prefill from position 0 starts the slot's cells afresh.
+        if placement.cached == 0 {
+            held.written = 0;
+        }
+        held.set(prompt, self.clock);
         Some(placement)
     }
 
@@ -167,6 +203,7 @@ impl PrefixCache {
         self.clock += 1;
         if let Some(held) = self.held.get_mut(slot) {
             held.set(tokens, self.clock);
+            held.written = held.written.max(tokens.len());
         }
     }
 }
@@ -248,7 +285,7 @@ mod tests {
 
     #[test]
     fn a_free_slot_with_the_prompt_is_taken_whatever_its_length() {
-        let mut cache = PrefixCache::new(3);
+        let mut cache = PrefixCache::new(3, None);
         let history = tokens(1, 50);
         cache.release(1, &history);
         let next = joined(&history, &tokens(2, 10));
@@ -269,7 +306,7 @@ mod tests {
 
     #[test]
     fn a_prompt_that_leaves_off_mid_block_reuses_up_to_where_it_differs() {
-        let mut cache = PrefixCache::new(2);
+        let mut cache = PrefixCache::new(2, None);
         cache.release(0, &tokens(1, 80));
         let mut prompt = tokens(1, 80);
         prompt[45] = 7;
@@ -279,7 +316,7 @@ mod tests {
 
     #[test]
     fn a_longer_prefix_in_a_busy_slot_is_copied_in_whole_blocks() {
-        let mut cache = PrefixCache::new(3);
+        let mut cache = PrefixCache::new(3, None);
         let system = tokens(1, 70);
         cache.release(2, &tokens(3, 40));
         cache.release(1, &tokens(4, 40));
@@ -308,7 +345,7 @@ mod tests {
 
     #[test]
     fn eviction_takes_the_least_recently_used_slot() {
-        let mut cache = PrefixCache::new(3);
+        let mut cache = PrefixCache::new(3, None);
         cache.release(0, &tokens(1, 40));
         cache.release(1, &tokens(2, 40));
         cache.release(2, &tokens(3, 40));

@@ -21,7 +21,7 @@ use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tether_model::Sampler;
+use tether_model::{Sampler, kv_ring};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -134,7 +134,8 @@ impl Scheduler {
     ) -> Self {
         let Inbox { requests, control } = inbox;
         let n_seq = setup.shape.n_seq;
-        let prefix = setup.prefix_cache.then(|| PrefixCache::new(n_seq));
+        let ring = kv_ring(model.config(), setup.shape.ctx_per_seq, setup.shape.ubatch);
+        let prefix = setup.prefix_cache.then(|| PrefixCache::new(n_seq, ring));
         Self {
             shared,
             requests,
@@ -458,6 +459,7 @@ impl Scheduler {
         let tokenizer = self.model.tokenizer();
         let ctx = self.setup.shape.ctx_per_seq;
         let shift = self.setup.context_shift;
+        let ring = kv_ring(self.model.config(), ctx, self.setup.shape.ubatch);
         let mut finished = Vec::new();
         for (row, &i) in batch.sample_for.iter().enumerate() {
             let Some(seq) = &mut self.slots[i] else {
@@ -477,6 +479,13 @@ impl Scheduler {
             match seq.accept(token, eog, ctx, shift) {
                 Next::Continue => {}
                 Next::Shifted(kept) => {
+                    // A sliding-window ring holds the newest positions, not the window the
+                    // kept prefix's successor needs: the shifted tokens are prefilled again
+                    // from the start.
+                    let kept = match ring {
+                        Some(_) => seq.restart(),
+                        None => kept,
+                    };
                     tracing::debug!(
                         slot = seq.slot,
                         kept,

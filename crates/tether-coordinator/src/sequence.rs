@@ -106,6 +106,13 @@ impl Sequence {
         Some(self.fed)
     }
 
+    /// Forgets every fed token, so the sequence is prefilled again from position 0 (after a
+    /// context shift the cells cannot serve); returns the positions its cells keep: none.
+    pub fn restart(&mut self) -> usize {
+        self.fed = 0;
+        0
+    }
+
     /// Sends the final event.
     pub fn finish(&self, finish: FinishReason) {
         self.send(Ok(GenEvent::Done {

@@ -1,10 +1,14 @@
 //! Bookkeeping of the KV cache: how many positions each sequence holds, and where a
 //! token's keys and values live.
 //!
-//! Sequence `s` owns cells `[s·ctx, (s+1)·ctx)`; the token at position `p` lives in cell
-//! `s·ctx + p` and attends to the cells of positions `0..=p`. A sequence's first positions
-//! can be copied into another's cells (prefix reuse): the positions, and so the rotary
-//! encoding of the keys, stay the same.
+//! Sequence `s` owns cells `[s·ctx, (s+1)·ctx)` of a global layer's cache; the token at
+//! position `p` lives in cell `s·ctx + p` and attends to the cells of positions `0..=p`.
+//! A sliding-window layer whose window (plus a micro-batch) is shorter than the context
+//! keeps a ring instead: sequence `s` owns `ring` cells from `s·ring`, position `p` lives in
+//! cell `s·ring + p mod ring`, and the ring holds the positions `[oldest, len)` of the
+//! sequence, at most `ring` of them. A sequence's first positions can be copied into
+//! another's cells (prefix reuse): the positions, and so the rotary encoding of the keys,
+//! stay the same.
 
 use tether_compute::AttnSpan;
 
@@ -19,26 +23,71 @@ pub struct BatchToken {
     pub pos: u32,
 }
 
-/// Lengths of every sequence's cached prefix.
+/// The ring the sliding-window layers of a model keep (see [`crate::plan::kv_ring`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvRing {
+    /// Cells per sequence (`window + chunk`, less than the context).
+    pub cells: u32,
+    /// Tokens of a micro-batch, whose keys are all written before any of them attends.
+    pub chunk: u32,
+    /// Positions a token sees, itself included.
+    pub window: u32,
+}
+
+impl KvRing {
+    /// Whether a ring that may hold positions from `oldest` on still holds the window of a
+    /// token at position `len`, so a sequence can continue from its first `len` positions.
+    pub fn serves(&self, oldest: u32, len: u32) -> bool {
+        len == 0 || len.saturating_sub(self.window - 1) >= oldest
+    }
+}
+
+/// Lengths of every sequence's cached prefix, and for ring layers the oldest position
+/// their ring still holds.
 #[derive(Clone, Debug)]
 pub(crate) struct KvState {
     ctx_per_seq: u32,
     lens: Vec<u32>,
+    ring: Option<KvRing>,
+    oldest: Vec<u32>,
+}
+
+/// What a checked batch leaves behind, applied by [`KvState::commit`] once it has run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct KvUpdate {
+    lens: Vec<u32>,
+    oldest: Vec<u32>,
 }
 
 impl KvState {
-    pub(crate) fn new(n_seq: usize, ctx_per_seq: usize) -> Result<Self, ModelError> {
+    /// The bookkeeping of `n_seq` sequences of `ctx_per_seq` positions; `ring`: the ring of
+    /// the stage's sliding-window layers, when they keep one.
+    pub(crate) fn new(
+        n_seq: usize,
+        ctx_per_seq: usize,
+        ring: Option<KvRing>,
+    ) -> Result<Self, ModelError> {
+        let too_many = || {
+            ModelError::InvalidArgument(format!(
+                "{n_seq} sequences of {ctx_per_seq} cells do not fit 32-bit cell indices"
+            ))
+        };
         let ctx_per_seq = u32::try_from(ctx_per_seq)
             .ok()
             .filter(|&c| c.checked_mul(n_seq as u32).is_some() && n_seq <= u32::MAX as usize)
-            .ok_or_else(|| {
-                ModelError::InvalidArgument(format!(
-                    "{n_seq} sequences of {ctx_per_seq} cells do not fit 32-bit cell indices"
-                ))
-            })?;
+            .ok_or_else(too_many)?;
+        // Ring spans are virtual cells, two rings per sequence (`AttnShape::ring_cells`).
+        if let Some(r) = ring {
+            let virtual_cells = u64::from(r.cells) * 2 * n_seq as u64;
+            if virtual_cells > u64::from(u32::MAX) || r.cells == 0 || r.window > r.cells {
+                return Err(too_many());
+            }
+        }
         Ok(Self {
             ctx_per_seq,
             lens: vec![0; n_seq],
+            ring,
+            oldest: vec![0; n_seq],
         })
     }
 
@@ -58,37 +107,84 @@ impl KvState {
         Ok(self.lens[self.check_seq(seq)?])
     }
 
+    /// The ring of the stage's sliding-window layers, if they keep one.
+    pub(crate) fn ring(&self) -> Option<KvRing> {
+        self.ring
+    }
+
     /// Checks a whole batch without changing anything: known sequences, positions inside the
     /// context, and each token's position at most the length its sequence has when it comes
-    /// (so no gap in the cache). Returns the lengths after the batch.
-    pub(crate) fn check_batch(&self, batch: &[BatchToken]) -> Result<Vec<u32>, ModelError> {
+    /// (so no gap in the cache). With a ring, the batch runs in chunks of `ring.chunk` tokens
+    /// (attention reads a chunk's cells once the whole chunk is written): a sequence's tokens
+    /// in a chunk must be consecutive, and every token's window must still be in the ring
+    /// after its chunk is written (which holds for chunks that follow the cached positions).
+    pub(crate) fn check_batch(&self, batch: &[BatchToken]) -> Result<KvUpdate, ModelError> {
         let mut lens = self.lens.clone();
-        for (i, t) in batch.iter().enumerate() {
-            let s = self.check_seq(t.seq)?;
-            if t.pos >= self.ctx_per_seq {
-                return Err(ModelError::InvalidArgument(format!(
-                    "token {i}: position {} of sequence {} is outside its context of {} cells",
-                    t.pos, t.seq, self.ctx_per_seq
-                )));
+        let mut oldest = self.oldest.clone();
+        let chunk = self.ring.map_or(batch.len(), |r| r.chunk as usize).max(1);
+        for (c, tokens) in batch.chunks(chunk).enumerate() {
+            // Per sequence: the chunk's first position and the one after its last.
+            let mut written: Vec<Option<(u32, u32)>> = vec![None; lens.len()];
+            for (j, t) in tokens.iter().enumerate() {
+                let i = c * chunk + j;
+                let s = self.check_seq(t.seq)?;
+                if t.pos >= self.ctx_per_seq {
+                    return Err(ModelError::InvalidArgument(format!(
+                        "token {i}: position {} of sequence {} is outside its context of {} cells",
+                        t.pos, t.seq, self.ctx_per_seq
+                    )));
+                }
+                if t.pos > lens[s] {
+                    return Err(ModelError::InvalidArgument(format!(
+                        "token {i}: position {} of sequence {} leaves a gap: the cache holds {} positions",
+                        t.pos, t.seq, lens[s]
+                    )));
+                }
+                written[s] = match written[s] {
+                    None => Some((t.pos, t.pos + 1)),
+                    Some((first, end)) if t.pos == end => Some((first, end + 1)),
+                    Some(_) if self.ring.is_none() => Some((0, 0)),
+                    Some(_) => {
+                        return Err(ModelError::InvalidArgument(format!(
+                            "token {i}: position {} of sequence {} does not follow the previous \
+                             token of that sequence in its micro-batch, which a model with \
+                             sliding-window rings needs",
+                            t.pos, t.seq
+                        )));
+                    }
+                };
+                // Writing position p makes everything after it stale.
+                lens[s] = t.pos + 1;
             }
-            if t.pos > lens[s] {
-                return Err(ModelError::InvalidArgument(format!(
-                    "token {i}: position {} of sequence {} leaves a gap: the cache holds {} positions",
-                    t.pos, t.seq, lens[s]
-                )));
+            let Some(ring) = self.ring else { continue };
+            for (s, w) in written.iter().enumerate() {
+                let Some((first, end)) = *w else { continue };
+                // Rewriting from `first` drops whatever the ring held from there on; writing
+                // up to `end` overwrites the positions one ring before.
+                let kept_from = oldest[s].min(first);
+                oldest[s] = kept_from.max(end.saturating_sub(ring.cells));
+                let needs = first.saturating_sub(ring.window - 1);
+                if needs < oldest[s] {
+                    return Err(ModelError::InvalidArgument(format!(
+                        "sequence {s}: position {first} needs positions from {needs} on, but \
+                         the sliding-window ring of {} cells holds them only from {} on; \
+                         prefill the sequence again from its start",
+                        ring.cells, oldest[s]
+                    )));
+                }
             }
-            // Writing position p makes everything after it stale.
-            lens[s] = t.pos + 1;
         }
-        Ok(lens)
+        Ok(KvUpdate { lens, oldest })
     }
 
-    /// Takes the lengths returned by [`Self::check_batch`] once the batch has run.
-    pub(crate) fn commit(&mut self, lens: Vec<u32>) {
-        self.lens = lens;
+    /// Takes the update returned by [`Self::check_batch`] once the batch has run.
+    pub(crate) fn commit(&mut self, update: KvUpdate) {
+        self.lens = update.lens;
+        self.oldest = update.oldest;
     }
 
-    /// The cell of `t` and the cells it attends to (`t` must have passed `check_batch`).
+    /// The cell of `t` and the cells it attends to in a global layer (`t` must have passed
+    /// `check_batch`).
     pub(crate) fn place(&self, t: BatchToken) -> (u32, AttnSpan) {
         let first_cell = t.seq * self.ctx_per_seq;
         (
@@ -100,15 +196,31 @@ impl KvState {
         )
     }
 
+    /// The cell of `t` in a ring of `ring` and the virtual cells of its window (see
+    /// `AttnShape::ring_cells`): the positions `p - window + 1 ..= p` that exist.
+    pub(crate) fn place_in_ring(t: BatchToken, ring: KvRing) -> (u32, AttnSpan) {
+        let start = t.pos.saturating_sub(ring.window - 1);
+        (
+            t.seq * ring.cells + t.pos % ring.cells,
+            AttnSpan {
+                first_cell: t.seq * 2 * ring.cells + start % ring.cells,
+                n_cells: t.pos - start + 1,
+            },
+        )
+    }
+
     /// Forgets everything `seq` holds.
     pub(crate) fn clear(&mut self, seq: u32) -> Result<(), ModelError> {
         let s = self.check_seq(seq)?;
         self.lens[s] = 0;
+        self.oldest[s] = 0;
         Ok(())
     }
 
-    /// Keeps the first `len` positions of `seq`; a `len` at or past its length changes nothing.
-    pub(crate) fn truncate(&mut self, seq: u32, len: u32) -> Result<(), ModelError> {
+    /// Keeps the first `len` positions of `seq`; a `len` at or past its length changes
+    /// nothing. Returns the length kept: 0 (the sequence is cleared) when the ring no longer
+    /// holds the window the next position needs, so the caller prefills it again.
+    pub(crate) fn truncate(&mut self, seq: u32, len: u32) -> Result<u32, ModelError> {
         let s = self.check_seq(seq)?;
         if len > self.ctx_per_seq {
             return Err(ModelError::InvalidArgument(format!(
@@ -116,14 +228,37 @@ impl KvState {
                 self.ctx_per_seq
             )));
         }
-        self.lens[s] = self.lens[s].min(len);
-        Ok(())
+        let len = self.lens[s].min(len);
+        if self.ring.is_some() && !self.ring_serves(s, len) {
+            self.lens[s] = 0;
+            self.oldest[s] = 0;
+            return Ok(0);
+        }
+        self.lens[s] = len;
+        Ok(len)
+    }
+
+    /// Whether the ring of sequence `s` holds the window of a token at position `len`.
+    fn ring_serves(&self, s: usize, len: u32) -> bool {
+        self.ring
+            .is_none_or(|ring| ring.serves(self.oldest[s], len))
+    }
+
+    /// The longest prefix of `seq` (at most `len`) whose continuation the cache can serve:
+    /// `len` itself without a ring, else `len` if the ring still holds the window of
+    /// position `len`, or 0.
+    pub(crate) fn reusable(&self, seq: u32, len: u32) -> Result<u32, ModelError> {
+        let s = self.check_seq(seq)?;
+        let len = len.min(self.lens[s]);
+        Ok(if self.ring_serves(s, len) { len } else { 0 })
     }
 
     /// Checks a copy of the first `len` positions of `src` over `dst` and returns the cell
-    /// ranges `(first source cell, first destination cell)`; `dst` is emptied, so a copy
-    /// that fails half-way leaves it holding nothing rather than a mix. [`Self::commit_copy`]
-    /// records the copy once the cells are moved.
+    /// ranges `(first source cell, first destination cell)` of global layers; `dst` is
+    /// emptied, so a copy that fails half-way leaves it holding nothing rather than a mix.
+    /// KvRing layers copy the whole ring of `src` (see [`Self::ring_cells_of`]). A prefix whose
+    /// continuation the ring no longer holds is refused. [`Self::commit_copy`] records the
+    /// copy once the cells are moved.
     pub(crate) fn start_copy(
         &mut self,
         src: u32,
@@ -143,13 +278,27 @@ impl KvState {
                 self.lens[s]
             )));
         }
+        if !self.ring_serves(s, len) {
+            return Err(ModelError::InvalidArgument(format!(
+                "cannot copy {len} positions of sequence {src}: its sliding-window ring holds \
+                 positions from {} on, and position {len} needs more",
+                self.oldest[s]
+            )));
+        }
         self.lens[d] = 0;
+        self.oldest[d] = 0;
         Ok((src * self.ctx_per_seq, dst * self.ctx_per_seq))
     }
 
-    /// Records that `dst` now holds `len` positions copied by [`Self::start_copy`].
-    pub(crate) fn commit_copy(&mut self, dst: u32, len: u32) {
+    /// The first cell of `seq`'s ring in a ring layer's cache.
+    pub(crate) fn ring_cells_of(&self, seq: u32, ring: KvRing) -> u32 {
+        seq * ring.cells
+    }
+
+    /// Records that `dst` now holds `len` positions copied from `src` by [`Self::start_copy`].
+    pub(crate) fn commit_copy(&mut self, src: u32, dst: u32, len: u32) {
         self.lens[dst as usize] = len;
+        self.oldest[dst as usize] = self.oldest[src as usize].min(len);
     }
 }
 
@@ -171,22 +320,122 @@ mod tests {
         BatchToken { seq, pos }
     }
 
+    /// An update that leaves sequence `i` holding `lens[i]` positions (rings from 0).
+    fn filled(lens: &[u32]) -> KvUpdate {
+        KvUpdate {
+            lens: lens.to_vec(),
+            oldest: vec![0; lens.len()],
+        }
+    }
+
+    /// Window 4, micro-batches of 3 tokens: rings of 7 cells, contexts of 64.
+    const RING: KvRing = KvRing {
+        cells: 7,
+        chunk: 3,
+        window: 4,
+    };
+
+    /// Runs `seq` from its length up to `len` in micro-batches of the ring's chunk.
+    fn advance(kv: &mut KvState, seq: u32, len: u32) {
+        let from = kv.len(seq).unwrap();
+        let batch: Vec<BatchToken> = (from..len).map(|p| tok(seq, p)).collect();
+        let update = kv
+            .check_batch(&batch)
+            .expect("a prompt in order fits the ring");
+        kv.commit(update);
+    }
+
+    #[test]
+    fn ring_cells_wrap_and_spans_are_virtual() {
+        // Position 9 of sequence 2: cell 2·7 + 9 mod 7 = 16; window 6..=9, from virtual
+        // cell 2·14 + 6 = 34, and virtual cells 34..38 map to cells 20, 14, 15, 16.
+        let (cell, span) = KvState::place_in_ring(tok(2, 9), RING);
+        assert_eq!(cell, 16);
+        assert_eq!(
+            span,
+            AttnSpan {
+                first_cell: 34,
+                n_cells: 4
+            }
+        );
+        let cells: Vec<u32> = (34..38)
+            .map(|v| tether_compute::ring_cell(v, RING.cells))
+            .collect();
+        assert_eq!(cells, [20, 14, 15, 16]);
+        // Early positions see only what exists.
+        let (cell, span) = KvState::place_in_ring(tok(1, 1), RING);
+        assert_eq!((cell, span.first_cell, span.n_cells), (8, 14, 2));
+    }
+
+    #[test]
+    fn rings_take_prompts_in_micro_batches_and_refuse_lost_windows() {
+        let mut kv = KvState::new(2, 64, Some(RING)).unwrap();
+        advance(&mut kv, 0, 40);
+        assert_eq!(kv.len(0).unwrap(), 40);
+        // The last chunk wrote 37..40, so the ring holds 33..40.
+        assert_eq!(kv.oldest[0], 33);
+        // Going back to 38 is fine (its window 35..38 is held), to 30 is not.
+        assert!(kv.check_batch(&[tok(0, 38)]).is_ok());
+        assert!(kv.check_batch(&[tok(0, 30)]).is_err());
+        // A sequence restarted from position 0 needs nothing before it.
+        assert!(kv.check_batch(&[tok(0, 0), tok(0, 1)]).is_ok());
+        // Tokens of a sequence in one micro-batch must be consecutive.
+        assert!(kv.check_batch(&[tok(1, 0), tok(1, 0)]).is_err());
+        // Batches longer than a micro-batch are checked chunk by chunk.
+        assert!(
+            kv.check_batch(&(0..20).map(|p| tok(1, p)).collect::<Vec<_>>())
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn ring_truncation_below_the_window_clears_the_sequence() {
+        let mut kv = KvState::new(1, 64, Some(RING)).unwrap();
+        advance(&mut kv, 0, 40);
+        // Position 37 needs 34..37: held.
+        assert_eq!(kv.truncate(0, 37).unwrap(), 37);
+        assert_eq!(kv.reusable(0, 37).unwrap(), 37);
+        assert_eq!(kv.reusable(0, 35).unwrap(), 0, "35 needs 32, which is gone");
+        // Position 20 needs 17..20, long overwritten: the sequence starts again.
+        assert_eq!(kv.truncate(0, 20).unwrap(), 0);
+        assert_eq!(kv.len(0).unwrap(), 0);
+        advance(&mut kv, 0, 5);
+        assert_eq!(kv.truncate(0, 2).unwrap(), 2, "nothing was overwritten yet");
+    }
+
+    #[test]
+    fn ring_copies_need_the_window_and_carry_the_oldest_position() {
+        let mut kv = KvState::new(2, 64, Some(RING)).unwrap();
+        advance(&mut kv, 0, 40);
+        assert!(
+            kv.start_copy(0, 1, 30).is_err(),
+            "30's window is overwritten"
+        );
+        assert_eq!(kv.len(0).unwrap(), 40, "a refused copy changes nothing");
+        kv.start_copy(0, 1, 38).unwrap();
+        kv.commit_copy(0, 1, 38);
+        assert_eq!((kv.len(1).unwrap(), kv.oldest[1]), (38, 33));
+        // The copy continues like the source would.
+        advance(&mut kv, 1, 45);
+        assert!(kv.ring_cells_of(1, RING) == 7);
+    }
+
     #[test]
     fn batches_must_extend_the_cache_without_gaps() {
-        let mut kv = KvState::new(2, 8).unwrap();
-        let lens = kv.check_batch(&[tok(0, 0), tok(1, 0), tok(0, 1)]).unwrap();
-        assert_eq!(lens, vec![2, 1]);
-        kv.commit(lens);
+        let mut kv = KvState::new(2, 8, None).unwrap();
+        let update = kv.check_batch(&[tok(0, 0), tok(1, 0), tok(0, 1)]).unwrap();
+        assert_eq!(update.lens, vec![2, 1]);
+        kv.commit(update);
         assert!(kv.check_batch(&[tok(0, 3)]).is_err(), "gap after 2");
         assert!(kv.check_batch(&[tok(2, 0)]).is_err(), "unknown sequence");
         assert!(kv.check_batch(&[tok(1, 8)]).is_err(), "outside context");
         assert_eq!(kv.len(0).unwrap(), 2, "failed checks change nothing");
-        assert_eq!(kv.check_batch(&[tok(0, 1)]).unwrap(), vec![2, 1]);
+        assert_eq!(kv.check_batch(&[tok(0, 1)]).unwrap().lens, vec![2, 1]);
     }
 
     #[test]
     fn cells_and_spans_follow_the_layout() {
-        let kv = KvState::new(3, 16).unwrap();
+        let kv = KvState::new(3, 16, None).unwrap();
         let (cell, span) = kv.place(tok(2, 5));
         assert_eq!(cell, 37);
         assert_eq!(
@@ -212,9 +461,9 @@ mod tests {
 
     #[test]
     fn truncate_and_clear() {
-        let mut kv = KvState::new(1, 16).unwrap();
-        kv.commit(vec![10]);
-        kv.truncate(0, 4).unwrap();
+        let mut kv = KvState::new(1, 16, None).unwrap();
+        kv.commit(filled(&[10]));
+        assert_eq!(kv.truncate(0, 4).unwrap(), 4);
         assert_eq!(kv.len(0).unwrap(), 4);
         kv.truncate(0, 9).unwrap();
         assert_eq!(kv.len(0).unwrap(), 4);
@@ -226,8 +475,8 @@ mod tests {
 
     #[test]
     fn copies_need_two_sequences_and_cached_positions() {
-        let mut kv = KvState::new(3, 16).unwrap();
-        kv.commit(vec![10, 3, 0]);
+        let mut kv = KvState::new(3, 16, None).unwrap();
+        kv.commit(filled(&[10, 3, 0]));
         assert!(kv.start_copy(0, 0, 4).is_err(), "onto itself");
         assert!(kv.start_copy(0, 3, 4).is_err(), "unknown destination");
         assert!(
@@ -238,7 +487,7 @@ mod tests {
         assert_eq!(kv.len(1).unwrap(), 3, "a refused copy changes nothing");
         assert_eq!(kv.start_copy(0, 1, 8).unwrap(), (0, 16));
         assert_eq!(kv.len(1).unwrap(), 0, "emptied until the copy is done");
-        kv.commit_copy(1, 8);
+        kv.commit_copy(0, 1, 8);
         assert_eq!(kv.len(1).unwrap(), 8);
         assert_eq!(kv.len(0).unwrap(), 10, "the source keeps its cells");
     }

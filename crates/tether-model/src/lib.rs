@@ -18,9 +18,9 @@ pub use arch::Arch;
 pub use config::ModelConfig;
 pub use error::ModelError;
 pub use generate::{Generator, load_stage_from_file};
-pub use kv::BatchToken;
+pub use kv::{BatchToken, KvRing};
 pub use moe::MoeConfig;
-pub use plan::{StagePlan, plan_stage};
+pub use plan::{StagePlan, kv_ring, plan_stage};
 pub use sampling::{Sampler, SamplingParams};
 pub use stage::{
     KV_CACHE_TYPES, Stage, StageSpec, StepInput, StepOutput, TensorSlot, check_cache_types,

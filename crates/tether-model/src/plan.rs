@@ -6,6 +6,7 @@
 use tether_gguf::GgmlType;
 
 use crate::config::ModelConfig;
+use crate::kv::KvRing;
 use crate::stage::{StageSpec, TensorSlot};
 
 /// What a stage will hold on its device, in bytes.
@@ -13,7 +14,7 @@ use crate::stage::{StageSpec, TensorSlot};
 pub struct StagePlan {
     /// Sum of the stage's tensors.
     pub weights_bytes: u64,
-    /// K and V caches of every layer of the stage.
+    /// K and V caches of every layer of the stage (sliding-window layers: their rings).
     pub kv_bytes: u64,
     /// Activation buffers for one micro-batch.
     pub scratch_bytes: u64,
@@ -101,11 +102,38 @@ pub fn scratch_sizes(cfg: &ModelConfig, spec: &StageSpec) -> ScratchSizes {
     }
 }
 
-/// Bytes of one layer's K (or V) cache stored as `ty`: every cell holds `n_kv_heads` rows
-/// of `head_dim` elements, in whole blocks of `ty` (Q8_0: 34 bytes per 32, Q4_0: 18 per 32).
-/// A `head_dim` that is not whole blocks (which [`crate::Stage::new`] refuses) is rounded up.
-pub fn kv_cache_bytes(cfg: &ModelConfig, spec: &StageSpec, ty: GgmlType) -> u64 {
-    let cells = (spec.n_seq * spec.ctx_per_seq) as u64;
+/// The ring the sliding-window layers of a model keep instead of a whole context: `window +
+/// ubatch` cells per sequence, enough for a micro-batch's first token to see its whole
+/// window after the micro-batch is written; `None` when the model has no sliding-window
+/// layers or that many cells would not be fewer than the context.
+pub fn kv_ring(cfg: &ModelConfig, ctx_per_seq: usize, ubatch: usize) -> Option<KvRing> {
+    let window = cfg.sliding_window?;
+    let cells = window.checked_add(ubatch)?;
+    if cells >= ctx_per_seq || window == 0 {
+        return None;
+    }
+    Some(KvRing {
+        cells: u32::try_from(cells).ok()?,
+        chunk: u32::try_from(ubatch).ok()?,
+        window: u32::try_from(window).ok()?,
+    })
+}
+
+/// Cells per sequence of layer `layer`'s cache: the context, or a sliding-window layer's
+/// ring (see [`kv_ring`]).
+pub fn kv_cells_per_seq(cfg: &ModelConfig, spec: &StageSpec, layer: usize) -> usize {
+    match kv_ring(cfg, spec.ctx_per_seq, spec.ubatch) {
+        Some(ring) if cfg.is_sliding(layer) => ring.cells as usize,
+        _ => spec.ctx_per_seq,
+    }
+}
+
+/// Bytes of layer `layer`'s K (or V) cache stored as `ty`: every cell holds `n_kv_heads`
+/// rows of `head_dim` elements, in whole blocks of `ty` (Q8_0: 34 bytes per 32, Q4_0: 18
+/// per 32). A `head_dim` that is not whole blocks (which [`crate::Stage::new`] refuses) is
+/// rounded up.
+pub fn kv_cache_bytes(cfg: &ModelConfig, spec: &StageSpec, layer: usize, ty: GgmlType) -> u64 {
+    let cells = (spec.n_seq * kv_cells_per_seq(cfg, spec, layer)) as u64;
     cells * kv_cell_bytes(cfg, ty)
 }
 
@@ -120,9 +148,11 @@ pub fn kv_cell_bytes(cfg: &ModelConfig, ty: GgmlType) -> u64 {
 /// [`required_tensors`](crate::required_tensors)).
 pub fn plan_stage(cfg: &ModelConfig, spec: &StageSpec, tensors: &[TensorSlot]) -> StagePlan {
     let weights_bytes = tensors.iter().map(|t| t.bytes).sum();
-    let layers = spec.last_layer.saturating_sub(spec.first_layer) as u64;
-    let kv_bytes = layers
-        * (kv_cache_bytes(cfg, spec, spec.cache_k) + kv_cache_bytes(cfg, spec, spec.cache_v));
+    let kv_bytes = (spec.first_layer..spec.last_layer)
+        .map(|l| {
+            kv_cache_bytes(cfg, spec, l, spec.cache_k) + kv_cache_bytes(cfg, spec, l, spec.cache_v)
+        })
+        .sum();
     let scratch_bytes = scratch_sizes(cfg, spec).total();
     StagePlan {
         weights_bytes,

@@ -286,6 +286,7 @@ impl<B: Backend> ServingStage for ModelStage<B> {
     fn kv_truncate(&mut self, seq: u32, length: u32) -> Result<()> {
         self.stage
             .kv_truncate(seq, length)
+            .map(|_kept| ())
             .map_err(|e| model_error("kv truncate", e))
     }
 

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 use tether_gguf::{GgmlType, dequantize, quantize_q4_0, quantize_q8_0};
 
-use crate::backend::{AttnShape, AttnSpan};
+use crate::backend::{AttnShape, AttnSpan, ring_cell};
 use crate::cpu::f16_rows::{axpy_f16_heads, dot_f16_heads, store_f16};
 use crate::cpu::matmul::dot_f32;
 use crate::cpu::simd::Avx2;
@@ -58,6 +58,7 @@ pub(crate) fn attention(
         n_heads,
         n_kv_heads,
         head_dim,
+        ring_cells,
     } = shape;
     let group = n_heads / n_kv_heads;
     let head_bytes = head_dim / ty.block_elems() * ty.block_bytes();
@@ -94,12 +95,13 @@ pub(crate) fn attention(
             let kv_at = kh * head_bytes;
             let qs = &q[i * group * head_dim..(i + 1) * group * head_dim];
             let span = spans[t];
-            let first = span.first_cell as usize;
             let n = span.n_cells as usize;
+            // Spans of a ring are virtual cells (see `AttnShape::ring_cells`).
+            let cell_at = |c: usize| ring_cell(span.first_cell + c as u32, ring_cells) as usize;
             scores.clear();
             scores.resize(group * n, 0.0);
             for (c, sc) in scores.chunks_exact_mut(group).enumerate() {
-                let at = (first + c) * cell_bytes + kv_at;
+                let at = cell_at(c) * cell_bytes + kv_at;
                 dot_heads(qs, &k[at..at + head_bytes], buf, sc);
             }
             let mut inv_sums = [0.0f32; 64];
@@ -125,7 +127,7 @@ pub(crate) fn attention(
             }
             o.fill(0.0);
             for (c, p) in scores.chunks_exact(group).enumerate() {
-                let at = (first + c) * cell_bytes + kv_at;
+                let at = cell_at(c) * cell_bytes + kv_at;
                 axpy_heads(o, p, &v[at..at + head_bytes], buf);
             }
             for (og, inv) in o.chunks_exact_mut(head_dim).zip(inv.iter()) {
@@ -163,6 +165,7 @@ mod tests {
                 n_heads,
                 n_kv_heads,
                 head_dim,
+                ring_cells: 0,
             };
             check_attention(shape, GgmlType::F16);
         }
@@ -172,9 +175,84 @@ mod tests {
                 n_heads,
                 n_kv_heads,
                 head_dim,
+                ring_cells: 0,
             };
             check_attention(shape, GgmlType::Q8_0);
             check_attention(shape, GgmlType::Q4_0);
+        }
+    }
+
+    #[test]
+    fn ring_spans_read_the_cells_their_positions_wrapped_to() {
+        // Two sequences of 40 positions each; a plain cache keeps them in cells
+        // `40·s + p`, rings of 11 cells in `11·s + p mod 11`. A window of 9 at every
+        // position must give the same output from both.
+        let shape = AttnShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 32,
+            ring_cells: 0,
+        };
+        let (ring, window, len) = (11u32, 9u32, 40u32);
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let mut rng = Rng::new(77);
+        let ty = GgmlType::F16;
+        let row_bytes = kv_dim * 2;
+        let rows = random_f32(&mut rng, 2 * len as usize * 2 * kv_dim, 2.0);
+        let (mut k, mut v) = (vec![0u8; 80 * row_bytes], vec![0u8; 80 * row_bytes]);
+        let (mut kr, mut vr) = (vec![0u8; 22 * row_bytes], vec![0u8; 22 * row_bytes]);
+        let q = random_f32(&mut rng, shape.n_heads * shape.head_dim, 2.0);
+        let qd = shape.n_heads * shape.head_dim;
+        for seq in 0..2u32 {
+            for pos in 0..len {
+                let at = (seq * len + pos) as usize * 2 * kv_dim;
+                let (krow, vrow) = (&rows[at..at + kv_dim], &rows[at + kv_dim..at + 2 * kv_dim]);
+                let plain = [seq * len + pos];
+                let ringed = [seq * ring + pos % ring];
+                kv_store(ty, krow, kv_dim, &plain, &mut k);
+                kv_store(ty, vrow, kv_dim, &plain, &mut v);
+                kv_store(ty, krow, kv_dim, &ringed, &mut kr);
+                kv_store(ty, vrow, kv_dim, &ringed, &mut vr);
+                // Attention of position `pos` right after it is written, as a decode does.
+                let start = pos.saturating_sub(window - 1);
+                let plain_span = AttnSpan {
+                    first_cell: seq * len + start,
+                    n_cells: pos - start + 1,
+                };
+                let ring_span = AttnSpan {
+                    first_cell: seq * 2 * ring + start % ring,
+                    n_cells: pos - start + 1,
+                };
+                let (mut want, mut got) = (vec![0.0; qd], vec![0.0; qd]);
+                let ringed_shape = AttnShape {
+                    ring_cells: ring,
+                    ..shape
+                };
+                let simd = Avx2::detect();
+                attention(
+                    simd,
+                    &q,
+                    &k,
+                    &v,
+                    ty,
+                    &[plain_span],
+                    shape,
+                    (0.3, 0.0),
+                    &mut want,
+                );
+                attention(
+                    simd,
+                    &q,
+                    &kr,
+                    &vr,
+                    ty,
+                    &[ring_span],
+                    ringed_shape,
+                    (0.3, 0.0),
+                    &mut got,
+                );
+                assert_eq!(got, want, "sequence {seq}, position {pos}");
+            }
         }
     }
 
@@ -284,6 +362,7 @@ mod bench {
             n_heads: 32,
             n_kv_heads: 8,
             head_dim: 64,
+            ring_cells: 0,
         };
         let cells = 4096;
         let kv_dim = shape.n_kv_heads * shape.head_dim;

@@ -210,6 +210,7 @@ fn kv_cache_and_attention_check_cells_spans_and_types() {
         n_heads: 4,
         n_kv_heads: 2,
         head_dim: 8,
+        ring_cells: 0,
     };
     let kv_dim = 16;
     let mut k = be.alloc(3 * kv_dim * 2).unwrap();

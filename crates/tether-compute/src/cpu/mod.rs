@@ -384,7 +384,7 @@ impl Backend for CpuBackend {
         let out = f32s_mut(OP, "output", out, n)?;
         let cell_bytes = elems(OP, &[shape.n_kv_heads, head_bytes])?;
         let n_cells = k_cache.bytes().min(v_cache.bytes()) / cell_bytes;
-        check::spans(OP, spans, n_cells)?;
+        check::spans(OP, spans, n_cells, shape.ring_cells)?;
         let (k, v) = (k_cache.as_bytes(), v_cache.as_bytes());
         let scores = (scale, softcap);
         let simd = self.isa.avx2();

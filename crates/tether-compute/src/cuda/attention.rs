@@ -76,7 +76,7 @@ impl CudaBackend {
         f32s(OP, "output", out, n)?;
         let cell_bytes = elems(OP, &[shape.n_kv_heads, head_bytes])?;
         let n_cells = k_cache.bytes().min(v_cache.bytes()) / cell_bytes;
-        check::spans(OP, spans, n_cells)?;
+        check::spans(OP, spans, n_cells, shape.ring_cells)?;
         let qp = self.addr(OP, "query", q)?;
         let (kp, vp) = (
             self.addr(OP, "key cache", k_cache)?,
@@ -202,6 +202,8 @@ impl CudaBackend {
                 Arg::Ptr(at.v),
                 Arg::I32(cache_ty.id() as i32),
                 Arg::Ptr(spans_at + token * 8),
+                // The kernel's `u32 ring`: an int of the same four bytes.
+                Arg::I32(shape.ring_cells as i32),
                 int(OP, "n_heads", shape.n_heads)?,
                 int(OP, "n_kv_heads", shape.n_kv_heads)?,
                 int(OP, "head_dim", shape.head_dim)?,

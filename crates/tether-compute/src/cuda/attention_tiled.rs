@@ -76,6 +76,8 @@ impl CudaBackend {
             Arg::Ptr(at.k),
             Arg::Ptr(at.v),
             Arg::Ptr(spans_at + first * 8),
+            // The kernel's `u32 ring`: an int of the same four bytes.
+            Arg::I32(shape.ring_cells as i32),
             int(OP, "query tokens", n_tokens)?,
             int(OP, "n_heads", shape.n_heads)?,
             int(OP, "n_kv_heads", shape.n_kv_heads)?,
@@ -220,6 +222,7 @@ mod tests {
                 n_heads: 32,
                 n_kv_heads: 8,
                 head_dim,
+                ring_cells: 0,
             },
             scale: 0.1,
             softcap: 0.0,

@@ -122,15 +122,27 @@ mod tests {
             n_heads: 4,
             n_kv_heads: 2,
             head_dim: 512,
+            ring_cells: 0,
         };
         assert!(attention_shape("t", s).is_err());
-        assert!(attention_shape("t", AttnShape { head_dim: 128, ..s }).is_ok());
+        assert!(
+            attention_shape(
+                "t",
+                AttnShape {
+                    head_dim: 128,
+                    ring_cells: 0,
+                    ..s
+                }
+            )
+            .is_ok()
+        );
         assert!(
             attention_shape(
                 "t",
                 AttnShape {
                     n_kv_heads: 3,
                     head_dim: 128,
+                    ring_cells: 0,
                     ..s
                 }
             )

@@ -3,7 +3,7 @@
 use crate::*;
 
 /// Stores the same rows in both backends' caches of `ty`; returns the caches.
-fn filled_caches(
+pub(crate) fn filled_caches(
     g: &CudaBackend,
     c: &CpuBackend,
     rng: &mut Rng,
@@ -74,6 +74,7 @@ fn kv_store_and_attention_match_cpu_for_every_cache_type() {
                 n_heads,
                 n_kv_heads,
                 head_dim,
+                ring_cells: 0,
             };
             let kv_dim = n_kv_heads * head_dim;
             let n_cells = 1100;
@@ -138,6 +139,7 @@ fn tiled_prefill_attention_matches_cpu() {
             n_heads,
             n_kv_heads,
             head_dim,
+            ring_cells: 0,
         };
         let kv_dim = n_kv_heads * head_dim;
         let n_cells = 2000;
@@ -198,6 +200,7 @@ fn attention_over_spans_longer_than_one_block_takes_matches_cpu() {
         n_heads: 32,
         n_kv_heads: 8,
         head_dim: 32,
+        ring_cells: 0,
     };
     let kv_dim = shape.n_kv_heads * shape.head_dim;
     let n_cells = 9100;
@@ -230,6 +233,7 @@ fn long_prefill_attention_runs_in_groups_without_allocating() {
         n_heads: 32,
         n_kv_heads: 8,
         head_dim: 32,
+        ring_cells: 0,
     };
     let kv_dim = shape.n_kv_heads * shape.head_dim;
     let n_cells = 16_900;

@@ -4,14 +4,18 @@ use tether_compute::{AttnShape, AttnSpan, Backend, GateAct};
 
 use super::{FfnWeights, Stage, Weight};
 use crate::error::{ModelError, compute, compute_in};
-use crate::kv::{BatchToken, windowed};
+use crate::kv::{BatchToken, KvRing, KvState, windowed};
 
 /// The spans of one micro-batch's tokens for global layers and for sliding-window layers
-/// (empty when the model has none).
+/// (empty when the model has none), and for sliding-window layers that keep a ring their
+/// cells and virtual spans (empty without a ring).
 #[derive(Clone, Copy)]
 pub(super) struct LayerSpans<'a> {
     full: &'a [AttnSpan],
     window: &'a [AttnSpan],
+    ring: Option<KvRing>,
+    ring_cells: &'a [u32],
+    ring_spans: &'a [AttnSpan],
 }
 
 pub(super) fn as_bytes(x: &[f32]) -> &[u8] {
@@ -129,17 +133,25 @@ impl<B: Backend> Stage<B> {
             cells.push(cell);
             spans.push(span);
         }
-        // Sliding-window layers see only the last `window` cells of each span.
+        let ring = self.kv.ring();
+        let (ring_cells, ring_spans): (Vec<u32>, Vec<AttnSpan>) = match ring {
+            Some(r) => toks.iter().map(|&t| KvState::place_in_ring(t, r)).unzip(),
+            None => Default::default(),
+        };
+        // Sliding-window layers without a ring see only the last `window` cells of each span.
         let window_spans: Vec<AttnSpan> = match self.cfg.sliding_window {
-            Some(w) => spans
+            Some(w) if ring.is_none() => spans
                 .iter()
                 .map(|&s| windowed(s, u32::try_from(w).unwrap_or(u32::MAX)))
                 .collect(),
-            None => Vec::new(),
+            _ => Vec::new(),
         };
         let spans = LayerSpans {
             full: &spans,
             window: &window_spans,
+            ring,
+            ring_cells: &ring_cells,
+            ring_spans: &ring_spans,
         };
         if toks.len() <= REPLAY_MAX_TOKENS {
             // Decode steps repeat the same ops on the same buffers: let the backend
@@ -171,7 +183,11 @@ impl<B: Backend> Stage<B> {
     ) -> Result<(), ModelError> {
         let layer_no = self.spec.first_layer + i;
         let sliding = self.cfg.is_sliding(layer_no);
-        let spans = if sliding { spans.window } else { spans.full };
+        let (spans, cells, ring_cells) = match (sliding, spans.ring) {
+            (true, Some(ring)) => (spans.ring_spans, spans.ring_cells, ring.cells),
+            (true, None) => (spans.window, cells, 0),
+            (false, _) => (spans.full, cells, 0),
+        };
         let rope = self.cfg.layer_rope(layer_no);
         let ce = |op| compute_in(op, layer_no);
         let cfg = &self.cfg;
@@ -241,6 +257,7 @@ impl<B: Backend> Stage<B> {
             n_heads: cfg.n_head,
             n_kv_heads: cfg.n_head_kv,
             head_dim: cfg.head_dim,
+            ring_cells,
         };
         // Mixed cache types are refused when the stage is planned; the stores are one op.
         debug_assert_eq!(spec.cache_k, spec.cache_v);

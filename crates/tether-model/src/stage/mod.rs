@@ -21,7 +21,7 @@ use crate::arch::{self, OUTPUT, OUTPUT_NORM, ROPE_FREQS, TOKEN_EMBD, TensorSpec}
 use crate::config::ModelConfig;
 use crate::error::{ModelError, compute};
 use crate::kv::KvState;
-use crate::plan::{kv_cache_bytes, scratch_sizes};
+use crate::plan::{kv_cache_bytes, kv_ring, scratch_sizes};
 
 pub use crate::kv::BatchToken;
 pub use decode::{StepInput, StepOutput};
@@ -303,17 +303,22 @@ impl<B: Backend> Stage<B> {
                 )));
             }
         }
-        let kv = KvState::new(spec.n_seq, spec.ctx_per_seq)?;
+        let kv = KvState::new(
+            spec.n_seq,
+            spec.ctx_per_seq,
+            kv_ring(&cfg, spec.ctx_per_seq, spec.ubatch),
+        )?;
         // Every buffer of the stage in one request, so a backend can reserve them together
         // (one device allocation per session: see `Backend::alloc_many`).
         let n_layers = spec.last_layer - spec.first_layer;
-        let k_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_k);
-        let v_bytes = kv_cache_bytes(&cfg, &spec, spec.cache_v);
         let sizes = scratch_sizes(&cfg, &spec);
         let layout = layout::weight_layout(&cfg, tensors)?;
         let mut wanted: Vec<u64> = layout.iter().map(|l| l.bytes).collect();
-        for _ in spec.first_layer..spec.last_layer {
-            wanted.extend([k_bytes, v_bytes]);
+        for l in spec.first_layer..spec.last_layer {
+            wanted.extend([
+                kv_cache_bytes(&cfg, &spec, l, spec.cache_k),
+                kv_cache_bytes(&cfg, &spec, l, spec.cache_v),
+            ]);
         }
         wanted.extend([sizes.hidden, sizes.normed, sizes.logits]);
         if n_layers > 0 {

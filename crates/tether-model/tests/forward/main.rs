@@ -5,6 +5,7 @@ mod kv_copy;
 mod moe_config;
 mod new_archs;
 mod reference_model;
+mod ring_kv;
 mod stage_behaviour;
 mod support;
 mod vs_reference;
