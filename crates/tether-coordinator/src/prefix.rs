@@ -365,7 +365,7 @@ mod tests {
 
     #[test]
     fn clear_forgets_every_slot() {
-        let mut cache = PrefixCache::new(1);
+        let mut cache = PrefixCache::new(1, None);
         cache.release(0, &tokens(1, 40));
         cache.clear();
         let p = cache.place(&tokens(1, 40), &[FREE]).unwrap();
