@@ -107,13 +107,26 @@ mod tests {
             first_cell: 2,
             n_cells: 3,
         };
-        assert!(spans("t", &[ok], 5).is_ok());
-        assert!(spans("t", &[ok], 4).is_err());
+        assert!(spans("t", &[ok], 5, 0).is_ok());
+        assert!(spans("t", &[ok], 4, 0).is_err());
         let empty = AttnSpan {
             first_cell: 0,
             n_cells: 0,
         };
-        assert!(spans("t", &[empty], 5).is_err());
+        assert!(spans("t", &[empty], 5, 0).is_err());
+        // Rings of 4 cells in a cache of 8: two sequences, virtual cells 0..8 and 8..16.
+        let wraps = AttnSpan {
+            first_cell: 10,
+            n_cells: 4,
+        };
+        assert!(spans("t", &[wraps], 8, 4).is_ok());
+        for bad in [(10, 5), (7, 2), (16, 1)] {
+            let span = AttnSpan {
+                first_cell: bad.0,
+                n_cells: bad.1,
+            };
+            assert!(spans("t", &[span], 8, 4).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
