@@ -363,6 +363,51 @@ mod tests {
         );
     }
 
+    /// Window 8, micro-batches of 4: rings of 12 cells.
+    const RING: KvRing = KvRing {
+        cells: 12,
+        chunk: 4,
+        window: 8,
+    };
+
+    #[test]
+    fn a_ring_slot_is_reused_only_where_it_holds_the_next_window() {
+        let mut cache = PrefixCache::new(2, Some(RING));
+        // Slot 0 wrote 40 positions: its ring holds 28..40 at best.
+        cache.place(&tokens(1, 40), &[FREE, FREE]);
+        cache.release(0, &tokens(1, 40));
+        // Continuing at 40 needs 33..40: reused.
+        let longer = joined(&tokens(1, 40), &tokens(2, 5));
+        let p = cache
+            .place(&longer, &[FREE, SlotUse::Busy { valid: 0 }])
+            .unwrap();
+        assert_eq!((p.slot, p.cached), (0, 40));
+        cache.release(0, &longer);
+        // A prompt sharing only 30 tokens would need 23..30, long overwritten: prefilled
+        // from the start, and the slot's cells start afresh.
+        let diverging = joined(&tokens(1, 30), &tokens(3, 10));
+        let p = cache
+            .place(&diverging, &[FREE, SlotUse::Busy { valid: 0 }])
+            .unwrap();
+        assert_eq!((p.slot, p.cached), (0, 0));
+        cache.release(0, &diverging[..20]);
+        // Short histories are held whole.
+        let p = cache
+            .place(&tokens(1, 30), &[FREE, SlotUse::Busy { valid: 0 }])
+            .unwrap();
+        assert_eq!((p.slot, p.cached), (0, 20));
+    }
+
+    #[test]
+    fn a_ring_model_copies_nothing_from_busy_slots() {
+        let mut cache = PrefixCache::new(2, Some(RING));
+        cache.place(&tokens(1, 64), &[FREE, FREE]);
+        let p = cache
+            .place(&tokens(1, 64), &[SlotUse::Busy { valid: 64 }, FREE])
+            .unwrap();
+        assert_eq!((p.slot, p.copy_from, p.cached), (1, None, 0));
+    }
+
     #[test]
     fn clear_forgets_every_slot() {
         let mut cache = PrefixCache::new(1, None);
