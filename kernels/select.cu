@@ -162,3 +162,71 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS)
     }
     if (t == 0) out[blockIdx.x] = all ? s_above : k;
 }
+
+// exp(from - to) for merging running sums kept relative to maxima `from` <= `to`; 1 when
+// they are equal, so that two +inf or two -inf maxima never make NaN.
+__device__ __forceinline__ float rescale(float from, float to) {
+    return from == to ? 1.0f : expf(from - to);
+}
+
+// Merges the running pair (m2, s2) into (m, s): s sums exp(v - m) over the values seen.
+__device__ __forceinline__ void lse_merge(float* m, float* s, float m2, float s2) {
+    if (m2 > *m) {
+        *s = *s * rescale(*m, m2) + s2;
+        *m = m2;
+    } else {
+        *s += s2 * rescale(m2, *m);
+    }
+}
+
+#define NEG_INF __int_as_float(0xff800000)
+#define POS_INF __int_as_float(0x7f800000)
+
+// The normalizer of each logits row's softmax, so log-probabilities come without the row
+// leaving the device: out[2r] = log(sum exp(v)) over the non-NaN values of row r (-inf
+// when none is above -inf, +inf when one is +inf), out[2r+1] = the row's value at
+// targets[r] when `has_targets`, else NaN. Each thread keeps a running (max, sum of
+// exp(v - max)) over a strided slice of the row; warps, then the block, merge them.
+// `targets` and `out` may lie in one buffer as long as they do not overlap. Launch:
+// gridDim.x = rows, blockDim.x = a multiple of 32 up to SEL_THREADS.
+extern "C" __global__ void __launch_bounds__(SEL_THREADS)
+    score_rows(const float* x, u64 n, const u32* targets, int has_targets, float* out) {
+    PDL_ENTRY();
+    const float* row = x + (u64)blockIdx.x * n;
+    float m = NEG_INF, s = 0.0f;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = row[i];
+        if (v != v) continue;
+        lse_merge(&m, &s, v, 1.0f);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        lse_merge(&m, &s, m2, s2);
+    }
+    __shared__ float warp_m[32], warp_s[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        warp_m[warp] = m;
+        warp_s[warp] = s;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    const bool live = lane < (int)(blockDim.x >> 5);
+    m = live ? warp_m[lane] : NEG_INF;
+    s = live ? warp_s[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        lse_merge(&m, &s, m2, s2);
+    }
+    if (lane == 0) {
+        // A row of -inf (or of NaN) has s = its count or 0: either way the sum is 0.
+        const float lse = (m == NEG_INF || m == POS_INF) ? m : m + logf(s);
+        out[2 * blockIdx.x] = lse;
+        out[2 * blockIdx.x + 1] =
+            has_targets ? row[targets[blockIdx.x]] : __int_as_float(0x7fc00000);
+    }
+}

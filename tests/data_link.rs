@@ -23,6 +23,7 @@ fn call(ids: Vec<u32>, rows: &[u32], want: Rows) -> ForwardCall {
         input: ForwardInput::TokenIds(ids),
         logits_rows: rows.to_vec(),
         rows: want,
+        targets: Vec::new(),
     }
 }
 
@@ -118,6 +119,7 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
             input: ForwardInput::TokenIds(vec![4]),
             logits_rows: vec![0],
             rows: Rows::Logits,
+            targets: Vec::new(),
         };
         let after = link.forward(&next).expect("the link still serves");
         let again = link
@@ -210,6 +212,7 @@ fn garbage_on_the_data_port_is_refused_and_the_worker_goes_on() {
             input: ForwardInput::Hidden(vec![0.0; 100_000]),
             logits_rows: vec![],
             rows: Rows::Logits,
+            targets: Vec::new(),
         };
         let e = link.forward(&big).expect_err("400 KB over a 256 KiB limit");
         assert!(e.to_string().contains("limit"), "{e}");

@@ -284,7 +284,22 @@ impl WorkerClient {
         logits_rows: &[u32],
         rows: Rows,
     ) -> Result<ForwardOutput, ClientError> {
-        let req = request_to_proto(session, tokens, input, logits_rows, rows);
+        self.forward_scored(session, tokens, input, logits_rows, rows, &[])
+            .await
+    }
+
+    /// [`WorkerClient::forward`] with the token ids whose logits [`Rows::LogProbs`] rows
+    /// return (empty, or one a logits row).
+    pub async fn forward_scored(
+        &self,
+        session: SessionId,
+        tokens: &[TokenPos],
+        input: &ForwardInput,
+        logits_rows: &[u32],
+        rows: Rows,
+        targets: &[u32],
+    ) -> Result<ForwardOutput, ClientError> {
+        let req = request_to_proto(session, tokens, input, logits_rows, rows, targets);
         let reply = self
             .rpc
             .clone()

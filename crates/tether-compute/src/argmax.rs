@@ -89,3 +89,31 @@ pub fn top_candidates(logits: &[f32], k: usize, out: &mut Vec<(u32, f32)>) {
 pub fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
 }
+
+/// The log-sum-exp of `logits` over its non-NaN values: a logit `l` of the row has the
+/// log-probability `l - logsumexp` under the row's softmax at temperature 1. `-inf` when
+/// no value is above `-inf` (or none is not NaN), `+inf` when one is `+inf`. Summed in f64
+/// after subtracting the maximum, so no term overflows.
+pub fn logsumexp(logits: &[f32]) -> f32 {
+    let max = logits
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    if !max.is_finite() {
+        return max;
+    }
+    let sum: f64 = logits
+        .iter()
+        .filter(|l| !l.is_nan())
+        .map(|&l| (f64::from(l) - f64::from(max)).exp())
+        .sum();
+    (f64::from(max) + sum.ln()) as f32
+}
+
+/// `(logsumexp, logits[target])` of a row, the target's value NaN when there is none: what
+/// [`crate::Backend::score_rows`] returns a row.
+pub fn score_row(logits: &[f32], target: Option<u32>) -> (f32, f32) {
+    let picked = target
+        .and_then(|t| logits.get(t as usize).copied())
+        .unwrap_or(f32::NAN);
+    (logsumexp(logits), picked)
+}

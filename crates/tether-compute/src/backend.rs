@@ -508,6 +508,44 @@ pub trait Backend: Send + Sync + 'static {
         scratch: &mut Self::Buffer,
         out: &mut [Vec<(u32, f32)>],
     ) -> Result<()>;
+
+    /// `out[r]` = [`crate::argmax::score_row`] of row `r` of `x` (`[out.len()][n]` f32) for
+    /// the target `targets[r]` (empty `targets`: no target, NaN), waiting for pending work
+    /// first: the row's log-sum-exp, which turns its logits into log-probabilities, and
+    /// the target's logit. `scratch` (at least [`score_rows_scratch`] bytes) may be
+    /// overwritten: a device backend reduces there and downloads two values a row. Fails
+    /// on a target outside the row, or `targets` neither empty nor one a row.
+    fn score_rows(
+        &self,
+        x: &Self::Buffer,
+        n: usize,
+        targets: &[u32],
+        scratch: &mut Self::Buffer,
+        out: &mut [(f32, f32)],
+    ) -> Result<()>;
+}
+
+/// Checks `score_rows`' targets: none, or one a row inside a row of `n` values.
+pub(crate) fn check_targets(targets: &[u32], rows: usize, n: usize) -> Result<()> {
+    if !targets.is_empty() && targets.len() != rows {
+        return Err(crate::shape_check::shape_err(
+            "score_rows",
+            format!("{} targets for {rows} rows", targets.len()),
+        ));
+    }
+    if let Some(bad) = targets.iter().find(|&&t| t as usize >= n) {
+        return Err(crate::shape_check::shape_err(
+            "score_rows",
+            format!("target {bad} is outside a row of {n} values"),
+        ));
+    }
+    Ok(())
+}
+
+/// Scratch bytes [`Backend::score_rows`] needs for `rows` rows: a target id and two
+/// results a row. `None` on overflow.
+pub fn score_rows_scratch(rows: usize) -> Option<usize> {
+    rows.checked_mul(12)
 }
 
 /// Scratch bytes [`Backend::top_rows`] needs for `rows` rows of `k` candidates: a count a

@@ -14,7 +14,7 @@ mod shape_check;
 
 pub use backend::{
     AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, MemoryInfo, Result, RopeParams, ring_cell,
-    top_rows_scratch,
+    score_rows_scratch, top_rows_scratch,
 };
 pub use cpu::{CpuBackend, CpuBuffer};
 #[cfg(feature = "cuda")]

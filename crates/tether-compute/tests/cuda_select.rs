@@ -1,5 +1,6 @@
 //! The CUDA backend's top candidates of logits rows against the host's
-//! [`top_candidates`], bit for bit, on rows built to reach every path of the kernel.
+//! [`top_candidates`], bit for bit, on rows built to reach every path of the kernel, and its
+//! log-sum-exp of rows against the cpu backend's f64 sums.
 //!
 //! Every test needs a GPU and is ignored by default; run them with
 //! `cargo test -p tether-compute --test cuda_select -- --ignored --test-threads=1`.
@@ -107,4 +108,69 @@ fn top_rows_check_sizes_before_running() {
         c.top_rows(&xc, 64, 8, &mut sc, &mut three).is_err(),
         "cpu: rows past the input"
     );
+}
+
+/// The device's log-sum-exp and target logits against the host's f64 sums: random rows of a
+/// vocabulary and of odd short lengths (tails of a block's stride), with NaN, +-inf, rows
+/// of one repeated value and large offsets (where a sum without the maximum would overflow).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn score_rows_equal_the_host_log_sum_exp() {
+    let (g, c) = (gpu(), cpu());
+    for n in [1, 3, 33, 1000, 1025, VOCAB] {
+        let mut rng = Rng(n as u64 + 7);
+        let mut rows = awkward_rows(&mut rng, n);
+        rows.push(rng.f32s(n, 8.0).iter().map(|v| v + 80.0).collect());
+        rows.push(vec![-3.5; n]);
+        let targets: Vec<u32> = (0..rows.len())
+            .map(|r| ((r * 7919 + 3) % n) as u32)
+            .collect();
+        let bytes = f32_bytes(&rows.concat());
+        let (xg, xc) = (put(&g, &bytes), put(&c, &bytes));
+        let need = tether_compute::score_rows_scratch(rows.len()).unwrap();
+        let mut sg = g.alloc(need).unwrap();
+        let mut sc = c.alloc(need).unwrap();
+        for t in [&targets[..], &[]] {
+            let mut got = vec![(0.0f32, 0.0f32); rows.len()];
+            let mut want = got.clone();
+            g.score_rows(&xg, n, t, &mut sg, &mut got).unwrap();
+            c.score_rows(&xc, n, t, &mut sc, &mut want).unwrap();
+            for (r, (got, want)) in got.iter().zip(&want).enumerate() {
+                let (gl, wl) = (got.0, want.0);
+                let close = if wl.is_finite() {
+                    (gl - wl).abs() <= 1e-4 * wl.abs().max(1.0)
+                } else {
+                    gl.to_bits() == wl.to_bits()
+                };
+                assert!(close, "row {r} of {n}: log-sum-exp {gl} against {wl}");
+                assert_eq!(
+                    got.1.to_bits(),
+                    want.1.to_bits(),
+                    "row {r} of {n}: the target's logit"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn score_rows_refuse_targets_outside_the_row() {
+    let g = gpu();
+    let x = put(&g, &f32_bytes(&vec![1.0; 2 * 64]));
+    let mut scratch = g
+        .alloc(tether_compute::score_rows_scratch(2).unwrap())
+        .unwrap();
+    let mut out = vec![(0.0, 0.0); 2];
+    assert!(
+        g.score_rows(&x, 64, &[1, 64], &mut scratch, &mut out)
+            .is_err()
+    );
+    assert!(g.score_rows(&x, 64, &[1], &mut scratch, &mut out).is_err());
+    let mut small = g.alloc(8).unwrap();
+    assert!(g.score_rows(&x, 64, &[], &mut small, &mut out).is_err());
+    g.score_rows(&x, 64, &[0, 63], &mut scratch, &mut out)
+        .unwrap();
+    let lse = 1.0 + (64f32).ln();
+    assert!((out[0].0 - lse).abs() < 1e-5 && out[1].1 == 1.0, "{out:?}");
 }

@@ -26,6 +26,29 @@ pub struct GenRequest {
     /// replaced since, the request is refused (its tokens belong to the other model's
     /// tokenizer). `None`: whichever model serves.
     pub model_epoch: Option<u64>,
+    /// Report each generated token's log-probability with this many most likely
+    /// alternatives (0..=[`MAX_LOGPROBS`]): tokens then come as [`GenEvent::Scored`].
+    pub logprobs: Option<usize>,
+    /// Score the prompt first, each token after the first with this many alternatives
+    /// (0..=[`MAX_LOGPROBS`]), in one [`GenEvent::Prompt`]. The prompt is then prefilled in
+    /// full, not taken from the prefix cache, since every position's logits are needed.
+    pub prompt_logprobs: Option<usize>,
+}
+
+/// Most alternatives a token's log-probability comes with (OpenAI's limit).
+pub const MAX_LOGPROBS: usize = 20;
+
+/// A token's log-probability and the most likely tokens at its position, under the model's
+/// own distribution: the softmax of the raw logits at temperature 1, before any sampling
+/// setting (temperature, penalties, biases, top-k/p) changes it, as vLLM reports by default.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogProb {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability (natural log).
+    pub logprob: f32,
+    /// The most likely tokens at its position, `(id, log-probability)`, most likely first.
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Why a generation ended.
@@ -53,6 +76,12 @@ impl FinishReason {
 pub enum GenEvent {
     /// A generated token.
     Token(u32),
+    /// A generated token with its log-probability, instead of [`GenEvent::Token`] when the
+    /// request asked for `logprobs`.
+    Scored(TokenLogProb),
+    /// The prompt's tokens with their log-probabilities (`None` for the first, which
+    /// nothing precedes), first of all events when the request asked for `prompt_logprobs`.
+    Prompt(Vec<Option<TokenLogProb>>),
     /// The end.
     Done {
         /// Why it ended.

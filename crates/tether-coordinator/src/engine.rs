@@ -501,7 +501,8 @@ impl Generation for Coordinator {
             Some(_) => req.max_tokens,
             None => req.max_tokens.min(served.info.ctx_per_seq),
         };
-        let capacity = most + 2;
+        // Tokens, the prompt's scores, the end.
+        let capacity = most + 3;
         let (events, rx) = mpsc::channel(capacity);
         let epoch = served.epoch;
         match self.submit.try_send(Admitted { req, events, epoch }) {

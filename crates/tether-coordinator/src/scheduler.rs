@@ -15,7 +15,7 @@ use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
 use crate::prefix::{CellCopy, PrefixCache, copy_cells, slot_uses};
-use crate::sequence::{Batch, Next, Sequence, build_step, split_batch};
+use crate::sequence::{Batch, Next, RowUse, Sequence, build_step, split_batch};
 use pipeline::{RowsOut, clear_slots, rows_wanted, run_pipeline, truncate_slots};
 use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -249,7 +249,7 @@ impl Scheduler {
             )));
             return;
         }
-        if req.max_tokens == 0 {
+        if req.max_tokens == 0 && req.prompt_logprobs.is_none() {
             let _ = events.try_send(Ok(GenEvent::Done {
                 finish: FinishReason::Length,
                 prompt_tokens: req.prompt.len(),
@@ -257,7 +257,12 @@ impl Scheduler {
             }));
             return;
         }
-        let Some((i, cached)) = self.place(&req.prompt) else {
+        // Scoring the prompt needs the logits of every position: nothing is reused.
+        let reused: &[u32] = match req.prompt_logprobs {
+            Some(_) => &[],
+            None => &req.prompt,
+        };
+        let Some((i, cached)) = self.place(reused) else {
             let _ = events.try_send(Err(GenError::Internal(
                 "no free sequence slot for an admitted request".into(),
             )));
@@ -275,6 +280,10 @@ impl Scheduler {
             deadline: req.deadline,
             stop_tokens: req.stop_tokens,
             events,
+            logprobs: req.logprobs,
+            prompt_logprobs: req.prompt_logprobs,
+            prompt_scores: req.prompt_logprobs.map(|_| vec![None]),
+            scored: None,
         });
         self.shared.running.store(self.active(), Ordering::Relaxed);
     }
@@ -437,8 +446,9 @@ impl Scheduler {
                 )));
             }
             RowsOut::Top { starts, candidates }
-                if starts.len() != rows + 1 || candidates.iter().any(|c| c.0 as usize >= v) =>
-            {
+            | RowsOut::Scored {
+                starts, candidates, ..
+            } if starts.len() != rows + 1 || candidates.iter().any(|c| c.0 as usize >= v) => {
                 return Err(Loss::BadReply(format!(
                     "the last worker returned candidates for {} rows where {rows} were asked \
                      for, or one outside the {v}-token vocabulary",
@@ -461,17 +471,39 @@ impl Scheduler {
         let shift = self.setup.context_shift;
         let ring = kv_ring(self.model.config(), ctx, self.setup.shape.ubatch);
         let mut finished = Vec::new();
-        for (row, &i) in batch.sample_for.iter().enumerate() {
+        for (row, &use_) in batch.uses.iter().enumerate() {
+            let (RowUse::Sample(i) | RowUse::Score(i)) = use_;
             let Some(seq) = &mut self.slots[i] else {
                 continue;
             };
+            if let RowUse::Score(_) = use_ {
+                let target = batch.targets.get(row).copied().unwrap_or(0);
+                let n = seq.prompt_logprobs.unwrap_or(0);
+                let scored = out.log_prob(row, v, target, n);
+                if let Some(scores) = &mut seq.prompt_scores {
+                    scores.push(Some(scored));
+                }
+                continue;
+            }
+            seq.send_prompt_scores();
+            if seq.generated == 0 && seq.max_tokens == 0 {
+                // Only the prompt's scores were asked for.
+                finished.push((i, FinishReason::Length));
+                continue;
+            }
             let token = match out {
                 RowsOut::Logits(l) => seq.sampler.sample(&l[row * v..(row + 1) * v], &seq.tokens),
                 RowsOut::ArgMax(ids) => ids[row],
-                RowsOut::Top { starts, candidates } => seq
+                RowsOut::Top { starts, candidates }
+                | RowsOut::Scored {
+                    starts, candidates, ..
+                } => seq
                     .sampler
                     .sample_top(&candidates[starts[row]..starts[row + 1]], &seq.tokens),
             };
+            if let Some(n) = seq.logprobs {
+                seq.scored = Some(out.log_prob(row, v, token, n));
+            }
             let eog = tokenizer.is_eog(token) || seq.stop_tokens.contains(&token);
             if !eog {
                 self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);

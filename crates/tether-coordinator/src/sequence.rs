@@ -2,7 +2,7 @@
 //! them: decode tokens first (one per generating sequence), then prompt chunks, never more
 //! than `ubatch` tokens in all.
 
-use crate::api::{ContextShift, FinishReason, GenError, GenEvent};
+use crate::api::{ContextShift, FinishReason, GenError, GenEvent, TokenLogProb};
 use std::time::Instant;
 use tether_model::{Sampler, StopReason, StopRules, Verdict};
 use tether_protocol::TokenPos;
@@ -35,6 +35,24 @@ pub(crate) struct Sequence {
     pub stop_tokens: Vec<u32>,
     /// The request's event channel (sized so that every event fits).
     pub events: Events,
+    /// Alternatives to report with each generated token's log-probability, if asked.
+    pub logprobs: Option<usize>,
+    /// Alternatives to report with each prompt token's log-probability, if the prompt is
+    /// scored.
+    pub prompt_logprobs: Option<usize>,
+    /// The prompt's scores so far (the first token's is `None`), until they are sent.
+    pub prompt_scores: Option<Vec<Option<TokenLogProb>>>,
+    /// The log-probability of the token [`Sequence::accept`] takes next, when reported.
+    pub scored: Option<TokenLogProb>,
+}
+
+/// What a logits row of a batch is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RowUse {
+    /// The next token of the sequence in this slot is sampled from it.
+    Sample(usize),
+    /// It scores the prompt token after it, of the sequence in this slot.
+    Score(usize),
 }
 
 /// What a sampled token did to its sequence.
@@ -78,7 +96,11 @@ impl Sequence {
         }
         self.tokens.push(token);
         self.generated += 1;
-        self.send(Ok(GenEvent::Token(token)));
+        let event = match self.scored.take() {
+            Some(scored) => GenEvent::Scored(scored),
+            None => GenEvent::Token(token),
+        };
+        self.send(Ok(event));
         match verdict {
             Verdict::KeepAndEnd(StopReason::ContextFull) => {
                 match shift.and_then(|s| self.shift(s.keep)) {
@@ -113,6 +135,18 @@ impl Sequence {
         0
     }
 
+    /// Whether the next feed's prompt positions are logits rows that score the prompt.
+    fn scores_prompt(&self) -> bool {
+        self.prompt_scores.is_some() && self.dropped == 0
+    }
+
+    /// Sends the prompt's scores, once they are all in (before the first token).
+    pub fn send_prompt_scores(&mut self) {
+        if let Some(scores) = self.prompt_scores.take() {
+            self.send(Ok(GenEvent::Prompt(scores)));
+        }
+    }
+
     /// Sends the final event.
     pub fn finish(&self, finish: FinishReason) {
         self.send(Ok(GenEvent::Done {
@@ -138,13 +172,18 @@ pub(crate) struct Batch {
     pub ids: Vec<u32>,
     /// Rows (indices into `tokens`) whose logits to return.
     pub logits_rows: Vec<u32>,
-    /// The slot each logits row samples for, in row order.
+    /// What each logits row is for.
+    pub uses: Vec<RowUse>,
+    /// The slot each sampling row samples for, in row order.
     pub sample_for: Vec<usize>,
     /// `(slot index, tokens fed)` per sequence in the batch.
     pub fed: Vec<(usize, usize)>,
     /// What the last worker returns for the logits rows: every logit, or only what the
     /// rows' samplers need (arg-max tokens, the top candidates).
     pub rows: tether_protocol::Rows,
+    /// With [`tether_protocol::Rows::LogProbs`]: empty, or the token id each logits row
+    /// scores (a prompt's next token).
+    pub targets: Vec<u32>,
 }
 
 /// Makes the next step's batch from the sequences in `slots`, starting the rotation at
@@ -205,20 +244,32 @@ fn fill_batch(slots: &[Option<Sequence>], ubatch: usize, start: usize, fed: &mut
             }
             let take = to_feed.min(budget);
             budget -= take;
+            let scoring = seq.scores_prompt();
             for p in done..done + take {
                 batch.tokens.push(TokenPos {
                     seq: seq.slot,
                     pos: p as u32,
                 });
                 batch.ids.push(seq.tokens[p]);
+                if scoring && p + 1 < seq.prompt_len {
+                    batch.logits_rows.push((batch.tokens.len() - 1) as u32);
+                    batch.uses.push(RowUse::Score(i));
+                    batch.targets.push(seq.tokens[p + 1]);
+                }
             }
             if done + take == seq.tokens.len() {
                 batch.logits_rows.push((batch.tokens.len() - 1) as u32);
+                batch.uses.push(RowUse::Sample(i));
                 batch.sample_for.push(i);
+                // Any valid id: a sampling row's target logit is not read.
+                batch.targets.push(0);
             }
             batch.fed.push((i, take));
             fed[i] = done + take;
         }
+    }
+    if !batch.uses.iter().any(|u| matches!(u, RowUse::Score(_))) {
+        batch.targets.clear();
     }
     batch
 }
@@ -240,17 +291,29 @@ pub(crate) fn split_batch(batch: Batch, groups: usize) -> Vec<Batch> {
         g.tokens
             .extend_from_slice(&batch.tokens[offset..offset + take]);
         g.ids.extend_from_slice(&batch.ids[offset..offset + take]);
-        if batch
+        // The sequence's rows: prompt scores, then its sampling row at its last token.
+        while let Some(&r) = batch
             .logits_rows
             .get(row)
-            .is_some_and(|&r| r as usize == offset + take - 1)
+            .filter(|&&r| (r as usize) < offset + take)
         {
-            g.logits_rows.push((base + take - 1) as u32);
-            g.sample_for.push(batch.sample_for[row]);
+            g.logits_rows.push((base + r as usize - offset) as u32);
+            g.uses.push(batch.uses[row]);
+            if let RowUse::Sample(slot) = batch.uses[row] {
+                g.sample_for.push(slot);
+            }
+            if let Some(&t) = batch.targets.get(row) {
+                g.targets.push(t);
+            }
             row += 1;
         }
         g.fed.push((i, take));
         offset += take;
+    }
+    for g in &mut out {
+        if !g.uses.iter().any(|u| matches!(u, RowUse::Score(_))) {
+            g.targets.clear();
+        }
     }
     out
 }
@@ -278,6 +341,10 @@ mod tests {
             deadline: None,
             stop_tokens: Vec::new(),
             events: tx,
+            logprobs: None,
+            prompt_logprobs: None,
+            prompt_scores: None,
+            scored: None,
         };
         (s, rx)
     }
@@ -431,5 +498,51 @@ mod tests {
             Next::Finish(FinishReason::Length),
             "max_tokens wins over a shift"
         );
+    }
+
+    #[test]
+    fn a_scored_prompt_asks_for_every_position_with_the_next_token_as_target() {
+        let (mut a, _ra) = seq(0, 2, 2);
+        a.tokens.push(7);
+        let (mut b, _rb) = seq(1, 5, 0);
+        b.prompt_scores = Some(vec![None]);
+        let slots = vec![Some(a), Some(b)];
+        let first = build_batch(&slots, 4, 0);
+        // The decode token of slot 0, then positions 0..3 of slot 1's prompt.
+        assert_eq!(first.logits_rows, vec![0, 1, 2, 3]);
+        assert_eq!(
+            first.uses,
+            vec![
+                RowUse::Sample(0),
+                RowUse::Score(1),
+                RowUse::Score(1),
+                RowUse::Score(1)
+            ]
+        );
+        assert_eq!(
+            first.targets,
+            vec![0, 101, 102, 103],
+            "the next prompt tokens"
+        );
+        assert_eq!(first.sample_for, vec![0]);
+        let parts = split_batch(first, 2);
+        assert_eq!(parts[0].uses, vec![RowUse::Sample(0)]);
+        assert!(parts[0].targets.is_empty(), "no scores, no targets");
+        assert_eq!(parts[1].logits_rows, vec![0, 1, 2]);
+        assert_eq!(parts[1].targets, vec![101, 102, 103]);
+        assert!(parts[1].sample_for.is_empty());
+        // The last two: position 3 scores token 4, position 4 samples.
+        let mut slots = slots;
+        if let Some(b) = &mut slots[1] {
+            b.fed = 3;
+        }
+        slots[0] = None;
+        let last = build_batch(&slots, 4, 0);
+        assert_eq!(last.logits_rows, vec![0, 1]);
+        assert_eq!(last.uses, vec![RowUse::Score(1), RowUse::Sample(1)]);
+        assert_eq!(last.targets, vec![104, 0]);
+        let unscored = build_batch(&[Some(seq(1, 5, 0).0)], 8, 0);
+        assert_eq!(unscored.logits_rows, vec![4], "only where the prompt ends");
+        assert!(unscored.targets.is_empty());
     }
 }

@@ -6,7 +6,8 @@ use tether_client::ClientError;
 use tether_protocol::{ForwardCall, ForwardInput, ForwardOutput, Rows, TokenPos};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
-/// Runs `input` through `st`'s block. `alone`: no other pass of this step runs meanwhile
+/// Runs `input` through `st`'s block (`targets`: the token ids whose logits
+/// [`Rows::LogProbs`] rows return). `alone`: no other pass of this step runs meanwhile
 /// (a single decode step), so nothing overlaps with it on this task.
 pub(crate) async fn forward(
     st: &LoadedStage,
@@ -14,12 +15,13 @@ pub(crate) async fn forward(
     input: ForwardInput,
     logits_rows: &[u32],
     rows: Rows,
+    targets: &[u32],
     alone: bool,
 ) -> Result<ForwardOutput, ClientError> {
     let Some(link) = st.link.as_ref().filter(|l| l.usable()) else {
         return st
             .client
-            .forward(st.session, tokens, &input, logits_rows, rows)
+            .forward_scored(st.session, tokens, &input, logits_rows, rows, targets)
             .await;
     };
     let call = ForwardCall {
@@ -27,6 +29,7 @@ pub(crate) async fn forward(
         input,
         logits_rows: logits_rows.to_vec(),
         rows,
+        targets: targets.to_vec(),
     };
     if alone && link.spins() && Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
         // A GPU worker answers within a step of a few ms, and this task has nothing else to

@@ -67,6 +67,7 @@ fn data_link_seeds(model: &TinyModel) -> Vec<Seed> {
             input,
             logits_rows,
             rows,
+            targets: Vec::new(),
         })
     };
     let hidden = (0..2 * model.config.n_embd)

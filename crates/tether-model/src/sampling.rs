@@ -452,7 +452,7 @@ fn penalize(candidates: &mut [(u32, f32)], p: &SamplingParams, history: &[u32]) 
 }
 
 use tether_compute::argmax::by_logit;
-pub use tether_compute::argmax::{greedy, top_candidates};
+pub use tether_compute::argmax::{greedy, logsumexp, top_candidates};
 
 #[cfg(test)]
 #[path = "sampling_tests.rs"]

@@ -347,6 +347,28 @@ fn decode_steps_split_equal_one_stage(shape: SynthShape) {
             bits(&from_logits),
             "step {pos}: device candidates"
         );
+        // Again, reducing what log-probabilities need on the device: 5 candidates, the
+        // row's log-sum-exp and the logit of a target.
+        let (mut top5, mut scores) = (vec![Vec::new()], vec![(0.0f32, 0.0f32)]);
+        let scored = StepOutput::Scored {
+            k: 5,
+            targets: &[id],
+            top: &mut top5,
+            scores: &mut scores,
+        };
+        b.decode_step(StepInput::Hidden(&h), &toks, scored).unwrap();
+        assert_eq!(bits(&top5[0]), bits(&from_logits[..5]), "step {pos}: top 5");
+        let lse = tether_model::sampling::logsumexp(&got);
+        assert!(
+            (scores[0].0 - lse).abs() <= 1e-4 * lse.abs().max(1.0),
+            "step {pos}: device log-sum-exp {} against {lse}",
+            scores[0].0
+        );
+        assert_eq!(
+            scores[0].1.to_bits(),
+            got[id as usize].to_bits(),
+            "step {pos}: target"
+        );
         let next = tether_model::sampling::greedy(&want);
         assert_ne!(
             got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),

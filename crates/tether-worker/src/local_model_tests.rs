@@ -198,6 +198,7 @@ async fn logits(reg: &Arc<SessionRegistry>, session: crate::SessionId) -> Vec<f3
         input: ForwardInput::TokenIds(vec![1, 5, 9]),
         logits_rows: vec![2],
         rows: Rows::Logits,
+        targets: Vec::new(),
     };
     match reg.forward(session, call).await.unwrap() {
         ForwardOutput::Logits(l) => l,

@@ -173,6 +173,7 @@ impl<B: Backend> ModelStage<B> {
         input: &ForwardInput,
         hidden_out: bool,
         rows: Rows,
+        targets: &[u32],
     ) -> Result<ForwardOutput> {
         let n = batch.len();
         let input = match input {
@@ -192,6 +193,21 @@ impl<B: Backend> ModelStage<B> {
             let mut ids = vec![0; n];
             step(&mut self.stage, StepOutput::ArgMax(&mut ids))?;
             Ok(ForwardOutput::ArgMax(ids))
+        } else if let Rows::LogProbs(k) = rows {
+            let mut top = vec![Vec::new(); n];
+            let mut scores = vec![(0.0, 0.0); n];
+            let out = StepOutput::Scored {
+                k: k as usize,
+                targets,
+                top: &mut top,
+                scores: &mut scores,
+            };
+            step(&mut self.stage, out)?;
+            Ok(ForwardOutput::Scored {
+                counts: top.iter().map(|r| r.len() as u32).collect(),
+                candidates: top.concat(),
+                scores,
+            })
         } else if let Rows::Top(k) = rows {
             let mut top = vec![Vec::new(); n];
             step(&mut self.stage, StepOutput::Top(k as usize, &mut top))?;
@@ -230,6 +246,7 @@ impl<B: Backend> ServingStage for ModelStage<B> {
         input: ForwardInput,
         logits_rows: &[u32],
         rows: Rows,
+        targets: &[u32],
     ) -> Result<ForwardOutput> {
         let n_embd = self.shape.n_embd;
         let batch: Vec<BatchToken> = tokens
@@ -242,7 +259,7 @@ impl<B: Backend> ServingStage for ModelStage<B> {
         let n = tokens.len();
         let all_rows = logits_rows.iter().copied().eq(0..n as u32);
         if n > 0 && n <= self.stage.decode_step_tokens() && (all_rows || logits_rows.is_empty()) {
-            return self.decode_step(&batch, &input, logits_rows.is_empty(), rows);
+            return self.decode_step(&batch, &input, logits_rows.is_empty(), rows, targets);
         }
         let mut hidden = match input {
             ForwardInput::Hidden(h) => h,

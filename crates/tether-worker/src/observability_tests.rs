@@ -108,6 +108,7 @@ async fn metrics_follow_a_session_through_load_forward_and_close() {
                 input: ForwardInput::Hidden(vec![0.0; N_EMBD]),
                 logits_rows: vec![],
                 rows: crate::Rows::Logits,
+                targets: Vec::new(),
             },
         )
         .await

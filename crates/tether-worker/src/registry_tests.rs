@@ -91,6 +91,7 @@ async fn close_after_load_returns_every_byte() {
                 input: ForwardInput::Hidden(vec![1.0; N_EMBD]),
                 logits_rows: vec![],
                 rows: crate::Rows::Logits,
+                targets: Vec::new(),
             },
         )
         .await
@@ -120,6 +121,7 @@ async fn forward_before_commit_and_unknown_session_are_refused() {
         input: ForwardInput::Hidden(vec![0.0; N_EMBD]),
         logits_rows: vec![],
         rows: crate::Rows::Logits,
+        targets: Vec::new(),
     };
     assert!(matches!(
         reg.forward(ticket.id, call.clone()).await,

@@ -37,9 +37,13 @@ fn forward_on(staged: &mut OwnedStage, call: ForwardCall) -> Result<(ForwardOutp
     let shape = staged.stage.shape();
     check_forward(&shape, &call)?;
     let started = Instant::now();
-    let output = staged
-        .stage
-        .forward(&call.tokens, call.input, &call.logits_rows, call.rows)?;
+    let output = staged.stage.forward(
+        &call.tokens,
+        call.input,
+        &call.logits_rows,
+        call.rows,
+        &call.targets,
+    )?;
     let output = match (output, call.rows) {
         // A 128k vocabulary takes ~11 us a row here.
         (ForwardOutput::Logits(l), Rows::ArgMax) => ForwardOutput::ArgMax(
@@ -47,7 +51,13 @@ fn forward_on(staged: &mut OwnedStage, call: ForwardCall) -> Result<(ForwardOutp
                 .map(tether_model::sampling::greedy)
                 .collect(),
         ),
-        (ForwardOutput::Logits(l), Rows::Top(k)) => top_rows(&l, shape.n_vocab, k),
+        (ForwardOutput::Logits(l), Rows::Top(k)) => {
+            let (counts, candidates) = top_rows(&l, shape.n_vocab, k);
+            ForwardOutput::Top { counts, candidates }
+        }
+        (ForwardOutput::Logits(l), Rows::LogProbs(k)) => {
+            scored_rows(&l, shape.n_vocab, k, &call.targets)
+        }
         (other, _) => other,
     };
     Ok((output, started.elapsed()))
@@ -160,8 +170,9 @@ fn check_seq(shape: &StageShape, seq: u32) -> Result<()> {
     Ok(())
 }
 
-/// Each row's `k` most likely candidates of `logits` (`[rows][n_vocab]`).
-fn top_rows(logits: &[f32], n_vocab: usize, k: u32) -> ForwardOutput {
+/// Each row's `k` most likely candidates of `logits` (`[rows][n_vocab]`): counts a row and
+/// the candidates.
+fn top_rows(logits: &[f32], n_vocab: usize, k: u32) -> (Vec<u32>, Vec<(u32, f32)>) {
     let mut counts = Vec::new();
     let mut candidates = Vec::new();
     let mut row = Vec::with_capacity(k as usize);
@@ -170,7 +181,22 @@ fn top_rows(logits: &[f32], n_vocab: usize, k: u32) -> ForwardOutput {
         counts.push(row.len() as u32);
         candidates.extend_from_slice(&row);
     }
-    ForwardOutput::Top { counts, candidates }
+    (counts, candidates)
+}
+
+/// [`top_rows`] with each row's log-sum-exp and target logit, from every logit.
+fn scored_rows(logits: &[f32], n_vocab: usize, k: u32, targets: &[u32]) -> ForwardOutput {
+    let (counts, candidates) = top_rows(logits, n_vocab, k);
+    let scores = logits
+        .chunks(n_vocab.max(1))
+        .enumerate()
+        .map(|(r, row)| tether_compute::argmax::score_row(row, targets.get(r).copied()))
+        .collect();
+    ForwardOutput::Scored {
+        counts,
+        candidates,
+        scores,
+    }
 }
 
 /// Checks a forward request against the block's shape.
@@ -203,6 +229,28 @@ pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()
         return Err(WorkerError::InvalidArgument(format!(
             "forward: top_k {k} is outside 1..={MAX_TOP_K}"
         )));
+    }
+    if let Rows::LogProbs(k) = call.rows
+        && k > MAX_TOP_K
+    {
+        return Err(WorkerError::InvalidArgument(format!(
+            "forward: logprobs_k {k} is outside 0..={MAX_TOP_K}"
+        )));
+    }
+    if !call.targets.is_empty() {
+        if !matches!(call.rows, Rows::LogProbs(_)) || call.targets.len() != call.logits_rows.len() {
+            return Err(WorkerError::InvalidArgument(format!(
+                "forward: {} targets; give one per logits row ({}), and only with logprobs",
+                call.targets.len(),
+                call.logits_rows.len()
+            )));
+        }
+        if let Some(bad) = call.targets.iter().find(|&&t| t as usize >= shape.n_vocab) {
+            return Err(WorkerError::InvalidArgument(format!(
+                "forward: target {bad} is outside the vocabulary of {} tokens",
+                shape.n_vocab
+            )));
+        }
     }
     match &call.input {
         ForwardInput::Hidden(h) => {
@@ -281,12 +329,55 @@ mod tests {
         }
     }
 
+    #[test]
+    fn logits_become_scored_rows_on_the_host() {
+        let row = |shift: f32| -> Vec<f32> { (0..10).map(|i| i as f32 * 0.5 - shift).collect() };
+        let logits = [row(0.0), row(3.0)].concat();
+        let ForwardOutput::Scored {
+            counts,
+            candidates,
+            scores,
+        } = scored_rows(&logits, 10, 2, &[4, 0])
+        else {
+            panic!("not scored")
+        };
+        assert_eq!(counts, [2, 2]);
+        assert_eq!(candidates[..2], [(9, 4.5), (8, 4.0)]);
+        assert_eq!(candidates[2..], [(9, 1.5), (8, 1.0)]);
+        let lse = |r: &[f32]| r.iter().map(|&l| f64::from(l).exp()).sum::<f64>().ln();
+        assert!((f64::from(scores[0].0) - lse(&logits[..10])).abs() < 1e-6);
+        assert!((f64::from(scores[1].0) - lse(&logits[10..])).abs() < 1e-6);
+        assert_eq!((scores[0].1, scores[1].1), (2.0, -3.0));
+    }
+
+    #[test]
+    fn targets_are_checked_against_the_rows_and_the_vocabulary() {
+        let mut c = call(vec![1]);
+        c.rows = Rows::LogProbs(0);
+        c.targets = vec![3];
+        assert!(check_forward(&shape(), &c).is_ok());
+        c.targets = vec![10];
+        assert!(
+            check_forward(&shape(), &c).is_err(),
+            "outside the vocabulary"
+        );
+        c.targets = vec![3, 3];
+        assert!(check_forward(&shape(), &c).is_err(), "one a row");
+        c.targets = vec![3];
+        c.rows = Rows::Top(2);
+        assert!(check_forward(&shape(), &c).is_err(), "only with logprobs");
+        c.rows = Rows::LogProbs(MAX_TOP_K + 1);
+        c.targets.clear();
+        assert!(check_forward(&shape(), &c).is_err(), "k too large");
+    }
+
     fn call(logits_rows: Vec<u32>) -> ForwardCall {
         ForwardCall {
             tokens: vec![TokenPos { seq: 0, pos: 0 }, TokenPos { seq: 0, pos: 1 }],
             input: ForwardInput::TokenIds(vec![1, 2]),
             logits_rows,
             rows: crate::Rows::Logits,
+            targets: Vec::new(),
         }
     }
 

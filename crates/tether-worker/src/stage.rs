@@ -82,12 +82,15 @@ pub trait ServingStage: Send + 'static {
     /// Runs the block over `tokens`. Inputs were checked against [`Self::shape`] already.
     /// `rows` is what the caller wants for the logits rows; a block may return it directly
     /// (arg-max tokens found on its device) or return every logit for the caller to reduce.
+    /// `targets` (with [`Rows::LogProbs`]: empty or one a logits row) are the token ids whose
+    /// logits the rows' scores carry.
     fn forward(
         &mut self,
         tokens: &[TokenPos],
         input: ForwardInput,
         logits_rows: &[u32],
         rows: Rows,
+        targets: &[u32],
     ) -> Result<ForwardOutput>;
 
     /// Forgets every KV cell of `seq`.

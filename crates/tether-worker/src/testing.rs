@@ -134,6 +134,7 @@ impl ServingStage for FakeStage {
         input: ForwardInput,
         _logits_rows: &[u32],
         _rows: Rows,
+        _targets: &[u32],
     ) -> Result<ForwardOutput> {
         let ForwardInput::Hidden(mut h) = input else {
             return Err(WorkerError::InvalidArgument(

@@ -185,6 +185,8 @@ impl Setup {
             deadline: None,
             stop_tokens: Vec::new(),
             model_epoch: None,
+            logprobs: None,
+            prompt_logprobs: None,
         })?;
         let workers = &self.workers;
         let (mut first, mut tokens, mut inside_from) = (None, 0usize, workers.forward_time());
@@ -198,6 +200,9 @@ impl Setup {
                     tokens += 1;
                 }
                 Some(Ok(GenEvent::Done { .. })) => break,
+                Some(Ok(GenEvent::Scored(_) | GenEvent::Prompt(_))) => {
+                    bail!("the engine sent log-probabilities that were not asked for")
+                }
                 Some(Err(e)) => bail!("generation through {n} worker(s) failed: {e}"),
                 None => bail!("the engine stopped without finishing"),
             }

@@ -250,6 +250,8 @@ async fn generate(
         deadline: None,
         stop_tokens: Vec::new(),
         model_epoch: None,
+        logprobs: None,
+        prompt_logprobs: None,
     })?;
     let mut first_token: Option<f64> = None;
     let mut tokens = Vec::new();
@@ -271,6 +273,9 @@ async fn generate(
                 out.flush()?;
             }
             Some(Ok(GenEvent::Done { finish, .. })) => break finish,
+            Some(Ok(GenEvent::Scored(_) | GenEvent::Prompt(_))) => {
+                bail!("the engine sent log-probabilities that were not asked for")
+            }
             Some(Err(e)) => bail!("generation failed: {e}"),
             None => bail!("the engine stopped without finishing the request"),
         }

@@ -382,6 +382,59 @@ fn top_rows_give_each_rows_candidates_in_the_samplers_order() {
     assert!(is_shape(be.top_rows(&x, 4, 3, &mut scratch, &mut too_many)));
 }
 
+#[test]
+fn score_rows_give_the_log_sum_exp_and_the_targets_logit() {
+    let be = backend();
+    let row = [1.0f32, 3.0, f32::NAN, -2.0, 0.5];
+    let x = upload_f32(
+        &be,
+        &[
+            &row[..],
+            &[f32::NEG_INFINITY; 5],
+            &[1e30, 1e30, 0.0, 0.0, 0.0],
+        ]
+        .concat(),
+    );
+    let mut scratch = be.alloc(4).unwrap();
+    let mut out = vec![(0.0, 0.0); 3];
+    be.score_rows(&x, 5, &[1, 0, 4], &mut scratch, &mut out)
+        .unwrap();
+    let want: f64 = [1.0f64, 3.0, -2.0, 0.5]
+        .iter()
+        .map(|v| v.exp())
+        .sum::<f64>()
+        .ln();
+    assert!((f64::from(out[0].0) - want).abs() < 1e-6, "{out:?}");
+    assert_eq!(out[0].1, 3.0);
+    assert_eq!(
+        out[1],
+        (f32::NEG_INFINITY, f32::NEG_INFINITY),
+        "a row of -inf"
+    );
+    assert!(
+        (out[2].0 - (1e30 + 2f32.ln())).abs() <= 1e24,
+        "no overflow: {out:?}"
+    );
+    let p: f64 = row
+        .iter()
+        .filter(|v| !v.is_nan())
+        .map(|&v| (f64::from(v) - f64::from(out[0].0)).exp())
+        .sum();
+    assert!((p - 1.0).abs() < 1e-6, "the probabilities sum to 1: {p}");
+    be.score_rows(&x, 5, &[], &mut scratch, &mut out).unwrap();
+    assert!(out[0].1.is_nan(), "no target");
+    assert!(is_shape(be.score_rows(
+        &x,
+        5,
+        &[5, 0, 0],
+        &mut scratch,
+        &mut out
+    )));
+    assert!(is_shape(be.score_rows(&x, 5, &[0], &mut scratch, &mut out)));
+    let mut four = vec![(0.0, 0.0); 4];
+    assert!(is_shape(be.score_rows(&x, 5, &[], &mut scratch, &mut four)));
+}
+
 /// `finish_weight` packs Q4_0 weights on a backend with AVX2 (not on a portable one);
 /// products and embedding rows read through the packing as through the file's layout, and
 /// a packed weight refuses writes and reads as another type.

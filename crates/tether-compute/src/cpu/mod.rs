@@ -501,6 +501,25 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+
+    fn score_rows(
+        &self,
+        x: &CpuBuffer,
+        n: usize,
+        targets: &[u32],
+        _scratch: &mut CpuBuffer,
+        out: &mut [(f32, f32)],
+    ) -> Result<()> {
+        crate::backend::check_targets(targets, out.len(), n)?;
+        let Some(rows) = logit_rows("score_rows", x, n, out.len())? else {
+            out.fill((f32::NEG_INFINITY, f32::NAN));
+            return Ok(());
+        };
+        for (r, (o, row)) in out.iter_mut().zip(rows).enumerate() {
+            *o = crate::argmax::score_row(row, targets.get(r).copied());
+        }
+        Ok(())
+    }
 }
 
 /// The `rows` rows of `n` f32 a row reduction reads from `x`, after checking `x` holds

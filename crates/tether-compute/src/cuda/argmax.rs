@@ -7,7 +7,7 @@ use cudarc::driver::LaunchConfig;
 use super::check::{elems, f32s, need, shape_err};
 use super::launch::{Arg, int};
 use super::{CudaBackend, CudaBuffer};
-use crate::backend::{Backend, DeviceBuffer, Result, top_rows_scratch};
+use crate::backend::{Backend, DeviceBuffer, Result, check_targets, top_rows_scratch};
 
 impl CudaBackend {
     /// See [`Backend::argmax_rows`]; `argmax_rows` in elementwise.cu breaks ties and skips
@@ -77,6 +77,48 @@ impl CudaBackend {
                 (word(at), f32::from_bits(word(at + 1)))
             }));
             o.sort_unstable_by(crate::argmax::by_logit);
+        }
+        Ok(())
+    }
+
+    /// See [`Backend::score_rows`]; `score_rows` (select.cu) reduces each row on the
+    /// device in f32 where [`crate::argmax::score_row`] sums in f64. The targets go to the
+    /// start of `scratch`, the kernel writes two values a row after them.
+    pub(super) fn score_on_device(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        targets: &[u32],
+        scratch: &mut CudaBuffer,
+        out: &mut [(f32, f32)],
+    ) -> Result<()> {
+        const OP: &str = "score_rows";
+        let rows = out.len();
+        check_targets(targets, rows, n)?;
+        let Some((xp, sp, cfg)) = self.row_launch(OP, x, n, rows, scratch, Some(12))? else {
+            out.fill((f32::NEG_INFINITY, f32::NAN));
+            return Ok(());
+        };
+        if !targets.is_empty() {
+            let ids: Vec<u8> = targets.iter().flat_map(|t| t.to_le_bytes()).collect();
+            self.upload(scratch, 0, &ids)?;
+        }
+        let results = 4 * rows;
+        let args = [
+            Arg::Ptr(xp),
+            Arg::U64(n as u64),
+            Arg::Ptr(sp),
+            int(OP, "has_targets", usize::from(!targets.is_empty()))?,
+            Arg::Ptr(sp + results as u64),
+        ];
+        self.run(OP, cfg, &args)?;
+        let mut bytes = vec![0u8; 8 * rows];
+        self.download(scratch, results, &mut bytes)?;
+        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+            *o = (
+                f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                f32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            );
         }
         Ok(())
     }

@@ -340,7 +340,7 @@ const FILES: &[KernelFile] = &[
         name: "select",
         source: include_str!("../../../../kernels/select.cu"),
         dependent_launch: true,
-        entries: &["top_rows"],
+        entries: &["top_rows", "score_rows"],
     },
     KernelFile {
         name: "attention",

@@ -562,6 +562,17 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.top_on_device(x, n, k, scratch, out)
     }
+
+    fn score_rows(
+        &self,
+        x: &CudaBuffer,
+        n: usize,
+        targets: &[u32],
+        scratch: &mut CudaBuffer,
+        out: &mut [(f32, f32)],
+    ) -> Result<()> {
+        self.score_on_device(x, n, targets, scratch, out)
+    }
 }
 
 impl CudaBackend {

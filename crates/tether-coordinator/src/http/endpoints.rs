@@ -15,11 +15,13 @@ use serde_json::{Value, json};
 
 use super::error::ApiError;
 use super::heavy::HEAVY_BODY_BYTES;
+use super::logprobs;
 use super::prepare::{self, Prepared};
 use super::run::{Run, RunEvent};
 use super::strict::{self, Endpoint};
 use super::{AppState, SharedState};
 use crate::api::FinishReason;
+use tether_model::tokenizer::Tokenizer;
 
 /// Which of the two endpoints a reply is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,8 +89,15 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     let prepared = prepared?;
     let (stream, include_usage) = (prepared.stream, prepared.include_usage);
+    let echo = prepared.echo.clone();
+    let logprobs = prepared.logprobs.is_some();
     let mut run = Run::start(state, prepared, started)?;
-    let shape = Shape::new(kind, &state.model_id);
+    let shape = Shape::new(
+        kind,
+        &state.model_id,
+        Arc::clone(&state.tokenizer),
+        logprobs,
+    );
     // Waiting for the first event lets errors found before any token (a full queue, a
     // prompt the engine refuses) keep their HTTP status even when streaming.
     let first = match run.next().await {
@@ -97,19 +106,25 @@ async fn generate(
         None => return Err(ApiError::internal("the request ended without a reply")),
     };
     if stream {
-        return Ok(sse_response(run, shape, first, include_usage));
+        return Ok(sse_response(run, shape, first, include_usage, echo));
     }
-    let mut text = String::new();
+    let mut text = echo.unwrap_or_default();
+    let mut entries = Vec::new();
     let mut event = first;
     loop {
         match event {
             RunEvent::Text(t) => text.push_str(&t),
+            RunEvent::LogProb(scored) => entries.push((scored.token, Some(scored))),
+            // The prompt's scores come first of all.
+            RunEvent::Prompt(prompt) => entries = prompt,
             RunEvent::End {
                 finish,
                 prompt_tokens,
                 completion_tokens,
             } => {
-                let body = shape.whole(&text, finish, usage(prompt_tokens, completion_tokens));
+                let logprobs = shape.logprobs(&entries, &mut 0);
+                let usage = usage(prompt_tokens, completion_tokens);
+                let body = shape.whole(&text, finish, usage, logprobs);
                 return Ok(axum::Json(body).into_response());
             }
         }
@@ -135,10 +150,13 @@ struct Shape {
     id: String,
     created: u64,
     model: String,
+    tokenizer: Arc<Tokenizer>,
+    /// Whether the request asked for log-probabilities.
+    logprobs: bool,
 }
 
 impl Shape {
-    fn new(kind: Kind, model: &str) -> Self {
+    fn new(kind: Kind, model: &str, tokenizer: Arc<Tokenizer>, logprobs: bool) -> Self {
         let prefix = match kind {
             Kind::Completion => "cmpl",
             Kind::Chat => "chatcmpl",
@@ -151,6 +169,24 @@ impl Shape {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             model: model.to_owned(),
+            tokenizer,
+            logprobs,
+        }
+    }
+
+    /// A choice's `logprobs` for `entries` (text offsets from `offset` on, for
+    /// completions): null unless the request asked for them.
+    fn logprobs(&self, entries: &[logprobs::Entry], offset: &mut usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Completion => logprobs::completion(&self.tokenizer, entries, offset),
+            Kind::Chat => {
+                // The chat API reports generated tokens only, each of which has its scores.
+                let scored: Vec<_> = entries.iter().filter_map(|e| e.1.clone()).collect();
+                logprobs::chat(&self.tokenizer, &scored)
+            }
         }
     }
 
@@ -165,17 +201,17 @@ impl Shape {
     }
 
     /// The non-streamed reply.
-    fn whole(&self, text: &str, finish: FinishReason, usage: Value) -> Value {
+    fn whole(&self, text: &str, finish: FinishReason, usage: Value, logprobs: Value) -> Value {
         let mut body = match self.kind {
             Kind::Completion => self.object(
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()}),
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish.as_str()}),
                 "text_completion",
             ),
             Kind::Chat => self.object(
                 json!({
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": finish.as_str(),
                 }),
                 "chat.completion",
@@ -185,12 +221,13 @@ impl Shape {
         body
     }
 
-    /// A streamed chunk with `text` (chat: as `delta.content`) and maybe the finish reason.
-    fn chunk(&self, text: Option<&str>, finish: Option<FinishReason>) -> Value {
+    /// A streamed chunk with `text` (chat: as `delta.content`), the `logprobs` of its
+    /// tokens, and maybe the finish reason.
+    fn chunk(&self, text: Option<&str>, finish: Option<FinishReason>, logprobs: Value) -> Value {
         let finish = finish.map(FinishReason::as_str);
         match self.kind {
             Kind::Completion => self.object(
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}),
                 "text_completion",
             ),
             Kind::Chat => {
@@ -199,7 +236,7 @@ impl Shape {
                     None => json!({}),
                 };
                 self.object(
-                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
+                    json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}),
                     "chat.completion.chunk",
                 )
             }
@@ -242,22 +279,43 @@ struct SseState {
     frames: VecDeque<Bytes>,
     include_usage: bool,
     ended: bool,
+    /// The prompt's text, until it is sent (`echo`).
+    echo: Option<String>,
+    /// Tokens whose log-probabilities go with the next chunk.
+    scored: Vec<logprobs::Entry>,
+    /// Where the next reported token's text starts in the choice's text.
+    offset: usize,
 }
 
 impl SseState {
+    /// A chunk of `text` carrying the log-probabilities gathered since the last one.
+    fn text_chunk(&mut self, text: Option<&str>, finish: Option<FinishReason>) {
+        let logprobs = self.shape.logprobs(&self.scored, &mut self.offset);
+        self.scored.clear();
+        let chunk = self.shape.chunk(text, finish, logprobs);
+        self.frames.push_back(frame(&chunk));
+    }
+
     /// Turns one run event (or error) into frames.
     fn push(&mut self, event: Option<Result<RunEvent, ApiError>>) {
         match event {
-            Some(Ok(RunEvent::Text(t))) => {
-                let chunk = self.shape.chunk(Some(&t), None);
-                self.frames.push_back(frame(&chunk));
+            Some(Ok(RunEvent::Text(t))) => self.text_chunk(Some(&t), None),
+            Some(Ok(RunEvent::LogProb(scored))) => self.scored.push((scored.token, Some(scored))),
+            Some(Ok(RunEvent::Prompt(prompt))) => {
+                self.scored = prompt;
+                let echo = self.echo.take().unwrap_or_default();
+                self.text_chunk(Some(&echo), None);
             }
             Some(Ok(RunEvent::End {
                 finish,
                 prompt_tokens,
                 completion_tokens,
             })) => {
-                let chunk = self.shape.chunk(None, Some(finish));
+                if !self.scored.is_empty() {
+                    // Tokens whose text a stop string cut, or still held back.
+                    self.text_chunk(Some(""), None);
+                }
+                let chunk = self.shape.chunk(None, Some(finish), Value::Null);
                 self.frames.push_back(frame(&chunk));
                 if self.include_usage {
                     let chunk = self
@@ -293,17 +351,32 @@ impl SseState {
 
 /// A `text/event-stream` reply; dropping the body (the client left) drops the run, which
 /// cancels the request.
-fn sse_response(run: Run, shape: Shape, first: RunEvent, include_usage: bool) -> Response {
+fn sse_response(
+    run: Run,
+    shape: Shape,
+    first: RunEvent,
+    include_usage: bool,
+    echo: Option<String>,
+) -> Response {
     let mut state = SseState {
         run,
         shape,
         frames: VecDeque::new(),
         include_usage,
         ended: false,
+        echo,
+        scored: Vec::new(),
+        offset: 0,
     };
     if state.shape.kind == Kind::Chat {
         let chunk = state.shape.role_chunk();
         state.frames.push_back(frame(&chunk));
+    }
+    // The prompt goes first; scored, it waits for its scores (the first event then).
+    if !matches!(first, RunEvent::Prompt(_))
+        && let Some(echo) = state.echo.take()
+    {
+        state.text_chunk(Some(&echo), None);
     }
     state.push(Some(Ok(first)));
     let body = futures::stream::unfold(state, |mut state| async move {

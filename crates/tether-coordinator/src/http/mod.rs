@@ -14,6 +14,7 @@ pub mod error;
 mod heavy;
 pub mod listen;
 pub mod loading;
+mod logprobs;
 pub mod metrics;
 mod prepare;
 mod run;
@@ -35,6 +36,7 @@ mod tests_cors;
 mod tests_errors;
 #[cfg(test)]
 mod tests_lifecycle;
+mod tests_logprobs;
 #[cfg(test)]
 mod tests_stream;
 #[cfg(test)]

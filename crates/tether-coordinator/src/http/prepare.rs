@@ -10,6 +10,7 @@ use super::AppState;
 use super::error::ApiError;
 use super::template::{CHATML_END, ChatMessage};
 use super::types::{ChatRequest, CommonParams, CompletionRequest, MessageContent, Prompt};
+use crate::api::MAX_LOGPROBS;
 
 /// OpenAI's default `max_tokens` for completions.
 const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
@@ -46,17 +47,44 @@ pub(super) struct Prepared {
     pub stream: bool,
     /// Send `usage` in a last chunk when streaming.
     pub include_usage: bool,
+    /// Alternatives to report with each generated token's log-probability, if asked.
+    pub logprobs: Option<usize>,
+    /// The prompt's text to return before the completion (`echo`), and whether its tokens
+    /// are scored.
+    pub echo: Option<String>,
+}
+
+/// The checks of the fields that ask for log-probabilities, the prompt back and choices.
+#[derive(Clone, Copy, Debug, Default)]
+struct Extras {
+    logprobs: Option<usize>,
+    echo: bool,
 }
 
 /// A `/v1/completions` request.
 pub(super) fn completion(state: &AppState, req: CompletionRequest) -> Result<Prepared, ApiError> {
     let tokenizer = &state.tokenizer;
+    let logprobs = checked_logprobs("logprobs", req.logprobs)?;
+    let n = req.common.n.unwrap_or(1);
+    if req.best_of.is_some_and(|b| b != n) {
+        return Err(ApiError::invalid_param(
+            "best_of",
+            "only best_of equal to n is supported (every candidate is returned); leave it out",
+        ));
+    }
+    let mut text = None;
     let prompt = match req.prompt {
-        Prompt::Text(text) => tokenizer.encode(&text, tokenizer.add_bos_default(), false),
+        Prompt::Text(t) => {
+            let ids = tokenizer.encode(&t, tokenizer.add_bos_default(), false);
+            text = Some(t);
+            ids
+        }
         Prompt::Tokens(ids) => ids,
         Prompt::Texts(mut texts) if texts.len() == 1 => {
-            let text = texts.pop().unwrap_or_default();
-            tokenizer.encode(&text, tokenizer.add_bos_default(), false)
+            let t = texts.pop().unwrap_or_default();
+            let ids = tokenizer.encode(&t, tokenizer.add_bos_default(), false);
+            text = Some(t);
+            ids
         }
         Prompt::TokenLists(mut lists) if lists.len() == 1 => lists.pop().unwrap_or_default(),
         Prompt::Texts(_) | Prompt::TokenLists(_) => {
@@ -66,7 +94,10 @@ pub(super) fn completion(state: &AppState, req: CompletionRequest) -> Result<Pre
             ));
         }
     };
-    finish(
+    let echo = req.echo.unwrap_or(false);
+    let echo_text = echo.then(|| text.unwrap_or_else(|| tokenizer.decode(&prompt)));
+    let extras = Extras { logprobs, echo };
+    let mut prepared = finish(
         state,
         "prompt",
         prompt,
@@ -74,7 +105,21 @@ pub(super) fn completion(state: &AppState, req: CompletionRequest) -> Result<Pre
         req.common.max_tokens,
         COMPLETION_DEFAULT_MAX_TOKENS,
         Vec::new(),
-    )
+        extras,
+    )?;
+    prepared.echo = echo_text;
+    Ok(prepared)
+}
+
+/// A number of alternatives to report (`param` names it), at most OpenAI's 20.
+fn checked_logprobs(param: &str, n: Option<usize>) -> Result<Option<usize>, ApiError> {
+    match n {
+        Some(n) if n > MAX_LOGPROBS => Err(ApiError::invalid_param(
+            param,
+            format!("{param} must be between 0 and {MAX_LOGPROBS}; got {n}"),
+        )),
+        n => Ok(n),
+    }
 }
 
 /// A `/v1/chat/completions` request: the conversation rendered with the chat template.
@@ -135,6 +180,21 @@ pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiEr
         extra_stops.push(CHATML_END.to_owned());
     }
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
+    let top = checked_logprobs("top_logprobs", req.top_logprobs)?;
+    let logprobs = match (req.logprobs.unwrap_or(false), top) {
+        (true, top) => Some(top.unwrap_or(0)),
+        (false, Some(_)) => {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                "top_logprobs needs \"logprobs\": true",
+            ));
+        }
+        (false, None) => None,
+    };
+    let extras = Extras {
+        logprobs,
+        echo: false,
+    };
     finish(
         state,
         "messages",
@@ -143,10 +203,12 @@ pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiEr
         max_tokens,
         state.opts.max_tokens_limit,
         extra_stops,
+        extras,
     )
 }
 
 /// Checks the prompt and the common fields.
+#[allow(clippy::too_many_arguments)]
 fn finish(
     state: &AppState,
     prompt_param: &str,
@@ -155,6 +217,7 @@ fn finish(
     max_tokens: Option<usize>,
     default_max_tokens: usize,
     mut stops: Vec<String>,
+    extras: Extras,
 ) -> Result<Prepared, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::invalid_param(
@@ -185,11 +248,13 @@ fn finish(
         return Err(ApiError::invalid_param("n", "only n = 1 is supported"));
     }
     let max_tokens = max_tokens.unwrap_or(default_max_tokens.min(state.opts.max_tokens_limit));
-    if max_tokens == 0 || max_tokens > state.opts.max_tokens_limit {
+    // With `echo`, no new token is the scoring use: the prompt (and its log-probabilities).
+    let least = usize::from(!extras.echo);
+    if max_tokens < least || max_tokens > state.opts.max_tokens_limit {
         return Err(ApiError::invalid_param(
             "max_tokens",
             format!(
-                "max_tokens must be between 1 and {}; got {max_tokens}",
+                "max_tokens must be between {least} and {}; got {max_tokens}",
                 state.opts.max_tokens_limit
             ),
         ));
@@ -235,6 +300,8 @@ fn finish(
         stop_tokens,
         stream: p.stream,
         include_usage: p.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        logprobs: extras.logprobs,
+        echo: None,
     })
 }
 

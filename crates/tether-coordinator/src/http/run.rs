@@ -13,13 +13,19 @@ use super::error::ApiError;
 use super::metrics::Metrics;
 use super::prepare::Prepared;
 use super::text::{TextAssembler, TextStep};
-use crate::api::{FinishReason, GenError, GenEvent, GenRequest};
+use crate::api::{FinishReason, GenError, GenEvent, GenRequest, TokenLogProb};
 
 /// What a run produces, in order: text pieces, then one `End`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(super) enum RunEvent {
     /// Text to show (never empty).
     Text(String),
+    /// A generated token's log-probability, before its text (which may come later, or not
+    /// at all when a stop string cuts it).
+    LogProb(TokenLogProb),
+    /// The prompt's tokens with their log-probabilities (`None` for the first), first of
+    /// all when the prompt is scored.
+    Prompt(Vec<(u32, Option<TokenLogProb>)>),
     /// The end.
     End {
         /// Why it ended.
@@ -44,6 +50,8 @@ pub(super) struct Run {
     completion_tokens: usize,
     first_token_seen: bool,
     metrics: Arc<Metrics>,
+    /// The prompt, whose ids its scores are reported with.
+    prompt_ids: Vec<u32>,
 }
 
 impl Run {
@@ -55,6 +63,8 @@ impl Run {
     ) -> Result<Run, ApiError> {
         let deadline = started + state.opts.request_timeout;
         let prompt_tokens = prepared.prompt.len();
+        let prompt_ids = prepared.prompt.clone();
+        let prompt_logprobs = prepared.echo.as_ref().and(prepared.logprobs);
         let events = state.engine.submit(GenRequest {
             prompt: prepared.prompt,
             max_tokens: prepared.max_tokens,
@@ -62,6 +72,8 @@ impl Run {
             deadline: Some(deadline),
             stop_tokens: prepared.stop_tokens,
             model_epoch: Some(state.epoch),
+            logprobs: prepared.logprobs,
+            prompt_logprobs,
         })?;
         Ok(Run {
             events: Some(events),
@@ -74,6 +86,7 @@ impl Run {
             completion_tokens: 0,
             first_token_seen: false,
             metrics: Arc::clone(&state.metrics),
+            prompt_ids,
         })
     }
 
@@ -102,14 +115,16 @@ impl Run {
                     self.events = None;
                     return Some(Err(e.into()));
                 }
-                Ok(Some(Ok(GenEvent::Token(id)))) => {
-                    self.completion_tokens += 1;
-                    if !self.first_token_seen {
-                        self.first_token_seen = true;
-                        self.metrics.observe_first_token(self.started.elapsed());
-                    }
-                    let step = self.assembler.push_token(id);
-                    self.queue(step, FinishReason::Stop, self.completion_tokens);
+                Ok(Some(Ok(GenEvent::Token(id)))) => self.token(id),
+                Ok(Some(Ok(GenEvent::Scored(scored)))) => {
+                    let id = scored.token;
+                    self.pending.push_back(RunEvent::LogProb(scored));
+                    self.token(id);
+                }
+                Ok(Some(Ok(GenEvent::Prompt(scores)))) => {
+                    let ids = std::mem::take(&mut self.prompt_ids);
+                    self.pending
+                        .push_back(RunEvent::Prompt(ids.into_iter().zip(scores).collect()));
                 }
                 Ok(Some(Ok(GenEvent::Done {
                     finish,
@@ -125,6 +140,17 @@ impl Run {
                 }
             }
         }
+    }
+
+    /// Takes a generated token: its text through the assembler.
+    fn token(&mut self, id: u32) {
+        self.completion_tokens += 1;
+        if !self.first_token_seen {
+            self.first_token_seen = true;
+            self.metrics.observe_first_token(self.started.elapsed());
+        }
+        let step = self.assembler.push_token(id);
+        self.queue(step, FinishReason::Stop, self.completion_tokens);
     }
 
     /// Queues the text of `step`; ends the run if it matched a stop string.

@@ -55,8 +55,13 @@ const COMMON: &[&str] = &[
 /// Fields of one endpoint only.
 fn own_fields(endpoint: Endpoint) -> &'static [&'static str] {
     match endpoint {
-        Endpoint::Completion => &["prompt"],
-        Endpoint::Chat => &["messages", "max_completion_tokens"],
+        Endpoint::Completion => &["prompt", "logprobs", "echo", "best_of"],
+        Endpoint::Chat => &[
+            "messages",
+            "max_completion_tokens",
+            "logprobs",
+            "top_logprobs",
+        ],
         // llama-server's and vLLM's spellings of the same fields.
         Endpoint::Tokenize => &[
             "model",
@@ -82,11 +87,6 @@ fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
         || v.as_array().is_some_and(Vec::is_empty);
     let is = |want: &Value| v == want;
     let harmless = match (endpoint, field) {
-        (Endpoint::Completion, "logprobs") => empty,
-        (Endpoint::Chat, "logprobs") => empty || is(&Value::Bool(false)),
-        (Endpoint::Chat, "top_logprobs") => empty || v.as_u64() == Some(0),
-        (Endpoint::Completion, "echo") => empty || is(&Value::Bool(false)),
-        (Endpoint::Completion, "best_of") => empty || v.as_u64() == Some(1),
         (Endpoint::Completion, "suffix") => empty || v.as_str() == Some(""),
         (Endpoint::Chat, "tools" | "functions") => empty,
         (Endpoint::Chat, "tool_choice" | "function_call") => empty || v.as_str() == Some("none"),

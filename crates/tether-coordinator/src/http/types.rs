@@ -75,7 +75,7 @@ pub struct CommonParams {
     pub stream: bool,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
-    /// Number of choices; only 1 is supported.
+    /// Number of choices.
     pub n: Option<usize>,
     /// Token id (a decimal string key, as OpenAI sends it) to a bias in [-100, 100] added
     /// to its logit; checked in `prepare`, so that errors name the field.
@@ -96,6 +96,12 @@ pub struct CompletionRequest {
     pub model: Option<String>,
     /// The prompt.
     pub prompt: Prompt,
+    /// Report each token's log-probability with this many alternatives (0 to 20).
+    pub logprobs: Option<usize>,
+    /// Return the prompt before the completion (with `logprobs`, scored too).
+    pub echo: Option<bool>,
+    /// Candidates to choose the `n` returned from; only `best_of` = `n` is supported.
+    pub best_of: Option<usize>,
     /// Sampling, length and streaming.
     #[serde(flatten)]
     pub common: CommonParams,
@@ -139,6 +145,10 @@ pub struct ChatRequest {
     pub messages: Vec<RequestMessage>,
     /// The newer name of `max_tokens`.
     pub max_completion_tokens: Option<usize>,
+    /// Report each generated token's log-probability.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`, this many most likely alternatives of each token (0 to 20).
+    pub top_logprobs: Option<usize>,
     /// Sampling, length and streaming.
     #[serde(flatten)]
     pub common: CommonParams,

@@ -1,9 +1,10 @@
 //! The scheduler's calls over the workers: KV bookkeeping of freed and shifted slots, and
 //! one step's groups run through every worker as a pipeline.
 
+use crate::api::TokenLogProb;
 use crate::load::LoadedStage;
 use crate::loss::Loss;
-use crate::sequence::{Batch, Sequence};
+use crate::sequence::{Batch, RowUse, Sequence};
 use crate::stage_call;
 use tether_protocol::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
 use tokio::sync::mpsc;
@@ -50,28 +51,92 @@ pub(super) enum RowsOut {
         starts: Vec<usize>,
         candidates: Vec<(u32, f32)>,
     },
+    /// As `Top`, with each row's `(log-sum-exp, target logit)`.
+    Scored {
+        starts: Vec<usize>,
+        candidates: Vec<(u32, f32)>,
+        scores: Vec<(f32, f32)>,
+    },
+}
+
+impl RowsOut {
+    /// `token`'s log-probability in row `row` (of a `v`-token vocabulary) with the row's
+    /// `n` most likely alternatives. From every logit, or from what the worker reduced: the
+    /// token is then among the row's candidates (sampled from them) or its target.
+    pub(super) fn log_prob(&self, row: usize, v: usize, token: u32, n: usize) -> TokenLogProb {
+        let (lse, logit, top) = match self {
+            RowsOut::Logits(l) => {
+                let logits = &l[row * v..(row + 1) * v];
+                let mut top = Vec::new();
+                tether_model::sampling::top_candidates(logits, n, &mut top);
+                let logit = logits.get(token as usize).copied().unwrap_or(f32::NAN);
+                (tether_model::sampling::logsumexp(logits), logit, top)
+            }
+            RowsOut::Scored {
+                starts,
+                candidates,
+                scores,
+            } => {
+                let cands = &candidates[starts[row]..starts[row + 1]];
+                let (lse, target) = scores[row];
+                let logit = cands.iter().find(|c| c.0 == token).map_or(target, |c| c.1);
+                (lse, logit, cands[..n.min(cands.len())].to_vec())
+            }
+            // Never asked for with log-probabilities (`rows_wanted`).
+            RowsOut::ArgMax(_) | RowsOut::Top { .. } => (f32::NAN, f32::NAN, Vec::new()),
+        };
+        TokenLogProb {
+            token,
+            logprob: logit - lse,
+            top: top.into_iter().map(|(id, l)| (id, l - lse)).collect(),
+        }
+    }
 }
 
 /// What the last worker should return for `batch`'s logits rows: arg-max tokens when every
 /// row samples greedily, the top k candidates when every row's sampler needs no more than
 /// its k most likely tokens (k the largest of them), else every logit. A 128k vocabulary's
 /// logits are 512 KiB a row on the network; 40 candidates are 320 bytes.
+///
+/// Rows that report log-probabilities (or score the prompt) ask for
+/// [`Rows::LogProbs`] instead: the candidates both the samplers and the reports need, with
+/// each row's log-sum-exp, reduced on the worker too.
 pub(super) fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
     if batch.logits_rows.is_empty() {
         return Rows::Logits;
     }
     let samplers = || batch.sample_for.iter().map(|&i| slots[i].as_ref());
-    if samplers().all(|s| s.is_some_and(|s| s.sampler.is_greedy())) {
+    let mut reported = 0;
+    let mut scored = false;
+    for &use_ in &batch.uses {
+        let (RowUse::Sample(i) | RowUse::Score(i)) = use_;
+        let Some(seq) = slots[i].as_ref() else {
+            continue;
+        };
+        let n = match use_ {
+            RowUse::Sample(_) => seq.logprobs,
+            RowUse::Score(_) => seq.prompt_logprobs,
+        };
+        if let Some(n) = n {
+            scored = true;
+            reported = reported.max(n as u32);
+        }
+    }
+    if !scored && samplers().all(|s| s.is_some_and(|s| s.sampler.is_greedy())) {
         return Rows::ArgMax;
     }
-    let mut k = 0;
+    let mut k = reported;
     for s in samplers() {
         match s.and_then(|s| s.sampler.candidates_needed(&s.tokens)) {
             Some(n) if n as u64 <= u64::from(MAX_TOP_K) => k = k.max(n as u32),
             _ => return Rows::Logits,
         }
     }
-    Rows::Top(k.max(1))
+    if scored {
+        Rows::LogProbs(k)
+    } else {
+        Rows::Top(k.max(1))
+    }
 }
 
 /// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
@@ -95,7 +160,11 @@ pub(super) async fn run_pipeline(
                 let b = &groups[k];
                 let rows: &[u32] = if i == last { &b.logits_rows } else { &[] };
                 let want = if i == last { b.rows } else { Rows::Logits };
-                let out = stage_call::forward(st, &b.tokens, x, rows, want, alone)
+                let targets: &[u32] = match want {
+                    Rows::LogProbs(_) => &b.targets,
+                    _ => &[],
+                };
+                let out = stage_call::forward(st, &b.tokens, x, rows, want, targets, alone)
                     .await
                     .map_err(Loss::Call)?;
                 match out {
@@ -112,12 +181,20 @@ pub(super) async fn run_pipeline(
                     ForwardOutput::Top { counts, candidates }
                         if i == last && matches!(want, Rows::Top(_)) =>
                     {
-                        let mut starts = Vec::with_capacity(counts.len() + 1);
-                        starts.push(0);
-                        for c in counts {
-                            starts.push(starts[starts.len() - 1] + c as usize);
-                        }
+                        let starts = row_starts(&counts);
                         logits.push(RowsOut::Top { starts, candidates })
+                    }
+                    ForwardOutput::Scored {
+                        counts,
+                        candidates,
+                        scores,
+                    } if i == last && matches!(want, Rows::LogProbs(_)) => {
+                        let starts = row_starts(&counts);
+                        logits.push(RowsOut::Scored {
+                            starts,
+                            candidates,
+                            scores,
+                        })
                     }
                     ForwardOutput::Hidden(_) if rows.is_empty() => {
                         logits.push(RowsOut::Logits(Vec::new()))
@@ -147,4 +224,14 @@ pub(super) async fn run_pipeline(
         )));
     }
     Ok(logits)
+}
+
+/// Where each row's candidates start, from the count of each, and where the last ends.
+fn row_starts(counts: &[u32]) -> Vec<usize> {
+    let mut starts = Vec::with_capacity(counts.len() + 1);
+    starts.push(0);
+    for &c in counts {
+        starts.push(starts[starts.len() - 1] + c as usize);
+    }
+    starts
 }

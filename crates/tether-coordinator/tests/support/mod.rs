@@ -154,6 +154,8 @@ pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenRequest {
         deadline: None,
         stop_tokens: Vec::new(),
         model_epoch: None,
+        logprobs: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -168,6 +170,8 @@ pub async fn collect(
             .expect("an event within 60 s");
         match event {
             Some(Ok(GenEvent::Token(t))) => tokens.push(t),
+            Some(Ok(GenEvent::Scored(t))) => tokens.push(t.token),
+            Some(Ok(GenEvent::Prompt(_))) => {}
             Some(Ok(GenEvent::Done {
                 finish,
                 completion_tokens,

@@ -1,8 +1,8 @@
 //! Decode steps: a few tokens through the stage with the hidden states kept on the device
 //! from the input to the output, one transfer each way, and the layers replayed.
 
-use tether_compute::argmax::top_candidates;
-use tether_compute::{Backend, DeviceBuffer, top_rows_scratch};
+use tether_compute::argmax::{score_row, top_candidates};
+use tether_compute::{Backend, DeviceBuffer, score_rows_scratch, top_rows_scratch};
 
 use super::Stage;
 use super::forward::{as_bytes_mut, head_scratch_missing, need_len};
@@ -32,6 +32,16 @@ pub enum StepOutput<'a> {
     /// selected on the device so that only they are downloaded: the stage must hold the
     /// output head.
     Top(usize, &'a mut [Vec<(u32, f32)>]),
+    /// What log-probabilities need, reduced on the device: each token's `k` most likely
+    /// candidates (none for k = 0) and `(log-sum-exp, logit of its target)`
+    /// ([`tether_compute::argmax::score_row`]; `targets` empty or one a token). The stage
+    /// must hold the output head.
+    Scored {
+        k: usize,
+        targets: &'a [u32],
+        top: &'a mut [Vec<(u32, f32)>],
+        scores: &'a mut [(f32, f32)],
+    },
 }
 
 /// Where a step's input comes from, once checked.
@@ -47,6 +57,13 @@ enum Sink<'a> {
     Logits((usize, usize), &'a mut [f32]),
     ArgMax((usize, usize), &'a mut [u32]),
     Top((usize, usize), usize, &'a mut [Vec<(u32, f32)>]),
+    Scored(
+        (usize, usize),
+        usize,
+        &'a [u32],
+        &'a mut [Vec<(u32, f32)>],
+        &'a mut [(f32, f32)],
+    ),
 }
 
 impl<B: Backend> Stage<B> {
@@ -136,6 +153,20 @@ impl<B: Backend> Stage<B> {
                 }
                 Sink::Top(self.head_weights()?, k, rows)
             }
+            StepOutput::Scored {
+                k,
+                targets,
+                top,
+                scores,
+            } => {
+                need_len("the candidate rows", top.len(), n)?;
+                need_len("the score rows", scores.len(), n)?;
+                if !targets.is_empty() {
+                    need_len("the targets", targets.len(), n)?;
+                    self.check_ids(targets)?;
+                }
+                Sink::Scored(self.head_weights()?, k, targets, top, scores)
+            }
         };
         let lens = self.kv.check_batch(batch)?;
         if n == 0 {
@@ -192,6 +223,32 @@ impl<B: Backend> Stage<B> {
                 self.backend
                     .top_rows(logits, v, k, &mut s.hidden, rows)
                     .map_err(compute("top candidates of the logits"))
+            }
+            Sink::Scored((norm, head), k, targets, top, scores) => {
+                let room = self.scratch.hidden.bytes();
+                let fits = |b: Option<usize>| b.is_some_and(|b| b <= room);
+                if !fits(top_rows_scratch(n, k)) || !fits(score_rows_scratch(n)) {
+                    let mut all = vec![0.0f32; n * v];
+                    self.head_on_device(norm, head, n, &mut all)?;
+                    for (r, row) in all.chunks(v.max(1)).enumerate() {
+                        top_candidates(row, k, &mut top[r]);
+                        scores[r] = score_row(row, targets.get(r).copied());
+                    }
+                    return Ok(());
+                }
+                self.head_into_scratch(norm, head, n)?;
+                let s = &mut self.scratch;
+                let logits = s.logits.as_ref().ok_or_else(head_scratch_missing)?;
+                if k > 0 {
+                    self.backend
+                        .top_rows(logits, v, k, &mut s.hidden, top)
+                        .map_err(compute("top candidates of the logits"))?;
+                } else {
+                    top.iter_mut().for_each(Vec::clear);
+                }
+                self.backend
+                    .score_rows(logits, v, targets, &mut s.hidden, scores)
+                    .map_err(compute("log-sum-exp of the logits"))
             }
         }
     }

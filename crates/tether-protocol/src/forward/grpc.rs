@@ -15,6 +15,7 @@ pub fn request_to_proto(
     input: &ForwardInput,
     logits_rows: &[u32],
     rows: Rows,
+    targets: &[u32],
 ) -> pb::ForwardRequest {
     let (hidden, token_ids) = match input {
         ForwardInput::Hidden(h) => (f32s_to_le(h), Vec::new()),
@@ -37,6 +38,12 @@ pub fn request_to_proto(
             Rows::Top(k) => k,
             _ => 0,
         },
+        logprobs: matches!(rows, Rows::LogProbs(_)),
+        logprobs_k: match rows {
+            Rows::LogProbs(k) => k,
+            _ => 0,
+        },
+        targets: targets.to_vec(),
     }
 }
 
@@ -54,13 +61,14 @@ pub fn request_from_proto(
             ));
         }
     };
-    let rows = match (req.argmax, req.top_k) {
-        (false, 0) => Rows::Logits,
-        (true, 0) => Rows::ArgMax,
-        (false, k) => Rows::Top(k),
-        (true, _) => {
+    let rows = match (req.argmax, req.top_k, req.logprobs) {
+        (false, 0, false) => Rows::Logits,
+        (true, 0, false) => Rows::ArgMax,
+        (false, k, false) => Rows::Top(k),
+        (false, 0, true) => Rows::LogProbs(req.logprobs_k),
+        _ => {
             return Err(WorkerError::InvalidArgument(
-                "forward: ask for one of argmax and top_k, not both".into(),
+                "forward: ask for one of argmax, top_k and logprobs, not several".into(),
             ));
         }
     };
@@ -76,6 +84,7 @@ pub fn request_from_proto(
         input,
         logits_rows: req.logits_rows,
         rows,
+        targets: req.targets,
     };
     Ok((session, call))
 }
@@ -101,6 +110,18 @@ pub fn output_to_proto(output: ForwardOutput) -> pb::ForwardReply {
             top_counts: counts,
             ..Default::default()
         },
+        ForwardOutput::Scored {
+            counts,
+            candidates,
+            scores,
+        } => pb::ForwardReply {
+            top_ids: candidates.iter().map(|c| c.0).collect(),
+            top_logits: candidates.iter().map(|c| c.1).collect(),
+            top_counts: counts,
+            logsumexp: scores.iter().map(|s| s.0).collect(),
+            target_logits: scores.iter().map(|s| s.1).collect(),
+            ..Default::default()
+        },
     }
 }
 
@@ -113,17 +134,35 @@ pub fn output_from_proto(
 ) -> Result<ForwardOutput, WorkerError> {
     let out = if logits_rows == 0 {
         ForwardOutput::Hidden(f32s_from_le(&reply.hidden, "forward reply")?)
-    } else if let Rows::Top(_) = rows {
+    } else if let Rows::Top(_) | Rows::LogProbs(_) = rows {
+        let uneven = |what: &str, a: usize, b: usize| {
+            Err(WorkerError::Internal(format!(
+                "the worker returned {a} {what} and {b} logits"
+            )))
+        };
         if reply.top_ids.len() != reply.top_logits.len() {
-            return Err(WorkerError::Internal(format!(
-                "the worker returned {} candidate ids and {} logits",
-                reply.top_ids.len(),
-                reply.top_logits.len()
-            )));
+            return uneven("candidate ids", reply.top_ids.len(), reply.top_logits.len());
         }
-        ForwardOutput::Top {
-            counts: reply.top_counts,
-            candidates: reply.top_ids.into_iter().zip(reply.top_logits).collect(),
+        if reply.logsumexp.len() != reply.target_logits.len() {
+            return uneven(
+                "log-sum-exps",
+                reply.logsumexp.len(),
+                reply.target_logits.len(),
+            );
+        }
+        let counts = reply.top_counts;
+        let candidates = reply.top_ids.into_iter().zip(reply.top_logits).collect();
+        match rows {
+            Rows::Top(_) => ForwardOutput::Top { counts, candidates },
+            _ => ForwardOutput::Scored {
+                counts,
+                candidates,
+                scores: reply
+                    .logsumexp
+                    .into_iter()
+                    .zip(reply.target_logits)
+                    .collect(),
+            },
         }
     } else if rows == Rows::ArgMax {
         ForwardOutput::ArgMax(reply.argmax)
@@ -131,4 +170,44 @@ pub fn output_from_proto(
         ForwardOutput::Logits(f32s_from_le(&reply.logits, "forward reply")?)
     };
     check_reply(logits_rows, rows, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_probability_calls_and_replies_survive_the_round_trip() {
+        let session = SessionId::new_random();
+        let tokens = [TokenPos { seq: 1, pos: 4 }, TokenPos { seq: 1, pos: 5 }];
+        let input = ForwardInput::TokenIds(vec![3, 9]);
+        let req = request_to_proto(
+            session,
+            &tokens,
+            &input,
+            &[0, 1],
+            Rows::LogProbs(5),
+            &[9, 2],
+        );
+        let (got_session, call) = request_from_proto(req).unwrap();
+        assert_eq!(got_session, session);
+        assert_eq!(call.rows, Rows::LogProbs(5));
+        assert_eq!(call.targets, [9, 2]);
+        let mut both = request_to_proto(session, &tokens, &input, &[0], Rows::Top(3), &[]);
+        both.logprobs = true;
+        assert!(
+            request_from_proto(both).is_err(),
+            "top_k and logprobs at once"
+        );
+        let out = ForwardOutput::Scored {
+            counts: vec![2, 1],
+            candidates: vec![(7, 1.5), (3, 1.0), (2, 0.0)],
+            scores: vec![(2.5, 1.0), (0.75, -3.0)],
+        };
+        let back = output_from_proto(output_to_proto(out.clone()), 2, Rows::LogProbs(2));
+        assert_eq!(back.unwrap(), out);
+        let mut short = output_to_proto(out);
+        short.target_logits.pop();
+        assert!(output_from_proto(short, 2, Rows::LogProbs(2)).is_err());
+    }
 }

@@ -43,6 +43,18 @@ pub enum ForwardOutput {
         /// The candidates.
         candidates: Vec<(u32, f32)>,
     },
+    /// What [`Rows::LogProbs`] asks for: each row's top candidates as in
+    /// [`ForwardOutput::Top`], and a `(log-sum-exp, target logit)` pair a row (the target's
+    /// logit NaN when the call named no targets). A logit `l` of row r has the
+    /// log-probability `l - scores[r].0` under the model's softmax at temperature 1.
+    Scored {
+        /// Candidates per row (0 when the call asked for none).
+        counts: Vec<u32>,
+        /// The candidates, highest first within each row.
+        candidates: Vec<(u32, f32)>,
+        /// `(log-sum-exp, target logit)` per row.
+        scores: Vec<(f32, f32)>,
+    },
 }
 
 /// What a forward returns for its logits rows.
@@ -55,6 +67,10 @@ pub enum Rows {
     ArgMax,
     /// Each row's `k` most likely candidates (1..=[`MAX_TOP_K`]).
     Top(u32),
+    /// What log-probabilities need, computed where the logits are: each row's `k` most
+    /// likely candidates (0..=[`MAX_TOP_K`]), its log-sum-exp, and the logit of the call's
+    /// target for the row ([`ForwardCall::targets`]).
+    LogProbs(u32),
 }
 
 /// Most candidates a row may ask for.
@@ -71,6 +87,9 @@ pub struct ForwardCall {
     pub logits_rows: Vec<u32>,
     /// What to return for the logits rows.
     pub rows: Rows,
+    /// With [`Rows::LogProbs`]: empty, or one token id a logits row whose logit to return
+    /// (a prompt's next token, to score the prompt). Empty otherwise.
+    pub targets: Vec<u32>,
 }
 
 /// Checks that a forward reply is what was asked for (`rows` for `logits_rows` rows): its
@@ -99,6 +118,30 @@ pub fn check_reply(
             } else {
                 bad(format!(
                     "top-{k} counts {counts:?} for {n} rows and {} candidates",
+                    candidates.len()
+                ))
+            }
+        }
+        (
+            ForwardOutput::Scored {
+                counts,
+                candidates,
+                scores,
+            },
+            Rows::LogProbs(k),
+        ) => {
+            let total: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+            if counts.len() == n
+                && scores.len() == n
+                && counts.iter().all(|&c| c <= k)
+                && total == candidates.len() as u64
+            {
+                Ok(out)
+            } else {
+                bad(format!(
+                    "log-probabilities with top-{k} counts {counts:?} and {} scores for {n} \
+                     rows and {} candidates",
+                    scores.len(),
                     candidates.len()
                 ))
             }

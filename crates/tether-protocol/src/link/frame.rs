@@ -16,7 +16,7 @@ use tonic::Code;
 use uuid::Uuid;
 
 /// First bytes of a hello; the digit is the link's protocol version.
-pub(crate) const MAGIC: &[u8; 4] = b"TTD2";
+pub(crate) const MAGIC: &[u8; 4] = b"TTD3";
 /// Longest token a hello may carry.
 const MAX_TOKEN_BYTES: usize = 4096;
 
@@ -26,10 +26,12 @@ const IN_HIDDEN: u8 = 1;
 const ROWS_LOGITS: u8 = 0;
 const ROWS_ARGMAX: u8 = 1;
 const ROWS_TOP: u8 = 2;
+const ROWS_LOGPROBS: u8 = 3;
 const OUT_HIDDEN: u8 = 0;
 const OUT_LOGITS: u8 = 1;
 const OUT_ARGMAX: u8 = 2;
 const OUT_TOP: u8 = 3;
+const OUT_SCORED: u8 = 4;
 
 /// A frame's body, built in place behind room for its length.
 pub(crate) struct Writer(Vec<u8>);
@@ -291,7 +293,9 @@ pub fn encode_forward(call: &ForwardCall) -> Vec<u8> {
         Rows::Logits => w.u8(ROWS_LOGITS).u32(0),
         Rows::ArgMax => w.u8(ROWS_ARGMAX).u32(0),
         Rows::Top(k) => w.u8(ROWS_TOP).u32(k),
+        Rows::LogProbs(k) => w.u8(ROWS_LOGPROBS).u32(k),
     };
+    w.u32s(&call.targets);
     w.finish()
 }
 
@@ -326,18 +330,21 @@ pub fn decode_forward(body: &[u8]) -> Result<ForwardCall, WorkerError> {
         ROWS_LOGITS => Rows::Logits,
         ROWS_ARGMAX => Rows::ArgMax,
         ROWS_TOP => Rows::Top(k),
+        ROWS_LOGPROBS => Rows::LogProbs(k),
         other => {
             return Err(WorkerError::InvalidArgument(format!(
                 "data link forward: unknown rows kind {other}"
             )));
         }
     };
+    let targets = r.u32s()?;
     r.end()?;
     Ok(ForwardCall {
         tokens,
         input,
         logits_rows,
         rows,
+        targets,
     })
 }
 
@@ -346,6 +353,11 @@ pub fn encode_output(result: &Result<ForwardOutput, WorkerError>) -> Vec<u8> {
         Ok(ForwardOutput::Hidden(v) | ForwardOutput::Logits(v)) => v.len(),
         Ok(ForwardOutput::ArgMax(ids)) => ids.len(),
         Ok(ForwardOutput::Top { counts, candidates }) => counts.len() + 2 * candidates.len(),
+        Ok(ForwardOutput::Scored {
+            counts,
+            candidates,
+            scores,
+        }) => counts.len() + 2 * candidates.len() + 2 * scores.len(),
         Err(_) => 0,
     };
     let mut w = Writer::with_room(4 * values);
@@ -354,10 +366,19 @@ pub fn encode_output(result: &Result<ForwardOutput, WorkerError>) -> Vec<u8> {
         Ok(ForwardOutput::Logits(l)) => w.u8(Code::Ok as u8).u8(OUT_LOGITS).f32s(l),
         Ok(ForwardOutput::ArgMax(ids)) => w.u8(Code::Ok as u8).u8(OUT_ARGMAX).u32s(ids),
         Ok(ForwardOutput::Top { counts, candidates }) => {
-            w.u8(Code::Ok as u8).u8(OUT_TOP).u32s(counts);
-            w.len_of(candidates.len());
-            for (id, logit) in candidates {
-                w.u32(*id).u32(logit.to_bits());
+            w.u8(Code::Ok as u8).u8(OUT_TOP);
+            write_candidates(&mut w, counts, candidates)
+        }
+        Ok(ForwardOutput::Scored {
+            counts,
+            candidates,
+            scores,
+        }) => {
+            w.u8(Code::Ok as u8).u8(OUT_SCORED);
+            write_candidates(&mut w, counts, candidates);
+            w.len_of(scores.len());
+            for (lse, target) in scores {
+                w.u32(lse.to_bits()).u32(target.to_bits());
             }
             &mut w
         }
@@ -377,12 +398,18 @@ pub fn decode_output(body: &[u8]) -> Result<Result<ForwardOutput, Refusal>, Work
         OUT_ARGMAX => ForwardOutput::ArgMax(r.u32s()?),
         OUT_TOP => {
             let counts = r.u32s()?;
-            let n = r.count(8)?;
-            let mut candidates = Vec::with_capacity(n);
-            for _ in 0..n {
-                candidates.push((r.u32()?, f32::from_bits(r.u32()?)));
-            }
+            let candidates = read_pairs(&mut r, |id, bits| (id, f32::from_bits(bits)))?;
             ForwardOutput::Top { counts, candidates }
+        }
+        OUT_SCORED => {
+            let counts = r.u32s()?;
+            let candidates = read_pairs(&mut r, |id, bits| (id, f32::from_bits(bits)))?;
+            let scores = read_pairs(&mut r, |a, b| (f32::from_bits(a), f32::from_bits(b)))?;
+            ForwardOutput::Scored {
+                counts,
+                candidates,
+                scores,
+            }
         }
         other => {
             return Err(WorkerError::InvalidArgument(format!(
@@ -392,4 +419,28 @@ pub fn decode_output(body: &[u8]) -> Result<Result<ForwardOutput, Refusal>, Work
     };
     r.end()?;
     Ok(Ok(out))
+}
+
+/// Candidate counts, then the candidates as (id, logit bits) pairs.
+fn write_candidates<'w>(
+    w: &'w mut Writer,
+    counts: &[u32],
+    candidates: &[(u32, f32)],
+) -> &'w mut Writer {
+    w.u32s(counts);
+    w.len_of(candidates.len());
+    for (id, logit) in candidates {
+        w.u32(*id).u32(logit.to_bits());
+    }
+    w
+}
+
+/// A counted list of pairs of 32-bit words.
+fn read_pairs<T>(r: &mut Reader<'_>, pair: impl Fn(u32, u32) -> T) -> Result<Vec<T>, WorkerError> {
+    let n = r.count(8)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(pair(r.u32()?, r.u32()?));
+    }
+    Ok(out)
 }

@@ -19,18 +19,28 @@ fn calls() -> Vec<ForwardCall> {
             input: ForwardInput::TokenIds(vec![5, u32::MAX]),
             logits_rows: vec![],
             rows: Rows::Logits,
+            targets: Vec::new(),
         },
         ForwardCall {
             tokens: tokens.clone(),
             input: ForwardInput::Hidden(vec![1.5, -0.0, f32::INFINITY, 3e-41]),
             logits_rows: vec![1],
             rows: Rows::ArgMax,
+            targets: Vec::new(),
         },
         ForwardCall {
-            tokens,
+            tokens: tokens.clone(),
             input: ForwardInput::Hidden(vec![]),
             logits_rows: vec![0, 1],
             rows: Rows::Top(40),
+            targets: Vec::new(),
+        },
+        ForwardCall {
+            tokens,
+            input: ForwardInput::TokenIds(vec![4, 6]),
+            logits_rows: vec![0, 1],
+            rows: Rows::LogProbs(0),
+            targets: vec![6, 11],
         },
     ]
 }
@@ -43,6 +53,11 @@ fn outputs() -> Vec<ForwardOutput> {
         ForwardOutput::Top {
             counts: vec![2, 0, 1],
             candidates: vec![(9, 3.5), (2, 3.5), (1, -1.0)],
+        },
+        ForwardOutput::Scored {
+            counts: vec![1, 0],
+            candidates: vec![(4, 0.5)],
+            scores: vec![(2.25, -1.0), (f32::NEG_INFINITY, 7.0)],
         },
     ]
 }
