@@ -1,6 +1,6 @@
 //! Request bodies checked field by field before they are parsed: a field this server does
 //! not implement is refused with 400 naming it, never accepted and dropped, unless its value
-//! asks for nothing (`"logprobs": false`, `"n": 1`, `"tools": []`, ...). Values of the
+//! asks for nothing (`"suffix": ""`, `"n": 1`, `"tools": []`, ...). Values of the
 //! wrong type name their field in words rather than in serde's.
 
 use serde::de::DeserializeOwned;
@@ -316,8 +316,8 @@ mod tests {
     #[test]
     fn unimplemented_fields_are_refused_by_name() {
         for (body, param) in [
-            (r#"{"prompt":"x","logprobs":3}"#, "logprobs"),
-            (r#"{"prompt":"x","echo":true}"#, "echo"),
+            (r#"{"prompt":"x","logprobs":"many"}"#, "logprobs"),
+            (r#"{"prompt":"x","echo":1}"#, "echo"),
             (r#"{"prompt":"x","suffix":"end"}"#, "suffix"),
             (r#"{"prompt":"x","grammar":"root ::= x"}"#, "grammar"),
             (r#"{"prompt":"x","frobnicate":1}"#, "frobnicate"),
@@ -331,7 +331,8 @@ mod tests {
                 r#"{"messages":[],"response_format":{"type":"json_object"}}"#,
                 "response_format",
             ),
-            (r#"{"messages":[],"logprobs":true}"#, "logprobs"),
+            (r#"{"messages":[],"echo":true}"#, "echo"),
+            (r#"{"messages":[],"top_logprobs":-1}"#, "top_logprobs"),
             (r#"{"messages":[],"tools":[{"type":"function"}]}"#, "tools"),
             (r#"{"messages":[],"tool_choice":"required"}"#, "tool_choice"),
             (
@@ -355,6 +356,14 @@ mod tests {
         )
         .expect("no-op values pass");
         assert_eq!(r.common.n, Some(1));
+        let r = completion(r#"{"prompt":"x","logprobs":3,"echo":true,"best_of":2,"n":2}"#)
+            .expect("log-probability fields parse");
+        assert_eq!(
+            (r.logprobs, r.echo, r.best_of),
+            (Some(3), Some(true), Some(2))
+        );
+        let r = chat(r#"{"messages":[],"logprobs":true,"top_logprobs":4}"#).expect("parses");
+        assert_eq!((r.logprobs, r.top_logprobs), (Some(true), Some(4)));
         chat(
             r#"{"model":"tiny","messages":[{"role":"assistant","content":null,"tool_calls":[]}],
                "logprobs":false,"tools":[],"tool_choice":"none","response_format":{"type":"text"},
