@@ -281,6 +281,9 @@ fn forward_seeds(model: &TinyModel) -> Vec<Seed> {
             logits_rows,
             argmax: false,
             top_k: 0,
+            logprobs: false,
+            logprobs_k: 0,
+            targets: vec![],
         }
         .encode_to_vec()
     };
