@@ -124,7 +124,9 @@ mod tests {
         let q = completion_prompt(shape(10, 4, true), 3, 6);
         let (p, q) = (p.as_str().expect("text"), q.as_str().expect("text"));
         assert_eq!(p.split(' ').count(), 10);
-        let head = |s: &str| s.split(' ').take(4).collect::<Vec<_>>();
+        fn head(s: &str) -> Vec<&str> {
+            s.split(' ').take(4).collect()
+        }
         assert_eq!(head(p), head(q));
         assert_ne!(p, q);
     }
