@@ -36,6 +36,7 @@ mod tests_cors;
 mod tests_errors;
 #[cfg(test)]
 mod tests_lifecycle;
+#[cfg(test)]
 mod tests_logprobs;
 #[cfg(test)]
 mod tests_stream;
