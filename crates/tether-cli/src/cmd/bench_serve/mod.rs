@@ -238,6 +238,10 @@ fn spawned_run(
         // Every client waits in the queue rather than getting HTTP 429.
         "--queue".into(),
         workload.clients.to_string(),
+        // Chat requests are heavy (templates); past the default cap (one per core) the
+        // server answers 429, which would count as errors of the measured path.
+        "--max-heavy-requests".into(),
+        workload.clients.to_string(),
         "--ubatch".into(),
         args.device.ubatch.to_string(),
         "--cache-type-k".into(),
