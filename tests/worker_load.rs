@@ -1,11 +1,14 @@
 //! Loading layers into a real worker process: admission refuses what does not fit and
 //! stages nothing, an undecided Prepare is aborted by timeout, and 200 load/forward/close
-//! cycles give every byte back without the process growing; arg-max and top-k replies,
+//! cycles give every byte back without the process growing; clients gone mid-Prepare leave
+//! neither staged bytes behind a reported end nor resident memory; arg-max and top-k replies,
 //! for a few tokens and for a decode batch of many sequences, are the samplers' choices
 //! from the logits of the same batch.
 
 mod support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use support::{TinyModel, Worker, attach_options, committed_session, full_load, rss_kb, runtime};
 use tether_client::{AdminClient, ClientOptions, ErrorKind, WorkerClient};
@@ -311,4 +314,139 @@ async fn replies_follow_the_logits(
         .await
         .expect("top 5");
     assert_eq!(out, ForwardOutput::Top { counts, candidates });
+}
+
+/// A tensor source that stops the upload at the first chunk of one tensor until released.
+/// The client reads each tensor once for its digest, then once per chunk: the second read of
+/// `stall_on` is its first chunk.
+struct StallingSource {
+    inner: std::sync::Arc<dyn tether_client::TensorSource>,
+    stall_on: String,
+    reads: AtomicUsize,
+    stalled: Arc<AtomicUsize>,
+    release: Arc<AtomicBool>,
+}
+
+impl tether_client::TensorSource for StallingSource {
+    fn tensor_bytes(&self, name: &str) -> Option<&[u8]> {
+        if name == self.stall_on && self.reads.fetch_add(1, Ordering::SeqCst) == 1 {
+            self.stalled.fetch_add(1, Ordering::SeqCst);
+            let since = Instant::now();
+            // Bounded: a test that fails elsewhere must not hang here.
+            while !self.release.load(Ordering::SeqCst) && since.elapsed() < Duration::from_secs(60)
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        self.inner.tensor_bytes(name)
+    }
+
+    fn crc32(&self, name: &str) -> Option<u32> {
+        self.inner.crc32(name)
+    }
+}
+
+#[test]
+fn clients_gone_mid_prepare_leave_no_staged_bytes_behind_a_reported_end() {
+    const CLIENTS: usize = 16;
+    let model = TinyModel::new();
+    let worker = Worker::start(&[]);
+    let pid = worker.pid();
+    let stalled = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(AtomicBool::new(false));
+    runtime().block_on(async {
+        let client = WorkerClient::connect(&worker.addr, &ClientOptions::default()).await.expect("connect");
+        let mut admin = AdminClient::connect(&worker.addr, None, &ClientOptions::default()).await.expect("admin");
+        // One whole load first, so one-time allocations (thread pools, caches) are in the
+        // baseline.
+        let (warm, _) = committed_session(&client, attach_options("warm-up"), &model.path, 64).await;
+        warm.close().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let baseline_kb = rss_kb(pid);
+
+        let mut sessions = Vec::new();
+        let mut uploads = Vec::new();
+        let mut staged_bytes = 0;
+        for i in 0..CLIENTS {
+            let session = client.attach(attach_options(&format!("gone-{i}"))).await.expect("attach");
+            let (load, source, _) = full_load(&model.path, 64);
+            let last = load.tensors.last().expect("tensors").clone();
+            staged_bytes += load.tensors.iter().filter(|t| **t != last).map(|t| source.tensor_bytes(t).map_or(0, <[u8]>::len)).sum::<usize>();
+            let source = Arc::new(StallingSource {
+                inner: source,
+                stall_on: last,
+                reads: AtomicUsize::new(0),
+                stalled: Arc::clone(&stalled),
+                release: Arc::clone(&release),
+            });
+            let (addr, id) = (worker.addr.clone(), session.id());
+            // Its own thread and runtime: the stalled source blocks them, as a client
+            // process stuck reading its file would be.
+            uploads.push(std::thread::spawn(move || {
+                runtime().block_on(async {
+                    let client = WorkerClient::connect(&addr, &ClientOptions::default()).await.expect("connect");
+                    client.prepare(id, load, source).await
+                })
+            }));
+            sessions.push(session);
+        }
+        let since = Instant::now();
+        while stalled.load(Ordering::SeqCst) < CLIENTS {
+            assert!(since.elapsed() < Duration::from_secs(30), "the uploads did not all reach their stall");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // The chunks before the stall have arrived once the worker's RSS holds them.
+        let since = Instant::now();
+        while (rss_kb(pid).saturating_sub(baseline_kb) as usize) < staged_bytes / 1024 / 2 {
+            assert!(since.elapsed() < Duration::from_secs(10), "staged chunks never showed in the worker's RSS (baseline {baseline_kb} kB, now {} kB, {staged_bytes} bytes sent)", rss_kb(pid));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let status = admin.status().await.expect("status");
+        assert_eq!(status.sessions as usize, CLIENTS);
+        assert!(status.session_bytes > 0);
+        let staged_kb = rss_kb(pid);
+
+        // Every client goes away mid-upload at once.
+        drop(sessions);
+        let dropped = Instant::now();
+        let mut polls = 0;
+        loop {
+            let status = admin.status().await.expect("status");
+            polls += 1;
+            assert!(
+                status.sessions > 0 || status.session_bytes == 0,
+                "status reports 0 sessions while {} staged bytes are held ({:?} after the drop)",
+                status.session_bytes,
+                dropped.elapsed()
+            );
+            if (status.sessions, status.session_bytes) == (0, 0) {
+                break;
+            }
+            assert!(dropped.elapsed() < Duration::from_secs(5), "sessions did not end: {status:?}");
+        }
+        let ended_after = dropped.elapsed();
+        const BOUND_KB: u64 = 16 * 1024;
+        let rss_back = loop {
+            let now_kb = rss_kb(pid);
+            if now_kb <= baseline_kb + BOUND_KB {
+                break dropped.elapsed();
+            }
+            assert!(
+                dropped.elapsed() < Duration::from_secs(2),
+                "worker RSS {now_kb} kB is still over its baseline {baseline_kb} kB + {BOUND_KB} kB 2 s after the clients went away (staged: {staged_kb} kB)"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        println!(
+            "{CLIENTS} clients gone mid-prepare: RSS baseline {baseline_kb} kB, staged {staged_kb} kB; sessions ended {ended_after:?} after ({polls} status polls), RSS back within {BOUND_KB} kB after {rss_back:?}"
+        );
+        release.store(true, Ordering::SeqCst);
+        for upload in uploads {
+            let result = upload.join().expect("upload thread");
+            assert!(result.is_err(), "a Prepare of an ended session must fail");
+        }
+        let status = admin.status().await.expect("status");
+        assert_eq!((status.sessions, status.session_bytes), (0, 0));
+        assert_eq!(status.counters.disconnected as usize, CLIENTS);
+    });
 }

@@ -2,10 +2,11 @@
 //! receive — or read from the worker's own copy of the model — and verify every tensor),
 //! then Commit (serve) or Abort (free).
 
+use crate::ledger::Reservation;
 use crate::local_model::LocalModel;
 use crate::metrics::{TensorSourceKind, TxnOp};
 use crate::registry::{SessionRegistry, unknown_session};
-use crate::session::{OwnedStage, SessionState};
+use crate::session::{OwnedStage, SessionState, UploadSlot};
 use crate::staging::{Staging, TensorDigest};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -51,7 +52,10 @@ pub struct PrepareUpload {
     session: SessionId,
     txn: TxnId,
     staging: Staging,
-    staged: Option<OwnedStage>,
+    /// The block, owned by the session: ending the session frees it under this upload.
+    slot: UploadSlot,
+    /// Set once the block moved to the prepared state (or failed and was freed).
+    done: bool,
     cancel: CancellationToken,
     decision_timeout: Duration,
     /// Where the tensors came from: with `LocalFile` they are all staged already and no
@@ -63,17 +67,22 @@ pub struct PrepareUpload {
     bytes_since: std::time::Instant,
 }
 
-/// Marks the transaction failed if Prepare stops before handing over to [`PrepareUpload`].
+/// Marks the transaction failed, and frees its block, if Prepare stops before handing over
+/// to [`PrepareUpload`].
 struct FailGuard<'a> {
     registry: &'a SessionRegistry,
     session: SessionId,
     txn: TxnId,
+    slot: Option<UploadSlot>,
     armed: bool,
 }
 
 impl Drop for FailGuard<'_> {
     fn drop(&mut self) {
         if self.armed {
+            if self.slot.as_ref().is_some_and(UploadSlot::free) {
+                crate::heap::return_freed_heap();
+            }
             self.registry.fail_prepare(self.session, self.txn);
         }
     }
@@ -102,6 +111,7 @@ impl SessionRegistry {
             registry: self,
             session,
             txn,
+            slot: None,
             armed: true,
         };
 
@@ -139,20 +149,19 @@ impl SessionRegistry {
             "prepare {txn} of session {session}: layers {}..{}",
             spec.first_layer, spec.last_layer
         );
-        let reservation = self
-            .ledger
-            .reserve(&session_bytes, plan.total_bytes(), &what)?;
+        let reservation = self.reserve_for(session, &session_bytes, plan.total_bytes(), &what)?;
         let stage = self
             .run_blocking("building the layer block", move || plan.build())
             .await?;
-        let mut staged = OwnedStage { stage, reservation };
+        let slot = self.hand_to_session(session, txn, OwnedStage { stage, reservation })?;
+        guard.slot = Some(slot.clone());
         timings.allocate = allocating.elapsed();
         tracing::debug!(session = %session, txn = %txn, plan_ms = timings.plan.as_millis(), allocate_ms = timings.allocate.as_millis(), "prepare: block planned and allocated");
         let bytes_since = std::time::Instant::now();
         let source = match local {
             Some(local) => {
-                (staging, staged) = self
-                    .stage_from_local(session, txn, local, staging, staged, cancel.clone())
+                staging = self
+                    .stage_from_local(session, txn, local, staging, slot.clone(), cancel.clone())
                     .await?;
                 TensorSourceKind::LocalFile
             }
@@ -167,7 +176,8 @@ impl SessionRegistry {
             session,
             txn,
             staging,
-            staged: Some(staged),
+            slot,
+            done: false,
             cancel,
             decision_timeout: timeout,
             source,
@@ -198,31 +208,76 @@ impl SessionRegistry {
         opened
     }
 
+    /// Reserves `bytes` for a Prepare of `session`, refused once the session has ended: a
+    /// reservation taken after the end would hold bytes that no session counts.
+    pub(crate) fn reserve_for(
+        &self,
+        session: SessionId,
+        session_bytes: &Arc<AtomicU64>,
+        bytes: u64,
+        what: &str,
+    ) -> Result<Reservation> {
+        let inner = self.lock();
+        if !inner.sessions.contains_key(&session) {
+            return Err(ended_during_prepare(session, "planning"));
+        }
+        self.ledger.reserve(session_bytes, bytes, what)
+    }
+
+    /// Gives the built block to its session, which from now on frees it when it ends; a
+    /// session that ended during the build gets nothing and the block is freed here.
+    fn hand_to_session(
+        &self,
+        session: SessionId,
+        txn: TxnId,
+        staged: OwnedStage,
+    ) -> Result<UploadSlot> {
+        let slot = UploadSlot::new(staged);
+        let mut inner = self.lock();
+        match inner.sessions.get_mut(&session) {
+            Some(s) => {
+                s.upload = Some(slot.clone());
+                Ok(slot)
+            }
+            None => {
+                drop(inner);
+                slot.free();
+                crate::heap::return_freed_heap();
+                tracing::info!(session = %session, txn = %txn, "prepare: the session ended while its block was built; freed");
+                Err(ended_during_prepare(session, "the build of its block"))
+            }
+        }
+    }
+
     /// Reads every tensor of `staging` from `local` into the block, off the async threads.
-    /// On any failure the block is dropped there, so its memory is freed. The read stops
-    /// when the session ends or when this future is dropped (the Prepare call went away).
+    /// The read stops when the session ends (which frees the block) or when this future is
+    /// dropped (the Prepare call went away; its upload then frees the block).
     async fn stage_from_local(
         self: &Arc<Self>,
         session: SessionId,
         txn: TxnId,
         local: LocalModel,
         mut staging: Staging,
-        mut staged: OwnedStage,
+        slot: UploadSlot,
         session_cancel: CancellationToken,
-    ) -> Result<(Staging, OwnedStage)> {
+    ) -> Result<Staging> {
         let cancel = session_cancel.child_token();
         let _stop_when_dropped = cancel.clone().drop_guard();
         let registry = Arc::clone(self);
         let read = self
             .run_blocking("reading tensors from the worker's copy of the model", move || {
-                let bytes = local.stage_into(
-                    &mut staging,
-                    staged.stage.as_mut(),
-                    &cancel,
-                    &registry.metrics,
-                )?;
+                let bytes = slot
+                    .with(|staged| {
+                        local.stage_into(
+                            &mut staging,
+                            staged.stage.as_mut(),
+                            &cancel,
+                            &registry.metrics,
+                        )
+                    })
+                    .ok_or_else(|| ended_during_prepare(session, "the read of its tensors"))??;
                 tracing::info!(session = %session, txn = %txn, bytes, path = %local.path().display(), "tensors read from the worker's own copy of the model");
-                Ok((staging, staged))
+                Ok(staging)
             })
             .await;
         self.note_local_refusal(session, txn, &read);
@@ -273,6 +328,7 @@ impl SessionRegistry {
         self.metrics.count_txn(TxnOp::Prepare, false);
         if let Some(s) = self.lock().sessions.get_mut(&session) {
             s.participant.fail(txn);
+            s.upload = None;
         }
         tracing::info!(session = %session, txn = %txn, "prepare failed; staged memory freed");
     }
@@ -338,12 +394,10 @@ impl PrepareUpload {
                 "chunk for tensor {name:?}: this Prepare read its tensors from the worker's own copy of the model; send End without chunks"
             )));
         }
-        let staged = self
-            .staged
-            .as_mut()
-            .ok_or_else(|| WorkerError::Internal("upload already finished".into()))?;
-        self.staging
-            .accept(staged.stage.as_mut(), name, offset, data)?;
+        let staging = &mut self.staging;
+        self.slot
+            .with(|staged| staging.accept(staged.stage.as_mut(), name, offset, data))
+            .ok_or_else(|| ended_during_prepare(self.session, "the upload"))??;
         self.registry
             .metrics
             .count_tensor_bytes(TensorSourceKind::Network, data.len() as u64);
@@ -358,10 +412,6 @@ impl PrepareUpload {
     /// Verifies every tensor and moves the block to the prepared state. Returns the bytes
     /// it holds and where the Prepare spent its time.
     pub fn finish(mut self) -> Result<(u64, PrepareTimings)> {
-        let mut staged = self
-            .staged
-            .take()
-            .ok_or_else(|| WorkerError::Internal("upload already finished".into()))?;
         let staging = std::mem::replace(&mut self.staging, Staging::empty());
         let staged_times = staging.times();
         let mut timings = self.timings;
@@ -373,24 +423,33 @@ impl PrepareUpload {
             .elapsed()
             .saturating_sub(staged_times.checksum + staged_times.upload);
         let finishing = std::time::Instant::now();
-        if let Err(e) = staging.finish().and_then(|()| staged.stage.finish_load()) {
-            drop(staged);
-            self.registry.fail_prepare(self.session, self.txn);
-            return Err(e);
-        }
+        let verified = self
+            .slot
+            .with(|staged| {
+                staging.finish()?;
+                staged.stage.finish_load()?;
+                Ok(staged.reservation.bytes())
+            })
+            .ok_or_else(|| ended_during_prepare(self.session, "the upload"))?;
+        // On failure the upload's drop frees the block.
+        let bytes = verified?;
         timings.finish = finishing.elapsed();
-        let bytes = staged.reservation.bytes();
         let deadline = Instant::now() + self.decision_timeout;
         let prepared = {
             let mut inner = self.registry.lock();
             match inner.sessions.get_mut(&self.session) {
-                Some(s) => s.participant.prepared(self.txn, staged, deadline),
-                None => Err(WorkerError::Aborted(format!(
-                    "session {} ended during the upload of transaction {}; its memory is freed",
-                    self.session, self.txn
-                ))),
+                Some(s) => {
+                    s.upload = None;
+                    match self.slot.take() {
+                        Some(staged) => s.participant.prepared(self.txn, staged, deadline),
+                        None => Err(ended_during_prepare(self.session, "the upload")),
+                    }
+                }
+                None => Err(ended_during_prepare(self.session, "the upload")),
             }
         };
+        // Moved to the prepared state or freed: nothing is left for the drop to free.
+        self.done = true;
         self.registry
             .metrics
             .count_txn(TxnOp::Prepare, prepared.is_ok());
@@ -417,13 +476,20 @@ impl PrepareUpload {
 
 impl Drop for PrepareUpload {
     fn drop(&mut self) {
-        if let Some(staged) = self.staged.take() {
-            drop(staged);
-            // The session may have ended (and trimmed the heap) while this upload still
-            // held the block: without a second trim its pages stay in the allocator until
-            // some other session ends.
-            crate::heap::return_freed_heap();
-            self.registry.fail_prepare(self.session, self.txn);
+        if self.done {
+            return;
         }
+        if self.slot.free() {
+            // Freed here rather than by the session's end: give its pages back now, not
+            // when some other session ends.
+            crate::heap::return_freed_heap();
+        }
+        self.registry.fail_prepare(self.session, self.txn);
     }
+}
+
+fn ended_during_prepare(session: SessionId, during: &str) -> WorkerError {
+    WorkerError::Aborted(format!(
+        "session {session} ended during {during}; the Prepare is aborted and its memory freed"
+    ))
 }

@@ -9,7 +9,7 @@ use crate::session::{Session, SessionTicket};
 use crate::stage::StageFactory;
 use crate::status::{Counters, process_rss_bytes};
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tether_protocol::SessionId;
@@ -68,6 +68,10 @@ impl Default for RegistryConfig {
 
 pub(crate) struct Inner {
     pub sessions: HashMap<SessionId, Session>,
+    /// Byte counters of ended sessions that something else still held bytes of when they
+    /// ended (a block being built for a Prepare, a forward pass in flight): they count as
+    /// sessions until those bytes are freed, so "0 sessions" never comes with bytes held.
+    pub ending: Vec<Arc<AtomicU64>>,
     pub draining: bool,
     pub closed: bool,
 }
@@ -106,6 +110,7 @@ impl SessionRegistry {
         Self {
             inner: Mutex::new(Inner {
                 sessions: HashMap::new(),
+                ending: Vec::new(),
                 draining: false,
                 closed: false,
             }),
@@ -292,13 +297,23 @@ impl SessionRegistry {
         counter.fetch_add(1, Ordering::Relaxed);
         let (id, client) = (session.id, session.client_name.clone());
         let lived_ms = session.opened_at.elapsed().as_millis() as u64;
+        let bytes = Arc::clone(&session.bytes);
+        // Frees the committed block, prepared transactions and the block of a Prepare in
+        // progress (waiting for the chunk being copied into it).
         drop(session);
         crate::heap::return_freed_heap();
+        let still_held = bytes.load(Ordering::Acquire);
+        if still_held > 0 {
+            let mut inner = self.lock();
+            inner.ending.retain(|b| b.load(Ordering::Acquire) > 0);
+            inner.ending.push(bytes);
+        }
         tracing::info!(
             session = %id,
             client = %client,
             reason = %reason,
             bytes_freed,
+            still_held,
             lived_ms,
             "session ended"
         );
@@ -421,9 +436,15 @@ impl SessionRegistry {
 
     /// The worker's state for `tetherctl status`.
     pub fn status(&self) -> WorkerStatus {
+        // Sessions before bytes: an ending session's bytes may go to 0 in between, never
+        // the other way round.
         let (sessions, draining) = {
-            let inner = self.lock();
-            (inner.sessions.len() as u32, inner.draining || inner.closed)
+            let mut inner = self.lock();
+            inner
+                .ending
+                .retain(|bytes| bytes.load(Ordering::Acquire) > 0);
+            let sessions = inner.sessions.len() + inner.ending.len();
+            (sessions as u32, inner.draining || inner.closed)
         };
         let (total, free) = self.factory.memory_info().unwrap_or((0, 0));
         let used = total.saturating_sub(free);

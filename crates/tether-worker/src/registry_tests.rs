@@ -326,3 +326,90 @@ fn session_limits_refuse_with_resource_exhausted_and_free_up_on_close() {
     reg.end(a1.id, EndReason::Closed).expect("ended");
     reg.open("a", lease(1000)).expect("a slot is free again");
 }
+
+#[tokio::test]
+async fn a_session_ended_mid_upload_frees_its_block_before_it_is_reported_gone() {
+    let reg = registry(1 << 20);
+    let ticket = reg.open("test", lease(1000)).unwrap();
+    let mut upload = reg
+        .begin_prepare(begin(ticket.id, TxnId::new_random()))
+        .await
+        .unwrap();
+    let data = vec![7u8; LAYER_TENSOR_BYTES as usize];
+    upload.accept("blk.0.w", 0, &data).unwrap();
+    let staged = reg.status().session_bytes;
+    assert!(staged > 0);
+    // The client went away mid-upload; its handler has not yet seen the end.
+    let end = reg.end(ticket.id, EndReason::Disconnected).unwrap();
+    assert_eq!(end.bytes_freed, staged);
+    let status = reg.status();
+    assert_eq!(
+        (status.sessions, status.session_bytes),
+        (0, 0),
+        "the ended session's staged block must be freed when the end is reported"
+    );
+    let err = upload.accept("blk.1.w", 0, &data).unwrap_err();
+    assert!(
+        matches!(err, WorkerError::Aborted(_)) && err.to_string().contains("ended"),
+        "{err}"
+    );
+    drop(upload);
+    assert_eq!(reg.status().session_bytes, 0);
+    assert_eq!(
+        reg.metrics.txn_count(crate::metrics::TxnOp::Prepare, false),
+        1,
+        "the failed Prepare is counted once"
+    );
+}
+
+#[tokio::test]
+async fn a_session_ended_before_its_prepare_finishes_gets_no_vote() {
+    let reg = registry(1 << 20);
+    let ticket = reg.open("test", lease(1000)).unwrap();
+    let mut upload = reg
+        .begin_prepare(begin(ticket.id, TxnId::new_random()))
+        .await
+        .unwrap();
+    let data = vec![7u8; LAYER_TENSOR_BYTES as usize];
+    for i in 0..2 {
+        upload.accept(&format!("blk.{i}.w"), 0, &data).unwrap();
+    }
+    reg.end(ticket.id, EndReason::Reaped).unwrap();
+    assert!(matches!(upload.finish(), Err(WorkerError::Aborted(_))));
+    let status = reg.status();
+    assert_eq!((status.sessions, status.session_bytes), (0, 0));
+    assert_eq!(
+        reg.metrics.txn_count(crate::metrics::TxnOp::Prepare, false),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_prepare_of_an_ended_session_reserves_nothing() {
+    let reg = registry(1 << 20);
+    let ticket = reg.open("test", lease(1000)).unwrap();
+    let session_bytes = Arc::clone(&reg.lock().sessions[&ticket.id].bytes);
+    reg.end(ticket.id, EndReason::Closed).unwrap();
+    let err = reg
+        .reserve_for(ticket.id, &session_bytes, 1024, "test")
+        .unwrap_err();
+    assert!(matches!(err, WorkerError::Aborted(_)), "{err}");
+    assert_eq!(reg.status().session_bytes, 0);
+}
+
+#[tokio::test]
+async fn an_ended_session_counts_while_something_else_still_holds_its_bytes() {
+    let reg = registry(1 << 20);
+    let ticket = reg.open("test", lease(1000)).unwrap();
+    let session_bytes = Arc::clone(&reg.lock().sessions[&ticket.id].bytes);
+    // What a block being built for a Prepare (or a forward pass in flight) holds.
+    let held = reg
+        .reserve_for(ticket.id, &session_bytes, 4096, "test")
+        .unwrap();
+    reg.end(ticket.id, EndReason::Disconnected).unwrap();
+    let status = reg.status();
+    assert_eq!((status.sessions, status.session_bytes), (1, 4096));
+    drop(held);
+    let status = reg.status();
+    assert_eq!((status.sessions, status.session_bytes), (0, 0));
+}

@@ -6,10 +6,9 @@
 //!   └──── end(reason) ┴──▶ ending (removed from the registry) ──drop──▶ freed
 //! ```
 //!
-//! A [`Session`] owns its committed block and its prepared transactions; removing it from
-//! the registry and dropping it frees all of them. Upload state of a Prepare in progress is
-//! held by its handler, which watches the session's cancellation token and drops it when the
-//! session ends.
+//! A [`Session`] owns its committed block, its prepared transactions and the block of a
+//! Prepare still receiving its tensors ([`UploadSlot`]); removing it from the registry and
+//! dropping it frees all of them, before the end is reported.
 
 use crate::ledger::Reservation;
 use crate::participant::Participant;
@@ -68,6 +67,57 @@ pub(crate) struct Session {
     pub bytes: Arc<AtomicU64>,
     pub state: SessionState,
     pub participant: Participant<OwnedStage>,
+    /// The block of the Prepare in progress, shared with its handler.
+    pub upload: Option<UploadSlot>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(upload) = self.upload.take() {
+            upload.free();
+        }
+    }
+}
+
+/// The block of a Prepare still receiving its tensors. The session owns it: ending the
+/// session frees it at once, even while the Prepare's handler (which copies the chunks into
+/// it) has not yet seen the end, so "0 sessions" is never reported while it still holds
+/// memory.
+#[derive(Clone)]
+pub(crate) struct UploadSlot(Arc<Mutex<Option<OwnedStage>>>);
+
+impl UploadSlot {
+    pub fn new(staged: OwnedStage) -> Self {
+        Self(Arc::new(Mutex::new(Some(staged))))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<OwnedStage>> {
+        // A panic while copying a chunk leaves a block the session still frees.
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Runs `work` on the block; `None` when the session ended and freed it. The block is
+    /// held for the whole of `work`, so an ending session waits for one chunk at most.
+    pub fn with<T>(&self, work: impl FnOnce(&mut OwnedStage) -> T) -> Option<T> {
+        self.lock().as_mut().map(work)
+    }
+
+    /// Takes the block out, to move it into the prepared state.
+    pub fn take(&self) -> Option<OwnedStage> {
+        self.lock().take()
+    }
+
+    /// Frees the block; returns whether there was one. It is dropped while the slot is
+    /// still locked, so whoever waits for the slot finds its memory already freed.
+    pub fn free(&self) -> bool {
+        let mut held = self.lock();
+        let staged = held.take();
+        let freed = staged.is_some();
+        drop(staged);
+        freed
+    }
 }
 
 impl Session {
@@ -84,6 +134,7 @@ impl Session {
             bytes: Arc::new(AtomicU64::new(0)),
             state: SessionState::Open,
             participant: Participant::default(),
+            upload: None,
         }
     }
 
