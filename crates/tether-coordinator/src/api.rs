@@ -33,6 +33,9 @@ pub struct GenRequest {
     /// (0..=[`MAX_LOGPROBS`]), in one [`GenEvent::Prompt`]. The prompt is then prefilled in
     /// full, not taken from the prefix cache, since every position's logits are needed.
     pub prompt_logprobs: Option<usize>,
+    /// The grammar the generated tokens must follow: only tokens it allows are drawn, and
+    /// the request ends (`Stop`) once it is complete.
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 /// Most alternatives a token's log-probability comes with (OpenAI's limit).

@@ -60,6 +60,7 @@ async fn a_changed_worker_list_moves_the_model_to_the_new_workers() {
         model_epoch: None,
         logprobs: None,
         prompt_logprobs: None,
+        constraint: None,
     };
     let mut events = coordinator.submit(request).expect("submitted");
     let first = tokio::time::timeout(Duration::from_secs(30), events.recv()).await;

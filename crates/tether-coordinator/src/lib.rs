@@ -2,6 +2,7 @@
 //! with continuous batching, and the OpenAI-compatible HTTP API.
 
 pub mod api;
+pub mod constraint;
 pub mod discovery;
 #[cfg(test)]
 mod discovery_tests;

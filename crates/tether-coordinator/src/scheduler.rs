@@ -5,17 +5,19 @@
 //! loads again in the background over the workers that answer. A model replaced through
 //! the admin API is swapped at a step boundary ([`replace`]).
 
+mod pick;
 mod pipeline;
 pub(crate) mod replace;
 
 use crate::api::{FinishReason, GenError, GenEvent, GenRequest, Health};
+use crate::constraint::Picked;
 use crate::engine::Setup;
 use crate::load::LoadedModel;
 use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
 use crate::prefix::{CellCopy, PrefixCache, copy_cells, slot_uses};
-use crate::sequence::{Batch, Next, RowUse, Sequence, build_step, split_batch};
+use crate::sequence::{Batch, Next, RowUse, Sequence, build_step, split_batch, split_off};
 use pipeline::{RowsOut, clear_slots, rows_wanted, run_pipeline, truncate_slots};
 use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -284,6 +286,8 @@ impl Scheduler {
             prompt_logprobs: req.prompt_logprobs,
             prompt_scores: req.prompt_logprobs.map(|_| vec![None]),
             scored: None,
+            constraint: req.constraint,
+            needs_logits: false,
         });
         self.shared.running.store(self.active(), Ordering::Relaxed);
     }
@@ -382,19 +386,31 @@ impl Scheduler {
                 stages.len(),
             );
             self.rotation = self.rotation.wrapping_add(1);
-            let mut groups = match chunks.len() {
+            let groups = match chunks.len() {
                 1 => split_batch(chunks.remove(0), stages.len()),
                 _ => chunks,
             };
+            // A row that needs every logit goes alone, so the others still come reduced.
+            let slots = &self.slots;
+            let mut groups: Vec<Batch> = groups
+                .into_iter()
+                .flat_map(|g| split_off(g, |i| slots[i].as_ref().is_some_and(|s| s.needs_logits)))
+                .collect();
             for g in &mut groups {
                 g.rows = rows_wanted(&self.slots, g);
             }
+            let masks = pick::start_masks(&mut self.slots);
             let results = tokio::select! {
                 () = stop.cancelled() => break Ended::Stopped,
                 reason = loaded.lost() => break Ended::Lost(Loss::SessionEnded(reason)),
                 reason = self.setup.workers_changed() => break Ended::Lost(Loss::WorkersChanged(reason)),
                 r = run_pipeline(&stages, &groups) => r,
             };
+            for (i, e) in pick::finish_masks(&mut self.slots, masks).await {
+                if let Some(seq) = self.free(i) {
+                    seq.send(Err(e));
+                }
+            }
             let applied = results.and_then(|outputs| {
                 groups
                     .iter()
@@ -471,6 +487,7 @@ impl Scheduler {
         let shift = self.setup.context_shift;
         let ring = kv_ring(self.model.config(), ctx, self.setup.shape.ubatch);
         let mut finished = Vec::new();
+        let mut failed = Vec::new();
         for (row, &use_) in batch.uses.iter().enumerate() {
             let (RowUse::Sample(i) | RowUse::Score(i)) = use_;
             let Some(seq) = &mut self.slots[i] else {
@@ -491,24 +508,41 @@ impl Scheduler {
                 finished.push((i, FinishReason::Length));
                 continue;
             }
-            let token = match out {
-                RowsOut::Logits(l) => seq.sampler.sample(&l[row * v..(row + 1) * v], &seq.tokens),
-                RowsOut::ArgMax(ids) => ids[row],
-                RowsOut::Top { starts, candidates }
-                | RowsOut::Scored {
-                    starts, candidates, ..
-                } => seq
-                    .sampler
-                    .sample_top(&candidates[starts[row]..starts[row + 1]], &seq.tokens),
+            let token = match pick::pick(seq, out, row, v, &tokenizer) {
+                Ok(Picked::Token(token)) => token,
+                Ok(Picked::NeedLogits) => {
+                    seq.fetch_logits();
+                    continue;
+                }
+                Err(e) => {
+                    failed.push((i, e));
+                    continue;
+                }
             };
+            seq.needs_logits = false;
             if let Some(n) = seq.logprobs {
                 seq.scored = Some(out.log_prob(row, v, token, n));
             }
             let eog = tokenizer.is_eog(token) || seq.stop_tokens.contains(&token);
+            // A grammar moves past every token kept; once complete it ends the request.
+            let complete = match seq.constraint.as_mut().filter(|_| !eog) {
+                Some(c) => match c.advance(token) {
+                    Ok(complete) => complete,
+                    Err(e) => {
+                        failed.push((i, e));
+                        continue;
+                    }
+                },
+                None => false,
+            };
             if !eog {
                 self.shared.generated_tokens.fetch_add(1, Ordering::Relaxed);
             }
-            match seq.accept(token, eog, ctx, shift) {
+            let next = match seq.accept(token, eog, ctx, shift) {
+                _ if complete => Next::Finish(FinishReason::Stop),
+                next => next,
+            };
+            match next {
                 Next::Continue => {}
                 Next::Shifted(kept) => {
                     // A sliding-window ring holds the newest positions, not the window the
@@ -532,6 +566,11 @@ impl Scheduler {
         for (i, finish) in finished {
             if let Some(seq) = self.free(i) {
                 seq.finish(finish);
+            }
+        }
+        for (i, e) in failed {
+            if let Some(seq) = self.free(i) {
+                seq.send(Err(GenError::Internal(e.to_string())));
             }
         }
         Ok(())

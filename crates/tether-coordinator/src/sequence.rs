@@ -3,6 +3,7 @@
 //! than `ubatch` tokens in all.
 
 use crate::api::{ContextShift, FinishReason, GenError, GenEvent, TokenLogProb};
+use crate::constraint::Constraint;
 use std::time::Instant;
 use tether_model::{Sampler, StopReason, StopRules, Verdict};
 use tether_protocol::TokenPos;
@@ -44,7 +45,16 @@ pub(crate) struct Sequence {
     pub prompt_scores: Option<Vec<Option<TokenLogProb>>>,
     /// The log-probability of the token [`Sequence::accept`] takes next, when reported.
     pub scored: Option<TokenLogProb>,
+    /// The grammar the generated tokens follow, if any.
+    pub constraint: Option<Constraint>,
+    /// None of the top candidates of the last row was allowed by the grammar: the last
+    /// token is fed again for a row of every logit.
+    pub needs_logits: bool,
 }
+
+/// Candidates a constrained row asks for at least: the more, the rarer a row none of whose
+/// candidates the grammar allows (which costs a step of its own for every logit).
+const CONSTRAINED_CANDIDATES: usize = 64;
 
 /// What a logits row of a batch is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,7 +80,7 @@ pub(crate) enum Next {
 impl Sequence {
     /// Whether the tokens of the next feed still count as prompt tokens.
     pub fn prompt_part(&self, take: usize) -> usize {
-        if self.dropped > 0 {
+        if self.dropped > 0 || self.needs_logits {
             return 0;
         }
         self.prompt_len.saturating_sub(self.fed).min(take)
@@ -126,6 +136,31 @@ impl Sequence {
         self.dropped += drop;
         self.fed = self.fed.min(keep);
         Some(self.fed)
+    }
+
+    /// Whether the next choice is the arg-max of the raw logits, which a worker may take.
+    pub fn samples_greedily(&self) -> bool {
+        self.sampler.is_greedy() && self.constraint.is_none() && !self.needs_logits
+    }
+
+    /// How many of its row's most likely candidates the next choice needs; `None`: every
+    /// logit.
+    pub fn candidates_needed(&self) -> Option<usize> {
+        if self.needs_logits {
+            return None;
+        }
+        let n = self.sampler.candidates_needed(&self.tokens)?;
+        Some(match self.constraint {
+            Some(_) => n.max(CONSTRAINED_CANDIDATES),
+            None => n,
+        })
+    }
+
+    /// The row of the last token had no candidate the grammar allows: feed that token
+    /// again (its cells are written again with the same values) for every logit.
+    pub fn fetch_logits(&mut self) {
+        self.fed = self.fed.saturating_sub(1);
+        self.needs_logits = true;
     }
 
     /// Forgets every fed token, so the sequence is prefilled again from position 0 (after a
@@ -282,11 +317,27 @@ pub(crate) fn split_batch(batch: Batch, groups: usize) -> Vec<Batch> {
     if groups <= 1 {
         return vec![batch];
     }
+    partition(batch, groups, |k, _| k % groups)
+}
+
+/// Moves the sequences whose slot `apart` picks out of `batch` into a batch of their own
+/// after it (each batch may then ask the worker for a different kind of rows).
+pub(crate) fn split_off(batch: Batch, apart: impl Fn(usize) -> bool) -> Vec<Batch> {
+    let picked = batch.fed.iter().filter(|&&(i, _)| apart(i)).count();
+    if picked == 0 || picked == batch.fed.len() {
+        return vec![batch];
+    }
+    partition(batch, 2, |_, i| usize::from(apart(i)))
+}
+
+/// Cuts `batch` into `groups` batches of whole sequences, the k-th sequence (of slot i)
+/// going to batch `assign(k, i)`.
+fn partition(batch: Batch, groups: usize, assign: impl Fn(usize, usize) -> usize) -> Vec<Batch> {
     let mut out = vec![Batch::default(); groups];
     let mut offset = 0;
     let mut row = 0;
     for (k, &(i, take)) in batch.fed.iter().enumerate() {
-        let g = &mut out[k % groups];
+        let g = &mut out[assign(k, i)];
         let base = g.tokens.len();
         g.tokens
             .extend_from_slice(&batch.tokens[offset..offset + take]);
@@ -345,6 +396,8 @@ mod tests {
             prompt_logprobs: None,
             prompt_scores: None,
             scored: None,
+            constraint: None,
+            needs_logits: false,
         };
         (s, rx)
     }
@@ -406,6 +459,26 @@ mod tests {
         let rows: usize = parts.iter().map(|p| p.logits_rows.len()).sum();
         assert_eq!(rows, whole.logits_rows.len());
         assert_eq!(split_batch(whole.clone(), 1), vec![whole]);
+    }
+
+    #[test]
+    fn split_off_moves_picked_sequences_to_a_batch_of_their_own() {
+        let (mut a, _ra) = seq(0, 2, 1);
+        a.fetch_logits();
+        let (mut b, _rb) = seq(1, 2, 2);
+        b.tokens.push(9);
+        let (c, _rc) = seq(2, 3, 0);
+        let whole = build_batch(&[Some(a), Some(b), Some(c)], 16, 0);
+        let parts = split_off(whole.clone(), |i| i == 0);
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0].fed, vec![(1, 1), (2, 3)]);
+        assert_eq!(parts[0].sample_for, vec![1, 2]);
+        assert_eq!(parts[0].logits_rows, vec![0, 3]);
+        assert_eq!(parts[1].fed, vec![(0, 2)], "fed again from where it was");
+        assert_eq!(parts[1].sample_for, vec![0]);
+        assert_eq!(parts[1].logits_rows, vec![1]);
+        assert_eq!(split_off(whole.clone(), |_| false), vec![whole.clone()]);
+        assert_eq!(split_off(whole.clone(), |_| true), vec![whole]);
     }
 
     #[test]

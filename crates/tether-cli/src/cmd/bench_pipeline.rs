@@ -187,6 +187,7 @@ impl Setup {
             model_epoch: None,
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         })?;
         let workers = &self.workers;
         let (mut first, mut tokens, mut inside_from) = (None, 0usize, workers.forward_time());

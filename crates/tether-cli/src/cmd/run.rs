@@ -252,6 +252,7 @@ async fn generate(
         model_epoch: None,
         logprobs: None,
         prompt_logprobs: None,
+        constraint: None,
     })?;
     let mut first_token: Option<f64> = None;
     let mut tokens = Vec::new();

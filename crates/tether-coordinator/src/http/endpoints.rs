@@ -37,7 +37,7 @@ pub(super) async fn completions(
 ) -> Response {
     let started = Instant::now();
     let prepared = match body {
-        Ok(bytes) if bytes.len() < HEAVY_BODY_BYTES => {
+        Ok(bytes) if bytes.len() < HEAVY_BODY_BYTES && !constrains(&bytes) => {
             strict::parse_body(Ok(bytes), Endpoint::Completion, &state.model_id)
                 .and_then(|req| prepare::completion(&state, req))
         }
@@ -50,6 +50,14 @@ pub(super) async fn completions(
         }
     };
     respond(&state, Kind::Completion, prepared, started).await
+}
+
+/// Whether a body may ask for constrained output, whose grammar is compiled (and the
+/// first time, the vocabulary indexed) while it is prepared: then it is heavy work.
+fn constrains(body: &[u8]) -> bool {
+    [&b"grammar"[..], b"json_schema", b"response_format"]
+        .iter()
+        .any(|key| body.windows(key.len()).any(|w| w == *key))
 }
 
 /// `POST /v1/chat/completions`.

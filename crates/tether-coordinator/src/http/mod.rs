@@ -19,6 +19,7 @@ pub mod metrics;
 mod prepare;
 mod run;
 mod strict;
+mod structured;
 pub mod template;
 pub mod text;
 mod tokenize;
@@ -41,10 +42,12 @@ mod tests_logprobs;
 #[cfg(test)]
 mod tests_stream;
 #[cfg(test)]
+mod tests_structured;
+#[cfg(test)]
 mod tests_tokenize;
 
 use std::future::Future;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -57,6 +60,7 @@ use serde_json::json;
 use tether_model::tokenizer::Tokenizer;
 
 use crate::api::{Generation, Health, ModelInfo};
+use crate::constraint::{ConstraintError, Grammars};
 pub use body_deadline::{DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES};
 pub use cors::CorsOrigin;
 pub use error::ApiError;
@@ -124,6 +128,9 @@ struct AppState {
     epoch: u64,
     /// Whether a model was loaded when this state was built.
     loaded: bool,
+    /// The grammar compiler for the model's vocabulary, built by the first request that
+    /// constrains its output.
+    grammars: OnceLock<Result<Arc<Grammars>, ConstraintError>>,
 }
 
 type SharedState = Arc<AppState>;
@@ -156,7 +163,16 @@ impl AppState {
             heavy,
             epoch,
             loaded,
+            grammars: OnceLock::new(),
         }
+    }
+
+    /// The grammar compiler for the served model.
+    fn grammars(&self) -> Result<&Grammars, ConstraintError> {
+        self.grammars
+            .get_or_init(|| Grammars::for_tokenizer(&self.tokenizer).map(Arc::new))
+            .as_deref()
+            .map_err(Clone::clone)
     }
 }
 

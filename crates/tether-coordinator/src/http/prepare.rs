@@ -52,6 +52,8 @@ pub(super) struct Prepared {
     /// The prompt's text to return before the completion (`echo`), and whether its tokens
     /// are scored.
     pub echo: Option<String>,
+    /// The grammar the output follows (`response_format`, `grammar`, `json_schema`).
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 /// The checks of the fields that ask for log-probabilities, the prompt back and choices.
@@ -291,6 +293,7 @@ fn finish(
         ));
     }
     stops.extend(requested);
+    let constraint = super::structured::constraint(state, p)?;
     Ok(Prepared {
         prompt,
         max_tokens,
@@ -302,6 +305,7 @@ fn finish(
         include_usage: p.stream_options.as_ref().is_some_and(|o| o.include_usage),
         logprobs: extras.logprobs,
         echo: None,
+        constraint,
     })
 }
 

@@ -74,6 +74,7 @@ impl Run {
             model_epoch: Some(state.epoch),
             logprobs: prepared.logprobs,
             prompt_logprobs,
+            constraint: prepared.constraint,
         })?;
         Ok(Run {
             events: Some(events),

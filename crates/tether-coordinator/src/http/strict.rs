@@ -50,6 +50,10 @@ const COMMON: &[&str] = &[
     // End-user identifiers for abuse monitoring: they change no output.
     "user",
     "safety_identifier",
+    // Constrained output (`structured`): OpenAI's field, and llama.cpp's two.
+    "response_format",
+    "grammar",
+    "json_schema",
 ];
 
 /// Fields of one endpoint only.
@@ -92,9 +96,6 @@ fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
         (Endpoint::Chat, "tool_choice" | "function_call") => empty || v.as_str() == Some("none"),
         // Meaningless without tools, which are refused above when given.
         (Endpoint::Chat, "parallel_tool_calls") => empty || v.is_boolean(),
-        (Endpoint::Chat, "response_format") => {
-            empty || v.get("type").and_then(Value::as_str) == Some("text")
-        }
         (Endpoint::Chat, "store") => empty || is(&Value::Bool(false)),
         (Endpoint::Chat, "modalities") => {
             empty || v.as_array().is_some_and(|m| m.iter().all(|x| x == "text"))
@@ -105,7 +106,7 @@ fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
             "metadata" | "audio" | "prediction" | "reasoning_effort" | "verbosity"
             | "web_search_options" | "prompt_cache_key",
         ) => empty,
-        (_, "grammar" | "json_schema" | "cache_prompt" | "n_probs") => empty,
+        (_, "cache_prompt" | "n_probs") => empty,
         _ => return None,
     };
     Some(harmless)
@@ -319,7 +320,7 @@ mod tests {
             (r#"{"prompt":"x","logprobs":"many"}"#, "logprobs"),
             (r#"{"prompt":"x","echo":1}"#, "echo"),
             (r#"{"prompt":"x","suffix":"end"}"#, "suffix"),
-            (r#"{"prompt":"x","grammar":"root ::= x"}"#, "grammar"),
+            (r#"{"prompt":"x","grammar":7}"#, "grammar"),
             (r#"{"prompt":"x","frobnicate":1}"#, "frobnicate"),
         ] {
             let e = completion(body).expect_err(body);
@@ -327,10 +328,6 @@ mod tests {
             assert!(e.message.contains(param), "{}", e.message);
         }
         for (body, param) in [
-            (
-                r#"{"messages":[],"response_format":{"type":"json_object"}}"#,
-                "response_format",
-            ),
             (r#"{"messages":[],"echo":true}"#, "echo"),
             (r#"{"messages":[],"top_logprobs":-1}"#, "top_logprobs"),
             (r#"{"messages":[],"tools":[{"type":"function"}]}"#, "tools"),
@@ -370,6 +367,11 @@ mod tests {
                "store":false,"parallel_tool_calls":true}"#,
         )
         .expect("no-op values pass");
+        let r = chat(
+            r#"{"messages":[],"response_format":{"type":"json_object"},"grammar":"start: /a/"}"#,
+        )
+        .expect("constraint fields parse (and are checked when prepared)");
+        assert_eq!(r.common.grammar.as_deref(), Some("start: /a/"));
     }
 
     #[test]

@@ -87,6 +87,14 @@ pub struct CommonParams {
     pub min_tokens: Option<usize>,
     /// Token ids that end generation as an end-of-generation token does (vLLM extension).
     pub stop_token_ids: Option<Vec<u32>>,
+    /// `{"type": "text" | "json_object" | "json_schema", ...}`; checked in `structured`,
+    /// so that errors name the field.
+    pub response_format: Option<serde_json::Value>,
+    /// A grammar the output must follow, in llguidance's Lark-like syntax (llama.cpp
+    /// extension; its GBNF is not this syntax).
+    pub grammar: Option<String>,
+    /// A JSON schema the output must validate against (llama.cpp extension).
+    pub json_schema: Option<serde_json::Value>,
 }
 
 /// `POST /v1/completions`.

@@ -122,12 +122,12 @@ pub(super) fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
             reported = reported.max(n as u32);
         }
     }
-    if !scored && samplers().all(|s| s.is_some_and(|s| s.sampler.is_greedy())) {
+    if !scored && samplers().all(|s| s.is_some_and(Sequence::samples_greedily)) {
         return Rows::ArgMax;
     }
     let mut k = reported;
     for s in samplers() {
-        match s.and_then(|s| s.sampler.candidates_needed(&s.tokens)) {
+        match s.and_then(Sequence::candidates_needed) {
             Some(n) if n as u64 <= u64::from(MAX_TOP_K) => k = k.max(n as u32),
             _ => return Rows::Logits,
         }

@@ -156,6 +156,7 @@ pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenRequest {
         model_epoch: None,
         logprobs: None,
         prompt_logprobs: None,
+        constraint: None,
     }
 }
 

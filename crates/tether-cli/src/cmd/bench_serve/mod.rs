@@ -69,6 +69,12 @@ pub struct ServeBenchArgs {
     /// With --url: the API key to send (`Authorization: Bearer KEY`).
     #[arg(long, requires = "url")]
     pub api_key: Option<String>,
+    /// Every request asks for output valid under the JSON schema in FILE
+    /// (`response_format: json_schema`), to measure constrained decoding against the same
+    /// run without it. A schema that cannot end early (a string with a large `minLength`)
+    /// keeps every request generating -n tokens.
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<std::path::PathBuf>,
 }
 
 impl ServeBenchArgs {
@@ -87,6 +93,7 @@ impl ServeBenchArgs {
             (self.turns.is_some(), "--turns"),
             (self.no_prefix_cache, "--no-prefix-cache"),
             (self.compare_prefix_cache, "--compare-prefix-cache"),
+            (self.json_schema.is_some(), "--json-schema"),
         ]
         .into_iter()
         .find_map(|(given, name)| given.then_some(name))
@@ -143,6 +150,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         },
         n_gen: args.n_gen,
         seed,
+        response_format: s.json_schema.as_deref().map(response_format).transpose()?,
     };
     if let Some(url) = &s.url {
         refuse_server_flags(args)?;
@@ -177,6 +185,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         );
     }
     finish(&[&first, &second])
+}
+
+/// The `response_format` of `--json-schema FILE`.
+fn response_format(path: &std::path::Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the JSON schema {}", path.display()))?;
+    let schema: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    if !schema.is_object() {
+        bail!("{} must hold a JSON schema object", path.display());
+    }
+    Ok(json!({"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}))
 }
 
 /// Fails when any request failed, after the figures were printed.
@@ -311,6 +331,7 @@ fn report(
             "requests_per_client": w.requests, "turns": w.turns, "n_prompt": w.shape.len,
             "prompt_words": w.shape.words, "shared_prefix": w.shape.shared, "n_gen": w.n_gen,
             "server": server.as_ref().map(|s| s.0.clone()),
+            "json_schema": w.response_format.is_some(),
             "prefix_cache": server.as_ref().map(|s| s.1),
         });
         println!("{}", summary.json(context));
@@ -330,6 +351,9 @@ fn report(
         w.shape.shared,
         w.n_gen
     );
+    if w.response_format.is_some() {
+        println!("every request constrained by --json-schema");
+    }
     let round = if w.turns.is_some() { "turn" } else { "request" };
     summary.print(mode, round);
     println!();

@@ -16,6 +16,8 @@ pub(super) struct Workload {
     pub(super) shape: PromptShape,
     pub(super) n_gen: usize,
     pub(super) seed: u64,
+    /// Sent with every request (`--json-schema`).
+    pub(super) response_format: Option<serde_json::Value>,
 }
 
 /// One warm-up request, then every client at once; the figures of the clients' requests.
@@ -28,6 +30,7 @@ pub(super) fn measure(endpoint: &Endpoint, w: &Workload) -> Result<Summary> {
             ..w.shape
         },
         turns: w.turns.map(|_| 1),
+        response_format: w.response_format.clone(),
         ..*w
     };
     one_client(endpoint, &warm, u64::MAX / 2, 1)
@@ -73,10 +76,13 @@ fn one_client(endpoint: &Endpoint, w: &Workload, client: u64, requests: usize) -
         let id = client.wrapping_mul(requests as u64).wrapping_add(r);
         match w.turns {
             None => {
-                let body = json!({
+                let mut body = json!({
                     "prompt": completion_prompt(w.shape, w.seed, id),
                     "max_tokens": w.n_gen,
                 });
+                if let Some(format) = &w.response_format {
+                    body["response_format"] = format.clone();
+                }
                 let result = endpoint.stream("/v1/completions", body);
                 outcomes.push(Outcome {
                     round: r as usize,
@@ -102,7 +108,10 @@ fn conversation(endpoint: &Endpoint, w: &Workload, id: u64, turns: usize) -> Vec
         let stream = 1 + id.wrapping_mul(turns as u64).wrapping_add(turn as u64);
         let user = words(&mut Rng::new(w.seed, stream), w.shape.len.max(1));
         messages.push(json!({"role": "user", "content": user}));
-        let body = json!({"messages": messages, "max_tokens": w.n_gen});
+        let mut body = json!({"messages": messages, "max_tokens": w.n_gen});
+        if let Some(format) = &w.response_format {
+            body["response_format"] = format.clone();
+        }
         let result: Result<Timing> = endpoint.stream("/v1/chat/completions", body);
         let failed = result.is_err();
         if let Ok(t) = &result {
