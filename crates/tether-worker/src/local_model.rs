@@ -16,9 +16,9 @@ use tether_gguf::GgufFile;
 use tether_protocol::{FileIdentity, Result, WorkerError};
 use tokio_util::sync::CancellationToken;
 
-/// Bytes copied and hashed per step: small enough that the hash reads what the copy just
-/// brought into the cache, and that an ended session stops the read quickly.
-const READ_CHUNK: usize = 1 << 20;
+/// Bytes copied and hashed per step: large enough that the upload fills a pinned buffer
+/// with several threads at once, small enough that an ended session stops the read quickly.
+const READ_CHUNK: usize = 8 << 20;
 
 /// The worker's copy of the model, opened inside its `--model-dir` and checked against the
 /// coordinator's header and length.

@@ -10,6 +10,7 @@ use clap::Args;
 use std::path::Path;
 use std::sync::Arc;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_coordinator::ModelFile;
 use tether_gguf::GgufFile;
 use tether_model::{Generator, ModelConfig, Stage, StageSpec, load_stage_from_file};
 use tether_worker::ModelDirs;
@@ -127,6 +128,26 @@ pub struct StartedLocal {
     /// tensors from their own map of it instead of receiving them over loopback gRPC.
     /// `None` when its directory could not be allowed (the bytes are then streamed).
     pub model_path: Option<String>,
+}
+
+/// Opens the model file while the embedded workers start (when `embedded` gives their
+/// device, count and threads): a GPU's context and kernels take longer than the header and
+/// tokenizer, and neither needs the other. A model that does not open is the error shown
+/// first.
+pub async fn open_while_starting(
+    path: &Path,
+    embedded: Option<(&str, usize, Option<usize>)>,
+) -> Result<(Arc<ModelFile>, Option<StartedLocal>)> {
+    let owned = path.to_path_buf();
+    let open = tokio::task::spawn_blocking(move || ModelFile::open(&owned));
+    let started = match embedded {
+        Some((device, count, threads)) => {
+            Some(start_local_workers(device, count, threads, path).await)
+        }
+        None => None,
+    };
+    let model = open.await.context("opening the model file")??;
+    Ok((model, started.transpose()?))
 }
 
 /// Starts the embedded workers of `run` and `serve`: one per GPU `device` names (`auto`:

@@ -3,7 +3,7 @@
 
 use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::context_shift::ContextShiftArgs;
-use crate::cmd::local::{DEMO_LABEL, DeviceArgs, context_size, start_local_workers};
+use crate::cmd::local::{DEMO_LABEL, DeviceArgs, context_size, open_while_starting};
 use crate::cmd::path_on_workers::PathOnWorkersArgs;
 use crate::cmd::worker_link::WorkerLinkArgs;
 use crate::model_source::ModelArgs;
@@ -14,7 +14,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 use tether_coordinator::api::{FinishReason, GenEvent, GenRequest, Generation};
-use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile};
+use tether_coordinator::{Coordinator, CoordinatorConfig};
 use tether_model::SamplingParams;
 
 /// Arguments of `tether run`.
@@ -147,28 +147,30 @@ async fn run_async(args: RunArgs) -> Result<()> {
     if resolved.is_demo {
         eprintln!("{DEMO_LABEL}");
     }
-    let model = ModelFile::open(&resolved.path)?;
-    since = timeline.phase("open the model (GGUF header, tokenizer)", since);
-    let ctx = context_size(&args.device, model.config(), 1)?;
     args.path_on_workers
         .check_remote(!args.workers.is_empty())?;
+    let embedded = args.workers.is_empty().then_some((
+        args.device.device.as_str(),
+        args.local_workers,
+        args.device.threads,
+    ));
+    let (model, started) = open_while_starting(&resolved.path, embedded).await?;
     let mut own_copy = args.path_on_workers.path();
-    let local = if args.workers.is_empty() {
-        let started = start_local_workers(
-            &args.device.device,
-            args.local_workers,
-            args.device.threads,
-            &resolved.path,
-        )
-        .await?;
-        own_copy = started.model_path;
-        Some(started.workers)
-    } else {
-        None
+    let local = match started {
+        Some(started) => {
+            own_copy = started.model_path;
+            since = timeline.phase(
+                "open the model, start embedded workers (device, kernels) at once",
+                since,
+            );
+            Some(started.workers)
+        }
+        None => {
+            since = timeline.phase("open the model (GGUF header, tokenizer)", since);
+            None
+        }
     };
-    if local.is_some() {
-        since = timeline.phase("start embedded workers (device, kernels)", since);
-    }
+    let ctx = context_size(&args.device, model.config(), 1)?;
     let (addrs, client) = match &local {
         Some(l) => (l.addrs(), args.worker_link.embedded_options(l)),
         None => (args.workers.clone(), remote_client),

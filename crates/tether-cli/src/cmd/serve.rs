@@ -4,7 +4,7 @@
 use crate::cmd::cache_args::CacheArgs;
 use crate::cmd::conn_args::ConnArgs;
 use crate::cmd::context_shift::ContextShiftArgs;
-use crate::cmd::local::{DEMO_LABEL, start_local_workers};
+use crate::cmd::local::{DEMO_LABEL, open_while_starting};
 use crate::cmd::path_on_workers::PathOnWorkersArgs;
 use crate::cmd::tls_args::ServeTlsArgs;
 use crate::cmd::worker_link::WorkerLinkArgs;
@@ -21,7 +21,7 @@ use tether_coordinator::http::loading::ServingGate;
 use tether_coordinator::http::template::TemplateBudget;
 use tether_coordinator::http::{HttpOptions, default_max_heavy_requests, router, serve, serve_tls};
 use tether_coordinator::load::LoadOptions;
-use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile, WorkerDns};
+use tether_coordinator::{Coordinator, CoordinatorConfig, WorkerDns};
 use tether_protocol::Lease;
 use tether_worker::embedded::LocalWorkers;
 
@@ -300,27 +300,27 @@ async fn load(
     progress: Arc<tether_coordinator::LoadProgress>,
     timeline: &mut Timeline,
 ) -> Result<(Arc<Coordinator>, Option<LocalWorkers>)> {
-    let mut since = Instant::now();
+    let since = Instant::now();
     let resolved = args.model.resolve()?;
     if resolved.is_demo {
         eprintln!("{DEMO_LABEL}");
     }
-    let model = ModelFile::open(&resolved.path)?;
-    since = timeline.phase("open the model (GGUF header, tokenizer)", since);
+    let started = embedded.then_some((args.device.as_str(), args.local_workers, args.threads));
+    let (model, started) = open_while_starting(&resolved.path, started).await?;
     let mut own_copy = args.path_on_workers.path();
-    let local = if embedded {
-        let started = start_local_workers(
-            &args.device,
-            args.local_workers,
-            args.threads,
-            &resolved.path,
-        )
-        .await?;
-        since = timeline.phase("start embedded workers (device, kernels)", since);
-        own_copy = started.model_path;
-        Some(started.workers)
-    } else {
-        None
+    let local = match started {
+        Some(started) => {
+            own_copy = started.model_path;
+            timeline.phase(
+                "open the model, start embedded workers (device, kernels) at once",
+                since,
+            );
+            Some(started.workers)
+        }
+        None => {
+            timeline.phase("open the model (GGUF header, tokenizer)", since);
+            None
+        }
     };
     let (addrs, client) = match &local {
         Some(l) => (l.addrs(), args.worker_link.embedded_options(l)),
