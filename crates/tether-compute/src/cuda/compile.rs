@@ -420,8 +420,25 @@ impl Kernels {
     /// capability `cc` (`(9, 0)` for an H100), caching compiled files in `dir`.
     pub(crate) fn load(ctx: &Arc<CudaContext>, cc: (i32, i32), dir: Option<&Path>) -> Result<Self> {
         let nvrtc = nvrtc_version()?;
+        // Each file compiles on its own thread: NVRTC takes seconds to minutes a file, and a
+        // machine's first start (an empty cache) would otherwise pay them one after another.
+        let compiled: Vec<Result<(String, bool)>> = std::thread::scope(|scope| {
+            let jobs: Vec<_> = FILES
+                .iter()
+                .map(|file| scope.spawn(move || module_ptx(file, cc, nvrtc, dir, true)))
+                .collect();
+            jobs.into_iter()
+                .map(|job| {
+                    job.join().unwrap_or_else(|_| {
+                        Err(ComputeError::Device(
+                            "a kernel compile thread panicked".to_string(),
+                        ))
+                    })
+                })
+                .collect()
+        });
         let mut functions = HashMap::new();
-        for file in FILES {
+        for (file, compiled) in FILES.iter().zip(compiled) {
             let load_err = |e| {
                 driver_err(
                     &format!(
@@ -432,7 +449,7 @@ impl Kernels {
                     e,
                 )
             };
-            let (ptx, cached) = module_ptx(file, cc, nvrtc, dir, true)?;
+            let (ptx, cached) = compiled?;
             let module = match ctx.load_module(Ptx::from_src(ptx)) {
                 Ok(m) => m,
                 // A cache entry the driver rejects is treated like a corrupt one.
