@@ -27,4 +27,4 @@ pub use stage::{
     required_tensors,
 };
 pub use stop::{StopReason, StopRules, Verdict};
-pub use synth::{SynthShape, synthesize};
+pub use synth::{SynthShape, synthesize, synthesize_with};

@@ -40,7 +40,7 @@ pub enum GrammarSpec {
 
 /// Where JSON output may have whitespace: one space after `:` and `,`, nowhere else. Free
 /// whitespace would let a model pad forever without finishing the document.
-fn json_layout() -> Value {
+pub fn json_layout() -> Value {
     serde_json::json!({
         "whitespace_flexible": false,
         "key_separator": ": ",

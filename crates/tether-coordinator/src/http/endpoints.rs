@@ -19,9 +19,13 @@ use super::logprobs;
 use super::prepare::{self, Prepared};
 use super::run::{Run, RunEvent};
 use super::strict::{self, Endpoint};
+use super::tools::{ToolCall, Tools};
 use super::{AppState, SharedState};
 use crate::api::FinishReason;
 use tether_model::tokenizer::Tokenizer;
+
+/// The finish reason of a reply that calls tools.
+const TOOL_CALLS: &str = "tool_calls";
 
 /// Which of the two endpoints a reply is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,6 +103,7 @@ async fn generate(
     let (stream, include_usage) = (prepared.stream, prepared.include_usage);
     let echo = prepared.echo.clone();
     let logprobs = prepared.logprobs.is_some();
+    let tools = prepared.tools.clone();
     let mut run = Run::start(state, prepared, started)?;
     let shape = Shape::new(
         kind,
@@ -114,7 +119,7 @@ async fn generate(
         None => return Err(ApiError::internal("the request ended without a reply")),
     };
     if stream {
-        return Ok(sse_response(run, shape, first, include_usage, echo));
+        return Ok(sse_response(run, shape, first, include_usage, echo, tools));
     }
     let mut text = echo.unwrap_or_default();
     let mut entries = Vec::new();
@@ -132,7 +137,14 @@ async fn generate(
             } => {
                 let logprobs = shape.logprobs(&entries, &mut 0);
                 let usage = usage(prompt_tokens, completion_tokens);
-                let body = shape.whole(&text, finish, usage, logprobs);
+                let mut body = shape.whole(&text, finish, usage, logprobs);
+                if let Some((content, calls)) = tools.and_then(|t| t.parse(&text)) {
+                    let calls: Vec<Value> = calls.iter().map(ToolCall::to_json).collect();
+                    let choice = &mut body["choices"][0];
+                    choice["message"] =
+                        json!({"role": "assistant", "content": content, "tool_calls": calls});
+                    choice["finish_reason"] = json!(TOOL_CALLS);
+                }
                 return Ok(axum::Json(body).into_response());
             }
         }
@@ -231,8 +243,7 @@ impl Shape {
 
     /// A streamed chunk with `text` (chat: as `delta.content`), the `logprobs` of its
     /// tokens, and maybe the finish reason.
-    fn chunk(&self, text: Option<&str>, finish: Option<FinishReason>, logprobs: Value) -> Value {
-        let finish = finish.map(FinishReason::as_str);
+    fn chunk(&self, text: Option<&str>, finish: Option<&str>, logprobs: Value) -> Value {
         match self.kind {
             Kind::Completion => self.object(
                 json!({"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}),
@@ -249,6 +260,23 @@ impl Shape {
                 )
             }
         }
+    }
+
+    /// A chat chunk with tool calls (each whole, with its index) as `delta.tool_calls`.
+    fn tool_calls_chunk(&self, calls: &[ToolCall]) -> Value {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(i, call)| {
+                let mut call = call.to_json();
+                call["index"] = json!(i);
+                call
+            })
+            .collect();
+        self.object(
+            json!({"index": 0, "delta": {"tool_calls": calls}, "logprobs": null, "finish_reason": null}),
+            "chat.completion.chunk",
+        )
     }
 
     /// The chat stream's opening chunk, naming the role.
@@ -293,11 +321,16 @@ struct SseState {
     scored: Vec<logprobs::Entry>,
     /// Where the next reported token's text starts in the choice's text.
     offset: usize,
+    /// The tools whose calls are looked for: the text is then held back until the end,
+    /// when it is sent as text or as calls.
+    tools: Option<Tools>,
+    /// The text held back.
+    held: String,
 }
 
 impl SseState {
     /// A chunk of `text` carrying the log-probabilities gathered since the last one.
-    fn text_chunk(&mut self, text: Option<&str>, finish: Option<FinishReason>) {
+    fn text_chunk(&mut self, text: Option<&str>, finish: Option<&str>) {
         let logprobs = self.shape.logprobs(&self.scored, &mut self.offset);
         self.scored.clear();
         let chunk = self.shape.chunk(text, finish, logprobs);
@@ -307,6 +340,7 @@ impl SseState {
     /// Turns one run event (or error) into frames.
     fn push(&mut self, event: Option<Result<RunEvent, ApiError>>) {
         match event {
+            Some(Ok(RunEvent::Text(t))) if self.tools.is_some() => self.held.push_str(&t),
             Some(Ok(RunEvent::Text(t))) => self.text_chunk(Some(&t), None),
             Some(Ok(RunEvent::LogProb(scored))) => self.scored.push((scored.token, Some(scored))),
             Some(Ok(RunEvent::Prompt(prompt))) => {
@@ -319,6 +353,20 @@ impl SseState {
                 prompt_tokens,
                 completion_tokens,
             })) => {
+                let held = std::mem::take(&mut self.held);
+                let mut finish = finish.as_str();
+                match self.tools.as_ref().and_then(|t| t.parse(&held)) {
+                    Some((content, calls)) => {
+                        if let Some(content) = content {
+                            self.text_chunk(Some(&content), None);
+                        }
+                        let chunk = self.shape.tool_calls_chunk(&calls);
+                        self.frames.push_back(frame(&chunk));
+                        finish = TOOL_CALLS;
+                    }
+                    None if !held.is_empty() => self.text_chunk(Some(&held), None),
+                    None => {}
+                }
                 if !self.scored.is_empty() {
                     // Tokens whose text a stop string cut, or still held back.
                     self.text_chunk(Some(""), None);
@@ -365,6 +413,7 @@ fn sse_response(
     first: RunEvent,
     include_usage: bool,
     echo: Option<String>,
+    tools: Option<Tools>,
 ) -> Response {
     let mut state = SseState {
         run,
@@ -375,6 +424,8 @@ fn sse_response(
         echo,
         scored: Vec::new(),
         offset: 0,
+        tools,
+        held: String::new(),
     };
     if state.shape.kind == Kind::Chat {
         let chunk = state.shape.role_chunk();

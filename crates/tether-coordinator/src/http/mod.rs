@@ -15,6 +15,7 @@ mod heavy;
 pub mod listen;
 pub mod loading;
 mod logprobs;
+mod messages;
 pub mod metrics;
 mod prepare;
 mod run;
@@ -23,6 +24,7 @@ mod structured;
 pub mod template;
 pub mod text;
 mod tokenize;
+mod tools;
 pub mod types;
 
 #[cfg(test)]
@@ -45,6 +47,8 @@ mod tests_stream;
 mod tests_structured;
 #[cfg(test)]
 mod tests_tokenize;
+#[cfg(test)]
+mod tests_tools;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock, RwLock};

@@ -8,9 +8,12 @@ use tether_model::SamplingParams;
 
 use super::AppState;
 use super::error::ApiError;
-use super::template::{CHATML_END, ChatMessage};
-use super::types::{ChatRequest, CommonParams, CompletionRequest, MessageContent, Prompt};
+use super::messages::template_messages;
+use super::template::CHATML_END;
+use super::tools::{self, Tools};
+use super::types::{ChatRequest, CommonParams, CompletionRequest, Prompt};
 use crate::api::MAX_LOGPROBS;
+use crate::constraint::GrammarSpec;
 
 /// OpenAI's default `max_tokens` for completions.
 const COMPLETION_DEFAULT_MAX_TOKENS: usize = 16;
@@ -52,14 +55,19 @@ pub(super) struct Prepared {
     /// The prompt's text to return before the completion (`echo`), and whether its tokens
     /// are scored.
     pub echo: Option<String>,
-    /// The grammar the output follows (`response_format`, `grammar`, `json_schema`).
+    /// The grammar the output follows (`response_format`, `grammar`, `json_schema`, a
+    /// forced tool call).
     pub constraint: Option<crate::constraint::Constraint>,
+    /// The tools whose calls are looked for in the output.
+    pub tools: Option<Tools>,
 }
 
 /// The checks of the fields that ask for log-probabilities, the prompt back and choices.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Extras {
     logprobs: Option<usize>,
+    /// The grammar a forced tool call follows.
+    forced: Option<GrammarSpec>,
     echo: bool,
 }
 
@@ -98,7 +106,11 @@ pub(super) fn completion(state: &AppState, req: CompletionRequest) -> Result<Pre
     };
     let echo = req.echo.unwrap_or(false);
     let echo_text = echo.then(|| text.unwrap_or_else(|| tokenizer.decode(&prompt)));
-    let extras = Extras { logprobs, echo };
+    let extras = Extras {
+        logprobs,
+        echo,
+        forced: None,
+    };
     let mut prepared = finish(
         state,
         "prompt",
@@ -126,47 +138,23 @@ fn checked_logprobs(param: &str, n: Option<usize>) -> Result<Option<usize>, ApiE
 
 /// A `/v1/chat/completions` request: the conversation rendered with the chat template.
 pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiError> {
-    if req.messages.is_empty() {
-        return Err(ApiError::invalid_param(
-            "messages",
-            "`messages` is empty; send at least one message",
-        ));
-    }
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for (i, m) in req.messages.into_iter().enumerate() {
-        let content = match m.content {
-            None => String::new(),
-            Some(MessageContent::Text(t)) => t,
-            Some(MessageContent::Parts(parts)) => {
-                let mut text = String::new();
-                for part in parts {
-                    match (part.kind.as_str(), part.text) {
-                        ("text", Some(t)) => text.push_str(&t),
-                        (kind, _) => {
-                            return Err(ApiError::invalid_param(
-                                &format!("messages[{i}].content"),
-                                format!(
-                                    "content part of type '{kind}' is not supported; only text parts with a `text` field are"
-                                ),
-                            ));
-                        }
-                    }
-                }
-                text
+    let tools = tools::tools(
+        state.model.chat_template.as_deref(),
+        req.tools.as_deref(),
+        req.tool_choice.as_ref(),
+    )?;
+    let messages = template_messages(req.messages)?;
+    let listed = tools.as_ref().map(|t| &t.listed);
+    let rendered = state
+        .template
+        .render_with_tools(&messages, listed)
+        .map_err(|e| {
+            if e.is_server_fault() {
+                ApiError::internal(e.to_string()).with_code("chat_template_budget")
+            } else {
+                ApiError::invalid_param("messages", e.to_string())
             }
-        };
-        messages.push(ChatMessage {
-            role: m.role,
-            content,
-        });
-    }
-    let rendered = state.template.render(&messages).map_err(|e| {
-        if e.is_server_fault() {
-            ApiError::internal(e.to_string()).with_code("chat_template_budget")
-        } else {
-            ApiError::invalid_param("messages", e.to_string())
-        }
-    })?;
+        })?;
     let tokenizer = &state.tokenizer;
     let bos_text = state.template.bos_token();
     let template_added_bos = !bos_text.is_empty() && rendered.starts_with(bos_text);
@@ -196,8 +184,9 @@ pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiEr
     let extras = Extras {
         logprobs,
         echo: false,
+        forced: tools.as_ref().and_then(Tools::forced),
     };
-    finish(
+    let mut prepared = finish(
         state,
         "messages",
         prompt,
@@ -206,7 +195,9 @@ pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiEr
         state.opts.max_tokens_limit,
         extra_stops,
         extras,
-    )
+    )?;
+    prepared.tools = tools.filter(Tools::parses_calls);
+    Ok(prepared)
 }
 
 /// Checks the prompt and the common fields.
@@ -293,7 +284,7 @@ fn finish(
         ));
     }
     stops.extend(requested);
-    let constraint = super::structured::constraint(state, p)?;
+    let constraint = super::structured::constraint(state, p, extras.forced)?;
     Ok(Prepared {
         prompt,
         max_tokens,
@@ -306,6 +297,7 @@ fn finish(
         logprobs: extras.logprobs,
         echo: None,
         constraint,
+        tools: None,
     })
 }
 

@@ -65,6 +65,9 @@ fn own_fields(endpoint: Endpoint) -> &'static [&'static str] {
             "max_completion_tokens",
             "logprobs",
             "top_logprobs",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
         ],
         // llama-server's and vLLM's spellings of the same fields.
         Endpoint::Tokenize => &[
@@ -92,10 +95,9 @@ fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
     let is = |want: &Value| v == want;
     let harmless = match (endpoint, field) {
         (Endpoint::Completion, "suffix") => empty || v.as_str() == Some(""),
-        (Endpoint::Chat, "tools" | "functions") => empty,
-        (Endpoint::Chat, "tool_choice" | "function_call") => empty || v.as_str() == Some("none"),
-        // Meaningless without tools, which are refused above when given.
-        (Endpoint::Chat, "parallel_tool_calls") => empty || v.is_boolean(),
+        // The deprecated spellings of `tools` and `tool_choice`.
+        (Endpoint::Chat, "functions") => empty,
+        (Endpoint::Chat, "function_call") => empty || v.as_str() == Some("none"),
         (Endpoint::Chat, "store") => empty || is(&Value::Bool(false)),
         (Endpoint::Chat, "modalities") => {
             empty || v.as_array().is_some_and(|m| m.iter().all(|x| x == "text"))
@@ -113,15 +115,8 @@ fn not_implemented(endpoint: Endpoint, field: &str, v: &Value) -> Option<bool> {
 }
 
 /// Fields of a chat message this server reads, and those that may pass when empty.
-const MESSAGE_FIELDS: &[&str] = &["role", "content"];
-const MESSAGE_EMPTY_OK: &[&str] = &[
-    "name",
-    "tool_calls",
-    "tool_call_id",
-    "function_call",
-    "refusal",
-    "audio",
-];
+const MESSAGE_FIELDS: &[&str] = &["role", "content", "name", "tool_calls", "tool_call_id"];
+const MESSAGE_EMPTY_OK: &[&str] = &["function_call", "refusal", "audio"];
 const PART_FIELDS: &[&str] = &["type", "text"];
 
 fn unsupported(param: &str, what: &str) -> ApiError {
@@ -330,11 +325,11 @@ mod tests {
         for (body, param) in [
             (r#"{"messages":[],"echo":true}"#, "echo"),
             (r#"{"messages":[],"top_logprobs":-1}"#, "top_logprobs"),
-            (r#"{"messages":[],"tools":[{"type":"function"}]}"#, "tools"),
-            (r#"{"messages":[],"tool_choice":"required"}"#, "tool_choice"),
+            (r#"{"messages":[],"functions":[{"name":"f"}]}"#, "functions"),
+            (r#"{"messages":[],"function_call":"auto"}"#, "function_call"),
             (
-                r#"{"messages":[{"role":"user","content":"a","name":"bob"}]}"#,
-                "messages[0].name",
+                r#"{"messages":[{"role":"assistant","content":"a","refusal":"no"}]}"#,
+                "messages[0].refusal",
             ),
             (
                 r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a","cache":1}]}]}"#,

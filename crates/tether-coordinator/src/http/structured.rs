@@ -8,12 +8,17 @@ use super::error::ApiError;
 use super::types::CommonParams;
 use crate::constraint::{Constraint, ConstraintError, GrammarSpec};
 
-/// The grammar `p` asks for, compiled for the served model; `None` when it asks for none.
+/// The grammar `p` asks for (or `forced`, a forced tool call's), compiled for the served
+/// model; `None` when it asks for none.
 pub(super) fn constraint(
     state: &AppState,
     p: &CommonParams,
+    forced: Option<GrammarSpec>,
 ) -> Result<Option<Constraint>, ApiError> {
     let mut asked = Vec::new();
+    if let Some(spec) = forced {
+        asked.push(("tool_choice", spec));
+    }
     if let Some(format) = &p.response_format
         && let Some(spec) = response_format(format)?
     {

@@ -44,13 +44,23 @@ impl Default for TemplateBudget {
     }
 }
 
-/// One message of a conversation, as the template sees it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+/// One message of a conversation, as the template sees it (fields left `None` are
+/// undefined there, as templates test them with `is defined`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, ...
+    /// `system`, `user`, `assistant`, `tool`, ...
     pub role: String,
     /// The text.
     pub content: String,
+    /// An assistant message's calls, each call's `function.arguments` an object.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// The call a `tool` message answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The participant's (or function's) name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// Why a template could not be used.
@@ -189,6 +199,16 @@ impl ChatTemplate {
 
     /// The prompt for `messages`, ending with the assistant's turn opened.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, TemplateError> {
+        self.render_with_tools(messages, None)
+    }
+
+    /// [`ChatTemplate::render`] with the `tools` variable (a list of
+    /// `{"type": "function", "function": {...}}`, as Hugging Face passes it).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+    ) -> Result<String, TemplateError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -201,6 +221,7 @@ impl ChatTemplate {
         let rendered = template.render_captured_to(
             minijinja::context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => true,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
@@ -268,6 +289,7 @@ mod tests {
             .map(|(role, content)| ChatMessage {
                 role: (*role).into(),
                 content: (*content).into(),
+                ..ChatMessage::default()
             })
             .collect()
     }

@@ -146,6 +146,7 @@ async fn chat_completion_uses_the_template_and_generates_like_the_generator() {
         .render(&[super::template::ChatMessage {
             role: "user".into(),
             content: "ba be".into(),
+            ..Default::default()
         }])
         .expect("renders");
     let tokens = tok.encode(&rendered, tok.add_bos_default(), true);

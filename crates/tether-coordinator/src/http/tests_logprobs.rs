@@ -227,6 +227,7 @@ async fn chat_logprobs_of_sampled_tokens_equal_the_models_log_softmax() {
     let user = ChatMessage {
         role: "user".into(),
         content: "ba be".into(),
+        ..Default::default()
     };
     let rendered = template.render(&[user]).expect("renders");
     let bos = template.bos_token();

@@ -9,7 +9,7 @@ use super::HttpOptions;
 use super::test_support::{TEST_CTX, TestServer, engine_with, post, tiny_model};
 
 /// The JSON-schema keywords the validator below checks; the schemas use no others.
-fn validate(v: &Value, schema: &Value, at: &str) -> Result<(), String> {
+pub(super) fn validate(v: &Value, schema: &Value, at: &str) -> Result<(), String> {
     let fail = |what: String| Err(format!("{at}: {what}; value {v}"));
     if let Some(options) = schema.get("enum").and_then(Value::as_array)
         && !options.contains(v)

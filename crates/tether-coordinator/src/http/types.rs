@@ -142,6 +142,35 @@ pub struct RequestMessage {
     pub role: String,
     /// The content; `null` for an assistant message that only called tools.
     pub content: Option<MessageContent>,
+    /// The calls an assistant message made, as OpenAI returns them.
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+    /// The participant's (or function's) name.
+    pub name: Option<String>,
+}
+
+/// One entry of `tools`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct ToolDef {
+    /// `function` (the only kind).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The function.
+    pub function: FunctionDef,
+}
+
+/// A function the model may call.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct FunctionDef {
+    /// Its name.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: Option<String>,
+    /// A JSON schema of its arguments.
+    pub parameters: Option<serde_json::Value>,
+    /// OpenAI's strict flag: arguments always follow the schema when a call is forced.
+    pub strict: Option<bool>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -157,6 +186,13 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     /// With `logprobs`, this many most likely alternatives of each token (0 to 20).
     pub top_logprobs: Option<usize>,
+    /// Functions the model may call.
+    pub tools: Option<Vec<ToolDef>>,
+    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": ...}}`;
+    /// checked in `tools`.
+    pub tool_choice: Option<serde_json::Value>,
+    /// Whether several calls may come in one reply (they may, in the Hermes format).
+    pub parallel_tool_calls: Option<bool>,
     /// Sampling, length and streaming.
     #[serde(flatten)]
     pub common: CommonParams,

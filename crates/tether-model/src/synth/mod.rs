@@ -369,6 +369,23 @@ pub fn synthesize(
     Ok(())
 }
 
+/// [`synthesize`] with more metadata keys after the shape's own (a
+/// `tokenizer.chat_template`, ...).
+pub fn synthesize_with(
+    path: impl AsRef<Path>,
+    shape: SynthShape,
+    ty: impl Into<SynthType>,
+    seed: u64,
+    extra: Vec<(String, MetaValue)>,
+) -> Result<(), ModelError> {
+    let mut w = build(shape, ty.into(), seed)?;
+    for (key, value) in extra {
+        w.add_metadata(key, value);
+    }
+    w.write_file(path.as_ref())?;
+    Ok(())
+}
+
 /// The file `synthesize` writes, with every matrix's random data still to be generated.
 fn build(shape: SynthShape, ty: SynthType, seed: u64) -> Result<GgufWriter, ModelError> {
     if let SynthType::Uniform(t @ (GgmlType::Q8_1 | GgmlType::Q8K)) = ty {
