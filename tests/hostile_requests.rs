@@ -1,11 +1,13 @@
 //! `tether serve` with an embedded worker against hostile input: a chat template that loops
 //! for ever fails its own request within the budget while other requests are served, and
-//! floods of oversized prompts leave the worker session alive and `/health` answering.
+//! floods of oversized prompts leave the worker session alive and `/health` answering. A
+//! model file whose header is over the message limit is inspected in bounded memory and
+//! refused by `tether run` with the limit named.
 
 mod support;
 
 use std::time::{Duration, Instant};
-use support::{Serve, TinyModel, http_deadline};
+use support::{Serve, TETHER, TinyModel, http_deadline};
 
 /// Two nested loops of 10^5 steps: 10^10 iterations, hours of rendering without a budget.
 const RUNAWAY_TEMPLATE: &str =
@@ -13,22 +15,35 @@ const RUNAWAY_TEMPLATE: &str =
 
 /// The tiny model with `tokenizer.chat_template` set to `template`.
 fn with_chat_template(model: &TinyModel, template: &str) -> std::path::PathBuf {
+    let value = tether_gguf::MetaValue::String(template.into());
+    with_metadata(
+        model,
+        "tokenizer.chat_template",
+        value,
+        "hostile-template.gguf",
+    )
+}
+
+/// The tiny model with metadata `key` set to `value`, written beside it as `name`.
+fn with_metadata(
+    model: &TinyModel,
+    key: &str,
+    value: tether_gguf::MetaValue,
+    name: &str,
+) -> std::path::PathBuf {
     let file = tether_gguf::GgufFile::open(&model.path).expect("open tiny model");
     let mut w = tether_gguf::GgufWriter::new();
     for (k, v) in file.metadata() {
-        if k != "tokenizer.chat_template" {
+        if k != key {
             w.add_metadata(k.clone(), v.clone());
         }
     }
-    w.add_metadata(
-        "tokenizer.chat_template",
-        tether_gguf::MetaValue::String(template.into()),
-    );
+    w.add_metadata(key, value);
     for t in file.tensors() {
         w.add_tensor(t.name.clone(), t.ty, &t.dims, file.tensor_data(t).to_vec())
             .expect("copy tensor");
     }
-    let path = model.dir.join("hostile-template.gguf");
+    let path = model.dir.join(name);
     w.write_file(&path).expect("write model");
     path
 }
@@ -50,6 +65,78 @@ fn health_ok(serve: &Serve, deadline: Duration) -> Result<Duration, String> {
         return Err(format!("/health answered {status}: {body}"));
     }
     Ok(start.elapsed())
+}
+
+/// Runs `tether ARGS` to its end with at most `data_limit` bytes of data segment (heap and
+/// private writable mappings, not mapped files: `RLIMIT_DATA`) when given; whether it
+/// succeeded, and its output. Allocations past the limit fail, so a command that needs more
+/// memory than that fails.
+fn tether_within(args: &[&str], data_limit: Option<u64>) -> (bool, String) {
+    use std::os::unix::process::CommandExt;
+    let mut command = std::process::Command::new(TETHER);
+    command.args(args).env("NO_COLOR", "1");
+    if let Some(limit) = data_limit {
+        // SAFETY: setrlimit is async-signal-safe, and the closure touches nothing else.
+        unsafe {
+            command.pre_exec(move || {
+                let rlim = libc::rlimit {
+                    rlim_cur: limit,
+                    rlim_max: limit,
+                };
+                if libc::setrlimit(libc::RLIMIT_DATA, &rlim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let out = command.output().expect("run tether");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[test]
+fn a_header_over_the_message_limit_is_inspected_in_bounded_memory_and_refused_by_name() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let model = TinyModel::new();
+    // 8.5 million empty strings: 8 bytes each in the file, 68 MB of header in all, over the
+    // default gRPC message limit of 64 MiB. One value each took 32 bytes an element.
+    let padding = tether_gguf::MetaArray::strings(std::iter::repeat_n("", 8_500_000));
+    let value = tether_gguf::MetaValue::Array(padding);
+    let path = with_metadata(&model, "hostile.padding", value, "huge-header.gguf");
+    let path = path.to_str().expect("utf-8 path");
+    let header = tether_gguf::GgufFile::open(path)
+        .expect("open")
+        .data_offset();
+    assert!(header > 64 << 20, "header of {header} bytes");
+
+    // The header is mapped (not data) and its array parsed into one buffer of string ends
+    // (about the header's size): twice the header and 64 MiB for the rest is room enough.
+    let limit = 2 * header + (64 << 20);
+    let (ok, text) = tether_within(&["gguf", "inspect", model.arg()], Some(limit));
+    assert!(
+        ok,
+        "inspect of the plain model within {limit} bytes of data:\n{text}"
+    );
+    let (ok, text) = tether_within(&["gguf", "inspect", path], Some(limit));
+    assert!(
+        ok,
+        "inspect of a {header}-byte header needs more than {limit} bytes of data:\n{text}"
+    );
+    assert!(text.contains("(8500000 × string)"), "{text}");
+
+    let run = ["run", "--model", path, "--device", "cpu", "--threads", "1"];
+    let (ok, text) = tether_within(&[&run[..], &["--prompt", "hi", "-n", "1"]].concat(), None);
+    assert!(
+        !ok,
+        "run loaded a model whose header is over the message limit:\n{text}"
+    );
+    assert!(
+        text.contains("message limit") && text.contains("67108864"),
+        "the refusal does not name the limit:\n{text}"
+    );
+    assert!(!text.contains("h2 protocol"), "{text}");
 }
 
 #[test]

@@ -24,7 +24,6 @@ pub struct ModelFileError {
 pub struct ModelFile {
     path: PathBuf,
     file: GgufFile,
-    header: Vec<u8>,
     file_bytes: u64,
     config: ModelConfig,
     tokenizer: Arc<Tokenizer>,
@@ -55,12 +54,10 @@ impl ModelFile {
             .metadata()
             .map_err(|e| err(format!("reading its size: {e}")))?
             .len();
-        let header = file.header_bytes().to_vec();
         let identity = FileIdentity::of(&handle);
         Ok(Arc::new(ModelFile {
             path,
             file,
-            header,
             file_bytes,
             config,
             tokenizer: Arc::new(tokenizer),
@@ -79,9 +76,10 @@ impl ModelFile {
         &self.file
     }
 
-    /// Bytes before the tensor data, which workers plan from.
+    /// Bytes before the tensor data, which workers plan from: read from the map, not
+    /// copied (a header can be tens of megabytes).
     pub fn header(&self) -> &[u8] {
-        &self.header
+        self.file.header_bytes()
     }
 
     /// Length of the whole file.

@@ -8,7 +8,7 @@ use crate::model::{TinyModel, frame, head_only_spec, serving_spec};
 use crate::rig::{PREPARED_TXN, SESSION_PLACEHOLDER};
 use prost::Message;
 use std::path::Path;
-use tether_gguf::{GgmlType, GgufWriter, MetaValue};
+use tether_gguf::{GgmlType, GgufWriter, MetaArray, MetaValue};
 use tether_proto::PROTOCOL_VERSION;
 use tether_proto::v1 as pb;
 
@@ -141,18 +141,15 @@ fn gguf_seeds(model: &TinyModel) -> Result<Vec<Seed>, String> {
     w.add_metadata("k.f64", MetaValue::F64(-2.25));
     w.add_metadata(
         "k.strings",
-        MetaValue::Array(
-            ["<s>", "</s>", "▁a", "bc"]
-                .map(|s| MetaValue::String(s.into()))
-                .to_vec(),
-        ),
+        MetaValue::Array(MetaArray::strings(["<s>", "</s>", "▁a", "bc"])),
     );
     w.add_metadata(
         "k.nested",
-        MetaValue::Array(vec![
-            MetaValue::Array(vec![MetaValue::U32(1), MetaValue::U32(2)]),
-            MetaValue::Array(vec![]),
-        ]),
+        // The empty array's element type is u8, as the seeds were first written.
+        MetaValue::Array(MetaArray::Array(vec![
+            MetaArray::U32(vec![1, 2]),
+            MetaArray::U8(vec![]),
+        ])),
     );
     let add = |w: &mut GgufWriter, name: &str, ty: GgmlType, dims: &[u64]| {
         let elems: u64 = dims.iter().product();

@@ -4,6 +4,7 @@ use std::fmt::Write;
 
 use serde_json::{Value, json};
 
+use crate::array::MetaArray;
 use crate::metadata::MetaValue;
 use crate::reader::GgufFile;
 
@@ -12,6 +13,13 @@ const ARRAY_PREVIEW: usize = 8;
 /// Strings longer than this are cut in the human summary (chat templates run to kilobytes).
 const STRING_PREVIEW: usize = 120;
 
+/// The first elements of `items`, as values of their own.
+fn preview(items: &MetaArray) -> Vec<MetaValue> {
+    (0..items.len().min(ARRAY_PREVIEW))
+        .filter_map(|i| items.get(i))
+        .collect()
+}
+
 fn short_value(v: &MetaValue) -> String {
     match v {
         MetaValue::String(s) if s.chars().count() > STRING_PREVIEW => {
@@ -19,9 +27,9 @@ fn short_value(v: &MetaValue) -> String {
             format!("{head:?}… ({} bytes)", s.len())
         }
         MetaValue::Array(items) => {
-            let shown: Vec<String> = items.iter().take(ARRAY_PREVIEW).map(short_value).collect();
-            let elem = items.first().map_or("?", MetaValue::type_name);
+            let shown: Vec<String> = preview(items).iter().map(short_value).collect();
             if items.len() > ARRAY_PREVIEW {
+                let elem = items.elem_type_name();
                 format!("[{}, …] ({} × {elem})", shown.join(", "), items.len())
             } else {
                 format!("[{}]", shown.join(", "))
@@ -101,10 +109,10 @@ fn json_value(v: &MetaValue) -> Value {
         MetaValue::String(s) => json!(s),
         MetaValue::Array(items) if items.len() > ARRAY_PREVIEW => json!({
             "length": items.len(),
-            "element_type": items.first().map_or("?", MetaValue::type_name),
-            "first": items.iter().take(ARRAY_PREVIEW).map(json_value).collect::<Vec<_>>(),
+            "element_type": items.elem_type_name(),
+            "first": preview(items).iter().map(json_value).collect::<Vec<_>>(),
         }),
-        MetaValue::Array(items) => Value::Array(items.iter().map(json_value).collect()),
+        MetaValue::Array(items) => Value::Array(preview(items).iter().map(json_value).collect()),
     }
 }
 
@@ -150,9 +158,9 @@ mod tests {
         w.add_metadata("general.name", MetaValue::String("tiny".into()));
         w.add_metadata(
             "long",
-            MetaValue::Array((0..1000).map(MetaValue::I32).collect()),
+            MetaValue::Array(MetaArray::I32((0..1000).collect())),
         );
-        w.add_metadata("short", MetaValue::Array(vec![MetaValue::Bool(true)]));
+        w.add_metadata("short", MetaValue::Array(MetaArray::Bool(vec![true])));
         w.add_tensor("blk.0.w", GgmlType::Q8_0, &[32, 2], vec![0; 68])
             .unwrap();
         let mut bytes = Vec::new();

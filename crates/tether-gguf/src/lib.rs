@@ -1,5 +1,6 @@
 //! GGUF v2/v3: a memory-mapped reader, a writer, and the quantized block formats.
 
+pub mod array;
 pub mod error;
 pub mod inspect;
 pub mod metadata;
@@ -9,6 +10,7 @@ pub mod reader;
 pub mod types;
 pub mod writer;
 
+pub use array::{MetaArray, Strings};
 pub use error::GgufError;
 pub use inspect::{describe, describe_json};
 pub use metadata::MetaValue;

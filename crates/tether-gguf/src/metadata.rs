@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use crate::array::MetaArray;
+
 /// A metadata value, as typed in the file.
 #[derive(Clone, Debug, PartialEq)]
 pub enum MetaValue {
@@ -24,7 +26,7 @@ pub enum MetaValue {
     /// Type 8 (u64 length + UTF-8 bytes).
     String(String),
     /// Type 9 (element type u32 + u64 count + elements, all of one type).
-    Array(Vec<MetaValue>),
+    Array(MetaArray),
     /// Type 10.
     U64(u64),
     /// Type 11.
@@ -48,6 +50,26 @@ pub(crate) mod type_id {
     pub const U64: u32 = 10;
     pub const I64: u32 = 11;
     pub const F64: u32 = 12;
+
+    /// The lower-case name of type `id` (`u32`, `string`, `array`).
+    pub fn name(id: u32) -> &'static str {
+        match id {
+            U8 => "u8",
+            I8 => "i8",
+            U16 => "u16",
+            I16 => "i16",
+            U32 => "u32",
+            I32 => "i32",
+            F32 => "f32",
+            BOOL => "bool",
+            STRING => "string",
+            ARRAY => "array",
+            U64 => "u64",
+            I64 => "i64",
+            F64 => "f64",
+            _ => "unknown",
+        }
+    }
 }
 
 impl MetaValue {
@@ -72,21 +94,7 @@ impl MetaValue {
 
     /// The lower-case type name (`u32`, `string`, `array`).
     pub fn type_name(&self) -> &'static str {
-        match self {
-            MetaValue::U8(_) => "u8",
-            MetaValue::I8(_) => "i8",
-            MetaValue::U16(_) => "u16",
-            MetaValue::I16(_) => "i16",
-            MetaValue::U32(_) => "u32",
-            MetaValue::I32(_) => "i32",
-            MetaValue::F32(_) => "f32",
-            MetaValue::Bool(_) => "bool",
-            MetaValue::String(_) => "string",
-            MetaValue::Array(_) => "array",
-            MetaValue::U64(_) => "u64",
-            MetaValue::I64(_) => "i64",
-            MetaValue::F64(_) => "f64",
-        }
+        type_id::name(self.type_id())
     }
 
     /// Any integer value widened to `i128` (so every int type compares without loss).
@@ -144,8 +152,8 @@ impl MetaValue {
         }
     }
 
-    /// An `Array` value's elements.
-    pub fn as_array(&self) -> Option<&[MetaValue]> {
+    /// An `Array` value.
+    pub fn as_array(&self) -> Option<&MetaArray> {
         match self {
             MetaValue::Array(a) => Some(a),
             _ => None,
@@ -169,16 +177,7 @@ impl fmt::Display for MetaValue {
             MetaValue::F64(v) => write!(f, "{v}"),
             MetaValue::Bool(v) => write!(f, "{v}"),
             MetaValue::String(s) => write!(f, "{s:?}"),
-            MetaValue::Array(items) => {
-                f.write_str("[")?;
-                for (i, item) in items.iter().enumerate() {
-                    if i > 0 {
-                        f.write_str(", ")?;
-                    }
-                    write!(f, "{item}")?;
-                }
-                f.write_str("]")
-            }
+            MetaValue::Array(items) => write!(f, "{items}"),
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use crate::array::{MetaArray, Strings};
 use crate::error::GgufError;
 use crate::metadata::{MetaValue, type_id};
 use crate::reader::TensorInfo;
@@ -81,6 +82,11 @@ impl<'a> Cursor<'a> {
 
     /// A u64-length-prefixed UTF-8 string of at most `max` bytes.
     fn string(&mut self, max: u64, what: &dyn Fn() -> String) -> Result<String, GgufError> {
+        self.str(max, what).map(str::to_string)
+    }
+
+    /// [`Cursor::string`], borrowed from the bytes.
+    fn str(&mut self, max: u64, what: &dyn Fn() -> String) -> Result<&'a str, GgufError> {
         let at = self.pos;
         let len = self.u64(what)?;
         if len > max {
@@ -92,7 +98,7 @@ impl<'a> Cursor<'a> {
         }
         let raw = self.take(len, what)?;
         match std::str::from_utf8(raw) {
-            Ok(s) => Ok(s.to_string()),
+            Ok(s) => Ok(s),
             Err(e) => Err(self.invalid(what(), at, format!("string is not UTF-8: {e}"))),
         }
     }
@@ -138,43 +144,100 @@ impl<'a> Cursor<'a> {
                 }
             },
             type_id::STRING => MetaValue::String(self.string(MAX_STRING_LEN, what)?),
-            type_id::ARRAY => {
-                if depth >= MAX_ARRAY_DEPTH {
-                    return Err(self.invalid(
-                        what(),
-                        at,
-                        format!("arrays nested deeper than {MAX_ARRAY_DEPTH}"),
-                    ));
-                }
-                let elem_ty = self.u32(what)?;
-                if elem_ty > type_id::F64 {
-                    return Err(self.invalid(
-                        what(),
-                        at,
-                        format!("unknown array element type {elem_ty}"),
-                    ));
-                }
-                let count_at = self.pos;
-                let count = self.u64(what)?;
-                let fits = self.left() as u64 / Self::min_size(elem_ty);
-                if count > fits {
-                    return Err(self.invalid(
-                        what(),
-                        count_at,
-                        format!(
-                            "array of {count} elements cannot fit in the {} bytes left",
-                            self.left()
-                        ),
-                    ));
-                }
-                let mut items = Vec::with_capacity(count as usize);
-                for _ in 0..count {
-                    items.push(self.value(elem_ty, depth + 1, what)?);
-                }
-                MetaValue::Array(items)
-            }
+            type_id::ARRAY => MetaValue::Array(self.meta_array(depth, what)?),
             other => return Err(self.invalid(what(), at, format!("unknown value type {other}"))),
         })
+    }
+
+    /// An array value (element type, count, elements) at nesting `depth`, held packed.
+    fn meta_array(
+        &mut self,
+        depth: u32,
+        what: &dyn Fn() -> String,
+    ) -> Result<MetaArray, GgufError> {
+        let at = self.pos;
+        if depth >= MAX_ARRAY_DEPTH {
+            return Err(self.invalid(
+                what(),
+                at,
+                format!("arrays nested deeper than {MAX_ARRAY_DEPTH}"),
+            ));
+        }
+        let elem_ty = self.u32(what)?;
+        if elem_ty > type_id::F64 {
+            return Err(self.invalid(what(), at, format!("unknown array element type {elem_ty}")));
+        }
+        let count_at = self.pos;
+        let count = self.u64(what)?;
+        let fits = self.left() as u64 / Self::min_size(elem_ty);
+        if count > fits {
+            return Err(self.invalid(
+                what(),
+                count_at,
+                format!(
+                    "array of {count} elements cannot fit in the {} bytes left",
+                    self.left()
+                ),
+            ));
+        }
+        // `count` is bounded by the bytes left, so every allocation below is too.
+        let n = count as usize;
+        Ok(match elem_ty {
+            type_id::U8 => MetaArray::U8(self.fixed(n, what, |[b]| b)?),
+            type_id::I8 => MetaArray::I8(self.fixed(n, what, |[b]| b as i8)?),
+            type_id::U16 => MetaArray::U16(self.fixed(n, what, u16::from_le_bytes)?),
+            type_id::I16 => MetaArray::I16(self.fixed(n, what, i16::from_le_bytes)?),
+            type_id::U32 => MetaArray::U32(self.fixed(n, what, u32::from_le_bytes)?),
+            type_id::I32 => MetaArray::I32(self.fixed(n, what, i32::from_le_bytes)?),
+            type_id::F32 => MetaArray::F32(self.fixed(n, what, f32::from_le_bytes)?),
+            type_id::U64 => MetaArray::U64(self.fixed(n, what, u64::from_le_bytes)?),
+            type_id::I64 => MetaArray::I64(self.fixed(n, what, i64::from_le_bytes)?),
+            type_id::F64 => MetaArray::F64(self.fixed(n, what, f64::from_le_bytes)?),
+            type_id::BOOL => {
+                let start = self.pos;
+                let raw = self.take(count, what)?;
+                if let Some(i) = raw.iter().position(|&b| b > 1) {
+                    return Err(self.invalid(
+                        what(),
+                        start + i,
+                        format!("bool byte is {}, expected 0 or 1", raw[i]),
+                    ));
+                }
+                MetaArray::Bool(raw.iter().map(|&b| b == 1).collect())
+            }
+            type_id::STRING => {
+                let mut strings = Strings::with_capacity(n);
+                for _ in 0..n {
+                    strings.push(self.str(MAX_STRING_LEN, what)?);
+                }
+                MetaArray::String(strings)
+            }
+            _ => {
+                let mut arrays = Vec::with_capacity(n);
+                for _ in 0..n {
+                    arrays.push(self.meta_array(depth + 1, what)?);
+                }
+                MetaArray::Array(arrays)
+            }
+        })
+    }
+
+    /// `n` fixed-size little-endian elements of `N` bytes each.
+    fn fixed<T, const N: usize>(
+        &mut self,
+        n: usize,
+        what: &dyn Fn() -> String,
+        decode: impl Fn([u8; N]) -> T,
+    ) -> Result<Vec<T>, GgufError> {
+        let raw = self.take(n as u64 * N as u64, what)?;
+        Ok(raw
+            .chunks_exact(N)
+            .map(|chunk| {
+                let mut bytes = [0u8; N];
+                bytes.copy_from_slice(chunk);
+                decode(bytes)
+            })
+            .collect())
     }
 }
 

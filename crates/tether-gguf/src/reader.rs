@@ -199,29 +199,17 @@ impl GgufFile {
 
     /// An array of strings (`None` if any element is not a string).
     pub fn get_str_array(&self, key: &str) -> Option<Vec<&str>> {
-        self.get(key)?
-            .as_array()?
-            .iter()
-            .map(MetaValue::as_str)
-            .collect()
+        Some(self.get(key)?.as_array()?.as_strings()?.iter().collect())
     }
 
     /// An array of `F32`/`F64` values.
     pub fn get_f32_array(&self, key: &str) -> Option<Vec<f32>> {
-        self.get(key)?
-            .as_array()?
-            .iter()
-            .map(MetaValue::as_f32)
-            .collect()
+        self.get(key)?.as_array()?.to_f32s()
     }
 
     /// An array of integers that all fit `i32`.
     pub fn get_i32_array(&self, key: &str) -> Option<Vec<i32>> {
-        self.get(key)?
-            .as_array()?
-            .iter()
-            .map(MetaValue::as_i32)
-            .collect()
+        self.get(key)?.as_array()?.to_i32s()
     }
 
     /// All tensor records, in file order.

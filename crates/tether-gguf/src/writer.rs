@@ -7,8 +7,9 @@
 use std::io::{self, Read, Write};
 use std::path::Path;
 
+use crate::array::MetaArray;
 use crate::error::GgufError;
-use crate::metadata::{MetaValue, type_id};
+use crate::metadata::MetaValue;
 use crate::parse::{DEFAULT_ALIGNMENT, MAX_DIMS};
 use crate::types::GgmlType;
 
@@ -162,14 +163,6 @@ impl GgufWriter {
 
     /// Write the file to `out`; `name` is used in errors.
     pub fn write_to(self, out: &mut dyn Write, name: &str) -> Result<(), GgufError> {
-        let named = |e: GgufError| match e {
-            GgufError::Write { what, reason, .. } => GgufError::Write {
-                path: name.to_string(),
-                what,
-                reason,
-            },
-            other => other,
-        };
         let io_err = |source| GgufError::Io {
             path: name.to_string(),
             action: "write",
@@ -183,7 +176,7 @@ impl GgufWriter {
         for (key, value) in &self.metadata {
             put_string(&mut header, key);
             header.extend_from_slice(&value.type_id().to_le_bytes());
-            put_value(&mut header, value, key).map_err(named)?;
+            put_value(&mut header, value);
         }
         let mut offset = 0u64;
         let mut offsets = Vec::with_capacity(self.tensors.len());
@@ -273,7 +266,7 @@ fn put_string(buf: &mut Vec<u8>, s: &str) {
     buf.extend_from_slice(s.as_bytes());
 }
 
-fn put_value(buf: &mut Vec<u8>, value: &MetaValue, key: &str) -> Result<(), GgufError> {
+fn put_value(buf: &mut Vec<u8>, value: &MetaValue) {
     match value {
         MetaValue::U8(v) => buf.push(*v),
         MetaValue::I8(v) => buf.push(*v as u8),
@@ -287,27 +280,34 @@ fn put_value(buf: &mut Vec<u8>, value: &MetaValue, key: &str) -> Result<(), Gguf
         MetaValue::U64(v) => buf.extend_from_slice(&v.to_le_bytes()),
         MetaValue::I64(v) => buf.extend_from_slice(&v.to_le_bytes()),
         MetaValue::F64(v) => buf.extend_from_slice(&v.to_le_bytes()),
-        MetaValue::Array(items) => {
-            // An empty array's element type is not recorded in MetaValue; u8 is as good as any.
-            let elem_ty = items.first().map_or(type_id::U8, MetaValue::type_id);
-            if let Some(bad) = items.iter().find(|i| i.type_id() != elem_ty) {
-                return Err(write_err(
-                    format!("metadata key '{key}'"),
-                    format!(
-                        "array mixes element types {} and {}",
-                        items[0].type_name(),
-                        bad.type_name()
-                    ),
-                ));
-            }
-            buf.extend_from_slice(&elem_ty.to_le_bytes());
-            buf.extend_from_slice(&(items.len() as u64).to_le_bytes());
-            for item in items {
-                put_value(buf, item, key)?;
-            }
+        MetaValue::Array(items) => put_array(buf, items),
+    }
+}
+
+/// Element type, count and elements; one type throughout, so nothing can be refused.
+fn put_array(buf: &mut Vec<u8>, items: &MetaArray) {
+    fn each<T: Copy, const N: usize>(buf: &mut Vec<u8>, v: &[T], le: impl Fn(T) -> [u8; N]) {
+        for &x in v {
+            buf.extend_from_slice(&le(x));
         }
     }
-    Ok(())
+    buf.extend_from_slice(&items.elem_type_id().to_le_bytes());
+    buf.extend_from_slice(&(items.len() as u64).to_le_bytes());
+    match items {
+        MetaArray::U8(v) => buf.extend_from_slice(v),
+        MetaArray::I8(v) => each(buf, v, i8::to_le_bytes),
+        MetaArray::U16(v) => each(buf, v, u16::to_le_bytes),
+        MetaArray::I16(v) => each(buf, v, i16::to_le_bytes),
+        MetaArray::U32(v) => each(buf, v, u32::to_le_bytes),
+        MetaArray::I32(v) => each(buf, v, i32::to_le_bytes),
+        MetaArray::F32(v) => each(buf, v, f32::to_le_bytes),
+        MetaArray::Bool(v) => buf.extend(v.iter().map(|&b| u8::from(b))),
+        MetaArray::String(v) => v.iter().for_each(|s| put_string(buf, s)),
+        MetaArray::Array(v) => v.iter().for_each(|a| put_array(buf, a)),
+        MetaArray::U64(v) => each(buf, v, u64::to_le_bytes),
+        MetaArray::I64(v) => each(buf, v, i64::to_le_bytes),
+        MetaArray::F64(v) => each(buf, v, f64::to_le_bytes),
+    }
 }
 
 #[cfg(test)]
@@ -331,24 +331,32 @@ mod tests {
             ("k.f64".into(), MetaValue::F64(-2.5e300)),
             (
                 "k.arr.str".into(),
-                MetaValue::Array(vec![
-                    MetaValue::String("a".into()),
-                    MetaValue::String("".into()),
-                ]),
+                MetaValue::Array(MetaArray::strings(["a", ""])),
             ),
             (
                 "k.arr.i32".into(),
-                MetaValue::Array((-3..4).map(MetaValue::I32).collect()),
+                MetaValue::Array(MetaArray::I32((-3..4).collect())),
             ),
             (
                 "k.arr.f32".into(),
-                MetaValue::Array(vec![MetaValue::F32(0.5), MetaValue::F32(-1.0)]),
+                MetaValue::Array(MetaArray::F32(vec![0.5, -1.0])),
             ),
             (
                 "k.arr.nested".into(),
-                MetaValue::Array(vec![MetaValue::Array(vec![MetaValue::U8(1)])]),
+                MetaValue::Array(MetaArray::Array(vec![MetaArray::U8(vec![1])])),
             ),
-            ("k.arr.empty".into(), MetaValue::Array(vec![])),
+            (
+                "k.arr.empty".into(),
+                MetaValue::Array(MetaArray::F64(vec![])),
+            ),
+            (
+                "k.arr.bool".into(),
+                MetaValue::Array(MetaArray::Bool(vec![true, false])),
+            ),
+            (
+                "k.arr.u64".into(),
+                MetaValue::Array(MetaArray::U64(vec![u64::MAX, 0])),
+            ),
         ]
     }
 
@@ -436,11 +444,5 @@ mod tests {
         .unwrap();
         let err = w.write_to(&mut Vec::new(), "mem").unwrap_err().to_string();
         assert!(err.contains("'short'") && err.contains("15"), "{err}");
-        let mut w = GgufWriter::new();
-        w.add_metadata(
-            "mixed",
-            MetaValue::Array(vec![MetaValue::U8(1), MetaValue::I8(1)]),
-        );
-        assert!(w.write_to(&mut Vec::new(), "mem").is_err());
     }
 }

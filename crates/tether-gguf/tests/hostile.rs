@@ -2,7 +2,7 @@
 //! panic or an allocation sized by an unchecked field.
 
 use proptest::prelude::*;
-use tether_gguf::{GgmlType, GgufError, GgufFile, GgufWriter, MetaValue};
+use tether_gguf::{GgmlType, GgufError, GgufFile, GgufWriter, MetaArray, MetaValue};
 
 fn valid_file() -> Vec<u8> {
     let mut w = GgufWriter::new();
@@ -10,13 +10,9 @@ fn valid_file() -> Vec<u8> {
     w.add_metadata("llama.block_count", MetaValue::U32(2));
     w.add_metadata(
         "tokenizer.ggml.tokens",
-        MetaValue::Array(
-            ["<s>", "a", "bc"]
-                .map(|s| MetaValue::String(s.into()))
-                .to_vec(),
-        ),
+        MetaValue::Array(MetaArray::strings(["<s>", "a", "bc"])),
     );
-    w.add_metadata("scores", MetaValue::Array(vec![MetaValue::F32(0.5); 3]));
+    w.add_metadata("scores", MetaValue::Array(MetaArray::F32(vec![0.5; 3])));
     w.add_tensor("t0", GgmlType::F32, &[4, 2], vec![1; 32])
         .unwrap();
     w.add_tensor("t1", GgmlType::Q4_0, &[32], vec![2; 18])

@@ -1,6 +1,6 @@
 //! A SentencePiece-style vocabulary for synthetic models, so they can be tokenized and run.
 
-use tether_gguf::{GgufWriter, MetaValue};
+use tether_gguf::{GgufWriter, MetaArray, MetaValue};
 
 const SPACE: char = '\u{2581}';
 const CONSONANTS: &[u8] = b"bcdfghjklmnprstvwz";
@@ -52,22 +52,25 @@ pub(crate) fn add_tokenizer(w: &mut GgufWriter, n_vocab: usize) {
     types.truncate(n_vocab);
     let scores = (0..tokens.len())
         .map(|i| {
-            MetaValue::F32(if i < fixed {
+            if i < fixed {
                 0.0
             } else {
                 -((i - fixed) as f32)
-            })
+            }
         })
         .collect();
     w.add_metadata("tokenizer.ggml.model", MetaValue::String("llama".into()));
     w.add_metadata(
         "tokenizer.ggml.tokens",
-        MetaValue::Array(tokens.into_iter().map(MetaValue::String).collect()),
+        MetaValue::Array(MetaArray::strings(&tokens)),
     );
-    w.add_metadata("tokenizer.ggml.scores", MetaValue::Array(scores));
+    w.add_metadata(
+        "tokenizer.ggml.scores",
+        MetaValue::Array(MetaArray::F32(scores)),
+    );
     w.add_metadata(
         "tokenizer.ggml.token_type",
-        MetaValue::Array(types.into_iter().map(MetaValue::I32).collect()),
+        MetaValue::Array(MetaArray::I32(types)),
     );
     w.add_metadata("tokenizer.ggml.bos_token_id", MetaValue::U32(1));
     w.add_metadata("tokenizer.ggml.eos_token_id", MetaValue::U32(2));
