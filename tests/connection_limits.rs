@@ -1,13 +1,14 @@
 //! `tether serve` against clients that hold connections: idle sockets beyond the cap,
 //! headers or bodies trickled a byte at a time, a body declared a terabyte long. Each is
-//! answered or closed within its limit while `/health` keeps answering.
+//! answered or closed within its limit while `/health` keeps answering. A flood of gRPC
+//! connections leaves a worker's memory where it was once it has drained.
 
 mod support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
-use support::{Serve, TinyModel, http_deadline};
+use support::{Serve, TinyModel, Worker, http_deadline, rss_kb};
 
 /// The tests count descriptors and time closings on a small machine: one at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -197,4 +198,84 @@ fn a_trickled_body_gets_408_at_the_body_timeout() {
     )
     .expect("completion");
     assert_eq!(status, 200, "{body}");
+}
+
+/// Raises this process's soft descriptor limit to its hard one; returns the soft limit now.
+fn raise_descriptor_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit of our own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return 1024;
+        }
+        let raised = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+            return lim.rlim_max;
+        }
+    }
+    lim.rlim_cur
+}
+
+#[test]
+fn a_drained_flood_of_grpc_connections_gives_its_memory_back() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let flood = (raise_descriptor_limit().saturating_sub(100) as usize).min(2000);
+    assert!(flood >= 500, "only {flood} descriptors to flood with");
+    let worker = Worker::start(&["--max-connections", "4096"]);
+    let pid = worker.pid();
+    std::thread::sleep(Duration::from_millis(300));
+    let baseline_kb = rss_kb(pid);
+    // The HTTP/2 preface and an empty SETTINGS frame: each connection gets its buffers
+    // and then waits for more.
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    let socks: Vec<TcpStream> = (0..flood)
+        .map(|_| {
+            let mut s = TcpStream::connect(&worker.addr).expect("connect");
+            s.write_all(&hello).expect("preface");
+            s
+        })
+        .collect();
+    let since = Instant::now();
+    let grown_kb = loop {
+        let grown = rss_kb(pid).saturating_sub(baseline_kb);
+        if grown >= 10 * 1024 || since.elapsed() > Duration::from_secs(10) {
+            break grown;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        grown_kb >= 10 * 1024,
+        "{flood} connections grew the worker by only {grown_kb} kB: the test measures nothing"
+    );
+    drop(socks);
+    let dropped = Instant::now();
+    const BOUND_KB: u64 = 4 * 1024;
+    loop {
+        let now_kb = rss_kb(pid);
+        if now_kb <= baseline_kb + BOUND_KB {
+            println!(
+                "{flood} connections: RSS {baseline_kb} kB, +{grown_kb} kB while open, back within {BOUND_KB} kB after {:?}",
+                dropped.elapsed()
+            );
+            break;
+        }
+        assert!(
+            dropped.elapsed() < Duration::from_secs(3),
+            "3 s after {flood} connections closed the worker holds {now_kb} kB, baseline {baseline_kb} kB (+{grown_kb} kB while open)"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = worker.status();
+    assert_eq!(status["sessions"], 0);
+    assert!(
+        status["unaccounted_bytes"].as_u64().unwrap_or(u64::MAX) < 8 << 20,
+        "{status}"
+    );
 }

@@ -8,6 +8,7 @@ pub mod error;
 pub mod file_identity;
 pub mod forward;
 pub mod grpc;
+pub mod heap;
 pub mod ids;
 pub mod link;
 pub mod prepare_timings;

@@ -9,6 +9,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
+use tether_protocol::heap::{FloodWatch, OpenConnection};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -26,6 +27,7 @@ pub struct Guarded {
     deadline: Option<Pin<Box<Sleep>>>,
     seen: usize,
     _slot: OwnedSemaphorePermit,
+    _open: OpenConnection,
 }
 
 /// Admits connections while fewer than `max` are open.
@@ -33,6 +35,8 @@ pub struct Guarded {
 pub struct ConnectionLimits {
     slots: Arc<Semaphore>,
     handshake_within: Duration,
+    /// Returns a flood's buffers to the OS once it has drained.
+    flood: Arc<FloodWatch>,
 }
 
 impl ConnectionLimits {
@@ -41,6 +45,7 @@ impl ConnectionLimits {
         Self {
             slots: Arc::new(Semaphore::new(max.max(1))),
             handshake_within,
+            flood: Arc::default(),
         }
     }
 
@@ -59,6 +64,7 @@ impl ConnectionLimits {
             deadline: Some(Box::pin(tokio::time::sleep(self.handshake_within))),
             seen: 0,
             _slot: slot,
+            _open: self.flood.open(),
         })
     }
 }

@@ -7,7 +7,7 @@
 pub mod embedded;
 pub mod grpc;
 pub mod handshake;
-pub mod heap;
+pub use tether_protocol::heap;
 pub mod leak_watch;
 pub mod ledger;
 pub mod link;

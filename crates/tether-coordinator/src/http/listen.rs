@@ -71,6 +71,8 @@ pub async fn serve_with_limits(
 ) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let answers = Arc::new(Semaphore::new(OVER_CAP_ANSWERS));
+    // Returns a flood's buffers to the OS once it has drained.
+    let flood = Arc::new(tether_protocol::heap::FloodWatch::default());
     let graceful = GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -112,8 +114,10 @@ pub async fn serve_with_limits(
         };
         let (builder, service, tls) = (Arc::clone(&builder), service.clone(), tls.clone());
         let watcher = graceful.watcher();
+        let open = flood.open();
         tokio::spawn(async move {
             let _slot: OwnedSemaphorePermit = slot;
+            let _open = open;
             match tls {
                 None => {
                     let io = TokioIo::new(FirstByteDeadline::new(tcp, limits.header_timeout));

@@ -1,0 +1,97 @@
+//! Giving freed host memory back to the operating system.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Returns the free pages of every malloc arena to the OS. A session's host buffers (cpu
+/// weights, KV, scratch) are large and freed together, and so are the buffers of a flood of
+/// connections; without this, glibc keeps them in per-thread arenas and the process's RSS
+/// stays at its high-water mark after they have gone, which reads as a leak to operators
+/// watching it.
+pub fn return_freed_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks the allocator's own free lists; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Connections open at once from which their closing is worth a trim.
+const FLOOD: usize = 256;
+
+/// Counts a server's open connections and returns the heap to the OS once a flood of them
+/// (at least [`FLOOD`] open at once) has drained to a quarter of its peak: each connection's
+/// buffers are small, so the allocator keeps them all after they are freed.
+#[derive(Debug, Default)]
+pub struct FloodWatch {
+    open: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+/// One open connection of a [`FloodWatch`]; dropping it counts the connection closed.
+#[derive(Debug)]
+pub struct OpenConnection(Arc<FloodWatch>);
+
+impl FloodWatch {
+    /// Counts a connection open until the returned value is dropped.
+    pub fn open(self: &Arc<Self>) -> OpenConnection {
+        let open = self.open.fetch_add(1, Ordering::AcqRel) + 1;
+        self.peak.fetch_max(open, Ordering::AcqRel);
+        OpenConnection(Arc::clone(self))
+    }
+
+    /// Connections open now.
+    pub fn open_now(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Whether a connection closing, leaving `open`, ends a flood; if so the next flood is
+    /// counted from `open`.
+    fn drained(&self, open: usize) -> bool {
+        let peak = self.peak.load(Ordering::Acquire);
+        peak >= FLOOD
+            && open <= peak / 4
+            && self
+                .peak
+                .compare_exchange(peak, open, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        let open = self.0.open.fetch_sub(1, Ordering::AcqRel) - 1;
+        if self.0.drained(open) {
+            // Off the caller's (async) thread: a trim walks every arena.
+            let _ = std::thread::Builder::new()
+                .name("tether-trim".into())
+                .spawn(return_freed_heap);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_is_over_once_a_quarter_of_its_peak_is_left() {
+        let watch = Arc::new(FloodWatch::default());
+        let mut open: Vec<OpenConnection> = (0..FLOOD).map(|_| watch.open()).collect();
+        assert_eq!(watch.open_now(), FLOOD);
+        open.truncate(FLOOD / 4 + 1);
+        assert_eq!(watch.peak.load(Ordering::Acquire), FLOOD, "not drained yet");
+        open.pop();
+        assert_eq!(
+            watch.peak.load(Ordering::Acquire),
+            FLOOD / 4,
+            "drained: the next flood counts from here"
+        );
+        drop(open);
+        assert_eq!(watch.open_now(), 0);
+        // Fewer than a flood: no trim, the peak just follows.
+        let few: Vec<OpenConnection> = (0..10).map(|_| watch.open()).collect();
+        drop(few);
+        assert_eq!(watch.peak.load(Ordering::Acquire), FLOOD / 4);
+    }
+}
