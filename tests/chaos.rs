@@ -412,11 +412,8 @@ fn seeded_chaos_keeps_workers_up_and_frees_every_session() {
         "TETHER_CHAOS_SEED={seed} TETHER_CHAOS_ITERATIONS={iterations} TETHER_CHAOS_SECONDS={}",
         duration.map_or(0, |d| d.as_secs())
     );
-    // splitmix64 first, so that nearby seeds give unrelated runs.
-    let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    let mut rng = Rng((z ^ (z >> 31)) | 1);
+    // Seeded through splitmix64, so that nearby seeds give unrelated runs.
+    let mut rng = Rng(tether_compute::rng::SplitMix64::seed_of(seed, 0) | 1);
     let workers = [Worker::start(&[]), Worker::start(&[])];
     let proxies = [
         Proxy::start(&workers[0].addr),

@@ -58,17 +58,12 @@ impl ModelArgs {
     }
 }
 
-/// The cache directory: `$TETHER_CACHE`, else `$XDG_CACHE_HOME/tether`, else `~/.cache/tether`.
+/// The cache directory ([`tether_compute::cache_root`]: `$TETHER_CACHE`, else
+/// `$XDG_CACHE_HOME/tether`, else `~/.cache/tether`), else one under the temporary
+/// directory; created when missing.
 pub fn cache_dir() -> Result<PathBuf> {
-    let dir = if let Some(dir) = std::env::var_os("TETHER_CACHE") {
-        PathBuf::from(dir)
-    } else if let Some(xdg) = std::env::var_os("XDG_CACHE_HOME") {
-        PathBuf::from(xdg).join("tether")
-    } else if let Some(home) = std::env::var_os("HOME") {
-        PathBuf::from(home).join(".cache").join("tether")
-    } else {
-        std::env::temp_dir().join("tether-cache")
-    };
+    let dir =
+        tether_compute::cache_root().unwrap_or_else(|| std::env::temp_dir().join("tether-cache"));
     std::fs::create_dir_all(&dir)
         .with_context(|| format!("creating cache directory {}", dir.display()))?;
     Ok(dir)

@@ -82,6 +82,18 @@ pub enum ClientError {
         /// The worker's message.
         message: String,
     },
+    /// A reply (or a request, checked before sending) that the protocol's own types
+    /// refuse; the refusal is kept as the source, and its kind is the call's.
+    #[error("{op} on worker {addr}: {source}")]
+    Domain {
+        /// The call.
+        op: &'static str,
+        /// The worker's address.
+        addr: String,
+        /// What the protocol's types said.
+        #[source]
+        source: WorkerError,
+    },
     /// The worker broke the protocol or the request was refused before sending.
     #[error("{op} on worker {addr}: {detail}")]
     Protocol {
@@ -100,27 +112,16 @@ impl ClientError {
         match self {
             Self::Connect { .. } => ErrorKind::Unavailable,
             Self::Rpc { kind, .. } => *kind,
+            Self::Domain { source, .. } => domain_kind(source),
             Self::Protocol { .. } => ErrorKind::InvalidArgument,
         }
     }
 
     pub(crate) fn rpc(op: &'static str, addr: &str, s: &tonic::Status) -> Self {
-        use tonic::Code;
-        let kind = match s.code() {
-            Code::NotFound => ErrorKind::NotFound,
-            Code::InvalidArgument | Code::OutOfRange => ErrorKind::InvalidArgument,
-            Code::FailedPrecondition if refused_local_file(s) => ErrorKind::LocalFileRefused,
-            Code::FailedPrecondition => ErrorKind::FailedPrecondition,
-            Code::ResourceExhausted => ErrorKind::ResourceExhausted,
-            Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded => ErrorKind::Unavailable,
-            Code::Unauthenticated | Code::PermissionDenied => ErrorKind::Unauthenticated,
-            Code::Aborted => ErrorKind::Aborted,
-            _ => ErrorKind::Internal,
-        };
         Self::Rpc {
             op,
             addr: addr.to_string(),
-            kind,
+            kind: status_kind(s),
             message: s.message().to_string(),
         }
     }
@@ -134,7 +135,33 @@ impl ClientError {
     }
 
     pub(crate) fn domain(op: &'static str, addr: &str, e: WorkerError) -> Self {
-        Self::protocol(op, addr, e.to_string())
+        Self::Domain {
+            op,
+            addr: addr.to_string(),
+            source: e,
+        }
+    }
+}
+
+/// The kind of a refusal by the protocol's types: what the worker's gRPC status for the
+/// same error would say.
+fn domain_kind(e: &WorkerError) -> ErrorKind {
+    status_kind(&tether_protocol::grpc::to_status(e.clone()))
+}
+
+/// The kind of failure a worker's gRPC status says.
+fn status_kind(s: &tonic::Status) -> ErrorKind {
+    use tonic::Code;
+    match s.code() {
+        Code::NotFound => ErrorKind::NotFound,
+        Code::InvalidArgument | Code::OutOfRange => ErrorKind::InvalidArgument,
+        Code::FailedPrecondition if refused_local_file(s) => ErrorKind::LocalFileRefused,
+        Code::FailedPrecondition => ErrorKind::FailedPrecondition,
+        Code::ResourceExhausted => ErrorKind::ResourceExhausted,
+        Code::Unavailable | Code::Cancelled | Code::DeadlineExceeded => ErrorKind::Unavailable,
+        Code::Unauthenticated | Code::PermissionDenied => ErrorKind::Unauthenticated,
+        Code::Aborted => ErrorKind::Aborted,
+        _ => ErrorKind::Internal,
     }
 }
 
@@ -388,7 +415,21 @@ fn data_host(addr: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
-    use super::{data_host, endpoint_uri};
+    use super::{ClientError, ErrorKind, WorkerError, data_host, endpoint_uri};
+    use std::error::Error;
+
+    #[test]
+    fn a_domain_refusal_keeps_its_error_and_the_kind_its_status_would_have() {
+        let e = ClientError::domain("forward", "w:1", WorkerError::NotFound("session 7".into()));
+        assert_eq!(e.kind(), ErrorKind::NotFound);
+        assert_eq!(e.to_string(), "forward on worker w:1: session 7");
+        let source = e.source().and_then(|s| s.downcast_ref::<WorkerError>());
+        assert_eq!(source, Some(&WorkerError::NotFound("session 7".into())));
+        let local = ClientError::domain("prepare", "w:1", WorkerError::LocalFile("no".into()));
+        assert_eq!(local.kind(), ErrorKind::LocalFileRefused);
+        let bad = ClientError::domain("hello", "w:1", WorkerError::InvalidArgument("x".into()));
+        assert_eq!(bad.kind(), ErrorKind::InvalidArgument);
+    }
 
     #[test]
     fn the_data_link_host_is_the_grpc_host() {

@@ -11,6 +11,8 @@
 
 use crate::error::ComputeError;
 use crate::moe::{MoeFfn, MoeRouting, MoeScratch};
+pub use crate::operands::{KvCache, KvCacheMut, Qkv, Rope, Scores, Weight};
+use crate::operands::{common_cols, gate_up_shape};
 use tether_gguf::GgmlType;
 
 /// Result type of every backend call.
@@ -198,34 +200,27 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
-    /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `t < n_tokens`; `w` is `[rows][cols]` of `ty`.
-    #[allow(clippy::too_many_arguments)]
+    /// `out[t][r] = Σ_c w[r][c] · x[t][c]` for `t < n_tokens`.
     fn matmul(
         &self,
-        w: &Self::Buffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        w: Weight<'_, Self::Buffer>,
         x: &Self::Buffer,
         n_tokens: usize,
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
-    /// Three products of one input (attention's q, k and v): `outs[i][t] = ws[i] · x[t]`,
-    /// `ws[i]` being `[rows[i]][cols]` of `types[i]`.
-    #[allow(clippy::too_many_arguments)]
+    /// Three products of one input (attention's q, k and v): `outs[i][t] = ws[i] · x[t]`;
+    /// the three have the same `cols`.
     fn matmul3(
         &self,
-        ws: [&Self::Buffer; 3],
-        types: [GgmlType; 3],
-        rows: [usize; 3],
-        cols: usize,
+        ws: [Weight<'_, Self::Buffer>; 3],
         x: &Self::Buffer,
         n_tokens: usize,
         outs: [&mut Self::Buffer; 3],
     ) -> Result<()> {
-        for (i, out) in outs.into_iter().enumerate() {
-            self.matmul(ws[i], types[i], rows[i], cols, x, n_tokens, out)?;
+        common_cols("matmul", &ws)?;
+        for (w, out) in ws.into_iter().zip(outs) {
+            self.matmul(w, x, n_tokens, out)?;
         }
         Ok(())
     }
@@ -233,42 +228,34 @@ pub trait Backend: Send + Sync + 'static {
     /// `acc[t][r] += Σ_c w[r][c] · x[t][c]`: a matmul added into `acc` (the residual
     /// stream). `tmp` (`[n_tokens][rows]` f32) is scratch for backends that multiply first
     /// and add after; a backend that adds as it stores leaves it untouched.
-    #[allow(clippy::too_many_arguments)]
     fn matmul_add(
         &self,
-        w: &Self::Buffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        w: Weight<'_, Self::Buffer>,
         x: &Self::Buffer,
         n_tokens: usize,
         acc: &mut Self::Buffer,
         tmp: &mut Self::Buffer,
     ) -> Result<()> {
-        self.matmul(w, ty, rows, cols, x, n_tokens, tmp)?;
-        self.add(acc, tmp, n_tokens * rows)
+        self.matmul(w, x, n_tokens, tmp)?;
+        self.add(acc, tmp, n_tokens * w.rows)
     }
 
-    /// The feed-forward gate: `out[t][r] = silu(gate[r] · x[t]) · (up[r] · x[t])`, with
-    /// `gate` and `up` both `[rows][cols]` of `ty`. `gate_tmp` and `up_tmp`
-    /// (`[n_tokens][rows]` f32) are scratch for backends that multiply first; one that
-    /// fuses the three steps leaves them untouched.
-    #[allow(clippy::too_many_arguments)]
+    /// The feed-forward gate: `out[t][r] = silu(gate[r] · x[t]) · (up[r] · x[t])` for
+    /// `[gate, up] = gate_up`, two matrices of one shape. `tmp` (gate and up products,
+    /// each `[n_tokens][rows]` f32) is scratch for backends that multiply first; one that
+    /// fuses the three steps leaves it untouched.
     fn matmul_swiglu(
         &self,
-        gate: &Self::Buffer,
-        up: &Self::Buffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        gate_up: [Weight<'_, Self::Buffer>; 2],
         x: &Self::Buffer,
         n_tokens: usize,
         out: &mut Self::Buffer,
-        gate_tmp: &mut Self::Buffer,
-        up_tmp: &mut Self::Buffer,
+        tmp: [&mut Self::Buffer; 2],
     ) -> Result<()> {
-        self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
-        self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
+        let (rows, _) = gate_up_shape("matmul", gate_up)?;
+        let ([gate, up], [gate_tmp, up_tmp]) = (gate_up, tmp);
+        self.matmul(gate, x, n_tokens, gate_tmp)?;
+        self.matmul(up, x, n_tokens, up_tmp)?;
         self.swiglu(gate_tmp, up_tmp, n_tokens * rows, out)
     }
 
@@ -292,9 +279,9 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
-    /// Rotates `x` (`[n_tokens][n_heads][head_dim]`) in place by `positions[t]`.
-    /// `freq_factors` (f32, `n_rot / 2`) divides each pair's frequency when present (llama3 rope scaling).
-    #[allow(clippy::too_many_arguments)]
+    /// Rotates `x` (`[n_tokens][n_heads][head_dim]`) in place by `positions[t]`, as
+    /// `rope` says (its frequency factors, when present, divide each pair's frequency:
+    /// llama3 rope scaling).
     fn rope(
         &self,
         x: &mut Self::Buffer,
@@ -302,8 +289,7 @@ pub trait Backend: Send + Sync + 'static {
         n_heads: usize,
         head_dim: usize,
         positions: &[u32],
-        params: &RopeParams,
-        freq_factors: Option<&Self::Buffer>,
+        rope: Rope<'_, Self::Buffer>,
     ) -> Result<()>;
 
     /// Writes rows of `src` (`[n_tokens][kv_dim]` f32) into `cache` rows `cells[t]`, converting
@@ -318,62 +304,49 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
 
     /// Causal attention of each query row `t` (`q`: `[n_tokens][n_heads][head_dim]`) over the
-    /// cache cells `spans[t]`, softmax scaled by `scale`; writes `out` like `q`.
-    /// `k_cache`/`v_cache` are `[cells][n_kv_heads][head_dim]` of `cache_ty`.
-    #[allow(clippy::too_many_arguments)]
+    /// cells `spans[t]` of `cache`, softmax scaled by `scale`; writes `out` like `q`.
     fn attention(
         &self,
         q: &Self::Buffer,
-        k_cache: &Self::Buffer,
-        v_cache: &Self::Buffer,
-        cache_ty: GgmlType,
+        cache: KvCache<'_, Self::Buffer>,
         spans: &[AttnSpan],
         shape: AttnShape,
         scale: f32,
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
-    /// [`Backend::attention`] with each scaled score soft-capped to
+    /// [`Backend::attention`] with the scores `scores` gives: scaled, then soft-capped to
     /// `softcap · tanh(score / softcap)` before the softmax (Gemma 2); a `softcap` of 0
     /// caps nothing, any other must be positive.
-    #[allow(clippy::too_many_arguments)]
     fn attention_capped(
         &self,
         q: &Self::Buffer,
-        k_cache: &Self::Buffer,
-        v_cache: &Self::Buffer,
-        cache_ty: GgmlType,
+        cache: KvCache<'_, Self::Buffer>,
         spans: &[AttnSpan],
         shape: AttnShape,
-        scale: f32,
-        softcap: f32,
+        scores: Scores,
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
-    /// One step's rotary embedding and cache write: [`Backend::rope`] on `q` (`shape.n_heads`
-    /// heads) and on `k` (`shape.n_kv_heads`), then [`Backend::kv_store`] of `k` into
-    /// `k_cache` and of `v` into `v_cache`, both of `cache_ty`. A backend may do it in one pass.
-    #[allow(clippy::too_many_arguments)]
+    /// One step's rotary embedding and cache write: [`Backend::rope`] on `qkv.q`
+    /// (`shape.n_heads` heads) and on `qkv.k` (`shape.n_kv_heads`), then
+    /// [`Backend::kv_store`] of the keys and values into `cache` at `cells`. A backend may
+    /// do it in one pass.
     fn rope_and_store(
         &self,
-        q: &mut Self::Buffer,
-        k: &mut Self::Buffer,
-        v: &Self::Buffer,
+        qkv: Qkv<'_, Self::Buffer>,
         shape: AttnShape,
         positions: &[u32],
-        params: &RopeParams,
-        freq_factors: Option<&Self::Buffer>,
+        rope: Rope<'_, Self::Buffer>,
         cells: &[u32],
-        k_cache: &mut Self::Buffer,
-        v_cache: &mut Self::Buffer,
-        cache_ty: GgmlType,
+        cache: KvCacheMut<'_, Self::Buffer>,
     ) -> Result<()> {
-        let (n, hd) = (positions.len(), shape.head_dim);
-        self.rope(q, n, shape.n_heads, hd, positions, params, freq_factors)?;
-        self.rope(k, n, shape.n_kv_heads, hd, positions, params, freq_factors)?;
+        let (Qkv { q, k, v }, n, hd) = (qkv, positions.len(), shape.head_dim);
+        self.rope(q, n, shape.n_heads, hd, positions, rope)?;
+        self.rope(k, n, shape.n_kv_heads, hd, positions, rope)?;
         let kv_dim = shape.n_kv_heads * hd;
-        self.kv_store(k, kv_dim, cells, k_cache, cache_ty)?;
-        self.kv_store(v, kv_dim, cells, v_cache, cache_ty)
+        self.kv_store(k, kv_dim, cells, cache.k, cache.ty)?;
+        self.kv_store(v, kv_dim, cells, cache.v, cache.ty)
     }
 
     /// Mixture-of-experts routing ([`crate::moe::route_token`] for each of `n_tokens`
@@ -437,27 +410,22 @@ pub trait Backend: Send + Sync + 'static {
 
     /// [`Backend::matmul_swiglu`] with the activation `act`:
     /// `out[t][r] = act(gate[r] · x[t]) · (up[r] · x[t])`.
-    #[allow(clippy::too_many_arguments)]
     fn matmul_gated(
         &self,
         act: GateAct,
-        gate: &Self::Buffer,
-        up: &Self::Buffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        gate_up: [Weight<'_, Self::Buffer>; 2],
         x: &Self::Buffer,
         n_tokens: usize,
         out: &mut Self::Buffer,
-        gate_tmp: &mut Self::Buffer,
-        up_tmp: &mut Self::Buffer,
+        tmp: [&mut Self::Buffer; 2],
     ) -> Result<()> {
         if act == GateAct::Silu {
-            return self
-                .matmul_swiglu(gate, up, ty, rows, cols, x, n_tokens, out, gate_tmp, up_tmp);
+            return self.matmul_swiglu(gate_up, x, n_tokens, out, tmp);
         }
-        self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
-        self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
+        let (rows, _) = gate_up_shape("matmul", gate_up)?;
+        let ([gate, up], [gate_tmp, up_tmp]) = (gate_up, tmp);
+        self.matmul(gate, x, n_tokens, gate_tmp)?;
+        self.matmul(up, x, n_tokens, up_tmp)?;
         self.gated(act, gate_tmp, up_tmp, n_tokens * rows, out)
     }
 

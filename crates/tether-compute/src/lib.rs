@@ -4,19 +4,23 @@
 
 pub mod argmax;
 pub mod backend;
+pub mod cache_dir;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
 pub mod moe;
+mod operands;
+pub mod rng;
 pub mod rope;
 mod shape_check;
 
 pub use backend::{
-    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, MemoryInfo, Result, RopeParams, ring_cell,
-    score_rows_scratch, top_rows_scratch,
+    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, KvCache, KvCacheMut, MemoryInfo, Qkv,
+    Result, Rope, RopeParams, Scores, Weight, ring_cell, score_rows_scratch, top_rows_scratch,
 };
+pub use cache_dir::cache_root;
 pub use cpu::{CpuBackend, CpuBuffer};
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaBackend, CudaBuffer, CudaReplays};
+pub use cuda::{CudaBackend, CudaBuffer, CudaReplays, CudaTuning};
 pub use error::ComputeError;

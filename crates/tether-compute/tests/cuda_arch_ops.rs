@@ -9,6 +9,7 @@
 
 use tether_compute::rope::YarnParams;
 use tether_compute::{AttnShape, AttnSpan, Backend, ComputeError, GateAct, RopeParams};
+use tether_compute::{KvCache, KvCacheMut, Qkv, Rope, Scores, Weight};
 use tether_gguf::GgmlType;
 
 mod common;
@@ -74,7 +75,8 @@ fn matmul_gated_gelu_matches_cpu_for_every_fused_family() {
                 // ReLU: scale x so the gate's are about 1, where the two differ.
                 let mut pre = zeros(&c, n * rows);
                 let xc = put(&c, &f32_bytes(&x));
-                c.matmul(&gate.c, ty, rows, cols, &xc, n, &mut pre).unwrap();
+                c.matmul(Weight::new(&gate.c, ty, rows, cols), &xc, n, &mut pre)
+                    .unwrap();
                 let pre = get(&c, &pre, n * rows);
                 let rms = (pre.iter().map(|v| v * v).sum::<f32>() / pre.len() as f32).sqrt();
                 let x: Vec<f32> = x.iter().map(|v| v / rms.max(1e-6)).collect();
@@ -91,30 +93,26 @@ fn matmul_gated_gelu_matches_cpu_for_every_fused_family() {
                 );
                 g.matmul_gated(
                     GateAct::GeluTanh,
-                    &gate.g,
-                    &up.g,
-                    ty,
-                    rows,
-                    cols,
+                    [
+                        Weight::new(&gate.g, ty, rows, cols),
+                        Weight::new(&up.g, ty, rows, cols),
+                    ],
                     &xg,
                     n,
                     &mut sg,
-                    &mut g1,
-                    &mut g2,
+                    [&mut g1, &mut g2],
                 )
                 .unwrap();
                 c.matmul_gated(
                     GateAct::GeluTanh,
-                    &gate.c,
-                    &up.c,
-                    ty,
-                    rows,
-                    cols,
+                    [
+                        Weight::new(&gate.c, ty, rows, cols),
+                        Weight::new(&up.c, ty, rows, cols),
+                    ],
                     &xc,
                     n,
                     &mut sc,
-                    &mut c1,
-                    &mut c2,
+                    [&mut c1, &mut c2],
                 )
                 .unwrap();
                 let what = format!("matmul_gated GELU {ty} {rows} rows n={n}");
@@ -122,16 +120,14 @@ fn matmul_gated_gelu_matches_cpu_for_every_fused_family() {
                 assert!(e < 2e-2, "{what}: relative error {e}");
                 // SiLU and GELU differ: the GELU kernels must not run the SiLU epilogue.
                 c.matmul_swiglu(
-                    &gate.c,
-                    &up.c,
-                    ty,
-                    rows,
-                    cols,
+                    [
+                        Weight::new(&gate.c, ty, rows, cols),
+                        Weight::new(&up.c, ty, rows, cols),
+                    ],
                     &xc,
                     n,
                     &mut c1,
-                    &mut zeros(&c, n * rows),
-                    &mut zeros(&c, n * rows),
+                    [&mut zeros(&c, n * rows), &mut zeros(&c, n * rows)],
                 )
                 .unwrap();
                 let silu = relative_error(&what, &get(&g, &sg, n * rows), &get(&c, &c1, n * rows));
@@ -146,9 +142,9 @@ fn matmul_gated_gelu_matches_cpu_for_every_fused_family() {
                 let bytes = random_weights(&mut rng, ty, down_rows * rows);
                 let down = finished(&g, &c, ty, &bytes, rows);
                 let (mut dg, mut dc) = (zeros(&g, n * down_rows), zeros(&c, n * down_rows));
-                g.matmul(&down.g, ty, down_rows, rows, &sg, n, &mut dg)
+                g.matmul(Weight::new(&down.g, ty, down_rows, rows), &sg, n, &mut dg)
                     .unwrap();
-                c.matmul(&down.c, ty, down_rows, rows, &sc, n, &mut dc)
+                c.matmul(Weight::new(&down.c, ty, down_rows, rows), &sc, n, &mut dc)
                     .unwrap();
                 let what = format!("down after matmul_gated GELU {ty} n={n}");
                 let e = relative_error(
@@ -203,31 +199,21 @@ fn yarn_rope_and_the_fused_store_match_cpu() {
         let (mut kcg, mut vcg) = (g.alloc(cache_bytes).unwrap(), g.alloc(cache_bytes).unwrap());
         let (mut kcc, mut vcc) = (c.alloc(cache_bytes).unwrap(), c.alloc(cache_bytes).unwrap());
         g.rope_and_store(
-            &mut qg,
-            &mut kg,
-            &vg,
+            Qkv::new(&mut qg, &mut kg, &vg),
             shape,
             &positions,
-            &params,
-            None,
+            Rope::new(&params, None),
             &cells,
-            &mut kcg,
-            &mut vcg,
-            GgmlType::F16,
+            KvCacheMut::new(&mut kcg, &mut vcg, GgmlType::F16),
         )
         .unwrap();
         c.rope_and_store(
-            &mut qc,
-            &mut kc,
-            &vc,
+            Qkv::new(&mut qc, &mut kc, &vc),
             shape,
             &positions,
-            &params,
-            None,
+            Rope::new(&params, None),
             &cells,
-            &mut kcc,
-            &mut vcc,
-            GgmlType::F16,
+            KvCacheMut::new(&mut kcc, &mut vcc, GgmlType::F16),
         )
         .unwrap();
         let what = format!("yarn rope, {n} tokens");
@@ -249,8 +235,15 @@ fn yarn_rope_and_the_fused_store_match_cpu() {
             ..params
         };
         let mut ql = put(&c, &f32_bytes(&q));
-        c.rope(&mut ql, n, shape.n_heads, 128, &positions, &linear, None)
-            .unwrap();
+        c.rope(
+            &mut ql,
+            n,
+            shape.n_heads,
+            128,
+            &positions,
+            Rope::new(&linear, None),
+        )
+        .unwrap();
         let e = relative_error(&what, &get(&c, &ql, qd), &get(&c, &qc, qd));
         assert!(e > 1e-2, "{what}: YaRN and linear rope agree ({e})");
     }
@@ -304,25 +297,19 @@ fn soft_capped_attention_matches_cpu() {
             let scale = 1.0 / (head_dim as f32).sqrt();
             g.attention_capped(
                 &qg,
-                &kg,
-                &vg,
-                GgmlType::F16,
+                KvCache::new(&kg, &vg, GgmlType::F16),
                 &spans,
                 shape,
-                scale,
-                1.5,
+                Scores::capped(scale, 1.5),
                 &mut og,
             )
             .unwrap();
             c.attention_capped(
                 &qc,
-                &kc,
-                &vc,
-                GgmlType::F16,
+                KvCache::new(&kc, &vc, GgmlType::F16),
                 &spans,
                 shape,
-                scale,
-                1.5,
+                Scores::capped(scale, 1.5),
                 &mut oc,
             )
             .unwrap();
@@ -338,9 +325,7 @@ fn soft_capped_attention_matches_cpu() {
             let mut plain = zeros(&c, n);
             c.attention(
                 &qc,
-                &kc,
-                &vc,
-                GgmlType::F16,
+                KvCache::new(&kc, &vc, GgmlType::F16),
                 &spans,
                 shape,
                 scale,

@@ -2,12 +2,14 @@
 //! `cargo test -p tether-compute --release --test cuda_bench -- --ignored --nocapture`.
 
 use std::time::Instant;
+use tether_compute::{KvCache, KvCacheMut, Qkv, Rope, Weight};
 
-use tether_compute::{AttnShape, AttnSpan, Backend, CudaBackend};
+use tether_compute::{AttnShape, AttnSpan, Backend, CudaBackend, CudaTuning};
 use tether_gguf::GgmlType;
 
 fn gpu() -> CudaBackend {
-    CudaBackend::new(0).unwrap_or_else(|e| panic!("this benchmark needs a CUDA GPU: {e}"))
+    CudaBackend::with_tuning(0, &CudaTuning::from_env())
+        .unwrap_or_else(|e| panic!("this benchmark needs a CUDA GPU: {e}"))
 }
 
 /// Mean seconds per call of `f` over `iters` calls, after a warm-up.
@@ -59,7 +61,8 @@ fn bench_decode_matvec() {
                 let x = g.alloc(n * cols * 4).unwrap();
                 let mut out = g.alloc(n * rows * 4).unwrap();
                 let secs = time(&g, 50, || {
-                    g.matmul(&w, ty, rows, cols, &x, n, &mut out).unwrap();
+                    g.matmul(Weight::new(&w, ty, rows, cols), &x, n, &mut out)
+                        .unwrap();
                 });
                 eprintln!(
                     "matvec {ty:>5} {rows:>5}x{cols:<5} n={n}: {:8.1} us  {:7.1} GB/s of weights",
@@ -92,8 +95,15 @@ fn bench_decode_attention() {
             n_cells: cells as u32,
         }];
         let secs = time(&g, 50, || {
-            g.attention(&q, &k, &v, GgmlType::F16, &spans, shape, 0.088, &mut out)
-                .unwrap();
+            g.attention(
+                &q,
+                KvCache::new(&k, &v, GgmlType::F16),
+                &spans,
+                shape,
+                0.088,
+                &mut out,
+            )
+            .unwrap();
         });
         eprintln!(
             "attention f16 decode, {cells:>6} cells: {:8.1} us  {:7.1} GB/s of cache",
@@ -137,7 +147,7 @@ fn bench_prefill_attention() {
                 })
                 .collect();
             let secs = time(&g, 20, || {
-                g.attention(&q, &k, &v, ty, &spans, shape, 0.088, &mut out)
+                g.attention(&q, KvCache::new(&k, &v, ty), &spans, shape, 0.088, &mut out)
                     .unwrap();
             });
             let cells: usize = spans.iter().map(|s| s.n_cells as usize).sum();
@@ -211,41 +221,63 @@ fn bench_decode_layer() {
             g.rms_norm(&hidden, &norm_w, 1, e, 1e-5, &mut normed)
                 .unwrap();
             g.matmul3(
-                [&m[0].0, &m[1].0, &m[2].0],
-                [ty; 3],
-                [qd, kvd, kvd],
-                e,
+                [
+                    Weight::new(&m[0].0, ty, qd, e),
+                    Weight::new(&m[1].0, ty, kvd, e),
+                    Weight::new(&m[2].0, ty, kvd, e),
+                ],
                 &normed,
                 1,
                 [&mut q, &mut k, &mut v],
             )
             .unwrap();
             g.rope_and_store(
-                &mut q,
-                &mut k,
-                &v,
+                Qkv::new(&mut q, &mut k, &v),
                 shape,
                 &[99],
-                &rope,
-                None,
+                Rope::new(&rope, None),
                 &[99],
-                &mut kc,
-                &mut vc,
-                GgmlType::F16,
+                KvCacheMut::new(&mut kc, &mut vc, GgmlType::F16),
             )
             .unwrap();
-            g.attention(&q, &kc, &vc, GgmlType::F16, &spans, shape, 0.088, &mut attn)
-                .unwrap();
-            g.matmul_add(&m[3].0, ty, e, qd, &attn, 1, &mut hidden, &mut normed)
-                .unwrap();
+            g.attention(
+                &q,
+                KvCache::new(&kc, &vc, GgmlType::F16),
+                &spans,
+                shape,
+                0.088,
+                &mut attn,
+            )
+            .unwrap();
+            g.matmul_add(
+                Weight::new(&m[3].0, ty, e, qd),
+                &attn,
+                1,
+                &mut hidden,
+                &mut normed,
+            )
+            .unwrap();
             g.rms_norm(&hidden, &norm_w, 1, e, 1e-5, &mut normed)
                 .unwrap();
             g.matmul_swiglu(
-                &m[4].0, &m[5].0, ty, ff, e, &normed, 1, &mut act, &mut gate, &mut up,
+                [
+                    Weight::new(&m[4].0, ty, ff, e),
+                    Weight::new(&m[5].0, ty, ff, e),
+                ],
+                &normed,
+                1,
+                &mut act,
+                [&mut gate, &mut up],
             )
             .unwrap();
-            g.matmul_add(&m[6].0, ty, e, ff, &act, 1, &mut hidden, &mut normed)
-                .unwrap();
+            g.matmul_add(
+                Weight::new(&m[6].0, ty, e, ff),
+                &act,
+                1,
+                &mut hidden,
+                &mut normed,
+            )
+            .unwrap();
         };
         let token = time(&g, 10, || {
             for _ in 0..32 {

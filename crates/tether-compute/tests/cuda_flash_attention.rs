@@ -9,6 +9,7 @@
 //! Setting `TETHER_FLASH_ATTENTION=0` runs the same checks on the kernels it replaced.
 
 use tether_compute::{AttnShape, AttnSpan, Backend, CpuBackend, CudaBackend};
+use tether_compute::{KvCache, Scores};
 use tether_gguf::GgmlType;
 
 mod common;
@@ -53,10 +54,8 @@ impl Caches {
 
 /// Runs attention (capped when `softcap` > 0) over `spans` on both backends with random
 /// queries of amplitude `q_amp`; returns the relative error of the GPU's output.
-#[allow(clippy::too_many_arguments)]
 fn compare(
-    g: &CudaBackend,
-    c: &CpuBackend,
+    (g, c): (&CudaBackend, &CpuBackend),
     rng: &mut Rng,
     caches: &Caches,
     spans: &[AttnSpan],
@@ -72,25 +71,19 @@ fn compare(
     let ty = caches.ty;
     g.attention_capped(
         &qg,
-        &caches.k.0,
-        &caches.v.0,
-        ty,
+        KvCache::new(&caches.k.0, &caches.v.0, ty),
         spans,
         shape,
-        scale,
-        softcap,
+        Scores::capped(scale, softcap),
         &mut og,
     )
     .unwrap();
     c.attention_capped(
         &qc,
-        &caches.k.1,
-        &caches.v.1,
-        ty,
+        KvCache::new(&caches.k.1, &caches.v.1, ty),
         spans,
         shape,
-        scale,
-        softcap,
+        Scores::capped(scale, softcap),
         &mut oc,
     )
     .unwrap();
@@ -161,7 +154,7 @@ fn prefill_attention_matches_cpu_for_every_head_size_grouping_and_length() {
                 let first = 611;
                 let past = n_cells - 5 - first - n_tokens + (n_tokens & 1);
                 let spans = prompt(first, past, n_tokens);
-                let e = compare(&g, &c, &mut rng, &caches, &spans, shape, 4.0, 0.0);
+                let e = compare((&g, &c), &mut rng, &caches, &spans, shape, 4.0, 0.0);
                 assert!(
                     e < FLASH_TOL,
                     "heads of {head_dim}, group {group}, {n_tokens} tokens: {e}"
@@ -190,7 +183,7 @@ fn prefill_attention_over_quantized_caches_matches_cpu() {
             // and the last tile is partly past it. 600 tokens fill the GPU; 131 are split.
             for n_tokens in [600, 131] {
                 let spans = prompt(77, 900, n_tokens);
-                let e = compare(&g, &c, &mut rng, &caches, &spans, shape, 3.0, 0.0);
+                let e = compare((&g, &c), &mut rng, &caches, &spans, shape, 3.0, 0.0);
                 assert!(
                     e < FLASH_TOL,
                     "{ty} heads of {head_dim}, {n_tokens} tokens: {e}"
@@ -227,7 +220,7 @@ fn soft_capped_and_windowed_prefill_attention_matches_cpu() {
             (windowed, 0.0),
             (prompt(3, 10, 65), 2.0),
         ] {
-            let e = compare(&g, &c, &mut rng, &caches, &spans, shape, 16.0, cap);
+            let e = compare((&g, &c), &mut rng, &caches, &spans, shape, 16.0, cap);
             assert!(e < FLASH_TOL, "heads of {head_dim}, cap {cap}: {e}");
         }
     }
@@ -255,7 +248,7 @@ fn mixed_prompt_and_decode_batches_match_cpu() {
             n_cells: 17 + 41 * s,
         });
     }
-    let e = compare(&g, &c, &mut rng, &caches, &spans, shape, 4.0, 0.0);
+    let e = compare((&g, &c), &mut rng, &caches, &spans, shape, 4.0, 0.0);
     assert!(e < FLASH_TOL, "mixed batch: {e}");
 
     // A token with no cells is refused before anything runs: the output stays as it was.
@@ -268,9 +261,7 @@ fn mixed_prompt_and_decode_batches_match_cpu() {
     let mut out = put(&g, &f32_bytes(&vec![7.0; n]));
     let refused = g.attention(
         &q,
-        &caches.k.0,
-        &caches.v.0,
-        GgmlType::F16,
+        KvCache::new(&caches.k.0, &caches.v.0, GgmlType::F16),
         &spans,
         shape,
         0.1,
@@ -329,7 +320,7 @@ fn short_prefill_batches_after_a_long_context_are_split_and_match_cpu() {
         let spans = prompt(900, 10_001, n_tokens);
         g.synchronize().unwrap();
         let held = g.allocated_bytes();
-        let e = compare(&g, &c, &mut rng, &caches, &spans, shape, 4.0, 0.0);
+        let e = compare((&g, &c), &mut rng, &caches, &spans, shape, 4.0, 0.0);
         assert!(e < FLASH_TOL, "{ty} {shape:?}, {n_tokens} tokens: {e}");
         g.synchronize().unwrap();
         assert_eq!(
@@ -398,7 +389,7 @@ fn decode_attention_split_over_a_long_context_matches_cpu() {
         for spans in [one, four] {
             g.synchronize().unwrap();
             let held = g.allocated_bytes();
-            let e = compare(&g, &c, &mut rng, &caches, &spans, shape, 4.0, 0.0);
+            let e = compare((&g, &c), &mut rng, &caches, &spans, shape, 4.0, 0.0);
             // The per-token kernel keeps f32 queries: only the caches' f16 values differ.
             let tol = 1e-4;
             assert!(

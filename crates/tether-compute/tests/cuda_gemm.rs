@@ -6,6 +6,7 @@
 //! --nocapture`. Without a GPU they fail (the backend cannot be created), they do not skip.
 
 use std::time::Instant;
+use tether_compute::Weight;
 
 use tether_compute::cuda::GEMM_MIN_TOKENS;
 use tether_compute::{Backend, ComputeError, CpuBackend, CudaBackend};
@@ -35,7 +36,8 @@ fn reference(c: &CpuBackend, ty: GgmlType, wb: &[u8], x: &[f32], shape: [usize; 
     let w = put(c, wb);
     let xc = put(c, &f32_bytes(x));
     let mut out = c.alloc(n * rows * 4).unwrap();
-    c.matmul(&w, ty, rows, cols, &xc, n, &mut out).unwrap();
+    c.matmul(Weight::new(&w, ty, rows, cols), &xc, n, &mut out)
+        .unwrap();
     let matmul = get(c, &out, n * rows);
     let ids: Vec<u32> = (0..rows as u32).collect();
     let mut wf = c.alloc(rows * cols * 4).unwrap();
@@ -114,7 +116,8 @@ fn check(
     let (wg, xg) = (put(g, &wb), put(g, &f32_bytes(&x)));
     // Poison the GPU output so a tile the GEMM skips cannot pass as zeros.
     let mut og = put(g, &f32_bytes(&vec![f32::NAN; n * rows]));
-    g.matmul(&wg, ty, rows, cols, &xg, n, &mut og).unwrap();
+    g.matmul(Weight::new(&wg, ty, rows, cols), &xg, n, &mut og)
+        .unwrap();
     let got = get(g, &og, n * rows);
     let want = reference(c, ty, &wb, &x, shape);
     let what = format!("{ty} {rows}x{cols} n={n}");
@@ -126,7 +129,8 @@ fn check(
         rows,
         5e-2,
     )?;
-    g.matmul(&wg, ty, rows, cols, &xg, n, &mut og).unwrap();
+    g.matmul(Weight::new(&wg, ty, rows, cols), &xg, n, &mut og)
+        .unwrap();
     let again = get(g, &og, n * rows);
     if again
         .iter()
@@ -212,7 +216,7 @@ fn gemm_allocates_nothing_and_refuses_bad_sizes() {
     let x = g.alloc(n * cols * 4).unwrap();
     let mut o = g.alloc(n * rows * 4).unwrap();
     let before = g.allocated_bytes();
-    g.matmul(&w, GgmlType::Q4_0, rows, cols, &x, n, &mut o)
+    g.matmul(Weight::new(&w, GgmlType::Q4_0, rows, cols), &x, n, &mut o)
         .unwrap();
     g.synchronize().unwrap();
     assert_eq!(
@@ -221,12 +225,22 @@ fn gemm_allocates_nothing_and_refuses_bad_sizes() {
         "a GEMM allocated device memory"
     );
     // Not whole blocks; an output too small for the batch; an input too small.
-    let r = g.matmul(&w, GgmlType::Q4_0, 4, 100, &x, n, &mut o);
+    let r = g.matmul(Weight::new(&w, GgmlType::Q4_0, 4, 100), &x, n, &mut o);
     assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
-    let r = g.matmul(&w, GgmlType::Q4_0, rows, cols, &x, 2 * n, &mut o);
+    let r = g.matmul(
+        Weight::new(&w, GgmlType::Q4_0, rows, cols),
+        &x,
+        2 * n,
+        &mut o,
+    );
     assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
     let small = g.alloc(4).unwrap();
-    let r = g.matmul(&w, GgmlType::Q4_0, rows, cols, &small, n, &mut o);
+    let r = g.matmul(
+        Weight::new(&w, GgmlType::Q4_0, rows, cols),
+        &small,
+        n,
+        &mut o,
+    );
     assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
 }
 
@@ -258,7 +272,8 @@ fn time_matmul(g: &CudaBackend, ty: GgmlType, rows: usize, cols: usize, n: usize
     let x = put(g, &f32_bytes(&vec![0.5; n * cols]));
     let mut out = g.alloc(n * rows * 4).unwrap();
     time(g, 20, || {
-        g.matmul(&w, ty, rows, cols, &x, n, &mut out).unwrap();
+        g.matmul(Weight::new(&w, ty, rows, cols), &x, n, &mut out)
+            .unwrap();
     })
 }
 

@@ -9,6 +9,7 @@
 //! --ignored`. Without a GPU they fail.
 
 use std::time::Instant;
+use tether_compute::Weight;
 
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::GgmlType;
@@ -130,9 +131,11 @@ fn mmq_products_allocate_nothing_and_repeat_their_bits() {
     let x = put(&g, &f32_bytes(&rng.f32s(n * cols, 1.0)));
     let mut o = g.alloc(n * rows * 4).unwrap();
     let before = g.allocated_bytes();
-    g.matmul(&w, ty, rows, cols, &x, n, &mut o).unwrap();
+    g.matmul(Weight::new(&w, ty, rows, cols), &x, n, &mut o)
+        .unwrap();
     let first = get(&g, &o, n * rows);
-    g.matmul(&w, ty, rows, cols, &x, n, &mut o).unwrap();
+    g.matmul(Weight::new(&w, ty, rows, cols), &x, n, &mut o)
+        .unwrap();
     g.synchronize().unwrap();
     assert_eq!(g.allocated_bytes(), before, "an 8-bit product allocated");
     let again = get(&g, &o, n * rows);
@@ -151,12 +154,14 @@ fn time_matmul(g: &CudaBackend, w: &GpuBuffer, ty: GgmlType, shape: [usize; 3]) 
     let [rows, cols, n] = shape;
     let x = put(g, &f32_bytes(&Rng(5).f32s(n * cols, 1.0)));
     let mut out = g.alloc(n * rows * 4).unwrap();
-    g.matmul(w, ty, rows, cols, &x, n, &mut out).unwrap();
+    g.matmul(Weight::new(w, ty, rows, cols), &x, n, &mut out)
+        .unwrap();
     g.synchronize().unwrap();
     let iters = 20;
     let start = Instant::now();
     for _ in 0..iters {
-        g.matmul(w, ty, rows, cols, &x, n, &mut out).unwrap();
+        g.matmul(Weight::new(w, ty, rows, cols), &x, n, &mut out)
+            .unwrap();
     }
     g.synchronize().unwrap();
     start.elapsed().as_secs_f64() / iters as f64

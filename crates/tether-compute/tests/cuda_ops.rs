@@ -9,6 +9,7 @@
 use tether_compute::{
     AttnShape, AttnSpan, Backend, ComputeError, CpuBackend, CudaBackend, DeviceBuffer, RopeParams,
 };
+use tether_compute::{KvCacheMut, Qkv, Rope, Weight};
 use tether_gguf::GgmlType;
 
 mod common;
@@ -74,8 +75,10 @@ fn matmul_matches_cpu_for_every_weight_type_and_batch() {
                 let x = pair(&g, &c, &f32_bytes(&rng.f32s(n * cols, 1.0)));
                 let mut og = g.alloc(n * rows * 4).unwrap();
                 let mut oc = c.alloc(n * rows * 4).unwrap();
-                g.matmul(&w.g, ty, rows, cols, &x.g, n, &mut og).unwrap();
-                c.matmul(&w.c, ty, rows, cols, &x.c, n, &mut oc).unwrap();
+                g.matmul(Weight::new(&w.g, ty, rows, cols), &x.g, n, &mut og)
+                    .unwrap();
+                c.matmul(Weight::new(&w.c, ty, rows, cols), &x.c, n, &mut oc)
+                    .unwrap();
                 let what = format!("matmul {ty} {rows}x{cols} n={n}");
                 assert_close(
                     &what,
@@ -96,11 +99,11 @@ fn matmul_refuses_bad_sizes() {
     let x = g.alloc(1 << 12).unwrap();
     let mut o = g.alloc(1 << 12).unwrap();
     // Every type is served (cuda_types.rs); rows of part of a block are not.
-    let r = g.matmul(&w, GgmlType::Q2K, 4, 288, &x, 1, &mut o);
+    let r = g.matmul(Weight::new(&w, GgmlType::Q2K, 4, 288), &x, 1, &mut o);
     assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
-    let r = g.matmul(&w, GgmlType::Q4_0, 4, 100, &x, 1, &mut o);
+    let r = g.matmul(Weight::new(&w, GgmlType::Q4_0, 4, 100), &x, 1, &mut o);
     assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
-    let r = g.matmul(&w, GgmlType::F32, 4096, 4096, &x, 1, &mut o);
+    let r = g.matmul(Weight::new(&w, GgmlType::F32, 4096, 4096), &x, 1, &mut o);
     assert!(matches!(r, Err(ComputeError::Shape { .. })), "{r:?}");
 }
 
@@ -200,11 +203,21 @@ fn rope_matches_cpu_in_both_styles() {
                 (None, None)
             };
             g.rope(
-                &mut x.g, n_tokens, n_heads, head_dim, &positions, &params, fg,
+                &mut x.g,
+                n_tokens,
+                n_heads,
+                head_dim,
+                &positions,
+                Rope::new(&params, fg),
             )
             .unwrap();
             c.rope(
-                &mut x.c, n_tokens, n_heads, head_dim, &positions, &params, fc,
+                &mut x.c,
+                n_tokens,
+                n_heads,
+                head_dim,
+                &positions,
+                Rope::new(&params, fc),
             )
             .unwrap();
             let what = format!("rope neox={neox} n_rot={n_rot}");
@@ -244,13 +257,21 @@ fn rope_and_store_matches_cpu() {
             let (mut kc, mut vc) = (pair(&g, &c, &zeros), pair(&g, &c, &zeros));
             let f16 = GgmlType::F16;
             g.rope_and_store(
-                &mut q.g, &mut k.g, &v.g, shape, &positions, &params, None, &cells, &mut kc.g,
-                &mut vc.g, f16,
+                Qkv::new(&mut q.g, &mut k.g, &v.g),
+                shape,
+                &positions,
+                Rope::new(&params, None),
+                &cells,
+                KvCacheMut::new(&mut kc.g, &mut vc.g, f16),
             )
             .unwrap();
             c.rope_and_store(
-                &mut q.c, &mut k.c, &v.c, shape, &positions, &params, None, &cells, &mut kc.c,
-                &mut vc.c, f16,
+                Qkv::new(&mut q.c, &mut k.c, &v.c),
+                shape,
+                &positions,
+                Rope::new(&params, None),
+                &cells,
+                KvCacheMut::new(&mut kc.c, &mut vc.c, f16),
             )
             .unwrap();
             let what = format!("rope_and_store neox={neox} n={n}");

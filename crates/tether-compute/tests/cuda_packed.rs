@@ -5,6 +5,7 @@
 //! GPU tests, ignored by default: `cargo test -p tether-compute --test cuda_packed --
 //! --ignored`. Without a GPU they fail.
 
+use tether_compute::Weight;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::GgmlType;
 
@@ -96,10 +97,11 @@ fn a_finished_weight_cannot_be_written_and_mixed_layouts_still_multiply() {
         unreachable!()
     };
     g.matmul3(
-        [&w.g, &plain.0, &plain.0],
-        [ty; 3],
-        [64; 3],
-        cols,
+        [
+            Weight::new(&w.g, ty, 64, cols),
+            Weight::new(&plain.0, ty, 64, cols),
+            Weight::new(&plain.0, ty, 64, cols),
+        ],
         &xg,
         1,
         [g0, g1, g2],
@@ -109,10 +111,11 @@ fn a_finished_weight_cannot_be_written_and_mixed_layouts_still_multiply() {
         unreachable!()
     };
     c.matmul3(
-        [&w.c, &plain.1, &plain.1],
-        [ty; 3],
-        [64; 3],
-        cols,
+        [
+            Weight::new(&w.c, ty, 64, cols),
+            Weight::new(&plain.1, ty, 64, cols),
+            Weight::new(&plain.1, ty, 64, cols),
+        ],
         &xc,
         1,
         [c0, c1, c2],
@@ -178,8 +181,17 @@ impl FeedForward {
         let [normed, act, t1, t2] = &mut self.scratch;
         for _ in 0..layers {
             g.rms_norm(hidden, &self.norm, 1, e, 1e-5, normed)?;
-            g.matmul_swiglu(&self.gate.g, &self.up.g, ty, ff, e, normed, 1, act, t1, t2)?;
-            g.matmul_add(&self.down.g, ty, e, ff, act, 1, hidden, normed)?;
+            g.matmul_swiglu(
+                [
+                    Weight::new(&self.gate.g, ty, ff, e),
+                    Weight::new(&self.up.g, ty, ff, e),
+                ],
+                normed,
+                1,
+                act,
+                [t1, t2],
+            )?;
+            g.matmul_add(Weight::new(&self.down.g, ty, e, ff), act, 1, hidden, normed)?;
         }
         Ok(())
     }
@@ -209,7 +221,7 @@ fn repeated_decode_steps_are_replayed_from_one_graph() {
             .unwrap();
         g.rms_norm(&hidden, &block.norm, 1, e, 1e-5, &mut normed)
             .unwrap();
-        g.matmul(&head.g, ty, vocab, e, &normed, 1, &mut logits)
+        g.matmul(Weight::new(&head.g, ty, vocab, e), &normed, 1, &mut logits)
             .unwrap();
         results.push((get(&g, &hidden, e), get(&g, &logits, vocab)));
     }

@@ -13,6 +13,7 @@
 //! Without a GPU they fail (the backend cannot be created), they do not skip.
 
 use tether_compute::Backend;
+use tether_compute::Weight;
 use tether_gguf::{GgmlType, dequantize};
 
 mod common;
@@ -193,9 +194,10 @@ fn products_of_every_weight_type_match_exact_products_and_the_cpu() {
 
                 let mut og = g.alloc(n * ROWS * 4).unwrap();
                 let mut oc = c.alloc(n * ROWS * 4).unwrap();
-                g.matmul(&wg, ty, ROWS, cols, &xg, n, &mut og)
+                g.matmul(Weight::new(&wg, ty, ROWS, cols), &xg, n, &mut og)
                     .unwrap_or_else(|e| panic!("matmul {what} on cuda: {e}"));
-                c.matmul(&wc, ty, ROWS, cols, &xc, n, &mut oc).unwrap();
+                c.matmul(Weight::new(&wc, ty, ROWS, cols), &xc, n, &mut oc)
+                    .unwrap();
                 let got = get(&g, &og, n * ROWS);
                 let zero = vec![0f32; n * ROWS];
                 let exact = product(&w, ROWS, cols, &x, n, &zero);
@@ -212,7 +214,7 @@ fn products_of_every_weight_type_match_exact_products_and_the_cpu() {
                 // Added into a residual (the kernels' accumulate path).
                 let mut acc = put(&g, &f32_bytes(&residual));
                 let mut tmp = g.alloc(n * ROWS * 4).unwrap();
-                g.matmul_add(&wg, ty, ROWS, cols, &xg, n, &mut acc, &mut tmp)
+                g.matmul_add(Weight::new(&wg, ty, ROWS, cols), &xg, n, &mut acc, &mut tmp)
                     .unwrap_or_else(|e| panic!("matmul_add {what} on cuda: {e}"));
                 let exact = product(&w, ROWS, cols, &x, n, &residual);
                 let got = get(&g, &acc, n * ROWS);

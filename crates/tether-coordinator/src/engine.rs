@@ -25,9 +25,6 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// Most context cells per sequence when none is given.
-const DEFAULT_CTX_CAP: usize = 4096;
-
 /// How the coordinator serves.
 #[derive(Clone, Debug)]
 pub struct CoordinatorConfig {
@@ -81,7 +78,7 @@ impl CoordinatorConfig {
             workers,
             worker_dns: None,
             split: None,
-            ctx_per_seq: model.config().n_ctx_train.clamp(1, DEFAULT_CTX_CAP),
+            ctx_per_seq: model.config().default_context(),
             parallel: 4,
             ubatch: 512,
             cache_k: GgmlType::F16,

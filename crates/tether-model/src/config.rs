@@ -55,7 +55,17 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
 }
 
+/// Most context cells per sequence when none is asked for: `tether run`, `tether plan` and
+/// the coordinator all cap the training context at this ([`ModelConfig::default_context`]).
+pub const DEFAULT_CTX_CAP: usize = 4096;
+
 impl ModelConfig {
+    /// Context per sequence when none is asked for: the training context, at most
+    /// [`DEFAULT_CTX_CAP`] (and at least 1).
+    pub fn default_context(&self) -> usize {
+        self.n_ctx_train.clamp(1, DEFAULT_CTX_CAP)
+    }
+
     /// Width of one token's keys (or values): `n_head_kv · head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.n_head_kv * self.head_dim

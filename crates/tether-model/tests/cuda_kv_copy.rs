@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_compute::{Backend, CpuBackend, CudaBackend, CudaTuning};
 use tether_gguf::{GgmlType, GgufFile};
 #[allow(dead_code)]
 #[path = "forward/reference_model.rs"]
@@ -66,8 +66,10 @@ fn copy_and_continue<B: Backend>(st: &mut Stage<B>, ids: &[u32]) -> (Vec<f32>, V
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_copied_prefix_continues_as_on_the_cpu() {
-    let gpu =
-        Arc::new(CudaBackend::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}")));
+    let gpu = Arc::new(
+        CudaBackend::with_tuning(0, &CudaTuning::from_env())
+            .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}")),
+    );
     let cpu = Arc::new(CpuBackend::new(None).unwrap());
     let path: PathBuf =
         std::env::temp_dir().join(format!("tether-cuda-kv-copy-{}.gguf", std::process::id()));

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_compute::{Backend, CpuBackend, CudaBackend, CudaTuning};
 use tether_gguf::{GgmlType, GgufFile};
 use tether_model::{
     BatchToken, Generator, ModelConfig, Sampler, SamplingParams, StageSpec, StepInput, StepOutput,
@@ -33,7 +33,10 @@ const UBATCH: usize = 16;
 const GREEDY_STEPS: usize = 64;
 
 fn gpu() -> Arc<CudaBackend> {
-    Arc::new(CudaBackend::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}")))
+    Arc::new(
+        CudaBackend::with_tuning(0, &CudaTuning::from_env())
+            .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}")),
+    )
 }
 
 fn cpu() -> Arc<CpuBackend> {
@@ -68,7 +71,7 @@ fn greedy<B: Backend>(g: &mut Generator<B>, prompt: &[u32]) -> Vec<u32> {
 /// position's logits within 1e-2, the last-token prefill too, and 64 greedy tokens that are
 /// each the reference's choice or a near-tie (within three times the largest logit error);
 /// exactly the reference's tokens when the weights are exact floats. The cpu backend's
-/// distance to the reference is printed beside it: it quantizes activations to 8 bits for
+/// distance to the reference is printed beside it quantizes activations to 8 bits for
 /// quantized weights (as llama.cpp does), which costs it up to 2e-2 on these models.
 ///
 /// With `eight_bit` (Q4_0, Q8_0 and K-quant weights, whose decode products take 8-bit

@@ -15,7 +15,7 @@ use crate::registry::{RegistryConfig, SessionRegistry};
 use crate::server::{ServerOptions, serve};
 use crate::stage::StageFactory;
 use std::sync::Arc;
-use tether_compute::{CpuBackend, CudaBackend};
+use tether_compute::{CpuBackend, CudaBackend, CudaTuning};
 use tether_protocol::{BearerToken, WorkerStatus};
 use tokio::sync::oneshot;
 
@@ -35,6 +35,9 @@ pub struct LocalOptions {
     pub max_memory: Option<u64>,
     /// GPUs to serve from, one worker each (cuda backend); empty: cpu workers.
     pub gpus: Vec<usize>,
+    /// The cuda backend's knobs on those GPUs (the binaries read them from the
+    /// environment once: [`CudaTuning::from_env`]).
+    pub cuda: CudaTuning,
     /// Directories the workers may read model files from themselves, as a worker's
     /// `--model-dir` (the coordinator names the file); empty: they read none.
     pub model_dirs: ModelDirs,
@@ -70,23 +73,27 @@ impl LocalWorker {
         max_memory: Option<u64>,
         gpu: Option<usize>,
     ) -> Result<LocalWorker, LocalError> {
-        Self::start_guarded(index, threads, max_memory, gpu, None, ModelDirs::default()).await
+        let (cuda, dirs) = (CudaTuning::default(), ModelDirs::default());
+        Self::start_guarded(index, threads, max_memory, gpu, &cuda, None, dirs).await
     }
 
-    /// As [`LocalWorker::start`], requiring `token` on every worker and admin call and on
-    /// every data link when one is given, and reading model files within `model_dirs`.
+    /// As [`LocalWorker::start`], with `cuda`'s knobs on the GPU, requiring `token` on
+    /// every worker and admin call and on every data link when one is given, and reading
+    /// model files within `model_dirs`.
     pub async fn start_guarded(
         index: usize,
         threads: Option<usize>,
         max_memory: Option<u64>,
         gpu: Option<usize>,
+        cuda: &CudaTuning,
         token: Option<BearerToken>,
         model_dirs: ModelDirs,
     ) -> Result<LocalWorker, LocalError> {
         let err = |detail: String| LocalError { index, detail };
         let factory: Arc<dyn StageFactory> = match gpu {
             Some(n) => {
-                let backend = CudaBackend::new(n).map_err(|e| err(format!("GPU {n}: {e}")))?;
+                let backend =
+                    CudaBackend::with_tuning(n, cuda).map_err(|e| err(format!("GPU {n}: {e}")))?;
                 Arc::new(ModelStageFactory::new(Arc::new(backend)))
             }
             None => {
@@ -227,6 +234,7 @@ impl LocalWorkers {
                 Some(per_worker),
                 options.max_memory,
                 gpu,
+                &options.cuda,
                 Some(token.clone()),
                 options.model_dirs.clone(),
             )

@@ -150,6 +150,7 @@ impl Setup {
             threads: args.device.threads,
             max_memory: None,
             gpus: gpus_named(&args.device.device)?,
+            cuda: tether_compute::CudaTuning::from_env(),
             ..LocalOptions::default()
         };
         let workers = LocalWorkers::start(n, &options).await?;

@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::path::Path;
 use std::sync::Arc;
-use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_compute::{Backend, CpuBackend, CudaBackend, CudaTuning};
 use tether_coordinator::ModelFile;
 use tether_gguf::GgufFile;
 use tether_model::{Generator, ModelConfig, Stage, StageSpec, load_stage_from_file};
@@ -34,9 +34,6 @@ pub struct DeviceArgs {
     pub ubatch: usize,
 }
 
-/// Most context cells a command allocates when `--ctx` is not given.
-const DEFAULT_CTX_CAP: usize = 4096;
-
 /// A model file opened and loaded on a device.
 pub struct Loaded<B: Backend> {
     pub model: ResolvedModel,
@@ -58,7 +55,8 @@ pub fn open_backend(dev: &DeviceArgs) -> Result<AnyBackend> {
             CpuBackend::new(dev.threads).context("starting the cpu backend")?,
         )),
         Some(n) => AnyBackend::Cuda(Arc::new(
-            CudaBackend::new(n).with_context(|| format!("starting the cuda backend on GPU {n}"))?,
+            CudaBackend::with_tuning(n, &CudaTuning::from_env())
+                .with_context(|| format!("starting the cuda backend on GPU {n}"))?,
         )),
     })
 }
@@ -110,7 +108,7 @@ pub fn load_stage<B: Backend>(
 pub fn context_size(dev: &DeviceArgs, cfg: &ModelConfig, min_ctx: usize) -> Result<usize> {
     let ctx = dev
         .ctx
-        .unwrap_or_else(|| cfg.n_ctx_train.clamp(1, DEFAULT_CTX_CAP).max(min_ctx));
+        .unwrap_or_else(|| cfg.default_context().max(min_ctx));
     if ctx < min_ctx {
         bail!("--ctx {ctx} is smaller than the {min_ctx} tokens this command needs");
     }
@@ -178,6 +176,7 @@ pub async fn start_local_workers(
         threads,
         max_memory: None,
         gpus,
+        cuda: CudaTuning::from_env(),
         model_dirs: model_dirs.unwrap_or_default(),
     };
     Ok(StartedLocal {

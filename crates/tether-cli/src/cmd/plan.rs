@@ -16,10 +16,6 @@ use tether_gguf::GgufFile;
 use tether_model::{ModelConfig, StagePlan};
 use tether_protocol::BlockSpec;
 
-/// Context per sequence when `--ctx` is not given: the model's training context, at most
-/// this (as `tether run` and the coordinator do).
-const DEFAULT_CTX_CAP: usize = 4096;
-
 /// Arguments of `tether plan`.
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -84,9 +80,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         GgufFile::open(&args.model).with_context(|| format!("reading {}", args.model.display()))?;
     let cfg = ModelConfig::from_gguf(&file)
         .with_context(|| format!("reading the hyper-parameters of {}", args.model.display()))?;
-    let ctx = args
-        .ctx
-        .unwrap_or_else(|| cfg.n_ctx_train.clamp(1, DEFAULT_CTX_CAP));
+    let ctx = args.ctx.unwrap_or_else(|| cfg.default_context());
     let shape = ServeShape {
         ctx_per_seq: ctx,
         n_seq: args.parallel,

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
-use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_compute::{Backend, CpuBackend, CudaBackend, CudaTuning};
 use tether_worker::metrics_http::serve_metrics;
 use tether_worker::model_stage::ModelStageFactory;
 use tether_worker::registry::{RegistryConfig, SessionRegistry};
@@ -139,7 +139,7 @@ async fn serve_device(args: WorkerArgs) -> anyhow::Result<()> {
             serve_on(args, Arc::new(backend)).await
         }
         Some(n) => {
-            let backend = CudaBackend::new(n)
+            let backend = CudaBackend::with_tuning(n, &CudaTuning::from_env())
                 .with_context(|| format!("starting the cuda backend on GPU {n}"))?;
             serve_on(args, Arc::new(backend)).await
         }

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 use tether_gguf::{GgmlType, dequantize, quantize_q4_0, quantize_q8_0};
 
-use crate::backend::{AttnShape, AttnSpan, ring_cell};
+use crate::backend::{AttnShape, AttnSpan, KvCache, Scores, ring_cell};
 use crate::cpu::f16_rows::{axpy_f16_heads, dot_f16_heads, store_f16};
 use crate::cpu::matmul::dot_f32;
 use crate::cpu::simd::Avx2;
@@ -31,20 +31,18 @@ pub(crate) fn kv_store(ty: GgmlType, src: &[f32], kv_dim: usize, cells: &[u32], 
 type Scratch = (Vec<f32>, Vec<f32>);
 
 /// `out[t][h] = Σ_c softmax_c(cap(scale · q[t][h] · k[c][h/g])) · v[c][h/g]` over the cells of
-/// `spans[t]`, with `g = n_heads / n_kv_heads`; `k`/`v` rows are `[n_kv_heads][head_dim]`
-/// of `ty`, `head_bytes` per head.
-#[allow(clippy::too_many_arguments)]
+/// `spans[t]`, with `g = n_heads / n_kv_heads`; the cache's `k`/`v` rows are
+/// `[n_kv_heads][head_dim]` of its `ty`.
 pub(crate) fn attention(
     cpu: Option<Avx2>,
     q: &[f32],
-    k: &[u8],
-    v: &[u8],
-    ty: GgmlType,
+    cache: KvCache<'_, [u8]>,
     spans: &[AttnSpan],
     shape: AttnShape,
-    (scale, softcap): (f32, f32),
+    Scores { scale, softcap }: Scores,
     out: &mut [f32],
 ) {
+    let KvCache { k, v, ty } = cache;
     // Gemma 2 caps each scaled score at `softcap · tanh(score / softcap)`; 0: no cap.
     let score = |s: f32| {
         let s = scale * s;
@@ -232,23 +230,19 @@ mod tests {
                 attention(
                     simd,
                     &q,
-                    &k,
-                    &v,
-                    ty,
+                    KvCache::new(&k, &v, ty),
                     &[plain_span],
                     shape,
-                    (0.3, 0.0),
+                    Scores::capped(0.3, 0.0),
                     &mut want,
                 );
                 attention(
                     simd,
                     &q,
-                    &kr,
-                    &vr,
-                    ty,
+                    KvCache::new(&kr, &vr, ty),
                     &[ring_span],
                     ringed_shape,
-                    (0.3, 0.0),
+                    Scores::capped(0.3, 0.0),
                     &mut got,
                 );
                 assert_eq!(got, want, "sequence {seq}, position {pos}");
@@ -299,12 +293,10 @@ mod tests {
         attention(
             Avx2::detect(),
             &q,
-            &k,
-            &v,
-            ty,
+            KvCache::new(&k, &v, ty),
             &spans,
             shape,
-            (scale, 0.0),
+            Scores::capped(scale, 0.0),
             &mut out,
         );
 
@@ -399,12 +391,10 @@ mod bench {
                 attention(
                     Avx2::detect(),
                     &q,
-                    &k,
-                    &v,
-                    GgmlType::F16,
+                    KvCache::new(&k, &v, GgmlType::F16),
                     &spans,
                     shape,
-                    (0.125, 0.0),
+                    Scores::capped(0.125, 0.0),
                     &mut out,
                 );
                 best = best.min(start.elapsed().as_secs_f64());

@@ -1,6 +1,7 @@
 //! The cpu backend through the `Backend` trait: transfers, size checks, and ops end to end.
 
 use super::*;
+use crate::backend::{KvCache, Rope, RopeParams, Weight};
 use crate::cpu::test_util::{Rng, random_f32, random_weights, relative_error};
 
 fn backend() -> CpuBackend {
@@ -108,8 +109,13 @@ fn matmul_through_the_backend_and_its_size_checks() {
     let x = random_f32(&mut rng, n * cols, 1.0);
     let (wb, xb) = (upload_bytes(&be, &w), upload_f32(&be, &x));
     let mut out = be.alloc(n * rows * 4).unwrap();
-    be.matmul(&wb, GgmlType::Q8_0, rows, cols, &xb, n, &mut out)
-        .unwrap();
+    be.matmul(
+        Weight::new(&wb, GgmlType::Q8_0, rows, cols),
+        &xb,
+        n,
+        &mut out,
+    )
+    .unwrap();
     let mut wf = vec![0.0f32; rows * cols];
     dequantize(GgmlType::Q8_0, &w, &mut wf).unwrap();
     let want: Vec<f64> = (0..n * rows)
@@ -124,35 +130,36 @@ fn matmul_through_the_backend_and_its_size_checks() {
 
     let q = GgmlType::Q8_0;
     assert!(is_shape(be.matmul(
-        &wb,
-        q,
-        rows + 1,
-        cols,
+        Weight::new(&wb, q, rows + 1, cols),
         &xb,
         n,
         &mut out
     )));
-    assert!(is_shape(be.matmul(&wb, q, rows, 48, &xb, n, &mut out)));
     assert!(is_shape(be.matmul(
-        &wb,
-        q,
-        rows,
-        cols,
+        Weight::new(&wb, q, rows, 48),
+        &xb,
+        n,
+        &mut out
+    )));
+    assert!(is_shape(be.matmul(
+        Weight::new(&wb, q, rows, cols),
         &xb,
         n + 1,
         &mut out
     )));
     assert!(is_shape(be.matmul(
-        &wb,
-        q,
-        usize::MAX,
-        cols,
+        Weight::new(&wb, q, usize::MAX, cols),
         &xb,
         n,
         &mut out
     )));
     let mut small = be.alloc(4).unwrap();
-    assert!(is_shape(be.matmul(&wb, q, rows, cols, &xb, n, &mut small)));
+    assert!(is_shape(be.matmul(
+        Weight::new(&wb, q, rows, cols),
+        &xb,
+        n,
+        &mut small
+    )));
 }
 
 #[test]
@@ -187,19 +194,32 @@ fn element_wise_ops_check_sizes_and_compute() {
         neox: false,
         yarn: None,
     };
-    assert!(is_shape(be.rope(&mut x, 1, 1, 4, &[0], &p, None)));
-    let p = RopeParams { n_rot: 4, ..p };
-    assert!(is_shape(be.rope(&mut x, 2, 1, 4, &[0], &p, None)));
     assert!(is_shape(be.rope(
         &mut x,
         1,
         1,
         4,
         &[0],
-        &p,
-        Some(&be.alloc(4).unwrap())
+        Rope::new(&p, None)
     )));
-    be.rope(&mut x, 1, 1, 4, &[0], &p, None).unwrap();
+    let p = RopeParams { n_rot: 4, ..p };
+    assert!(is_shape(be.rope(
+        &mut x,
+        2,
+        1,
+        4,
+        &[0],
+        Rope::new(&p, None)
+    )));
+    assert!(is_shape(be.rope(
+        &mut x,
+        1,
+        1,
+        4,
+        &[0],
+        Rope::new(&p, Some(&be.alloc(4).unwrap()))
+    )));
+    be.rope(&mut x, 1, 1, 4, &[0], Rope::new(&p, None)).unwrap();
     assert_eq!(x.as_f32(), &[2.0, 0.0, 5.5, 3.0]);
 }
 
@@ -255,9 +275,7 @@ fn kv_cache_and_attention_check_cells_spans_and_types() {
     };
     be.attention(
         &q,
-        &k,
-        &v,
-        GgmlType::F16,
+        KvCache::new(&k, &v, GgmlType::F16),
         &[span(2, 1)],
         shape,
         1.0,
@@ -272,9 +290,7 @@ fn kv_cache_and_attention_check_cells_spans_and_types() {
     let f16 = GgmlType::F16;
     assert!(is_shape(be.attention(
         &q,
-        &k,
-        &v,
-        f16,
+        KvCache::new(&k, &v, f16),
         &[span(2, 2)],
         shape,
         1.0,
@@ -282,9 +298,7 @@ fn kv_cache_and_attention_check_cells_spans_and_types() {
     )));
     assert!(is_shape(be.attention(
         &q,
-        &k,
-        &v,
-        f16,
+        KvCache::new(&k, &v, f16),
         &[span(0, 0)],
         shape,
         1.0,
@@ -292,9 +306,7 @@ fn kv_cache_and_attention_check_cells_spans_and_types() {
     )));
     assert!(is_shape(be.attention(
         &q,
-        &k,
-        &v,
-        f16,
+        KvCache::new(&k, &v, f16),
         &[span(u32::MAX, 2)],
         shape,
         1.0,
@@ -302,9 +314,7 @@ fn kv_cache_and_attention_check_cells_spans_and_types() {
     )));
     assert!(is_shape(be.attention(
         &q,
-        &k,
-        &v,
-        f16,
+        KvCache::new(&k, &v, f16),
         &[span(0, 1); 2],
         shape,
         1.0,
@@ -316,9 +326,7 @@ fn kv_cache_and_attention_check_cells_spans_and_types() {
     };
     assert!(is_shape(be.attention(
         &q,
-        &k,
-        &v,
-        f16,
+        KvCache::new(&k, &v, f16),
         &[span(0, 1)],
         none,
         1.0,
@@ -330,9 +338,7 @@ fn kv_cache_and_attention_check_cells_spans_and_types() {
     };
     assert!(is_shape(be.attention(
         &q,
-        &k,
-        &v,
-        f16,
+        KvCache::new(&k, &v, f16),
         &[span(0, 1)],
         odd,
         1.0,
@@ -457,10 +463,20 @@ fn finished_q4_0_weights_read_the_same_packed_or_not() {
         for n in [1, n_tokens] {
             let mut a = be.alloc(4 * rows * n).unwrap();
             let mut b = be.alloc(4 * rows * n).unwrap();
-            be.matmul(&plain, GgmlType::Q4_0, rows, cols, &xb, n, &mut a)
-                .unwrap();
-            be.matmul(&finished, GgmlType::Q4_0, rows, cols, &xb, n, &mut b)
-                .unwrap();
+            be.matmul(
+                Weight::new(&plain, GgmlType::Q4_0, rows, cols),
+                &xb,
+                n,
+                &mut a,
+            )
+            .unwrap();
+            be.matmul(
+                Weight::new(&finished, GgmlType::Q4_0, rows, cols),
+                &xb,
+                n,
+                &mut b,
+            )
+            .unwrap();
             for (p, q) in a.as_f32().iter().zip(b.as_f32()) {
                 assert!(
                     (p - q).abs() <= 1e-5 * p.abs().max(1.0),
@@ -479,7 +495,12 @@ fn finished_q4_0_weights_read_the_same_packed_or_not() {
         if finished.packed.is_some() {
             assert!(is_shape(be.upload(&mut finished, 0, &[0u8; 4])));
             let mut out = be.alloc(4 * rows).unwrap();
-            let as_q8 = be.matmul(&finished, GgmlType::Q8_0, rows / 2, cols, &xb, 1, &mut out);
+            let as_q8 = be.matmul(
+                Weight::new(&finished, GgmlType::Q8_0, rows / 2, cols),
+                &xb,
+                1,
+                &mut out,
+            );
             assert!(is_shape(as_q8));
         }
     }

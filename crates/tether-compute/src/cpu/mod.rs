@@ -26,7 +26,9 @@ pub use isa::{CPU_ISA_ENV, CpuIsa};
 use rayon::prelude::*;
 use tether_gguf::{GgmlType, dequantize};
 
-use crate::backend::{AttnShape, AttnSpan, Backend, DeviceBuffer, MemoryInfo, Result, RopeParams};
+use crate::backend::{
+    AttnShape, AttnSpan, Backend, DeviceBuffer, KvCache, MemoryInfo, Result, Rope, Scores, Weight,
+};
 use crate::error::ComputeError;
 use crate::moe::{MoeFfn, MoeRouting, MoeScratch};
 use crate::shape_check::rope_args;
@@ -228,15 +230,13 @@ impl Backend for CpuBackend {
 
     fn matmul(
         &self,
-        w: &CpuBuffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        w: Weight<'_, CpuBuffer>,
         x: &CpuBuffer,
         n_tokens: usize,
         out: &mut CpuBuffer,
     ) -> Result<()> {
         const OP: &str = "matmul";
+        let (w, ty, rows, cols) = (w.buf, w.ty, w.rows, w.cols);
         let row_bytes = ty
             .bytes_for(cols as u64)
             .and_then(|b| usize::try_from(b).ok())
@@ -256,12 +256,17 @@ impl Backend for CpuBackend {
         let w = &whole[..row_bytes * rows];
         let x = f32s(OP, "input", x, elems(OP, &[n_tokens, cols])?)?;
         let out = f32s_mut(OP, "output", out, elems(OP, &[n_tokens, rows])?)?;
+        let s = matmul::Shape {
+            rows,
+            cols,
+            n_tokens,
+        };
         self.install(|| {
             #[cfg(target_arch = "x86_64")]
             if packed {
-                return matmul::matmul_packed(self.isa, whole, rows, cols, x, n_tokens, out);
+                return matmul::matmul_packed(self.isa, whole, s, x, out);
             }
-            matmul::matmul(self.isa, ty, w, rows, cols, x, n_tokens, out)
+            matmul::matmul(self.isa, ty, w, s, x, out)
         });
         Ok(())
     }
@@ -308,10 +313,13 @@ impl Backend for CpuBackend {
         n_heads: usize,
         head_dim: usize,
         positions: &[u32],
-        params: &RopeParams,
-        freq_factors: Option<&CpuBuffer>,
+        rope: Rope<'_, CpuBuffer>,
     ) -> Result<()> {
         const OP: &str = "rope";
+        let Rope {
+            params,
+            freq_factors,
+        } = rope;
         rope_args(OP, n_tokens, head_dim, positions, params)?;
         let x = f32s_mut(OP, "input", x, elems(OP, &[n_tokens, n_heads, head_dim])?)?;
         let factors = match freq_factors {
@@ -350,45 +358,40 @@ impl Backend for CpuBackend {
     fn attention(
         &self,
         q: &CpuBuffer,
-        k_cache: &CpuBuffer,
-        v_cache: &CpuBuffer,
-        cache_ty: GgmlType,
+        cache: KvCache<'_, CpuBuffer>,
         spans: &[AttnSpan],
         shape: AttnShape,
         scale: f32,
         out: &mut CpuBuffer,
     ) -> Result<()> {
-        self.attention_capped(q, k_cache, v_cache, cache_ty, spans, shape, scale, 0.0, out)
+        self.attention_capped(q, cache, spans, shape, Scores::scaled(scale), out)
     }
 
     fn attention_capped(
         &self,
         q: &CpuBuffer,
-        k_cache: &CpuBuffer,
-        v_cache: &CpuBuffer,
-        cache_ty: GgmlType,
+        cache: KvCache<'_, CpuBuffer>,
         spans: &[AttnSpan],
         shape: AttnShape,
-        scale: f32,
-        softcap: f32,
+        scores: Scores,
         out: &mut CpuBuffer,
     ) -> Result<()> {
         const OP: &str = "attention";
-        if softcap != 0.0 {
-            check::softcap(OP, softcap)?;
+        if scores.softcap != 0.0 {
+            check::softcap(OP, scores.softcap)?;
         }
+        let cache_ty = cache.ty;
         check::attention_shape(OP, shape)?;
         let head_bytes = check::cache_bytes(OP, cache_ty, shape.head_dim, "head_dim")?;
         let n = elems(OP, &[spans.len(), shape.n_heads, shape.head_dim])?;
         let q = f32s(OP, "query", q, n)?;
         let out = f32s_mut(OP, "output", out, n)?;
         let cell_bytes = elems(OP, &[shape.n_kv_heads, head_bytes])?;
-        let n_cells = k_cache.bytes().min(v_cache.bytes()) / cell_bytes;
+        let n_cells = cache.k.bytes().min(cache.v.bytes()) / cell_bytes;
         check::spans(OP, spans, n_cells, shape.ring_cells)?;
-        let (k, v) = (k_cache.as_bytes(), v_cache.as_bytes());
-        let scores = (scale, softcap);
+        let rows = KvCache::new(cache.k.as_bytes(), cache.v.as_bytes(), cache_ty);
         let simd = self.isa.avx2();
-        self.install(|| attention::attention(simd, q, k, v, cache_ty, spans, shape, scores, out));
+        self.install(|| attention::attention(simd, q, rows, spans, shape, scores, out));
         Ok(())
     }
 

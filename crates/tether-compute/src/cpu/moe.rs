@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use super::CpuBackend;
 use super::buffer::CpuBuffer;
 use super::check::{f32s, f32s_mut, shape_err};
-use super::matmul::matmul;
+use super::matmul::{Shape, matmul};
 use crate::backend::Result;
 use crate::moe::{MoeFfn, MoeRouting, MoeScratch, check_route, route_token};
 
@@ -99,12 +99,17 @@ impl CpuBackend {
             ));
         }
         let product = |p: bool, ty, w: &[u8], rows, cols, x: &[f32], n, out: &mut [f32]| {
+            let s = Shape {
+                rows,
+                cols,
+                n_tokens: n,
+            };
             #[cfg(target_arch = "x86_64")]
             if p {
-                return super::matmul::matmul_packed(self.isa, w, rows, cols, x, n, out);
+                return super::matmul::matmul_packed(self.isa, w, s, x, out);
             }
             let _ = p;
-            matmul(self.isa, ty, w, rows, cols, x, n, out)
+            matmul(self.isa, ty, w, s, x, out)
         };
         self.install(|| {
             rows.par_chunks_mut(e.max(1))

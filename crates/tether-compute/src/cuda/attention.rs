@@ -11,7 +11,7 @@ use super::check::{
 };
 use super::launch::{Arg, int};
 use super::{CudaBackend, CudaBuffer};
-use crate::backend::{AttnShape, AttnSpan, DeviceBuffer, Result};
+use crate::backend::{AttnShape, AttnSpan, DeviceBuffer, KvCache, Result, Scores};
 
 /// Batches of at most this many query tokens are sized as decode steps.
 pub(super) const DECODE_TOKENS: usize = 8;
@@ -47,19 +47,21 @@ fn attention_splits(blocks: usize, max_cells: usize, sm_count: usize) -> usize {
 
 impl CudaBackend {
     /// [`crate::Backend::attention`] on the GPU.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn run_attention(
         &self,
         q: &CudaBuffer,
-        k_cache: &CudaBuffer,
-        v_cache: &CudaBuffer,
-        cache_ty: GgmlType,
+        cache: KvCache<'_, CudaBuffer>,
         spans: &[AttnSpan],
         shape: AttnShape,
-        (scale, softcap): (f32, f32),
+        Scores { scale, softcap }: Scores,
         out: &mut CudaBuffer,
     ) -> Result<()> {
         const OP: &str = "attention";
+        let KvCache {
+            k: k_cache,
+            v: v_cache,
+            ty: cache_ty,
+        } = cache;
         attention_shape(OP, shape)?;
         if softcap != 0.0 && !(softcap.is_finite() && softcap > 0.0) {
             return Err(shape_err(

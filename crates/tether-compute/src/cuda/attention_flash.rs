@@ -7,14 +7,17 @@ use tether_gguf::GgmlType;
 
 use super::compile::Kernels;
 use super::device::driver_err;
+use super::kernel_files::{define, source};
 use crate::backend::{AttnShape, Result};
 
-/// Query rows (token, head pairs) one block takes (FA_ROWS in attention_flash.cu).
-const ROWS_PER_BLOCK: usize = 64;
-/// Cells of one K/V tile (FA_CELLS).
-const TILE_CELLS: usize = 64;
-/// Threads of one block (FA_THREADS).
-const THREADS: u32 = 128;
+/// Warps of one block (`FA_WARPS` in attention_flash.cu).
+const WARPS: usize = define(source::ATTENTION_FLASH, "FA_WARPS");
+/// Query rows (token, head pairs) one block takes (`FA_ROWS`: 16 a warp).
+const ROWS_PER_BLOCK: usize = WARPS * 16;
+/// Cells of one K/V tile (`FA_CELLS`).
+const TILE_CELLS: usize = define(source::ATTENTION_FLASH, "FA_CELLS");
+/// Threads of one block (`FA_THREADS`).
+const THREADS: u32 = (WARPS * 32) as u32;
 /// Head sizes the kernel is instantiated for.
 const HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 

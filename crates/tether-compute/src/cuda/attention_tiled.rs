@@ -9,15 +9,19 @@ use super::CudaBackend;
 use super::attention::{DECODE_TOKENS, Operands, SCRATCH_BYTES};
 use super::attention_flash::{self, FlashKernels, FlashLayout};
 use super::check::elems;
+use super::kernel_files::{define, source};
 use super::launch::{Arg, int};
 use crate::backend::{AttnSpan, Result};
 
-/// Query tokens one block of the tiled prefill kernel takes (AP_TQ in
+/// Query tokens one block of the tiled prefill kernel takes (`AP_TQ` in
 /// attention_prefill.cu).
-const PREFILL_TOKENS_PER_BLOCK: usize = 16;
-/// Cells one tile of the tiled prefill kernels holds (AP_TC in attention_prefill.cu, FA_CELLS
-/// in attention_flash.cu).
-const PREFILL_TILE_CELLS: u64 = 64;
+const PREFILL_TOKENS_PER_BLOCK: usize = define(source::ATTENTION_PREFILL, "AP_TQ");
+/// Cells one tile of the tiled prefill kernels holds (`AP_TC` in attention_prefill.cu,
+/// `FA_CELLS` in attention_flash.cu: the two must agree).
+const PREFILL_TILE_CELLS: u64 = define(source::ATTENTION_PREFILL, "AP_TC") as u64;
+const _: () = assert!(
+    define(source::ATTENTION_PREFILL, "AP_TC") == define(source::ATTENTION_FLASH, "FA_CELLS")
+);
 
 /// A kernel that walks the cells of a group of query tokens once for all of them.
 #[derive(Clone, Copy, Debug)]

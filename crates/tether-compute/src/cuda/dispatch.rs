@@ -2,14 +2,13 @@
 //! cuda [`crate::Backend`] goes through.
 
 use cudarc::driver::LaunchConfig;
-use tether_gguf::GgmlType;
 
 use super::check::{elems, f32s, need, row_bytes, unsupported, weight_type_supported};
 use super::graph::Cmd;
 use super::launch::Arg;
 use super::matvec::{MV_MAX_TOKENS, MatmulArgs};
 use super::{CudaBackend, CudaBuffer};
-use crate::backend::{DeviceBuffer, Result};
+use crate::backend::{DeviceBuffer, Result, Weight};
 
 impl CudaBackend {
     /// Launches kernel `name`. Every op that may write device memory goes through here (or
@@ -33,18 +32,15 @@ impl CudaBackend {
 
     /// Checks a matmul's type and buffer sizes; returns the weight, input and output
     /// addresses.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_operands(
         &self,
-        w: &CudaBuffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        w: Weight<'_, CudaBuffer>,
         x: &CudaBuffer,
         n_tokens: usize,
         out: &CudaBuffer,
     ) -> Result<(u64, u64, u64)> {
         const OP: &str = "matmul";
+        let (w, ty, rows, cols) = (w.buf, w.ty, w.rows, w.cols);
         if !weight_type_supported(ty) {
             return Err(unsupported(OP, ty));
         }
@@ -59,23 +55,19 @@ impl CudaBackend {
     /// `out = w·x`, or `out += w·x` with `accumulate`, for operands `matmul_operands`
     /// checked: the GEMM for prefill-sized batches, the matvec kernels for decode-sized, the
     /// 8-bit tensor-core products of mmq.rs between the two where they read the type.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn product(
         &self,
-        w: &CudaBuffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        w: Weight<'_, CudaBuffer>,
         (wp, xp, op): (u64, u64, u64),
         n_tokens: usize,
         accumulate: bool,
     ) -> Result<()> {
         let a = MatmulArgs {
             w: wp,
-            ty,
-            packed: w.packed,
-            rows,
-            cols,
+            ty: w.ty,
+            packed: w.buf.packed,
+            rows: w.rows,
+            cols: w.cols,
             x: xp,
             n_tokens,
             out: op,
@@ -85,7 +77,7 @@ impl CudaBackend {
             return self.mmq(&a, kernel);
         }
         // Only packed Q4_0 / Q8_0 have tensor-core products below the GEMM's size.
-        let on_mma = w.packed && super::packed::packed_stem(ty).is_some();
+        let on_mma = w.buf.packed && super::packed::packed_stem(w.ty).is_some();
         let gemm_from = if on_mma && self.mma_min_tokens <= MV_MAX_TOKENS {
             self.gemm_min_tokens_mma
         } else {

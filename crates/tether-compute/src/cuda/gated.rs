@@ -3,9 +3,10 @@
 
 use super::check::{f32s, shape_err};
 use super::launch::{Arg, grid_for};
+use super::matvec::GatedOperands;
 use super::{CudaBackend, CudaBuffer};
-use crate::backend::{Backend, GateAct, Result};
-use tether_gguf::GgmlType;
+use crate::backend::{Backend, GateAct, Result, Weight};
+use crate::operands::gate_up_shape;
 
 /// Threads per block of the element-wise kernels here.
 const THREADS: u32 = 256;
@@ -22,30 +23,38 @@ pub(super) fn kernel_code(act: GateAct) -> i32 {
 impl CudaBackend {
     /// `out = act(gate · x) · (up · x)`: one fused launch where a matvec family takes both
     /// weights at this size, else two products and the element-wise activation.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn gated_product(
         &self,
         act: GateAct,
-        (gate, up, ty): (&CudaBuffer, &CudaBuffer, GgmlType),
-        rows: usize,
-        cols: usize,
+        gate_up: [Weight<'_, CudaBuffer>; 2],
         x: &CudaBuffer,
         n_tokens: usize,
         out: &mut CudaBuffer,
-        (gate_tmp, up_tmp): (&mut CudaBuffer, &mut CudaBuffer),
+        [gate_tmp, up_tmp]: [&mut CudaBuffer; 2],
     ) -> Result<()> {
-        let family = self.fused_family([(gate, ty), (up, ty)], cols, n_tokens);
+        let (rows, cols) = gate_up_shape("matmul", gate_up)?;
+        let [gate, up] = gate_up;
+        let family = self.fused_family([(gate.buf, gate.ty), (up.buf, up.ty)], cols, n_tokens);
         let Some(family) = family else {
-            self.matmul(gate, ty, rows, cols, x, n_tokens, gate_tmp)?;
-            self.matmul(up, ty, rows, cols, x, n_tokens, up_tmp)?;
+            self.matmul(gate, x, n_tokens, gate_tmp)?;
+            self.matmul(up, x, n_tokens, up_tmp)?;
             return self.gated(act, gate_tmp, up_tmp, n_tokens * rows, out);
         };
-        let (gp, xp, op) = self.matmul_operands(gate, ty, rows, cols, x, n_tokens, out)?;
-        let (up_p, _, _) = self.matmul_operands(up, ty, rows, cols, x, n_tokens, out)?;
+        let (gp, xp, op) = self.matmul_operands(gate, x, n_tokens, out)?;
+        let (up_p, _, _) = self.matmul_operands(up, x, n_tokens, out)?;
         if rows == 0 || n_tokens == 0 {
             return Ok(());
         }
-        self.matvec_swiglu(act, family, gp, up_p, rows, cols, xp, n_tokens, op)
+        let operands = GatedOperands {
+            gate: gp,
+            up: up_p,
+            rows,
+            cols,
+            x: xp,
+            n_tokens,
+            out: op,
+        };
+        self.matvec_swiglu(act, family, operands)
     }
 
     /// `out[i] = act(gate[i]) · up[i]` by the element-wise kernel of `act`.

@@ -11,6 +11,7 @@ use cudarc::driver::LaunchConfig;
 
 use super::check::{row_bytes, shape_err};
 use super::device::Device;
+use super::kernel_files::{define, source};
 use super::launch::{Arg, grid_for, int};
 use super::matvec::MatmulArgs;
 use super::{CudaBackend, CudaBuffer};
@@ -43,10 +44,10 @@ const MIN_SPLIT_K_TILES: usize = 8;
 /// until this many are busy. Measured best: 1 leaves small grids idle, 4 pays more for
 /// partial sums than it gains.
 pub(super) const BLOCKS_PER_SM: usize = 2;
-/// Tile sizes of the tile kernels; must match GEMM_M, GEMM_N, GEMM_K in gemm.cu.
-const TILE_M: usize = 128;
-const TILE_N: usize = 128;
-pub(super) const TILE_K: usize = 32;
+/// Tile sizes of the tile kernels (`GEMM_M`, `GEMM_N`, `GEMM_K` in gemm.cu).
+const TILE_M: usize = define(source::GEMM, "GEMM_M");
+const TILE_N: usize = define(source::GEMM, "GEMM_N");
+pub(super) const TILE_K: usize = define(source::GEMM, "GEMM_K");
 /// Threads per block of the element-wise gemm.cu kernels.
 pub(super) const THREADS: u32 = 256;
 
@@ -327,7 +328,8 @@ mod gpu_tests {
     use crate::backend::Backend;
 
     fn gpu() -> CudaBackend {
-        CudaBackend::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"))
+        CudaBackend::with_tuning(0, &crate::cuda::CudaTuning::from_env())
+            .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"))
     }
 
     /// Deterministic bytes: Q8_0 blocks get a 0.01 f16 scale, F32 values lie in [-1, 1).

@@ -16,15 +16,17 @@ use tether_gguf::GgmlType;
 
 use super::check::shape_err;
 use super::gated::kernel_code;
+use super::kernel_files::{define, source};
 use super::launch::{Arg, int};
 use super::packed::packed_stem;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{GateAct, Result};
 
-/// Weight rows per matvec block (one warp each); must match `MV_WARPS` in matvec.cu.
-const MV_ROWS_PER_BLOCK: usize = 4;
-/// Rows per block of the K-quant kernels (matvec_kquant.cu: KQ_WARPS warps of KQ_R rows).
-const KQ_ROWS_PER_BLOCK: usize = 4 * 2;
+/// Weight rows per matvec block (one warp each: `MV_WARPS` in matvec.cu).
+const MV_ROWS_PER_BLOCK: usize = define(source::MATVEC, "MV_WARPS");
+/// Rows per block of the K-quant kernels (`PK_MV_WARPS` warps of `KQ_R` rows).
+const KQ_ROWS_PER_BLOCK: usize =
+    define(source::COMMON, "PK_MV_WARPS") * define(source::MATVEC_KQUANT, "KQ_R");
 /// Most tokens one matvec launch multiplies; larger batches are split.
 pub(crate) const MV_MAX_TOKENS: usize = 8;
 /// Widest activation row the 8-bit path takes; wider rows use the f32 kernels.
@@ -40,13 +42,13 @@ pub(crate) const XQ_BYTES: usize = XQ_SLOTS * XQ_SLOT_BYTES;
 /// Where the (scale, scaled sum) pairs start in a slot; also the most 8-bit values a slot
 /// holds.
 pub(super) const XQ_SCALES_AT: usize = MV_MAX_TOKENS * XQ_MAX_COLS;
-/// Rows the gate/up kernel gives one block (matvec_packed.cu's PK_SW_ROWS): one 8-bit
-/// block of its output per token.
-const PK_SWIGLU_ROWS_PER_BLOCK: usize = 32;
-/// Rows one block of the tensor-core products takes (MQ_ROWS in matvec_mma.cu), and its
-/// warps (MQ_WARPS), which split the columns.
-const MMA_ROWS_PER_BLOCK: usize = 16;
-const MMA_WARPS: u32 = 8;
+/// Rows the gate/up kernel gives one block (`PK_SW_ROWS`): one 8-bit block of its output
+/// per token.
+const PK_SWIGLU_ROWS_PER_BLOCK: usize = define(source::COMMON, "PK_SW_ROWS");
+/// Rows one block of the tensor-core products takes (`MQ_ROWS` in matvec_mma.cu), and its
+/// warps (`MQ_WARPS`), which split the columns.
+const MMA_ROWS_PER_BLOCK: usize = define(source::MATVEC_MMA, "MQ_ROWS");
+const MMA_WARPS: u32 = define(source::MATVEC_MMA, "MQ_WARPS") as u32;
 /// Launches of at least this many tokens multiply packed weights on the int8 tensor cores
 /// (matvec_mma.cu) instead of with dp4a, on devices of compute capability 8.0 and later.
 /// On an H100 (llama3-8b, `tether bench --parallel`), Q4_0 / Q8_0 decode steps of 8 tokens
@@ -56,10 +58,10 @@ pub(crate) const MMA_MIN_TOKENS: usize = 8;
 /// Most tokens one tensor-core launch takes (4 tiles of 8, which share every block of
 /// weights it loads); larger batches are split.
 const MMA_MAX_TOKENS: usize = 32;
-/// Output rows of one warp of the packed kernels (PK_R).
-const PK_ROWS_PER_WARP: usize = 2;
-/// Rows of one block of the packed matvec and q/k/v kernels (PK_MV_WARPS warps).
-const PK_MV_ROWS_PER_BLOCK: usize = 4 * PK_ROWS_PER_WARP;
+/// Output rows of one warp of the packed kernels (`PK_R`).
+const PK_ROWS_PER_WARP: usize = define(source::MATVEC_PACKED, "PK_R");
+/// Rows of one block of the packed matvec and q/k/v kernels (`PK_MV_WARPS` warps).
+const PK_MV_ROWS_PER_BLOCK: usize = define(source::COMMON, "PK_MV_WARPS") * PK_ROWS_PER_WARP;
 
 /// (input address, cols, tokens, write epoch) of the rows a slot holds: matmuls of one
 /// input (q, k, v; gate, up) quantize it once, until any op writes device memory.
@@ -134,6 +136,18 @@ pub(crate) struct MatmulArgs {
     pub out: u64,
     /// Add into `out` instead of overwriting it.
     pub accumulate: bool,
+}
+
+/// Device addresses and sizes of one checked gate/up product with its activation (one
+/// launch of the fused kernels).
+pub(crate) struct GatedOperands {
+    pub gate: u64,
+    pub up: u64,
+    pub rows: usize,
+    pub cols: usize,
+    pub x: u64,
+    pub n_tokens: usize,
+    pub out: u64,
 }
 
 /// Which kernels run a decode product fused with others (q/k/v; gate and up): the
@@ -498,20 +512,22 @@ impl CudaBackend {
 
     /// `out[t] = act(gate · x[t]) · (up · x[t])` in one launch (at most
     /// [`MV_MAX_TOKENS`] tokens; see `fused_family`), `act` being silu or GELU-tanh.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn matvec_swiglu(
         &self,
         act: GateAct,
         family: Fused,
-        gate: u64,
-        up: u64,
-        rows: usize,
-        cols: usize,
-        x: u64,
-        n: usize,
-        out: u64,
+        a: GatedOperands,
     ) -> Result<()> {
         const OP: &str = "matmul";
+        let GatedOperands {
+            gate,
+            up,
+            rows,
+            cols,
+            x,
+            n_tokens: n,
+            out,
+        } = a;
         let packed = family.packed();
         let cfg = if packed {
             LaunchConfig {

@@ -12,23 +12,22 @@ use tether_gguf::GgmlType;
 use super::CudaBackend;
 use super::check::{row_bytes, shape_err};
 use super::gemm::{BLOCKS_PER_SM, MMQ_XQ_BYTES, PARTIAL_ELEMS, THREADS, TILE_K, split_k};
+use super::kernel_files::{define, source};
 use super::launch::{Arg, grid_for, int};
 use super::matvec::{MatmulArgs, XQ_MAX_COLS};
 use crate::backend::Result;
 
-/// Turns these kernels on: `TETHER_MMQ=N` makes them take batches of 17 to N tokens
-/// (unset or 0: off, every such batch takes the matvec kernels or the GEMM).
-pub(super) const ENV_SWITCH: &str = "TETHER_MMQ";
-/// Tile of one block (MMQ_ROWS x MMQ_TOKENS in mmq.cu), its threads, and the columns it
-/// takes per pass (MMQ_K).
-const TILE_ROWS: usize = 64;
-const TILE_TOKENS: usize = 64;
-const BLOCK_THREADS: u32 = 128;
-const K_CHUNK: usize = 256;
+/// Tile of one block (`MMQ_ROWS` x `MMQ_TOKENS` in mmq.cu), its threads, and the columns it
+/// takes per pass (`MMQ_K`).
+const TILE_ROWS: usize = define(source::MMQ, "MMQ_ROWS");
+const TILE_TOKENS: usize = define(source::MMQ, "MMQ_TOKENS");
+const BLOCK_THREADS: u32 = define(source::MMQ, "MMQ_THREADS") as u32;
+const K_CHUNK: usize = define(source::MMQ, "MMQ_K");
 /// Most row tiles of one launch (grid y).
 const MAX_ROW_TILES: usize = 65_535;
 
-/// The largest batch these kernels take unless [`ENV_SWITCH`] says otherwise: none. On an
+/// The largest batch these kernels take unless [`super::CudaTuning::mmq_max_tokens`] says
+/// otherwise: none. On an
 /// H200 (llama3-8b, `tether bench --parallel 32,64 -p 128 -n 128`) they took batches of
 /// 17-256 tokens at 0.44-0.64x of the f16 GEMM's speed (Q4_0 924 / 1,776 t/s against
 /// 2,112 / 2,762; one 128-token prompt 2,581 against 5,426 t/s), before their loads were
@@ -37,16 +36,14 @@ pub(crate) const MMQ_MAX_TOKENS: usize = 0;
 /// Below this the decode kernels (launches of 8 tokens reading each weight once) win.
 pub(crate) const MMQ_MIN_TOKENS: usize = 17;
 
-/// The largest batch these kernels take on a device of compute capability `cc`, from
-/// [`ENV_SWITCH`] or [`MMQ_MAX_TOKENS`]; 0 when they take none (below 8.0 always).
-pub(super) fn mmq_max_tokens(cc: (i32, i32)) -> usize {
+/// The largest batch these kernels take on a device of compute capability `cc`: `tuned`
+/// ([`super::CudaTuning::mmq_max_tokens`]) or [`MMQ_MAX_TOKENS`]; 0 when they take none
+/// (below 8.0 always).
+pub(super) fn mmq_max_tokens(cc: (i32, i32), tuned: Option<usize>) -> usize {
     if cc.0 < 8 {
         return 0;
     }
-    std::env::var(ENV_SWITCH)
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(MMQ_MAX_TOKENS)
+    tuned.unwrap_or(MMQ_MAX_TOKENS)
 }
 
 /// The mmq.cu kernel for `ty` weights (`packed` as stored): Q4_0, Q8_0, Q6_K and IQ4_XS in
@@ -81,8 +78,7 @@ pub(super) fn mmq_kernel(a: &MatmulArgs, max_tokens: usize) -> Option<&'static s
 
 impl CudaBackend {
     /// This backend with the 8-bit tensor-core products taking batches of 17 to
-    /// `max_tokens` tokens (0: none, as with `TETHER_MMQ` unset), whatever the environment
-    /// says: tests of each path, and one path against the other in one process. Devices
+    /// `max_tokens` tokens (0: none), whatever the backend was tuned with: tests of each path, and one path against the other in one process. Devices
     /// before compute capability 8.0 never take them.
     pub fn with_mmq_max_tokens(mut self, max_tokens: usize) -> Self {
         if self.mmq_capable {

@@ -18,6 +18,7 @@ mod dispatch;
 mod gated;
 mod gemm;
 mod graph;
+mod kernel_files;
 mod launch;
 mod matvec;
 mod mmq;
@@ -91,7 +92,7 @@ pub struct CudaBackend {
     /// overrides it).
     mma_min_tokens: usize,
     /// Batches of 17 to this many tokens over the weight types mmq.rs reads take its int8
-    /// tensor-core kernels (0, none, unless `TETHER_MMQ=N`; always 0 before compute
+    /// tensor-core kernels (0, none, unless [`CudaTuning::mmq_max_tokens`]; always 0 before compute
     /// capability 8.0, `mmq_capable` false).
     mmq_max_tokens: usize,
     mmq_capable: bool,
@@ -119,10 +120,11 @@ pub fn device_count() -> usize {
 }
 
 impl CudaBackend {
-    /// [`CudaBackend::with_tuning`] with the knobs the environment sets
-    /// ([`CudaTuning::from_env`]).
+    /// [`CudaBackend::with_tuning`] with the measured defaults ([`CudaTuning::default`]:
+    /// no kernel cache on disk). The backend never reads the environment itself: binaries
+    /// and GPU tests read it once, with [`CudaTuning::from_env`], and pass the result in.
     pub fn new(ordinal: usize) -> Result<Self> {
-        Self::with_tuning(ordinal, &CudaTuning::from_env())
+        Self::with_tuning(ordinal, &CudaTuning::default())
     }
 
     /// Opens device `ordinal`, compiles (or loads from the disk cache) the kernels and
@@ -182,7 +184,7 @@ impl CudaBackend {
         } else {
             usize::MAX
         };
-        let mmq_max_tokens = mmq::mmq_max_tokens(cc);
+        let mmq_max_tokens = mmq::mmq_max_tokens(cc, tuning.mmq_max_tokens);
         let gemm_min_tokens = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS);
         let gemm_min_tokens_mma = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS_MMA);
         let copy_in = kernels

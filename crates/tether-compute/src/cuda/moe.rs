@@ -4,14 +4,15 @@
 use cudarc::driver::LaunchConfig;
 
 use super::check::{row_bytes, shape_err, unsupported, weight_type_supported};
+use super::kernel_files::{define, source};
 use super::launch::{Arg, int};
 use super::packed::kernel_type_id;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::Result;
 use crate::moe::{ExpertBytes, MoeFfn, MoeRouting, MoeScratch, check_route};
 
-/// Rows per block of `moe_gate_up` and `moe_down`; must match MOE_WARPS in moe.cu.
-const MOE_WARPS: usize = 4;
+/// Rows per block of `moe_gate_up` and `moe_down` (`MOE_WARPS` in moe.cu).
+const MOE_WARPS: usize = define(source::MOE, "MOE_WARPS");
 /// What the expert products' errors name.
 const OP: &str = "moe_ffn";
 /// The largest grid y dimension CUDA allows (x allows 2^31 - 1; launches keep both below).

@@ -16,6 +16,7 @@
 use cudarc::driver::LaunchConfig;
 use tether_gguf::GgmlType;
 
+use super::kernel_files::{define, source};
 use super::launch::{Arg, grid_for, int};
 use super::matvec::{MV_MAX_TOKENS, XQ_MAX_COLS, XQ_SCALES_AT, kquant_int8, stem};
 use super::moe::MAX_GRID_Y;
@@ -25,23 +26,29 @@ use crate::backend::{DeviceBuffer, Result};
 use crate::moe::{ExpertBytes, MoeFfn, MoeScratch};
 
 const OP: &str = "moe_ffn";
-/// Rows of one gate/up block and its threads (PK_SW_ROWS, two rows a warp).
-const SW_ROWS: usize = 32;
-const SW_THREADS: u32 = 32 * 16;
-/// Rows of one down block and its threads (PK_MV_WARPS warps of two rows).
-const DOWN_ROWS: usize = 8;
-const DOWN_THREADS: u32 = 32 * 4;
+/// Rows one warp of the expert kernels takes (the `R` their `MOE_ENTRIES` are given:
+/// `KQ_R` and `PK_R`, which agree).
+const ROWS_PER_WARP: usize = define(source::MATVEC_KQUANT, "KQ_R");
+const _: () = assert!(ROWS_PER_WARP == define(source::MATVEC_PACKED, "PK_R"));
+/// Rows of one gate/up block and its threads (`PK_SW_ROWS`, [`ROWS_PER_WARP`] a warp).
+const SW_ROWS: usize = define(source::COMMON, "PK_SW_ROWS");
+const SW_THREADS: u32 = (32 * SW_ROWS / ROWS_PER_WARP) as u32;
+/// Rows of one down block and its threads (`PK_MV_WARPS` warps of [`ROWS_PER_WARP`] rows).
+const DOWN_WARPS: usize = define(source::COMMON, "PK_MV_WARPS");
+const DOWN_ROWS: usize = DOWN_WARPS * ROWS_PER_WARP;
+const DOWN_THREADS: u32 = (32 * DOWN_WARPS) as u32;
 /// Most rows of one prefill work item (the NT of the `_8` entries).
 const TILE: usize = 8;
-/// The same for the tensor-core entries (matvec_mma.cu's `moemma_*_32`: MKQ_TILES tiles of
-/// 8), their rows a block (16) and threads (MKQ_WARPS warps).
-const MMA_TILE: usize = 32;
+/// The same for the tensor-core entries (matvec_mma.cu's `moemma_*_32`: `MKQ_TILES` tiles
+/// of 8), their rows a block (16) and threads (`MKQ_WARPS` warps).
+const MMA_TILE: usize = define(source::MATVEC_MMA, "MKQ_TILES") * 8;
 const MMA_ROWS: usize = 16;
-const MMA_THREADS: u32 = 32 * 4;
+const MMA_THREADS: u32 = (32 * define(source::MATVEC_MMA, "MKQ_WARPS")) as u32;
 /// The experts' (gate/up, down) family the tensor-core entries take: Q4_K as GGUF stores it.
 const MMA_FAMILY: (&str, &str) = ("moek", "q4_k");
-/// Threads of `moe_group` (MOE_GROUP_THREADS) and of the element-wise MoE kernels.
-const GROUP_THREADS: u32 = 1024;
+/// Threads of `moe_group` (`MOE_GROUP_THREADS` in moe.cu) and of the element-wise MoE
+/// kernels.
+const GROUP_THREADS: u32 = define(source::MOE, "MOE_GROUP_THREADS") as u32;
 const THREADS: u32 = 256;
 
 /// The kernels that take expert products of `ty` as `buf` stores it, rows `cols` wide:
@@ -208,7 +215,6 @@ impl CudaBackend {
 
     /// `{prefix}_swiglu_{stem}_{nt}` over the items: activations into `act` (f32) and,
     /// with `act_q`, their 8-bit copy.
-    #[allow(clippy::too_many_arguments)]
     fn moe_swiglu_launch(
         &self,
         ffn: &MoeFfn<'_, CudaBuffer>,
@@ -216,8 +222,7 @@ impl CudaBackend {
         (prefix, stem): (&str, &str),
         it: &Items,
         (xq, xds): (u64, u64),
-        act: u64,
-        act_q: Option<(u64, u64)>,
+        (act, act_q): (u64, Option<(u64, u64)>),
     ) -> Result<()> {
         let (aq, ads) = act_q.unwrap_or((0, 0));
         let args = [
@@ -333,7 +338,7 @@ impl CudaBackend {
         let it = self.items(ffn, 0, 1, picks)?;
         let act_copy = down.map(|_| (act, ff, picks));
         self.with_xq_in_out(x, e, n, act_copy, |xin, act_q| {
-            self.moe_swiglu_launch(ffn, one, gate_up, &it, xin, act, act_q)?;
+            self.moe_swiglu_launch(ffn, one, gate_up, &it, xin, (act, act_q))?;
             match (down, act_q) {
                 (Some(family), Some(aq)) => {
                     self.moe_down_launch(ffn, one, family, &it, aq, out)?;
@@ -408,7 +413,7 @@ impl CudaBackend {
             ],
         )?;
         let act_q = (up, up + layout.act_scales as u64);
-        self.moe_swiglu_launch(ffn, one, gate_up, &it, x, act, Some(act_q))?;
+        self.moe_swiglu_launch(ffn, one, gate_up, &it, x, (act, Some(act_q)))?;
         if it.mma {
             // The tensor-core gate/up writes f32 only.
             self.wrote();

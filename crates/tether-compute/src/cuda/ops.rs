@@ -12,10 +12,12 @@ use super::launch::{Arg, grid_for, int};
 use super::staging;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{
-    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, MemoryInfo, Result, RopeParams,
+    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, KvCache, KvCacheMut, MemoryInfo, Qkv,
+    Result, Rope, Scores, Weight,
 };
 use crate::cuda::device::driver_err;
 use crate::moe::{MoeFfn, MoeRouting, MoeScratch};
+use crate::operands::common_cols;
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
@@ -169,52 +171,47 @@ impl Backend for CudaBackend {
 
     fn matmul(
         &self,
-        w: &CudaBuffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        w: Weight<'_, CudaBuffer>,
         x: &CudaBuffer,
         n_tokens: usize,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        let (wp, xp, op) = self.matmul_operands(w, ty, rows, cols, x, n_tokens, out)?;
-        if rows == 0 || n_tokens == 0 {
+        let (wp, xp, op) = self.matmul_operands(w, x, n_tokens, out)?;
+        if w.rows == 0 || n_tokens == 0 {
             return Ok(());
         }
-        if cols == 0 {
-            return self.zero(op, rows * n_tokens * 4);
+        if w.cols == 0 {
+            return self.zero(op, w.rows * n_tokens * 4);
         }
-        self.product(w, ty, rows, cols, (wp, xp, op), n_tokens, false)
+        self.product(w, (wp, xp, op), n_tokens, false)
     }
 
     fn matmul3(
         &self,
-        ws: [&CudaBuffer; 3],
-        types: [GgmlType; 3],
-        rows: [usize; 3],
-        cols: usize,
+        ws: [Weight<'_, CudaBuffer>; 3],
         x: &CudaBuffer,
         n_tokens: usize,
         outs: [&mut CudaBuffer; 3],
     ) -> Result<()> {
-        let weights = [(ws[0], types[0]), (ws[1], types[1]), (ws[2], types[2])];
+        let cols = common_cols("matmul", &ws)?;
+        let weights = ws.map(|w| (w.buf, w.ty));
         let family = self
             .fused_family(weights, cols, n_tokens)
             .or_else(|| self.mixed_qkv_family(weights, cols, n_tokens));
         let Some(family) = family else {
-            for (i, out) in outs.into_iter().enumerate() {
-                self.matmul(ws[i], types[i], rows[i], cols, x, n_tokens, out)?;
+            for (w, out) in ws.into_iter().zip(outs) {
+                self.matmul(w, x, n_tokens, out)?;
             }
             return Ok(());
         };
         let mut addrs = [(0u64, 0u64); 3];
         let mut xp = 0;
-        for i in 0..3 {
-            let (w, xa, o) =
-                self.matmul_operands(ws[i], types[i], rows[i], cols, x, n_tokens, outs[i])?;
-            addrs[i] = (w, o);
+        for (i, (w, out)) in ws.into_iter().zip(outs).enumerate() {
+            let (wp, xa, o) = self.matmul_operands(w, x, n_tokens, out)?;
+            addrs[i] = (wp, o);
             xp = xa;
         }
+        let rows = ws.map(|w| w.rows);
         if n_tokens == 0 || rows.iter().sum::<usize>() == 0 {
             return Ok(());
         }
@@ -223,53 +220,25 @@ impl Backend for CudaBackend {
 
     fn matmul_swiglu(
         &self,
-        gate: &CudaBuffer,
-        up: &CudaBuffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        gate_up: [Weight<'_, CudaBuffer>; 2],
         x: &CudaBuffer,
         n_tokens: usize,
         out: &mut CudaBuffer,
-        gate_tmp: &mut CudaBuffer,
-        up_tmp: &mut CudaBuffer,
+        tmp: [&mut CudaBuffer; 2],
     ) -> Result<()> {
-        self.gated_product(
-            GateAct::Silu,
-            (gate, up, ty),
-            rows,
-            cols,
-            x,
-            n_tokens,
-            out,
-            (gate_tmp, up_tmp),
-        )
+        self.gated_product(GateAct::Silu, gate_up, x, n_tokens, out, tmp)
     }
 
     fn matmul_gated(
         &self,
         act: GateAct,
-        gate: &CudaBuffer,
-        up: &CudaBuffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        gate_up: [Weight<'_, CudaBuffer>; 2],
         x: &CudaBuffer,
         n_tokens: usize,
         out: &mut CudaBuffer,
-        gate_tmp: &mut CudaBuffer,
-        up_tmp: &mut CudaBuffer,
+        tmp: [&mut CudaBuffer; 2],
     ) -> Result<()> {
-        self.gated_product(
-            act,
-            (gate, up, ty),
-            rows,
-            cols,
-            x,
-            n_tokens,
-            out,
-            (gate_tmp, up_tmp),
-        )
+        self.gated_product(act, gate_up, x, n_tokens, out, tmp)
     }
 
     fn geglu(
@@ -292,26 +261,23 @@ impl Backend for CudaBackend {
 
     fn matmul_add(
         &self,
-        w: &CudaBuffer,
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
+        w: Weight<'_, CudaBuffer>,
         x: &CudaBuffer,
         n_tokens: usize,
         acc: &mut CudaBuffer,
         tmp: &mut CudaBuffer,
     ) -> Result<()> {
-        if cols == 0 {
-            self.matmul(w, ty, rows, cols, x, n_tokens, tmp)?;
-            return self.add(acc, tmp, n_tokens * rows);
+        if w.cols == 0 {
+            self.matmul(w, x, n_tokens, tmp)?;
+            return self.add(acc, tmp, n_tokens * w.rows);
         }
-        let (wp, xp, ap) = self.matmul_operands(w, ty, rows, cols, x, n_tokens, acc)?;
-        if rows == 0 || n_tokens == 0 {
+        let (wp, xp, ap) = self.matmul_operands(w, x, n_tokens, acc)?;
+        if w.rows == 0 || n_tokens == 0 {
             return Ok(());
         }
         // The matvec kernels and the GEMM's last store add into `acc`: no product in
         // `tmp`, no add pass.
-        self.product(w, ty, rows, cols, (wp, xp, ap), n_tokens, true)
+        self.product(w, (wp, xp, ap), n_tokens, true)
     }
 
     fn add_bias(
@@ -357,44 +323,22 @@ impl Backend for CudaBackend {
         n_heads: usize,
         head_dim: usize,
         positions: &[u32],
-        params: &RopeParams,
-        freq_factors: Option<&CudaBuffer>,
+        rope: Rope<'_, CudaBuffer>,
     ) -> Result<()> {
-        self.rope_on_device(
-            x,
-            n_tokens,
-            n_heads,
-            head_dim,
-            positions,
-            params,
-            freq_factors,
-        )
+        let heads = (n_tokens, n_heads, head_dim);
+        self.rope_on_device(x, heads, positions, rope)
     }
 
     fn rope_and_store(
         &self,
-        q: &mut CudaBuffer,
-        k: &mut CudaBuffer,
-        v: &CudaBuffer,
+        qkv: Qkv<'_, CudaBuffer>,
         shape: AttnShape,
         positions: &[u32],
-        params: &RopeParams,
-        freq_factors: Option<&CudaBuffer>,
+        rope: Rope<'_, CudaBuffer>,
         cells: &[u32],
-        k_cache: &mut CudaBuffer,
-        v_cache: &mut CudaBuffer,
-        cache_ty: GgmlType,
+        cache: KvCacheMut<'_, CudaBuffer>,
     ) -> Result<()> {
-        self.rope_and_store_on_device(
-            (q, k, v),
-            shape,
-            positions,
-            params,
-            freq_factors,
-            cells,
-            (k_cache, v_cache),
-            cache_ty,
-        )
+        self.rope_and_store_on_device(qkv, shape, positions, rope, cells, cache)
     }
 
     fn kv_store(
@@ -450,40 +394,26 @@ impl Backend for CudaBackend {
     fn attention(
         &self,
         q: &CudaBuffer,
-        k_cache: &CudaBuffer,
-        v_cache: &CudaBuffer,
-        cache_ty: GgmlType,
+        cache: KvCache<'_, CudaBuffer>,
         spans: &[AttnSpan],
         shape: AttnShape,
         scale: f32,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        self.run_attention(
-            q,
-            k_cache,
-            v_cache,
-            cache_ty,
-            spans,
-            shape,
-            (scale, 0.0),
-            out,
-        )
+        let scores = Scores::scaled(scale);
+        self.run_attention(q, cache, spans, shape, scores, out)
     }
 
     fn attention_capped(
         &self,
         q: &CudaBuffer,
-        k_cache: &CudaBuffer,
-        v_cache: &CudaBuffer,
-        cache_ty: GgmlType,
+        cache: KvCache<'_, CudaBuffer>,
         spans: &[AttnSpan],
         shape: AttnShape,
-        scale: f32,
-        softcap: f32,
+        scores: Scores,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        let scores = (scale, softcap);
-        self.run_attention(q, k_cache, v_cache, cache_ty, spans, shape, scores, out)
+        self.run_attention(q, cache, spans, shape, scores, out)
     }
 
     fn swiglu(

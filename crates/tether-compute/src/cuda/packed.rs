@@ -11,6 +11,7 @@ use cudarc::driver::LaunchConfig;
 use tether_gguf::GgmlType;
 
 use super::check::{row_bytes, shape_err};
+use super::kernel_files::{define, source};
 use super::launch::{Arg, grid_for};
 use super::matvec::XQ_MAX_COLS;
 use super::{CudaBackend, CudaBuffer};
@@ -22,18 +23,16 @@ use crate::backend::{DeviceBuffer, Result};
 fn group_values(ty: GgmlType) -> usize {
     8 * ty.block_elems()
 }
-/// Threads per block of the pack kernels; must match PACK_THREADS in matvec_packed.cu.
-const PACK_THREADS: u32 = 64;
+/// Threads per block of the pack kernels (`PACK_THREADS` in matvec_packed.cu).
+const PACK_THREADS: u32 = define(source::MATVEC_PACKED, "PACK_THREADS") as u32;
 /// Threads per block of pack_q6_k, pack_q3_k and pack_iq4_xs (one block a group).
 const PACK_K_THREADS: u32 = 128;
-/// Kernel type ids of the packed layouts; must match TY_Q4_0P / TY_Q8_0P / TY_Q6_KP / TY_Q3_KP /
-/// TY_IQ4_XSP in
-/// common.cuh.
-const TY_Q4_0P: i32 = 1002;
-const TY_Q8_0P: i32 = 1008;
-const TY_Q6_KP: i32 = 1014;
-const TY_Q3_KP: i32 = 1011;
-const TY_IQ4_XSP: i32 = 1023;
+/// Kernel type ids of the packed layouts (`TY_Q4_0P` ... in common.cuh).
+const TY_Q4_0P: i32 = define(source::COMMON, "TY_Q4_0P") as i32;
+const TY_Q8_0P: i32 = define(source::COMMON, "TY_Q8_0P") as i32;
+const TY_Q6_KP: i32 = define(source::COMMON, "TY_Q6_KP") as i32;
+const TY_Q3_KP: i32 = define(source::COMMON, "TY_Q3_KP") as i32;
+const TY_IQ4_XSP: i32 = define(source::COMMON, "TY_IQ4_XSP") as i32;
 
 /// Whether rows of `row_len` values of `ty` can be packed: whole groups, and no wider than
 /// the 8-bit activation rows the packed kernels read (they have no f32 twin).

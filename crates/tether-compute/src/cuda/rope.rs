@@ -8,7 +8,7 @@ use tether_gguf::GgmlType;
 use super::check::{elems, f32s, shape_err};
 use super::launch::{Arg, grid_for, int};
 use super::{CudaBackend, CudaBuffer};
-use crate::backend::{AttnShape, Backend, DeviceBuffer, Result, RopeParams};
+use crate::backend::{AttnShape, Backend, DeviceBuffer, KvCacheMut, Qkv, Result, Rope};
 use crate::rope::{YarnRamp, yarn_ramp};
 use crate::shape_check::rope_args;
 
@@ -16,16 +16,16 @@ use crate::shape_check::rope_args;
 const THREADS: u32 = 256;
 
 impl CudaBackend {
-    #[allow(clippy::too_many_arguments)]
+    /// [`Backend::rope`] of `x`, `(n_tokens, n_heads, head_dim)` rows of heads.
     pub(super) fn rope_on_device(
         &self,
         x: &mut CudaBuffer,
-        n_tokens: usize,
-        n_heads: usize,
-        head_dim: usize,
+        (n_tokens, n_heads, head_dim): (usize, usize, usize),
         positions: &[u32],
-        params: &RopeParams,
-        freq_factors: Option<&CudaBuffer>,
+        Rope {
+            params,
+            freq_factors,
+        }: Rope<'_, CudaBuffer>,
     ) -> Result<()> {
         const OP: &str = "rope";
         rope_args(OP, n_tokens, head_dim, positions, params)?;
@@ -63,28 +63,35 @@ impl CudaBackend {
         self.run("rope", grid_for(pairs, THREADS), &args)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// [`Backend::rope_and_store`]: one fused launch for decode steps into an f16 cache.
     pub(super) fn rope_and_store_on_device(
         &self,
-        (q, k, v): (&mut CudaBuffer, &mut CudaBuffer, &CudaBuffer),
+        Qkv { q, k, v }: Qkv<'_, CudaBuffer>,
         shape: AttnShape,
         positions: &[u32],
-        params: &RopeParams,
-        freq_factors: Option<&CudaBuffer>,
+        rope: Rope<'_, CudaBuffer>,
         cells: &[u32],
-        (k_cache, v_cache): (&mut CudaBuffer, &mut CudaBuffer),
-        cache_ty: GgmlType,
+        cache: KvCacheMut<'_, CudaBuffer>,
     ) -> Result<()> {
         const OP: &str = "rope_and_store";
         let (n, hd) = (positions.len(), shape.head_dim);
         let kv_dim = shape.n_kv_heads * hd;
+        let KvCacheMut {
+            k: k_cache,
+            v: v_cache,
+            ty: cache_ty,
+        } = cache;
         // Quantized caches and prefill batches take the four ops apart.
         if cache_ty != GgmlType::F16 || n > 8 || n != cells.len() || n == 0 {
-            self.rope(q, n, shape.n_heads, hd, positions, params, freq_factors)?;
-            self.rope(k, n, shape.n_kv_heads, hd, positions, params, freq_factors)?;
+            self.rope(q, n, shape.n_heads, hd, positions, rope)?;
+            self.rope(k, n, shape.n_kv_heads, hd, positions, rope)?;
             self.kv_store(k, kv_dim, cells, k_cache, cache_ty)?;
             return self.kv_store(v, kv_dim, cells, v_cache, cache_ty);
         }
+        let Rope {
+            params,
+            freq_factors,
+        } = rope;
         rope_args(OP, n, hd, positions, params)?;
         f32s(OP, "queries", q, elems(OP, &[n, shape.n_heads, hd])?)?;
         f32s(OP, "keys", k, elems(OP, &[n, kv_dim])?)?;

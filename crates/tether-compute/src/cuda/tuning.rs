@@ -6,6 +6,8 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use crate::cache_dir::cache_root_from;
+
 /// Knobs that choose which kernels run and where compiled kernels are kept; none changes
 /// what a result means. [`CudaTuning::default`] is what an empty environment gives.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -22,8 +24,11 @@ pub struct CudaTuning {
     /// Tokens from which products take the GEMM, instead of the measured defaults
     /// (`TETHER_GEMM_MIN_TOKENS`; raised to 9, the smallest batch the GEMM is tested at).
     pub gemm_min_tokens: Option<usize>,
-    /// Where compiled kernels are cached on disk: `$TETHER_CACHE/kernels`, else
-    /// `~/.cache/tether/kernels`; `None` compiles every time.
+    /// Batches of 17 to this many tokens take the 8-bit tensor-core products (mmq.rs),
+    /// instead of the measured default, none (`TETHER_MMQ=N`; 0 turns them off).
+    pub mmq_max_tokens: Option<usize>,
+    /// Where compiled kernels are cached on disk: `kernels` under the cache root
+    /// ([`crate::cache_dir`]); `None` compiles every time.
     pub kernel_cache: Option<PathBuf>,
 }
 
@@ -51,18 +56,13 @@ impl CudaTuning {
                 .and_then(|v| v.to_str()?.parse::<usize>().ok())
                 .filter(|&n| n > 0)
         };
-        let cache_root = var("TETHER_CACHE")
-            .filter(|d| !d.is_empty())
-            .map(PathBuf::from)
-            .or_else(|| {
-                let home = var("HOME").filter(|d| !d.is_empty())?;
-                Some(PathBuf::from(home).join(".cache/tether"))
-            });
+        let cache_root = cache_root_from(&var);
         Self {
             dependent_launches: !off("TETHER_PDL"),
             flash_attention: !off("TETHER_FLASH_ATTENTION"),
             mma_min_tokens: tokens("TETHER_MMA_MIN_TOKENS"),
             gemm_min_tokens: tokens("TETHER_GEMM_MIN_TOKENS").map(|n| n.max(GEMM_TESTED_FROM)),
+            mmq_max_tokens: var("TETHER_MMQ").and_then(|v| v.to_str()?.trim().parse().ok()),
             kernel_cache: cache_root.map(|root| root.join("kernels")),
         }
     }
@@ -123,5 +123,15 @@ mod tests {
             tuning(&[("TETHER_MMA_MIN_TOKENS", "lots")]).mma_min_tokens,
             None
         );
+    }
+
+    #[test]
+    fn tether_mmq_sets_the_largest_mmq_batch_and_zero_turns_it_off() {
+        let mmq = |v| tuning(&[("TETHER_MMQ", v)]).mmq_max_tokens;
+        assert_eq!(mmq("256"), Some(256));
+        assert_eq!(mmq(" 64 "), Some(64));
+        assert_eq!(mmq("0"), Some(0));
+        assert_eq!(mmq("many"), None);
+        assert_eq!(tuning(&[]).mmq_max_tokens, None);
     }
 }

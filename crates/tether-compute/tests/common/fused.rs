@@ -3,6 +3,7 @@
 //! launch; gate, up and SiLU in one launch, then the down projection over its output): the
 //! cuda backend's results against the cpu's on the same finished weights.
 
+use tether_compute::Weight;
 use tether_compute::{Backend, CpuBackend, CudaBackend};
 use tether_gguf::GgmlType;
 
@@ -86,8 +87,10 @@ impl Rig<'_> {
             let x = self.rng.f32s(n * cols, 1.0);
             let (xg, xc) = (put(g, &f32_bytes(&x)), put(c, &f32_bytes(&x)));
             let (mut og, mut oc) = (zeros(g, n * rows), zeros(c, n * rows));
-            g.matmul(&w.g, ty, rows, cols, &xg, n, &mut og).unwrap();
-            c.matmul(&w.c, ty, rows, cols, &xc, n, &mut oc).unwrap();
+            g.matmul(Weight::new(&w.g, ty, rows, cols), &xg, n, &mut og)
+                .unwrap();
+            c.matmul(Weight::new(&w.c, ty, rows, cols), &xc, n, &mut oc)
+                .unwrap();
             let what = format!("matmul {ty} {rows}x{cols} n={n}");
             let e = relative_error(&what, &get(g, &og, n * rows), &get(c, &oc, n * rows));
             assert!(e < tol, "{what}: relative error {e}");
@@ -96,9 +99,9 @@ impl Rig<'_> {
             let start = f32_bytes(&self.rng.f32s(n * rows, 1.0));
             let (mut ag, mut ac) = (put(g, &start), put(c, &start));
             let (mut tg, mut tc) = (zeros(g, n * rows), zeros(c, n * rows));
-            g.matmul_add(&w.g, ty, rows, cols, &xg, n, &mut ag, &mut tg)
+            g.matmul_add(Weight::new(&w.g, ty, rows, cols), &xg, n, &mut ag, &mut tg)
                 .unwrap();
-            c.matmul_add(&w.c, ty, rows, cols, &xc, n, &mut ac, &mut tc)
+            c.matmul_add(Weight::new(&w.c, ty, rows, cols), &xc, n, &mut ac, &mut tc)
                 .unwrap();
             let what = format!("matmul_add {ty} {rows}x{cols} n={n}");
             let e = relative_error(&what, &get(g, &ag, n * rows), &get(c, &ac, n * rows));
@@ -137,14 +140,32 @@ impl Rig<'_> {
                 unreachable!()
             };
             let wg = [&ws[0].g, &ws[1].g, &ws[2].g];
-            g.matmul3(wg, types, rows, cols, &xg, n, [g0, g1, g2])
-                .unwrap();
+            g.matmul3(
+                [
+                    Weight::new(wg[0], types[0], rows[0], cols),
+                    Weight::new(wg[1], types[1], rows[1], cols),
+                    Weight::new(wg[2], types[2], rows[2], cols),
+                ],
+                &xg,
+                n,
+                [g0, g1, g2],
+            )
+            .unwrap();
             let [c0, c1, c2] = &mut oc[..] else {
                 unreachable!()
             };
             let wc = [&ws[0].c, &ws[1].c, &ws[2].c];
-            c.matmul3(wc, types, rows, cols, &xc, n, [c0, c1, c2])
-                .unwrap();
+            c.matmul3(
+                [
+                    Weight::new(wc[0], types[0], rows[0], cols),
+                    Weight::new(wc[1], types[1], rows[1], cols),
+                    Weight::new(wc[2], types[2], rows[2], cols),
+                ],
+                &xc,
+                n,
+                [c0, c1, c2],
+            )
+            .unwrap();
             for i in 0..3 {
                 let what = format!("matmul3 {types:?} output {i} n={n}");
                 let e = relative_error(
@@ -172,11 +193,25 @@ impl Rig<'_> {
                 let (mut sg, mut g1, mut g2) = (zeros(g, n * r), zeros(g, n * r), zeros(g, n * r));
                 let (mut sc, mut c1, mut c2) = (zeros(c, n * r), zeros(c, n * r), zeros(c, n * r));
                 g.matmul_swiglu(
-                    &gate.g, &up.g, ty, r, cols, &xg, n, &mut sg, &mut g1, &mut g2,
+                    [
+                        Weight::new(&gate.g, ty, r, cols),
+                        Weight::new(&up.g, ty, r, cols),
+                    ],
+                    &xg,
+                    n,
+                    &mut sg,
+                    [&mut g1, &mut g2],
                 )
                 .unwrap();
                 c.matmul_swiglu(
-                    &gate.c, &up.c, ty, r, cols, &xc, n, &mut sc, &mut c1, &mut c2,
+                    [
+                        Weight::new(&gate.c, ty, r, cols),
+                        Weight::new(&up.c, ty, r, cols),
+                    ],
+                    &xc,
+                    n,
+                    &mut sc,
+                    [&mut c1, &mut c2],
                 )
                 .unwrap();
                 let what = format!("matmul_swiglu {ty} {r} rows n={n}");
@@ -192,9 +227,9 @@ impl Rig<'_> {
                     assert!(down.packed, "{ty}: down packed");
                 }
                 let (mut dg, mut dc) = (zeros(g, n * down_rows), zeros(c, n * down_rows));
-                g.matmul(&down.g, ty, down_rows, r, &sg, n, &mut dg)
+                g.matmul(Weight::new(&down.g, ty, down_rows, r), &sg, n, &mut dg)
                     .unwrap();
-                c.matmul(&down.c, ty, down_rows, r, &sc, n, &mut dc)
+                c.matmul(Weight::new(&down.c, ty, down_rows, r), &sc, n, &mut dc)
                     .unwrap();
                 let what = format!("down after matmul_swiglu {ty} n={n}");
                 let e = relative_error(

@@ -4,22 +4,19 @@
 
 pub mod fused;
 
-use tether_compute::{Backend, CpuBackend, CudaBackend};
+use tether_compute::rng::SplitMix64;
+use tether_compute::{Backend, CpuBackend, CudaBackend, CudaTuning};
 use tether_gguf::GgmlType;
 
 /// Every weight type: the cpu backend serves all of them, so the cuda backend must too.
 pub const WEIGHT_TYPES: [GgmlType; GgmlType::ALL.len()] = GgmlType::ALL;
 
-/// splitmix64: deterministic test data.
+/// Deterministic test data: [`SplitMix64`] with its state in the open.
 pub struct Rng(pub u64);
 
 impl Rng {
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        SplitMix64::step(&mut self.0)
     }
 
     pub fn unit(&mut self) -> f64 {
@@ -84,7 +81,8 @@ pub fn random_weights(rng: &mut Rng, ty: GgmlType, elems: usize) -> Vec<u8> {
 }
 
 pub fn gpu() -> CudaBackend {
-    CudaBackend::new(0).unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"))
+    CudaBackend::with_tuning(0, &CudaTuning::from_env())
+        .unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"))
 }
 
 pub fn cpu() -> CpuBackend {

@@ -1,6 +1,7 @@
 //! KV cache stores and attention (decode, tiled prefill, long spans) against the cpu.
 
 use crate::*;
+use tether_compute::KvCache;
 
 /// Stores the same rows in both backends' caches of `ty`; returns the caches.
 pub(crate) fn filled_caches(
@@ -99,10 +100,24 @@ fn kv_store_and_attention_match_cpu_for_every_cache_type() {
                 let q = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
                 let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
                 let scale = 1.0 / (head_dim as f32).sqrt();
-                g.attention(&q.g, &k.g, &v.g, ty, &spans, shape, scale, &mut og)
-                    .unwrap();
-                c.attention(&q.c, &k.c, &v.c, ty, &spans, shape, scale, &mut oc)
-                    .unwrap();
+                g.attention(
+                    &q.g,
+                    KvCache::new(&k.g, &v.g, ty),
+                    &spans,
+                    shape,
+                    scale,
+                    &mut og,
+                )
+                .unwrap();
+                c.attention(
+                    &q.c,
+                    KvCache::new(&k.c, &v.c, ty),
+                    &spans,
+                    shape,
+                    scale,
+                    &mut oc,
+                )
+                .unwrap();
                 let what = format!("attention {ty} {shape:?} {} tokens", spans.len());
                 // Both read their own cache; Q4_0 rounding ties may differ between them.
                 // The 9-token prefill takes the flash kernel, which rounds the queries and
@@ -165,9 +180,7 @@ fn tiled_prefill_attention_matches_cpu() {
         let scale = 1.0 / (head_dim as f32).sqrt();
         g.attention(
             &q.g,
-            &k.g,
-            &v.g,
-            GgmlType::F16,
+            KvCache::new(&k.g, &v.g, GgmlType::F16),
             &spans,
             shape,
             scale,
@@ -176,9 +189,7 @@ fn tiled_prefill_attention_matches_cpu() {
         .unwrap();
         c.attention(
             &q.c,
-            &k.c,
-            &v.c,
-            GgmlType::F16,
+            KvCache::new(&k.c, &v.c, GgmlType::F16),
             &spans,
             shape,
             scale,
@@ -214,10 +225,24 @@ fn attention_over_spans_longer_than_one_block_takes_matches_cpu() {
     let n = spans.len() * shape.n_heads * shape.head_dim;
     let q = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
     let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
-    g.attention(&q.g, &k.g, &v.g, GgmlType::F16, &spans, shape, 0.3, &mut og)
-        .unwrap();
-    c.attention(&q.c, &k.c, &v.c, GgmlType::F16, &spans, shape, 0.3, &mut oc)
-        .unwrap();
+    g.attention(
+        &q.g,
+        KvCache::new(&k.g, &v.g, GgmlType::F16),
+        &spans,
+        shape,
+        0.3,
+        &mut og,
+    )
+    .unwrap();
+    c.attention(
+        &q.c,
+        KvCache::new(&k.c, &v.c, GgmlType::F16),
+        &spans,
+        shape,
+        0.3,
+        &mut oc,
+    )
+    .unwrap();
     assert_close("long attention", &get(&g, &og, n), &get(&c, &oc, n), 1e-4);
 }
 
@@ -251,8 +276,15 @@ fn long_prefill_attention_runs_in_groups_without_allocating() {
     let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
     g.synchronize().unwrap();
     let (held, process) = (g.allocated_bytes(), g.process_memory());
-    g.attention(&q.g, &k.g, &v.g, GgmlType::F16, &spans, shape, 0.2, &mut og)
-        .unwrap();
+    g.attention(
+        &q.g,
+        KvCache::new(&k.g, &v.g, GgmlType::F16),
+        &spans,
+        shape,
+        0.2,
+        &mut og,
+    )
+    .unwrap();
     g.synchronize().unwrap();
     assert_eq!(
         g.allocated_bytes(),
@@ -262,8 +294,15 @@ fn long_prefill_attention_runs_in_groups_without_allocating() {
     if let (Some(before), Some(after)) = (process, g.process_memory()) {
         assert_eq!(after, before, "the process's device memory moved");
     }
-    c.attention(&q.c, &k.c, &v.c, GgmlType::F16, &spans, shape, 0.2, &mut oc)
-        .unwrap();
+    c.attention(
+        &q.c,
+        KvCache::new(&k.c, &v.c, GgmlType::F16),
+        &spans,
+        shape,
+        0.2,
+        &mut oc,
+    )
+    .unwrap();
     assert_close(
         "grouped attention",
         &get(&g, &og, n),

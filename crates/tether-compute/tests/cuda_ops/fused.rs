@@ -1,6 +1,7 @@
 //! Fused products (residual add, SwiGLU gate, norm then q/k/v) against the cpu's separate ops.
 
 use crate::*;
+use tether_compute::Weight;
 
 /// The residual add fused into the product (matvec batches) and into the GEMM's last
 /// store (GEMM batches) both equal the cpu's matmul-then-add.
@@ -23,9 +24,10 @@ fn gemm_residual_add_equals_matmul_then_add_bit_for_bit() {
         let start = f32_bytes(&rng.f32s(n * rows, 1.0));
         let (mut fused, mut apart) = (put(&g, &start), put(&g, &start));
         let mut tmp = g.alloc(n * rows * 4).unwrap();
-        g.matmul_add(&w, ty, rows, cols, &x, n, &mut fused, &mut tmp)
+        g.matmul_add(Weight::new(&w, ty, rows, cols), &x, n, &mut fused, &mut tmp)
             .unwrap();
-        g.matmul(&w, ty, rows, cols, &x, n, &mut tmp).unwrap();
+        g.matmul(Weight::new(&w, ty, rows, cols), &x, n, &mut tmp)
+            .unwrap();
         g.add(&mut apart, &tmp, n * rows).unwrap();
         let (a, b) = (get(&g, &fused, n * rows), get(&g, &apart, n * rows));
         let differ = a
@@ -52,10 +54,22 @@ fn matmul_add_matches_cpu() {
             let mut acc = pair(&g, &c, &start);
             let mut tg = g.alloc(n * rows * 4).unwrap();
             let mut tc = c.alloc(n * rows * 4).unwrap();
-            g.matmul_add(&w.g, ty, rows, cols, &x.g, n, &mut acc.g, &mut tg)
-                .unwrap();
-            c.matmul_add(&w.c, ty, rows, cols, &x.c, n, &mut acc.c, &mut tc)
-                .unwrap();
+            g.matmul_add(
+                Weight::new(&w.g, ty, rows, cols),
+                &x.g,
+                n,
+                &mut acc.g,
+                &mut tg,
+            )
+            .unwrap();
+            c.matmul_add(
+                Weight::new(&w.c, ty, rows, cols),
+                &x.c,
+                n,
+                &mut acc.c,
+                &mut tc,
+            )
+            .unwrap();
             let what = format!("matmul_add {ty} {rows}x{cols} n={n}");
             let got = get(&g, &acc.g, n * rows);
             assert_close(&what, &got, &get(&c, &acc.c, n * rows), 1e-2);
@@ -92,11 +106,25 @@ fn matmul_swiglu_matches_cpu() {
                 c.alloc(n * rows * 4).unwrap(),
             );
             g.matmul_swiglu(
-                &wg.g, &wu.g, ty, rows, cols, &x.g, n, &mut og, &mut g1, &mut g2,
+                [
+                    Weight::new(&wg.g, ty, rows, cols),
+                    Weight::new(&wu.g, ty, rows, cols),
+                ],
+                &x.g,
+                n,
+                &mut og,
+                [&mut g1, &mut g2],
             )
             .unwrap();
             c.matmul_swiglu(
-                &wg.c, &wu.c, ty, rows, cols, &x.c, n, &mut oc, &mut c1, &mut c2,
+                [
+                    Weight::new(&wg.c, ty, rows, cols),
+                    Weight::new(&wu.c, ty, rows, cols),
+                ],
+                &x.c,
+                n,
+                &mut oc,
+                [&mut c1, &mut c2],
             )
             .unwrap();
             let what = format!("matmul_swiglu {ty} {rows}x{cols} n={n}");
@@ -136,10 +164,11 @@ fn norm_then_fused_products_match_cpu() {
             unreachable!()
         };
         g.matmul3(
-            [&ws[0].g, &ws[1].g, &ws[2].g],
-            [ty; 3],
-            rows,
-            dim,
+            [
+                Weight::new(&ws[0].g, ty, rows[0], dim),
+                Weight::new(&ws[1].g, ty, rows[1], dim),
+                Weight::new(&ws[2].g, ty, rows[2], dim),
+            ],
             &ng,
             n,
             [g0, g1, g2],
@@ -149,10 +178,11 @@ fn norm_then_fused_products_match_cpu() {
             unreachable!()
         };
         c.matmul3(
-            [&ws[0].c, &ws[1].c, &ws[2].c],
-            [ty; 3],
-            rows,
-            dim,
+            [
+                Weight::new(&ws[0].c, ty, rows[0], dim),
+                Weight::new(&ws[1].c, ty, rows[1], dim),
+                Weight::new(&ws[2].c, ty, rows[2], dim),
+            ],
             &nc,
             n,
             [c0, c1, c2],
@@ -168,9 +198,9 @@ fn norm_then_fused_products_match_cpu() {
         c.add(&mut nc, &x.c, n * dim).unwrap();
         let mut pg = g.alloc(n * rows[0] * 4).unwrap();
         let mut pc = c.alloc(n * rows[0] * 4).unwrap();
-        g.matmul(&ws[0].g, ty, rows[0], dim, &ng, n, &mut pg)
+        g.matmul(Weight::new(&ws[0].g, ty, rows[0], dim), &ng, n, &mut pg)
             .unwrap();
-        c.matmul(&ws[0].c, ty, rows[0], dim, &nc, n, &mut pc)
+        c.matmul(Weight::new(&ws[0].c, ty, rows[0], dim), &nc, n, &mut pc)
             .unwrap();
         let what = format!("matmul after add, n={n}");
         assert_close(

@@ -5,6 +5,7 @@
 
 use super::attention::filled_caches;
 use crate::*;
+use tether_compute::{KvCache, Scores};
 
 /// Rings of 37 cells (odd, so wraps fall anywhere in a tile) for 3 sequences, window 29.
 const RING: u32 = 37;
@@ -72,10 +73,24 @@ fn ring_attention_matches_cpu_on_every_kernel() {
                 let q = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
                 let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
                 let scale = 1.0 / (head_dim as f32).sqrt();
-                g.attention_capped(&q.g, &k.g, &v.g, ty, &spans, shape, scale, 30.0, &mut og)
-                    .unwrap();
-                c.attention_capped(&q.c, &k.c, &v.c, ty, &spans, shape, scale, 30.0, &mut oc)
-                    .unwrap();
+                g.attention_capped(
+                    &q.g,
+                    KvCache::new(&k.g, &v.g, ty),
+                    &spans,
+                    shape,
+                    Scores::capped(scale, 30.0),
+                    &mut og,
+                )
+                .unwrap();
+                c.attention_capped(
+                    &q.c,
+                    KvCache::new(&k.c, &v.c, ty),
+                    &spans,
+                    shape,
+                    Scores::capped(scale, 30.0),
+                    &mut oc,
+                )
+                .unwrap();
                 // Prefill batches may take the flash kernel, which rounds to f16.
                 let tol = match ty {
                     GgmlType::F16 if spans.len() <= 4 => 1e-4,
@@ -122,9 +137,7 @@ fn ring_spans_that_leave_their_sequence_are_refused() {
     ] {
         let err = g.attention(
             &q.g,
-            &kv.g,
-            &kv.g,
-            GgmlType::F16,
+            KvCache::new(&kv.g, &kv.g, GgmlType::F16),
             &[bad],
             shape,
             1.0,

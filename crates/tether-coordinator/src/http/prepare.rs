@@ -113,8 +113,7 @@ pub(super) fn completion(state: &AppState, req: CompletionRequest) -> Result<Pre
     };
     let mut prepared = finish(
         state,
-        "prompt",
-        prompt,
+        ("prompt", prompt),
         &req.common,
         req.common.max_tokens,
         COMPLETION_DEFAULT_MAX_TOKENS,
@@ -188,8 +187,7 @@ pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiEr
     };
     let mut prepared = finish(
         state,
-        "messages",
-        prompt,
+        ("messages", prompt),
         &req.common,
         max_tokens,
         state.opts.max_tokens_limit,
@@ -200,12 +198,11 @@ pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiEr
     Ok(prepared)
 }
 
-/// Checks the prompt and the common fields.
-#[allow(clippy::too_many_arguments)]
+/// Checks the prompt (and the request field it came from, for errors) and the common
+/// fields.
 fn finish(
     state: &AppState,
-    prompt_param: &str,
-    prompt: Vec<u32>,
+    (prompt_param, prompt): (&str, Vec<u32>),
     p: &CommonParams,
     max_tokens: Option<usize>,
     default_max_tokens: usize,

@@ -1,6 +1,8 @@
 //! The forward pass of a stage: embedding, layers, output head — in micro-batches.
 
-use tether_compute::{AttnShape, AttnSpan, Backend, GateAct};
+use tether_compute::{
+    AttnShape, AttnSpan, Backend, GateAct, KvCache, KvCacheMut, Qkv, Rope, Scores,
+};
 
 use super::{FfnWeights, Stage, Weight};
 use crate::error::{ModelError, compute, compute_in};
@@ -208,10 +210,11 @@ impl<B: Backend> Stage<B> {
         be.rms_norm(&s.hidden, &w[lw.attn_norm].buf, n, e, cfg.rms_eps, normed)
             .map_err(ce("attention norm"))?;
         be.matmul3(
-            [&w[lw.wq].buf, &w[lw.wk].buf, &w[lw.wv].buf],
-            [w[lw.wq].ty, w[lw.wk].ty, w[lw.wv].ty],
-            [qd, kvd, kvd],
-            e,
+            [
+                w[lw.wq].matrix(qd, e),
+                w[lw.wk].matrix(kvd, e),
+                w[lw.wv].matrix(kvd, e),
+            ],
             normed,
             n,
             [&mut ls.q, &mut ls.k, &mut ls.v],
@@ -262,30 +265,22 @@ impl<B: Backend> Stage<B> {
         // Mixed cache types are refused when the stage is planned; the stores are one op.
         debug_assert_eq!(spec.cache_k, spec.cache_v);
         be.rope_and_store(
-            q,
-            k,
-            &ls.v,
+            Qkv::new(q, k, &ls.v),
             shape,
             positions,
-            rope,
-            freqs,
+            Rope::new(rope, freqs),
             cells,
-            kc,
-            vc,
-            spec.cache_k,
+            KvCacheMut::new(kc, vc, spec.cache_k),
         )
         .map_err(ce("rope and cache write"))?;
         // Gemma 2 soft-caps the scores; 0 caps nothing.
         let softcap = cfg.attn_softcap.unwrap_or(0.0);
         be.attention_capped(
             q,
-            kc,
-            vc,
-            spec.cache_k,
+            KvCache::new(kc, vc, spec.cache_k),
             spans,
             shape,
-            cfg.attn_scale,
-            softcap,
+            Scores::capped(cfg.attn_scale, softcap),
             attn_out,
         )
         .map_err(ce("attention"))?;
@@ -307,7 +302,8 @@ impl<B: Backend> Stage<B> {
             FfnWeights::Dense { gate, up, down } => (*gate, *up, *down),
             FfnWeights::Moe(m) => {
                 let ms = s.moe.as_mut();
-                return super::moe::moe_ffn(be, cfg, m, w, normed, &mut s.hidden, ms, n, layer_no);
+                let (weights, input) = ((m, w.as_slice()), (&*normed, n));
+                return super::moe::moe_ffn(be, cfg, weights, input, &mut s.hidden, ms, layer_no);
             }
         };
         let act = if cfg.arch.traits().gelu_gate {
@@ -317,25 +313,20 @@ impl<B: Backend> Stage<B> {
         };
         if w[gate].ty != w[up].ty {
             // Mixed-type files (some quantization mixes) take the three steps apart.
-            be.matmul(&w[gate].buf, w[gate].ty, ff, e, normed, n, &mut ls.gate)
+            be.matmul(w[gate].matrix(ff, e), normed, n, &mut ls.gate)
                 .map_err(ce("ffn gate"))?;
-            be.matmul(&w[up].buf, w[up].ty, ff, e, normed, n, &mut ls.up)
+            be.matmul(w[up].matrix(ff, e), normed, n, &mut ls.up)
                 .map_err(ce("ffn up"))?;
             be.gated(act, &ls.gate, &ls.up, n * ff, &mut ls.act)
                 .map_err(ce("gated activation"))?;
         } else {
             be.matmul_gated(
                 act,
-                &w[gate].buf,
-                &w[up].buf,
-                w[gate].ty,
-                ff,
-                e,
+                [w[gate].matrix(ff, e), w[up].matrix(ff, e)],
                 normed,
                 n,
                 &mut ls.act,
-                &mut ls.gate,
-                &mut ls.up,
+                [&mut ls.gate, &mut ls.up],
             )
             .map_err(ce("ffn gate and up"))?;
         }
@@ -426,7 +417,7 @@ impl<B: Backend> Stage<B> {
         let (nw, hw) = (&self.weights[norm], &self.weights[head]);
         be.rms_norm(&s.hidden, &nw.buf, n, e, self.cfg.rms_eps, normed)
             .map_err(compute("output norm"))?;
-        be.matmul(&hw.buf, hw.ty, v, e, normed, n, logits)
+        be.matmul(hw.matrix(v, e), normed, n, logits)
             .map_err(compute("output head"))?;
         match self.cfg.final_softcap {
             Some(cap) => be
@@ -449,9 +440,9 @@ fn residual_add<B: Backend>(
     [product, norm_out]: [&mut B::Buffer; 2],
 ) -> tether_compute::Result<()> {
     match post_norm {
-        None => be.matmul_add(&w.buf, w.ty, rows, cols, x, n, hidden, product),
+        None => be.matmul_add(w.matrix(rows, cols), x, n, hidden, product),
         Some((norm, eps)) => {
-            be.matmul(&w.buf, w.ty, rows, cols, x, n, product)?;
+            be.matmul(w.matrix(rows, cols), x, n, product)?;
             be.rms_norm(product, norm, n, rows, eps, norm_out)?;
             be.add(hidden, norm_out, n * rows)
         }

@@ -105,6 +105,13 @@ struct Weight<Buf> {
     finished: bool,
 }
 
+impl<Buf> Weight<Buf> {
+    /// This weight as an operand of a product: `rows` rows of `cols` values of its type.
+    fn matrix(&self, rows: usize, cols: usize) -> tether_compute::Weight<'_, Buf> {
+        tether_compute::Weight::new(&self.buf, self.ty, rows, cols)
+    }
+}
+
 /// Indices into `Stage::weights` of one layer's tensors.
 struct LayerWeights {
     attn_norm: usize,

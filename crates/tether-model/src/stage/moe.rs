@@ -86,17 +86,15 @@ impl<Buf: DeviceBuffer> MoeBuffers<Buf> {
     }
 }
 
-/// Adds the MoE feed-forward of `normed` (`n` tokens) into `hidden`.
-#[allow(clippy::too_many_arguments)]
+/// Adds the MoE feed-forward of `normed` (`n` tokens) into `hidden`; `lw` indexes the
+/// layer's tensors in the stage's weights `w`.
 pub(super) fn moe_ffn<B: Backend>(
     be: &B,
     cfg: &ModelConfig,
-    lw: &MoeWeights,
-    w: &[Weight<B::Buffer>],
-    normed: &B::Buffer,
+    (lw, w): (&MoeWeights, &[Weight<B::Buffer>]),
+    (normed, n): (&B::Buffer, usize),
     hidden: &mut B::Buffer,
     scratch: Option<&mut MoeBuffers<B::Buffer>>,
-    n: usize,
     layer_no: usize,
 ) -> Result<(), ModelError> {
     let ce = |op| compute_in(op, layer_no);
@@ -107,10 +105,7 @@ pub(super) fn moe_ffn<B: Backend>(
     };
     let router = &w[lw.router];
     be.matmul(
-        &router.buf,
-        router.ty,
-        moe.n_expert,
-        cfg.n_embd,
+        router.matrix(moe.n_expert, cfg.n_embd),
         normed,
         n,
         &mut s.logits,

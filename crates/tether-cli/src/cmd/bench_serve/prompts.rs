@@ -6,15 +6,10 @@
 pub(crate) struct Rng(u64);
 
 impl Rng {
-    /// A generator for stream `stream` of run `seed` (splitmix64 first, so that nearby
-    /// streams give unrelated prompts).
+    /// A generator for stream `stream` of run `seed` (seeded through splitmix64, so that
+    /// nearby streams give unrelated prompts).
     pub(crate) fn new(seed: u64, stream: u64) -> Rng {
-        let mut z = seed
-            .wrapping_add(stream.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-            .wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        Rng((z ^ (z >> 31)) | 1)
+        Rng(tether_compute::rng::SplitMix64::seed_of(seed, stream) | 1)
     }
 
     fn next(&mut self) -> u64 {

@@ -57,11 +57,16 @@ fn bench_matmul() {
                     .for_each(|w| pack_q4_0(w, cols / 32 * ty.block_bytes()));
             }
             let product = |w: &[u8], x: &[f32], n: usize, out: &mut [f32]| {
+                let s = Shape {
+                    rows,
+                    cols,
+                    n_tokens: n,
+                };
                 #[cfg(target_arch = "x86_64")]
                 if packed {
-                    return matmul_packed(isa, w, rows, cols, x, n, out);
+                    return matmul_packed(isa, w, s, x, out);
                 }
-                matmul(isa, ty, w, rows, cols, x, n, out)
+                matmul(isa, ty, w, s, x, out)
             };
             for n_tokens in [1usize, 64] {
                 let x = random_f32(&mut rng, n_tokens * cols, 1.0);

@@ -48,7 +48,7 @@ fn cols_for(ty: GgmlType) -> [usize; 2] {
 /// `matmul` at `isa` on random data; returns the output and the level that ran.
 fn run_at(isa: CpuIsa, ty: GgmlType, w: &[u8], s: Shape, x: &[f32]) -> (Vec<f32>, CpuIsa) {
     let mut out = vec![f32::NAN; s.rows * s.n_tokens];
-    let ran = matmul(isa, ty, w, s.rows, s.cols, x, s.n_tokens, &mut out);
+    let ran = matmul(isa, ty, w, s, x, &mut out);
     (out, ran)
 }
 

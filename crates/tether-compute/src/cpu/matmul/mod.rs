@@ -58,25 +58,17 @@ pub(crate) trait RowKernel: Sync {
 }
 
 /// `out[t][r] = Σ_c w[r][c] · x[t][c]` with the kernels of `isa` (see [`level_for`]); the
-/// caller has checked every size (`w` holds `rows` rows of `cols` elements of `ty`, `cols`
-/// is whole blocks, `x` holds `n_tokens · cols` values and `out` `n_tokens · rows`).
-/// Returns the level whose kernels ran.
-#[allow(clippy::too_many_arguments)]
+/// caller has checked every size (`w` holds `s.rows` rows of `s.cols` elements of `ty`,
+/// `s.cols` is whole blocks, `x` holds `s.n_tokens · s.cols` values and `out`
+/// `s.n_tokens · s.rows`). Returns the level whose kernels ran.
 pub(crate) fn matmul(
     isa: CpuIsa,
     ty: GgmlType,
     w: &[u8],
-    rows: usize,
-    cols: usize,
+    s: Shape,
     x: &[f32],
-    n_tokens: usize,
     out: &mut [f32],
 ) -> CpuIsa {
-    let s = Shape {
-        rows,
-        cols,
-        n_tokens,
-    };
     let level = level_for(isa, ty);
     #[cfg(target_arch = "x86_64")]
     match level {
@@ -105,23 +97,10 @@ pub(crate) fn matmul(
 }
 
 /// [`matmul`] for Q4_0 weights packed by `finish_weight` (`w` is the whole buffer, of
-/// which the first `rows` rows are multiplied). Returns the level whose kernels ran.
+/// which the first `s.rows` rows are multiplied). Returns the level whose kernels ran.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_packed(
-    isa: CpuIsa,
-    w: &[u8],
-    rows: usize,
-    cols: usize,
-    x: &[f32],
-    n_tokens: usize,
-    out: &mut [f32],
-) -> CpuIsa {
-    let s = Shape {
-        rows,
-        cols,
-        n_tokens,
-    };
+pub(crate) fn matmul_packed(isa: CpuIsa, w: &[u8], s: Shape, x: &[f32], out: &mut [f32]) -> CpuIsa {
+    let Shape { rows, cols, .. } = s;
     let level = level_for(isa, GgmlType::Q4_0);
     match level {
         CpuIsa::Avx512Vnni => {
@@ -205,11 +184,12 @@ fn scalar_matmul(ty: GgmlType, w: &[u8], s: Shape, x: &[f32], out: &mut [f32]) {
     }
 }
 
-#[derive(Clone, Copy)]
-struct Shape {
-    rows: usize,
-    cols: usize,
-    n_tokens: usize,
+/// The sizes of one product: `rows` outputs of `cols` inputs, for `n_tokens` tokens.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) n_tokens: usize,
 }
 
 /// A raw pointer to the output that tasks write disjoint elements of.

@@ -51,15 +51,20 @@ fn packed_kernels_match_the_panels_of_every_level() {
         for rows in ROWS {
             for (cols, n_tokens) in [(96, 1), (512, 3), (96, 8), (512, 13)] {
                 let row_bytes = cols / 32 * 18;
+                let s = Shape {
+                    rows,
+                    cols,
+                    n_tokens,
+                };
                 let w = random_weights(&mut rng, GgmlType::Q4_0, rows * cols);
                 let x = random_f32(&mut rng, n_tokens * cols, 1.0);
                 let mut p = w.clone();
                 pack_q4_0(&mut p, row_bytes);
                 let mut got = vec![f32::NAN; rows * n_tokens];
-                let ran = matmul_packed(isa, &p, rows, cols, &x, n_tokens, &mut got);
+                let ran = matmul_packed(isa, &p, s, &x, &mut got);
                 assert_eq!(ran, isa);
                 let mut want = vec![f32::NAN; rows * n_tokens];
-                matmul(isa, GgmlType::Q4_0, &w, rows, cols, &x, n_tokens, &mut want);
+                matmul(isa, GgmlType::Q4_0, &w, s, &x, &mut want);
                 let what = format!("{isa} rows={rows} cols={cols} tokens={n_tokens}");
                 let whole = rows / 8 * 8;
                 for t in 0..n_tokens {
@@ -77,7 +82,16 @@ fn packed_kernels_match_the_panels_of_every_level() {
                 }
                 // Only the first rows of a larger packed matrix.
                 let mut part = vec![f32::NAN; (rows - 3) * n_tokens];
-                matmul_packed(isa, &p, rows - 3, cols, &x, n_tokens, &mut part);
+                matmul_packed(
+                    isa,
+                    &p,
+                    Shape {
+                        rows: rows - 3,
+                        ..s
+                    },
+                    &x,
+                    &mut part,
+                );
                 for t in 0..n_tokens {
                     for r in 0..rows - 3 {
                         let (g, e) = (part[t * (rows - 3) + r], got[t * rows + r]);

@@ -99,7 +99,7 @@ fn dispatched_matmul_matches_reference_for_every_type() {
             let w = random_weights(&mut rng, ty, rows * cols);
             let x = random_f32(&mut rng, n_tokens * cols, 2.0);
             let mut out = vec![f32::NAN; rows * n_tokens];
-            matmul(CpuIsa::detect(), ty, &w, rows, cols, &x, n_tokens, &mut out);
+            matmul(CpuIsa::detect(), ty, &w, s, &x, &mut out);
             let tol = if ty.is_quantized() {
                 INT8_TOLERANCE
             } else {
@@ -302,7 +302,7 @@ fn integer_kernels_are_exact_on_exactly_quantizable_activations() {
         let w = random_weights(&mut rng, ty, rows * cols);
         let want = reference(ty, &w, s, &x);
         let mut out = vec![f32::NAN; rows * n_tokens];
-        matmul(CpuIsa::detect(), ty, &w, rows, cols, &x, n_tokens, &mut out);
+        matmul(CpuIsa::detect(), ty, &w, s, &x, &mut out);
         assert!(relative_error(&out, &want) < 1e-6, "{ty} dispatched");
         match ty {
             GgmlType::Q4_0 => run(&scalar::Q4_0Kernel, &w, s, &x, &mut out),
