@@ -410,9 +410,15 @@ async fn bench_constrained_decode() {
         .unwrap_or_else(|| tiny_model().to_path_buf());
     let engine = engine_with(&model, 512, 4, 1 << 34, |c| c.parallel = 1).await;
     let server = TestServer::start(engine, HttpOptions::default()).await;
-    // A string that cannot end before max_tokens: every request generates them all.
-    let schema = json!({"type": "object", "properties": {"text": {"type": "string", "minLength": 100000}},
-                        "required": ["text"]});
+    // A string that cannot end before max_tokens: every request generates them all
+    // (`TETHER_BENCH_SCHEMA`: another schema, whose requests may end sooner).
+    let schema = match std::env::var("TETHER_BENCH_SCHEMA") {
+        Ok(text) => serde_json::from_str(&text).expect("TETHER_BENCH_SCHEMA is JSON"),
+        Err(_) => {
+            json!({"type": "object", "properties": {"text": {"type": "string", "minLength": 100000}},
+                         "required": ["text"]})
+        }
+    };
     let n = 200;
     let run = |format: Option<Value>| {
         let mut body =
@@ -437,11 +443,11 @@ async fn bench_constrained_decode() {
             let tokens = reply.json()["usage"]["completion_tokens"]
                 .as_u64()
                 .unwrap_or(0);
-            assert_eq!(tokens, n, "{}", reply.body);
+            assert!(tokens > 0, "{}", reply.body);
             best = best.min(started.elapsed().as_secs_f64() / tokens as f64);
         }
         println!(
-            "{name}: {:.1} us a token (best of 5, {n} tokens)",
+            "{name}: {:.1} us a token (best of 5, at most {n} tokens)",
             best * 1e6
         );
         per_token.push(best);
