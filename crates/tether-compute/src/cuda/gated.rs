@@ -3,10 +3,21 @@
 
 use super::check::{f32s, shape_err};
 use super::launch::{Arg, grid_for};
-use super::matvec::GatedOperands;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{Backend, GateAct, Result, Weight};
 use crate::operands::gate_up_shape;
+
+/// Device addresses and sizes of one checked gate/up product with its activation (one
+/// launch of the fused kernels).
+pub(crate) struct GatedOperands {
+    pub gate: u64,
+    pub up: u64,
+    pub rows: usize,
+    pub cols: usize,
+    pub x: u64,
+    pub n_tokens: usize,
+    pub out: u64,
+}
 
 /// Threads per block of the element-wise kernels here.
 const THREADS: u32 = 256;

@@ -15,7 +15,7 @@ use cudarc::driver::LaunchConfig;
 use tether_gguf::GgmlType;
 
 use super::check::shape_err;
-use super::gated::kernel_code;
+use super::gated::{GatedOperands, kernel_code};
 use super::kernel_files::{define, source};
 use super::launch::{Arg, int};
 use super::packed::packed_stem;
@@ -136,18 +136,6 @@ pub(crate) struct MatmulArgs {
     pub out: u64,
     /// Add into `out` instead of overwriting it.
     pub accumulate: bool,
-}
-
-/// Device addresses and sizes of one checked gate/up product with its activation (one
-/// launch of the fused kernels).
-pub(crate) struct GatedOperands {
-    pub gate: u64,
-    pub up: u64,
-    pub rows: usize,
-    pub cols: usize,
-    pub x: u64,
-    pub n_tokens: usize,
-    pub out: u64,
 }
 
 /// Which kernels run a decode product fused with others (q/k/v; gate and up): the
