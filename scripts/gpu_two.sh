@@ -5,12 +5,14 @@
 #      MODELS; existing files are kept.
 #   2. bench: `tether bench --device cuda --pipeline 1,2` on both 8B files (one worker on
 #      GPU 0 against one worker per GPU): decode t/s with two >= 0.97x of one, prompt t/s
-#      >= 1.5x.
+#      >= 1.5x; then with `--parallel BENCH_SEQS` (many sequences at once): the aggregate
+#      decode ratio, shown, not judged.
 #   3. serve: `tether worker` processes on cuda:0 and cuda:1 behind `tether serve`, CLIENTS
 #      clients sending REQUESTS non-streamed completions of PROMPT_TOKENS prompt tokens and
 #      GEN_TOKENS generated (greedy; the random-weight model rarely ends early, and
 #      `usage.completion_tokens` is what is counted); aggregate generated t/s through both
-#      workers against the worker on cuda:0 alone (same flags): two >= 1.8x of one.
+#      workers (--parallel PARALLEL_TWO: each GPU holds half the weights, so twice the KV
+#      room) against the worker on cuda:0 alone (--parallel PARALLEL): two >= 1.8x of one.
 #   4. big: the 70B file over both workers; serve loads it, one completion succeeds, serve
 #      is SIGKILLed, and each worker must hold no session and be back at its device
 #      memory from before the load (TOLERANCE_MIB) within 1 s.
@@ -25,7 +27,8 @@
 # speed ratios printed but not judged), STEPS (which of "bench serve big" run; synth always
 # does, the 70B file only with big), BIG_SYNTH (background: the 70B file is written while
 # steps 2-3 run, and their rows say when it was; first: before them), MODELS (/tmp/tether-models), REPS (bench -r, 3),
-# BENCH_P (512), BENCH_N (128), CLIENTS (64), REQUESTS (256), PARALLEL (64), CTX (512),
+# BENCH_P (512), BENCH_N (128), BENCH_SEQS (64), CLIENTS (64), REQUESTS (256), PARALLEL
+# (64, serve over one worker), PARALLEL_TWO (2 x PARALLEL, over two), CTX (512),
 # PROMPT_TOKENS (128), GEN_TOKENS (128), BIG_CTX (2048), LOAD_LIMIT_S (300: longest wait
 # for a serve to load), TOLERANCE_MIB (16), WPORT (50191, and the next), HPORT (18191),
 # OUT (logs; /tmp/tether-two-logs), DEADLINE_S (start no step after this many seconds and
@@ -47,6 +50,7 @@ if [ "$DEVICES" = cpu ]; then
     WORKER_DEVICES=(cpu cpu) BENCH_DEVICE=cpu JUDGE_SPEED=0
     : "${SMALL_SHAPE:=tiny}" "${BIG_SHAPE:=tiny-qwen2}"
     : "${REPS:=1}" "${BENCH_P:=64}" "${BENCH_N:=16}" "${CLIENTS:=4}" "${REQUESTS:=8}"
+    : "${BENCH_SEQS:=4}"
     : "${PARALLEL:=4}" "${CTX:=64}" "${PROMPT_TOKENS:=16}" "${GEN_TOKENS:=16}"
     : "${STEPS:=bench serve}"
     : "${BIG_CTX:=64}"
@@ -60,6 +64,8 @@ BENCH_N=${BENCH_N:-128}
 CLIENTS=${CLIENTS:-64}
 REQUESTS=${REQUESTS:-256}
 PARALLEL=${PARALLEL:-64}
+PARALLEL_TWO=${PARALLEL_TWO:-$((2 * PARALLEL))}
+BENCH_SEQS=${BENCH_SEQS:-64}
 CTX=${CTX:-512}
 PROMPT_TOKENS=${PROMPT_TOKENS:-128}
 GEN_TOKENS=${GEN_TOKENS:-128}
@@ -229,6 +235,22 @@ step_bench() { # FILE TAG
     row "bench $tag" "pp$BENCH_P 2w/1w >= $PROMPT_MIN" \
         "$pp ($(bench_cell "$log" "pp$BENCH_P" 1 3) -> $(bench_cell "$log" "pp$BENCH_P" 2 3) t/s)$busy" \
         "$(judge "$pp" "$PROMPT_MIN")"
+    if out_of_time; then return; fi
+    # Many sequences at once: lanes keep both workers busy.
+    log="$LOGS/bench-$tag-seqs.log"
+    echo "== bench $tag, $BENCH_SEQS sequences: --pipeline 1,2 --parallel $BENCH_SEQS"
+    "$TETHER" bench --model "$file" --device "$BENCH_DEVICE" --pipeline 1,2 \
+        --parallel "$BENCH_SEQS" -p "$BENCH_P" -n "$BENCH_N" -r "$REPS" \
+        >"$log" 2>"$LOGS/bench-$tag-seqs.err"
+    rc=$?
+    cat "$log"
+    tg=$(bench_cell "$log" "tg$BENCH_N" 2 5)
+    if ((rc != 0)) || [ -z "$tg" ]; then
+        row "bench $tag" "$BENCH_SEQS seqs" "bench exited $rc: $(tail -n 1 "$LOGS/bench-$tag-seqs.err")" FAIL
+        return
+    fi
+    row "bench $tag" "tg$BENCH_N x$BENCH_SEQS 2w/1w" \
+        "$tg ($(bench_cell "$log" "tg$BENCH_N" 1 3) -> $(bench_cell "$log" "tg$BENCH_N" 2 3) t/s)" info
 }
 
 # ---------------------------------------------------------------------------------------
@@ -291,10 +313,11 @@ stop_serve() {
 
 # Runs the fixed-length load against serve over N workers; sets GEN_TPS (empty on failure).
 serve_load() { # N_WORKERS
-    local n=$1 tag="serve-${1}w" summary
+    local n=$1 tag="serve-${1}w" summary parallel=$PARALLEL
+    ((n > 1)) && parallel=$PARALLEL_TWO
     GEN_TPS=''
     BUSY=$(synth_note)
-    if ! start_serve "$FILE_Q4_0" "$n" "$PARALLEL" "$CTX" "$tag"; then
+    if ! start_serve "$FILE_Q4_0" "$n" "$parallel" "$CTX" "$tag"; then
         SERVE_ERR="serve did not load (log $LOGS/$tag.log)"
         return 1
     fi
@@ -330,7 +353,7 @@ step_serve() {
         return
     fi
     local n tps=()
-    echo "serve: ${CLIENTS} clients x (${PROMPT_TOKENS}+${GEN_TOKENS}) tokens, --parallel $PARALLEL --ctx $CTX"
+    echo "serve: ${CLIENTS} clients x (${PROMPT_TOKENS}+${GEN_TOKENS}) tokens, --parallel $PARALLEL (one worker) / $PARALLEL_TWO (two) --ctx $CTX"
     for n in 1 2; do
         if out_of_time; then
             row "serve ${n}w" "gen t/s" "skipped: DEADLINE_S" skipped

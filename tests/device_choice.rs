@@ -1,6 +1,7 @@
 //! `--device` on a machine without a CUDA GPU (CI): `auto` (the default) runs on the cpu,
 //! and naming a GPU exits non-zero with a message, never a panic; `bench --pipeline` on the
-//! cpu gives a row per worker count, and `bench --parallel` a row per count of sequences.
+//! cpu gives a row per worker count (one sequence, or several at once with `--parallel`),
+//! and `bench --parallel` a row per count of sequences.
 
 mod support;
 
@@ -97,28 +98,39 @@ fn bench_pipeline_gives_every_worker_count_a_row_against_the_first() {
         "-r",
         "2",
     ];
-    let (ok, text) = tether(&bench);
-    assert!(ok, "bench --pipeline 1,2 failed:\n{text}");
-    let number = |cell: &str| -> f64 {
-        cell.parse()
-            .unwrap_or_else(|_| panic!("{cell:?} is not a number in:\n{text}"))
-    };
-    let one = tg_row(&text, "1");
-    let two = tg_row(&text, "2");
-    // Cells: "", test, workers, t/s, ±, ratio, ms in blocks, ms between, "".
-    assert_eq!(one[5], "1.000", "the first count is the reference:\n{text}");
-    for row in [&one, &two] {
-        let (rate, ratio, inside) = (number(&row[3]), number(&row[5]), number(&row[6]));
-        assert!(rate > 0.0 && rate.is_finite(), "{row:?}");
-        assert!(ratio > 0.0 && ratio.is_finite(), "{row:?}");
-        assert!(inside > 0.0 && inside.is_finite(), "{row:?}");
+    // One sequence; then three at once over two lanes with prompts in chunks of 2.
+    let many = [
+        "--parallel",
+        "3",
+        "--pipeline-lanes",
+        "2",
+        "--prefill-chunk",
+        "2",
+    ];
+    for extra in [&[][..], &many[..]] {
+        let (ok, text) = tether(&[&bench[..], extra].concat());
+        assert!(ok, "bench --pipeline 1,2 {extra:?} failed:\n{text}");
+        let number = |cell: &str| -> f64 {
+            cell.parse()
+                .unwrap_or_else(|_| panic!("{cell:?} is not a number in:\n{text}"))
+        };
+        let one = tg_row(&text, "1");
+        let two = tg_row(&text, "2");
+        // Cells: "", test, workers, t/s, ±, ratio, ms in blocks, ms between, "".
+        assert_eq!(one[5], "1.000", "the first count is the reference:\n{text}");
+        for row in [&one, &two] {
+            let (rate, ratio, inside) = (number(&row[3]), number(&row[5]), number(&row[6]));
+            assert!(rate > 0.0 && rate.is_finite(), "{row:?}");
+            assert!(ratio > 0.0 && ratio.is_finite(), "{row:?}");
+            assert!(inside > 0.0 && inside.is_finite(), "{row:?}");
+        }
+        let ratio = number(&two[5]);
+        let expected = number(&two[3]) / number(&one[3]);
+        assert!(
+            (ratio - expected).abs() < 2e-3,
+            "the ratio {ratio} is not the rates' {expected}:\n{text}"
+        );
     }
-    let ratio = number(&two[5]);
-    let expected = number(&two[3]) / number(&one[3]);
-    assert!(
-        (ratio - expected).abs() < 2e-3,
-        "the ratio {ratio} is not the rates' {expected}:\n{text}"
-    );
 }
 
 #[test]
@@ -171,9 +183,10 @@ fn bench_parallel_gives_every_count_of_sequences_a_row() {
             "smaller than 8 sequences",
         ),
         (
-            &["--parallel", "2", "--pipeline", "1"][..],
-            "cannot be used with",
+            &["--parallel", "2,4", "--pipeline", "1"][..],
+            "one count of sequences",
         ),
+        (&["--pipeline-lanes", "2"][..], "--pipeline"),
     ] {
         let (ok, text) = tether(&[&bench[..], bad].concat());
         assert!(!ok && text.contains(says), "bench {bad:?}:\n{text}");

@@ -38,6 +38,24 @@ pub struct GenRequest {
     pub constraint: Option<crate::constraint::Constraint>,
 }
 
+impl GenRequest {
+    /// A greedy request of at most `max_tokens` after `prompt`: no deadline, no extra stop
+    /// tokens, no log-probabilities, no grammar, for whichever model serves.
+    pub fn greedy(prompt: &[u32], max_tokens: usize) -> Self {
+        Self {
+            prompt: prompt.to_vec(),
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            deadline: None,
+            stop_tokens: Vec::new(),
+            model_epoch: None,
+            logprobs: None,
+            prompt_logprobs: None,
+            constraint: None,
+        }
+    }
+}
+
 /// Most alternatives a token's log-probability comes with (OpenAI's limit).
 pub const MAX_LOGPROBS: usize = 20;
 

@@ -63,11 +63,21 @@ pub struct CoordinatorConfig {
     /// How long requests running on a model being replaced or unloaded may go on before
     /// they are ended with an error.
     pub retire_grace: Duration,
+    /// Lanes of sequences that go through the workers on their own (`--pipeline-lanes`);
+    /// `None`: one per worker, so each worker is busy with one lane while the others run.
+    pub pipeline_lanes: Option<usize>,
+    /// Fewest prompt tokens in one forward pass when a prompt is cut into chunks so that
+    /// several workers overlap (`--prefill-chunk`).
+    pub prefill_chunk: usize,
 }
+
+/// Fewest prompt tokens a chunk takes when a prompt is cut for several workers.
+pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 
 impl CoordinatorConfig {
     /// Defaults for `model` over `workers`: the model's training context (at most 4096),
-    /// 4 sequences, micro-batches of 512, an f16 KV cache, a queue of 64, a retry every 3 s.
+    /// 4 sequences, micro-batches of 512, an f16 KV cache, a queue of 64, a retry every 3 s,
+    /// a lane per worker and prompt chunks of at least [`DEFAULT_PREFILL_CHUNK`] tokens.
     pub fn new(model: &ModelFile, workers: Vec<String>) -> Self {
         let model_id = model
             .path()
@@ -90,6 +100,8 @@ impl CoordinatorConfig {
             context_shift: None,
             prefix_cache: true,
             retire_grace: Duration::from_secs(60),
+            pipeline_lanes: None,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
     }
 }
@@ -123,6 +135,10 @@ pub(crate) struct Setup {
     pub client: ClientOptions,
     pub context_shift: Option<ContextShift>,
     pub prefix_cache: bool,
+    /// Lanes; `None`: one per worker.
+    pub lanes: Option<usize>,
+    /// Fewest prompt tokens in a chunk cut for several workers.
+    pub prefill_chunk: usize,
 }
 
 impl Setup {
@@ -247,6 +263,9 @@ impl Coordinator {
         if config.queue_depth == 0 {
             return bad("the queue depth must be at least 1");
         }
+        if config.pipeline_lanes == Some(0) || config.prefill_chunk == 0 {
+            return bad("--pipeline-lanes and --prefill-chunk must be at least 1");
+        }
         if let Some(shift) = config.context_shift
             && shift.keep + 2 > config.ctx_per_seq
         {
@@ -300,6 +319,8 @@ impl Coordinator {
             client: config.client.clone(),
             context_shift: config.context_shift,
             prefix_cache: config.prefix_cache,
+            lanes: config.pipeline_lanes,
+            prefill_chunk: config.prefill_chunk,
         };
         let first = match setup
             .connect_and_load(&model, config.worker_dns.is_none())

@@ -5,6 +5,7 @@
 //! loads again in the background over the workers that answer. A model replaced through
 //! the admin API is swapped at a step boundary ([`replace`]).
 
+mod lanes;
 mod pick;
 mod pipeline;
 pub(crate) mod replace;
@@ -12,12 +13,14 @@ pub(crate) mod replace;
 use crate::api::{FinishReason, GenError, GenEvent, GenRequest, Health};
 use crate::constraint::Picked;
 use crate::engine::Setup;
-use crate::load::LoadedModel;
+use crate::load::{LoadedModel, LoadedStage};
 use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
 use crate::prefix::{CellCopy, PrefixCache, copy_cells, slot_uses};
-use crate::sequence::{Batch, Next, RowUse, Sequence, build_step, split_batch, split_off};
+use crate::sequence::{
+    Batch, Next, RowUse, Sequence, StepShape, build_step, split_batch, split_off,
+};
 use pipeline::{RowsOut, clear_slots, rows_wanted, run_pipeline, truncate_slots};
 use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -122,6 +125,10 @@ pub(crate) struct Scheduler {
     /// Prefixes to copy between slots before the next step.
     to_copy: Vec<CellCopy>,
     rotation: usize,
+    /// Lanes of the model being served (1: every step carries every sequence).
+    lanes: usize,
+    /// How a step is cut over the workers of the model being served.
+    step: StepShape,
 }
 
 impl Scheduler {
@@ -136,6 +143,7 @@ impl Scheduler {
     ) -> Self {
         let Inbox { requests, control } = inbox;
         let n_seq = setup.shape.n_seq;
+        let setup_ubatch = setup.shape.ubatch;
         let ring = kv_ring(model.config(), setup.shape.ctx_per_seq, setup.shape.ubatch);
         let prefix = setup.prefix_cache.then(|| PrefixCache::new(n_seq, ring));
         Self {
@@ -156,6 +164,8 @@ impl Scheduler {
             prefix,
             to_copy: Vec::new(),
             rotation: 0,
+            lanes: 1,
+            step: StepShape::new(setup_ubatch, 1, 1),
         }
     }
 
@@ -222,11 +232,15 @@ impl Scheduler {
         seq
     }
 
-    /// Ends cancelled requests (receiver dropped) and those past their deadline.
-    fn reap(&mut self) {
+    /// Ends cancelled requests (receiver dropped) and those past their deadline, but none
+    /// of a lane that is `busy` (in flight: its step's output will come back for them).
+    fn reap(&mut self, busy: &[bool]) {
         let now = Instant::now();
         for i in 0..self.slots.len() {
             let Some(seq) = &self.slots[i] else { continue };
+            if busy.get(seq.lane).copied().unwrap_or(false) {
+                continue;
+            }
             let cancelled = seq.events.is_closed();
             if !cancelled && seq.deadline.is_none_or(|d| now < d) {
                 continue;
@@ -270,8 +284,10 @@ impl Scheduler {
             )));
             return;
         };
+        let lane = self.quietest_lane();
         self.slots[i] = Some(Sequence {
             slot: i as u32,
+            lane,
             prompt_len: req.prompt.len(),
             tokens: req.prompt,
             fed: cached,
@@ -345,83 +361,17 @@ impl Scheduler {
 
     async fn serve(&mut self, mut loaded: LoadedModel) -> Ended {
         let stages = loaded.stages.clone();
-        let stop = self.stop.clone();
-        let ended = loop {
-            while let Ok(replace) = self.control.try_recv() {
-                self.begin_retire(replace);
-            }
-            self.reap();
-            if let Err(reason) = truncate_slots(&stages, &mut self.to_truncate).await {
-                break Ended::Lost(reason);
-            }
-            if let Err(reason) = clear_slots(&stages, &mut self.to_clear).await {
-                break Ended::Lost(reason);
-            }
-            self.admit();
-            if self.retired()
-                && let Some(retiring) = self.retiring.take()
-            {
-                break Ended::Replaced(retiring.replace);
-            }
-            if self.active() == 0 {
-                tokio::select! {
-                    () = stop.cancelled() => break Ended::Stopped,
-                    reason = loaded.lost() => break Ended::Lost(Loss::SessionEnded(reason)),
-                    reason = self.setup.workers_changed() => break Ended::Lost(Loss::WorkersChanged(reason)),
-                    Some(replace) = self.control.recv() => self.begin_retire(replace),
-                    next = self.requests.recv(), if self.held.is_none() => match next {
-                        Some(a) => self.take_in(a),
-                        None => break Ended::Stopped,
-                    },
-                }
-                continue;
-            }
-            if let Err(reason) = copy_cells(&stages, &mut self.to_copy).await {
-                break Ended::Lost(reason);
-            }
-            let mut chunks = build_step(
-                &self.slots,
-                self.setup.shape.ubatch,
-                self.rotation,
-                stages.len(),
-            );
-            self.rotation = self.rotation.wrapping_add(1);
-            let groups = match chunks.len() {
-                1 => split_batch(chunks.remove(0), stages.len()),
-                _ => chunks,
-            };
-            // A row that needs every logit goes alone, so the others still come reduced.
-            let slots = &self.slots;
-            let mut groups: Vec<Batch> = groups
-                .into_iter()
-                .flat_map(|g| split_off(g, |i| slots[i].as_ref().is_some_and(|s| s.needs_logits)))
-                .collect();
-            for g in &mut groups {
-                g.rows = rows_wanted(&self.slots, g);
-            }
-            let masks = pick::start_masks(&mut self.slots);
-            let results = tokio::select! {
-                () = stop.cancelled() => break Ended::Stopped,
-                reason = loaded.lost() => break Ended::Lost(Loss::SessionEnded(reason)),
-                reason = self.setup.workers_changed() => break Ended::Lost(Loss::WorkersChanged(reason)),
-                r = run_pipeline(&stages, &groups) => r,
-            };
-            for (i, e) in pick::finish_masks(&mut self.slots, masks).await {
-                if let Some(seq) = self.free(i) {
-                    seq.send(Err(e));
-                }
-            }
-            let applied = results.and_then(|outputs| {
-                groups
-                    .iter()
-                    .zip(outputs)
-                    .try_for_each(|(b, out)| self.apply(b, &out))
-            });
-            if let Err(reason) = applied {
-                // A lost session shuts every data link, so the call that fails first may be
-                // on a worker that is still up: the loss, recorded before, is the cause.
-                break Ended::Lost(loaded.lost_reason().map_or(reason, Loss::SessionEnded));
-            }
+        let n = stages.len();
+        self.lanes = self
+            .setup
+            .lanes
+            .unwrap_or(n)
+            .clamp(1, self.slots.len().max(1));
+        self.step = StepShape::new(self.setup.shape.ubatch, n, self.setup.prefill_chunk);
+        let ended = if self.lanes == 1 {
+            self.serve_steps(&stages, &mut loaded).await
+        } else {
+            self.serve_lanes(&stages, &mut loaded).await
         };
         // A model being retired is not loaded again when it is lost meanwhile; stopping
         // while retiring drops the replacement, which the front hears of.
@@ -440,6 +390,111 @@ impl Scheduler {
         self.fail_all(&GenError::Unavailable(reason));
         loaded.close().await;
         ended
+    }
+
+    /// Serves with one lane: each step carries every sequence through the workers, then
+    /// every sequence is sampled before the next step starts.
+    async fn serve_steps(&mut self, stages: &[LoadedStage], loaded: &mut LoadedModel) -> Ended {
+        let stop = self.stop.clone();
+        loop {
+            if let Err(reason) = self.tidy(stages, &[]).await {
+                return Ended::Lost(reason);
+            }
+            if self.retired()
+                && let Some(retiring) = self.retiring.take()
+            {
+                return Ended::Replaced(retiring.replace);
+            }
+            if self.active() == 0 {
+                tokio::select! {
+                    () = stop.cancelled() => return Ended::Stopped,
+                    reason = loaded.lost() => return Ended::Lost(Loss::SessionEnded(reason)),
+                    reason = self.setup.workers_changed() => return Ended::Lost(Loss::WorkersChanged(reason)),
+                    Some(replace) = self.control.recv() => self.begin_retire(replace),
+                    next = self.requests.recv(), if self.held.is_none() => match next {
+                        Some(a) => self.take_in(a),
+                        None => return Ended::Stopped,
+                    },
+                }
+                continue;
+            }
+            if let Err(reason) = copy_cells(stages, &mut self.to_copy).await {
+                return Ended::Lost(reason);
+            }
+            let chunks = build_step(&self.slots, 0, self.step, self.rotation);
+            self.rotation = self.rotation.wrapping_add(1);
+            let groups = self.groups(chunks, stages.len());
+            let masks = pick::start_masks(&mut self.slots);
+            let results = tokio::select! {
+                () = stop.cancelled() => return Ended::Stopped,
+                reason = loaded.lost() => return Ended::Lost(Loss::SessionEnded(reason)),
+                reason = self.setup.workers_changed() => return Ended::Lost(Loss::WorkersChanged(reason)),
+                r = run_pipeline(stages, &groups) => r,
+            };
+            for (i, e) in pick::finish_masks(&mut self.slots, masks).await {
+                if let Some(seq) = self.free(i) {
+                    seq.send(Err(e));
+                }
+            }
+            let applied = results.and_then(|outputs| {
+                groups
+                    .iter()
+                    .zip(outputs)
+                    .try_for_each(|(b, out)| self.apply(b, &out))
+            });
+            if let Err(reason) = applied {
+                return Ended::Lost(blame(loaded, reason));
+            }
+        }
+    }
+
+    /// Between steps: takes replacements in, ends the cancelled and late requests of lanes
+    /// not `busy`, forgets the cells of shifted and freed sequences on every worker, and
+    /// admits waiting requests.
+    async fn tidy(&mut self, stages: &[LoadedStage], busy: &[bool]) -> Result<(), Loss> {
+        while let Ok(replace) = self.control.try_recv() {
+            self.begin_retire(replace);
+        }
+        self.reap(busy);
+        truncate_slots(stages, &mut self.to_truncate).await?;
+        clear_slots(stages, &mut self.to_clear).await?;
+        self.admit();
+        Ok(())
+    }
+
+    /// The forward passes of a step's `chunks`: one chunk is cut into `groups` groups of
+    /// sequences; a row that needs every logit goes alone, so the others still come
+    /// reduced; each asks the last worker for what its rows need.
+    fn groups(&self, mut chunks: Vec<Batch>, groups: usize) -> Vec<Batch> {
+        let chunks = match chunks.len() {
+            1 => split_batch(chunks.remove(0), groups),
+            _ => chunks,
+        };
+        let slots = &self.slots;
+        let mut out: Vec<Batch> = chunks
+            .into_iter()
+            .flat_map(|g| split_off(g, |i| slots[i].as_ref().is_some_and(|s| s.needs_logits)))
+            .collect();
+        for g in &mut out {
+            g.rows = rows_wanted(slots, g);
+        }
+        out
+    }
+
+    /// The lane with the fewest sequences (the first of them on a tie).
+    fn quietest_lane(&self) -> usize {
+        let counts = self.lane_counts();
+        (0..self.lanes).min_by_key(|&l| counts[l]).unwrap_or(0)
+    }
+
+    /// Sequences per lane.
+    fn lane_counts(&self) -> Vec<usize> {
+        let lanes = self.lanes.max(1);
+        let mut counts = vec![0; lanes];
+        for seq in self.slots.iter().flatten() {
+            counts[seq.lane.min(lanes - 1)] += 1;
+        }
+        counts
     }
 
     /// Moves every sequence of `batch` forward and samples the rows that asked for logits
@@ -630,4 +685,11 @@ impl Shared {
             Health::Unavailable(why) => why,
         }
     }
+}
+
+/// Why serving stopped when a call failed with `reason`: a lost session shuts every data
+/// link, so the call that fails first may be on a worker that is still up; the loss,
+/// recorded before, is then the cause.
+fn blame(loaded: &LoadedModel, reason: Loss) -> Loss {
+    loaded.lost_reason().map_or(reason, Loss::SessionEnded)
 }

@@ -16,6 +16,8 @@ pub(crate) type Events = mpsc::Sender<Result<GenEvent, GenError>>;
 pub(crate) struct Sequence {
     /// The slot (KV sequence index on every worker).
     pub slot: u32,
+    /// The lane whose steps carry it; 0 with one lane.
+    pub lane: usize,
     /// Prompt, then generated tokens.
     pub tokens: Vec<u32>,
     /// Prompt tokens.
@@ -221,6 +223,43 @@ pub(crate) struct Batch {
     pub targets: Vec<u32>,
 }
 
+/// Prompt chunks a step is cut into per worker when the model spans several, so that the
+/// workers overlap (chunk k+1 on one worker while chunk k is on the next).
+pub(crate) const CHUNKS_PER_STAGE: usize = 4;
+
+/// What a step takes of its sequences, and how it is cut into forward passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StepShape {
+    /// Most tokens in one forward pass.
+    pub ubatch: usize,
+    /// Most prompt tokens in one forward pass (decode tokens come first, within `ubatch`).
+    pub prompt_chunk: usize,
+    /// Most forward passes a step is cut into.
+    pub chunks: usize,
+}
+
+impl StepShape {
+    /// One pass of up to `ubatch` tokens a step over one worker; over `stages` workers,
+    /// [`CHUNKS_PER_STAGE`] prompt chunks per worker of `ubatch / (4 * stages)` tokens, but
+    /// no fewer than `min_chunk` (a GPU pass of few tokens costs nearly what a larger one
+    /// does, so tiny chunks would lose more than the overlap gains).
+    pub fn new(ubatch: usize, stages: usize, min_chunk: usize) -> Self {
+        if stages <= 1 {
+            return Self {
+                ubatch,
+                prompt_chunk: ubatch,
+                chunks: 1,
+            };
+        }
+        let chunks = CHUNKS_PER_STAGE * stages;
+        Self {
+            ubatch,
+            prompt_chunk: (ubatch / chunks).max(min_chunk).clamp(1, ubatch.max(1)),
+            chunks,
+        }
+    }
+}
+
 /// Makes the next step's batch from the sequences in `slots`, starting the rotation at
 /// `start` so no sequence waits forever when `ubatch` is smaller than the demand (the
 /// first of [`build_step`]'s chunks).
@@ -230,27 +269,29 @@ fn build_batch(slots: &[Option<Sequence>], ubatch: usize, start: usize) -> Batch
         .iter()
         .map(|s| s.as_ref().map_or(0, |s| s.fed))
         .collect();
-    fill_batch(slots, ubatch, start, &mut fed)
+    fill_batch(slots, 0, ubatch, ubatch, start, &mut fed)
 }
 
-/// Makes a step's batches: the first as [`build_batch`], then, while prompts have tokens
-/// left and there are fewer than `chunks`, more prompt chunks that go on where the one
-/// before stopped. Sent through the workers in order, chunk k+1 runs on an earlier worker
-/// while chunk k runs on a later one, so a long prompt fills the pipeline instead of
-/// crossing the workers one at a time.
+/// Makes a step's batches of the sequences of `lane`: the first as [`build_batch`] (with
+/// at most `shape.prompt_chunk` prompt tokens), then, while prompts have tokens left and
+/// there are fewer than `shape.chunks`, more prompt chunks that go on where the one before
+/// stopped. Sent through the workers in order, chunk k+1 runs on an earlier worker while
+/// chunk k runs on a later one, so a long prompt fills the pipeline instead of crossing
+/// the workers one at a time.
 pub(crate) fn build_step(
     slots: &[Option<Sequence>],
-    ubatch: usize,
+    lane: usize,
+    shape: StepShape,
     start: usize,
-    chunks: usize,
 ) -> Vec<Batch> {
     let mut fed: Vec<usize> = slots
         .iter()
         .map(|s| s.as_ref().map_or(0, |s| s.fed))
         .collect();
-    let mut out = vec![fill_batch(slots, ubatch, start, &mut fed)];
-    while out.len() < chunks {
-        let next = fill_batch(slots, ubatch, start, &mut fed);
+    let (ubatch, prompt) = (shape.ubatch, shape.prompt_chunk);
+    let mut out = vec![fill_batch(slots, lane, ubatch, prompt, start, &mut fed)];
+    while out.len() < shape.chunks {
+        let next = fill_batch(slots, lane, ubatch, prompt, start, &mut fed);
         if next.tokens.is_empty() {
             break;
         }
@@ -259,16 +300,29 @@ pub(crate) fn build_step(
     out
 }
 
-/// One batch of at most `ubatch` tokens, as if each sequence had `fed[i]` tokens in its
-/// cache; advances `fed` past what it takes.
-fn fill_batch(slots: &[Option<Sequence>], ubatch: usize, start: usize, fed: &mut [usize]) -> Batch {
+/// One batch of at most `ubatch` tokens, at most `prompt_cap` of them prompt tokens, of the
+/// sequences of `lane`, as if each sequence had `fed[i]` tokens in its cache; advances
+/// `fed` past what it takes.
+fn fill_batch(
+    slots: &[Option<Sequence>],
+    lane: usize,
+    ubatch: usize,
+    prompt_cap: usize,
+    start: usize,
+    fed: &mut [usize],
+) -> Batch {
     let mut batch = Batch::default();
     let mut budget = ubatch;
     let n = slots.len();
     for decode_pass in [true, false] {
+        if !decode_pass {
+            budget = budget.min(prompt_cap);
+        }
         for k in 0..n {
             let i = (start + k) % n;
-            let Some(seq) = &slots[i] else { continue };
+            let Some(seq) = slots[i].as_ref().filter(|s| s.lane == lane) else {
+                continue;
+            };
             let done = fed[i];
             let to_feed = seq.tokens.len() - done;
             // One token a step once the prompt is in; a tail fed again after a context
@@ -382,6 +436,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(16);
         let s = Sequence {
             slot,
+            lane: 0,
             tokens: (0..prompt as u32).map(|t| t + 100 * slot).collect(),
             prompt_len: prompt,
             fed,
@@ -537,7 +592,12 @@ mod tests {
         a.tokens.push(7);
         let (b, _rb) = seq(1, 10, 1);
         let slots = vec![Some(a), Some(b)];
-        let chunks = build_step(&slots, 4, 0, 3);
+        let shape = |chunks| StepShape {
+            ubatch: 4,
+            prompt_chunk: 4,
+            chunks,
+        };
+        let chunks = build_step(&slots, 0, shape(3), 0);
         assert_eq!(chunks.len(), 3);
         assert_eq!(chunks[0].fed, vec![(0, 1), (1, 3)], "decode first");
         assert_eq!(chunks[1].fed, vec![(1, 4)]);
@@ -551,8 +611,59 @@ mod tests {
             vec![1],
             "logits where the prompt ends"
         );
-        assert_eq!(build_step(&slots, 4, 0, 8).len(), 3, "no empty chunks");
-        assert_eq!(build_step(&slots, 4, 0, 1), vec![build_batch(&slots, 4, 0)]);
+        assert_eq!(
+            build_step(&slots, 0, shape(8), 0).len(),
+            3,
+            "no empty chunks"
+        );
+        assert_eq!(
+            build_step(&slots, 0, shape(1), 0),
+            vec![build_batch(&slots, 4, 0)]
+        );
+        assert!(
+            build_step(&slots, 1, shape(3), 0)[0].tokens.is_empty(),
+            "lane 1 is empty"
+        );
+    }
+
+    #[test]
+    fn prompt_chunks_are_capped_but_decode_tokens_are_not() {
+        let decoding: Vec<_> = (0..3)
+            .map(|i| {
+                let (mut s, rx) = seq(i, 2, 2);
+                s.tokens.push(7);
+                (s, rx)
+            })
+            .collect();
+        let (long, _rl) = seq(3, 9, 0);
+        let mut slots: Vec<_> = decoding.into_iter().map(|(s, _)| Some(s)).collect();
+        slots.push(Some(long));
+        let shape = StepShape {
+            ubatch: 8,
+            prompt_chunk: 2,
+            chunks: 8,
+        };
+        let chunks = build_step(&slots, 0, shape, 0);
+        assert_eq!(chunks[0].fed, vec![(0, 1), (1, 1), (2, 1), (3, 2)]);
+        let prompt: Vec<usize> = chunks[1..].iter().map(|c| c.tokens.len()).collect();
+        assert_eq!(
+            prompt,
+            vec![2, 2, 2, 1],
+            "the rest of the prompt in chunks of 2"
+        );
+        assert_eq!(chunks[4].logits_rows, vec![0]);
+    }
+
+    #[test]
+    fn a_step_shape_cuts_prompts_only_over_several_workers() {
+        let one = StepShape::new(512, 1, 64);
+        assert_eq!((one.prompt_chunk, one.chunks), (512, 1));
+        let two = StepShape::new(512, 2, 64);
+        assert_eq!((two.prompt_chunk, two.chunks), (64, 8));
+        let floor = StepShape::new(512, 2, 128);
+        assert_eq!((floor.prompt_chunk, floor.chunks), (128, 8));
+        let small = StepShape::new(8, 2, 64);
+        assert_eq!(small.prompt_chunk, 8, "never above ubatch");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use support::{TempDir, cluster, collect, generate, greedy, prompt, reference, tiny_model};
 use tether_client::{AdminClient, ClientOptions, WorkerClient};
 use tether_coordinator::api::{GenError, GenEvent, Generation, Health};
@@ -151,17 +151,7 @@ async fn a_lost_worker_fails_requests_and_the_model_comes_back() {
     let (remaining, _) =
         sessions_and_bytes(c.workers.workers[0].addr(), Some(c.workers.token())).await;
     assert!(remaining <= 1);
-    let started = Instant::now();
-    while c.coordinator.health() != Health::Ready {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "not loaded again: {:?}",
-            c.coordinator.health()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let plan = c.coordinator.plan().expect("plan");
-    assert_eq!(plan.assignments.len(), 1, "{plan}");
+    support::wait_until_loaded_again(&c.coordinator, 1).await;
     let expected = reference(&path, &prompt, 16, 512);
     let (tokens, end) = generate(&c.coordinator, &prompt, 16).await;
     assert!(end.is_ok(), "{end:?}");

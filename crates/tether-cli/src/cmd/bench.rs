@@ -42,14 +42,23 @@ pub struct BenchArgs {
     /// `1,4,16,64`), as llama-batched-bench does: each sequence takes a prompt of `-p`
     /// tokens, then `-n` decode steps take one token of every sequence; rows give the
     /// aggregate tokens/s. With --serve: the server's sequences (one count; default
-    /// --clients).
-    #[arg(long, value_delimiter = ',', conflicts_with = "pipeline")]
+    /// --clients). With --pipeline, one count: that many requests at once through
+    /// the coordinator, rows giving their aggregate prompt and decode tokens/s.
+    #[arg(long, value_delimiter = ',')]
     pub parallel: Option<Vec<usize>>,
     /// With --pipeline: send forward passes over gRPC instead of the workers' data links.
     #[arg(long, requires = "pipeline")]
     pub grpc_forward: bool,
     #[command(flatten)]
     pub serve: ServeBenchArgs,
+    /// With --pipeline: lanes of sequences that go through the workers on their own
+    /// (default: one per worker).
+    #[arg(long, requires = "pipeline")]
+    pub pipeline_lanes: Option<usize>,
+    /// With --pipeline: fewest prompt tokens in one forward pass when a prompt is cut into
+    /// chunks so that several workers overlap.
+    #[arg(long, requires = "pipeline", default_value_t = tether_coordinator::engine::DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
 }
 
 /// Mean and standard deviation of tokens per second over the repetitions.

@@ -1,7 +1,8 @@
 //! `tether bench --pipeline 1,2`: the cost of splitting a model over workers — prompt and
 //! decode tokens/s through the coordinator with 1, 2, ... embedded workers (real gRPC on
 //! loopback) on the device `--device` names, measured in one run, the counts taking turns
-//! repetition by repetition, so the rows compare as a ratio.
+//! repetition by repetition, so the rows compare as a ratio. With `--parallel N`, N
+//! requests run at once and the rows are their aggregate rates.
 
 use crate::cmd::bench::BenchArgs;
 use crate::cmd::local::DEMO_LABEL;
@@ -11,7 +12,6 @@ use std::time::Instant;
 use tether_client::ClientOptions;
 use tether_coordinator::api::{GenEvent, GenRequest, Generation};
 use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile};
-use tether_model::SamplingParams;
 use tether_worker::embedded::{LocalOptions, LocalWorkers};
 
 /// Prints a `ppN` row (with -p above 0) and a `tgN` row per worker count, each with its
@@ -23,6 +23,11 @@ pub fn run(args: &BenchArgs, counts: &[usize]) -> Result<()> {
     if args.n_gen == 0 {
         bail!("--pipeline measures generation: give -n above 0");
     }
+    let sequences = match args.parallel.as_deref() {
+        None => 1,
+        Some(&[n]) if n > 0 => n,
+        Some(_) => bail!("with --pipeline, --parallel takes one count of sequences, e.g. 64"),
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -33,17 +38,19 @@ pub fn run(args: &BenchArgs, counts: &[usize]) -> Result<()> {
     }
     let model = ModelFile::open(&resolved.path)?;
     println!(
-        "model: {} | through the coordinator | ctx {} | ubatch {}",
+        "model: {} | through the coordinator | {sequences} sequence(s) at once | ctx {} | \
+         ubatch {} | prefill chunks of at least {}",
         resolved.path.display(),
         ctx(args),
-        args.device.ubatch
+        args.device.ubatch,
+        args.prefill_chunk
     );
     println!(
         "| test | workers | t/s | ± | vs {} worker(s) | ms/token in blocks | ms/token between |",
         counts[0]
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    let samples = runtime.block_on(measure_interleaved(args, &model, counts))?;
+    let samples = runtime.block_on(measure_interleaved(args, &model, counts, sequences))?;
     let rows: Vec<_> = counts
         .iter()
         .zip(samples)
@@ -101,10 +108,11 @@ async fn measure_interleaved(
     args: &BenchArgs,
     model: &std::sync::Arc<ModelFile>,
     counts: &[usize],
+    sequences: usize,
 ) -> Result<Vec<Vec<(f64, f64, f64)>>> {
     let mut setups = Vec::with_capacity(counts.len());
     for &n in counts {
-        setups.push(Setup::start(args, model, n).await?);
+        setups.push(Setup::start(args, model, n, sequences).await?);
     }
     let vocab = model.config().n_vocab.max(2) as u64;
     // Any ids work for timing; token 0 is avoided only because it is often padding.
@@ -115,7 +123,11 @@ async fn measure_interleaved(
     let mut failed = None;
     'runs: for i in 0..=args.repetitions {
         for (setup, rates) in setups.iter().zip(rates.iter_mut()) {
-            match setup.generate(args, &prompt).await {
+            let sample = match sequences {
+                1 => setup.generate(args, &prompt).await,
+                _ => setup.generate_many(args, &prompt, sequences).await,
+            };
+            match sample {
                 // The first round warms every setup up.
                 Ok(sample) if i > 0 => rates.push(sample),
                 Ok(_) => {}
@@ -143,7 +155,12 @@ struct Setup {
 }
 
 impl Setup {
-    async fn start(args: &BenchArgs, model: &std::sync::Arc<ModelFile>, n: usize) -> Result<Self> {
+    async fn start(
+        args: &BenchArgs,
+        model: &std::sync::Arc<ModelFile>,
+        n: usize,
+        sequences: usize,
+    ) -> Result<Self> {
         // The workers share the GPUs `--device` names in turn (two on `cuda:0` both use
         // GPU 0); with none named they are cpu workers.
         let options = LocalOptions {
@@ -156,7 +173,10 @@ impl Setup {
         let workers = LocalWorkers::start(n, &options).await?;
         let mut config = CoordinatorConfig {
             ctx_per_seq: ctx(args),
-            parallel: 1,
+            parallel: sequences,
+            queue_depth: sequences.max(1),
+            pipeline_lanes: args.pipeline_lanes,
+            prefill_chunk: args.prefill_chunk,
             ubatch: args.device.ubatch,
             cache_k: args.cache.k(),
             cache_v: args.cache.v(),
@@ -179,17 +199,9 @@ impl Setup {
     async fn generate(&self, args: &BenchArgs, prompt: &[u32]) -> Result<(f64, f64, f64)> {
         let n = self.n;
         let submitted = Instant::now();
-        let mut events = self.coordinator.submit(GenRequest {
-            prompt: prompt.to_vec(),
-            max_tokens: args.n_gen,
-            sampling: SamplingParams::greedy(),
-            deadline: None,
-            stop_tokens: Vec::new(),
-            model_epoch: None,
-            logprobs: None,
-            prompt_logprobs: None,
-            constraint: None,
-        })?;
+        let mut events = self
+            .coordinator
+            .submit(GenRequest::greedy(prompt, args.n_gen))?;
         let workers = &self.workers;
         let (mut first, mut tokens, mut inside_from) = (None, 0usize, workers.forward_time());
         loop {
@@ -221,6 +233,78 @@ impl Setup {
         let decode = (tokens - 1) as f64;
         let inside = (workers.forward_time() - inside_from).as_secs_f64() * 1e3 / decode;
         Ok((pp, decode / first.elapsed().as_secs_f64(), inside))
+    }
+
+    /// `sequences` greedy generations at once: their aggregate prompt rate (every prompt
+    /// token over the time until every sequence has its first token), aggregate decode rate
+    /// (the tokens generated after that over the time until the last one) and ms of block
+    /// time per generated token.
+    async fn generate_many(
+        &self,
+        args: &BenchArgs,
+        prompt: &[u32],
+        sequences: usize,
+    ) -> Result<(f64, f64, f64)> {
+        let n = self.n;
+        let submitted = Instant::now();
+        let inside_from = self.workers.forward_time();
+        let mut streams = Vec::with_capacity(sequences);
+        for _ in 0..sequences {
+            streams.push(
+                self.coordinator
+                    .submit(GenRequest::greedy(prompt, args.n_gen))?,
+            );
+        }
+        // Each stream on its own task, so a token's time is when it came, not when a loop
+        // over the streams got to it.
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|mut events| {
+                tokio::spawn(async move {
+                    let mut times = Vec::new();
+                    loop {
+                        match events.recv().await {
+                            Some(Ok(GenEvent::Token(_))) => times.push(Instant::now()),
+                            Some(Ok(GenEvent::Done { .. })) => return Ok(times),
+                            Some(Ok(GenEvent::Scored(_) | GenEvent::Prompt(_))) => {
+                                return Err("the engine sent log-probabilities that were \
+                                            not asked for"
+                                    .into());
+                            }
+                            Some(Err(e)) => return Err(e.to_string()),
+                            None => return Err("the engine stopped without finishing".into()),
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut times = Vec::with_capacity(sequences);
+        for reader in readers {
+            match reader.await.context("a stream's reader failed")? {
+                Ok(t) if t.len() >= 2 => times.push(t),
+                Ok(t) => bail!(
+                    "a generation ended after {} token(s); use a model that does not stop at once",
+                    t.len()
+                ),
+                Err(e) => bail!("generation through {n} worker(s) failed: {e}"),
+            }
+        }
+        let all_first = times.iter().map(|t| t[0]).max().unwrap_or(submitted);
+        let end = times
+            .iter()
+            .filter_map(|t| t.last().copied())
+            .max()
+            .unwrap_or(all_first);
+        let after: usize = times
+            .iter()
+            .map(|t| t.iter().filter(|&&at| at > all_first).count())
+            .sum();
+        let generated: usize = times.iter().map(Vec::len).sum();
+        let pp = (prompt.len() * sequences) as f64 / (all_first - submitted).as_secs_f64();
+        let decode = after as f64 / (end - all_first).as_secs_f64().max(1e-9);
+        let inside =
+            (self.workers.forward_time() - inside_from).as_secs_f64() * 1e3 / generated as f64;
+        Ok((pp, decode, inside))
     }
 
     async fn shutdown(self) {

@@ -64,6 +64,14 @@ pub struct ServeArgs {
     /// Most tokens in one forward pass (prompt micro-batch).
     #[arg(long, short = 'u', default_value_t = 512)]
     pub ubatch: usize,
+    /// Lanes of sequences that go through the workers on their own, so that while one
+    /// lane's step runs on one worker another's runs on the next (default: one per worker).
+    #[arg(long)]
+    pub pipeline_lanes: Option<usize>,
+    /// Fewest prompt tokens in one forward pass when a prompt is cut into chunks so that
+    /// several workers overlap.
+    #[arg(long, default_value_t = tether_coordinator::engine::DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
     /// Share of the model per worker, e.g. `3,1` (default: in proportion to free memory).
     #[arg(long, value_delimiter = ',')]
     pub split: Option<Vec<f64>>,
@@ -335,6 +343,8 @@ async fn load(
         parallel: args.parallel,
         ubatch: args.ubatch,
         queue_depth: args.queue,
+        pipeline_lanes: args.pipeline_lanes,
+        prefill_chunk: args.prefill_chunk,
         context_shift: args.shift.policy(),
         prefix_cache: !args.no_prefix_cache,
         model_id: args.model_id.clone().unwrap_or(defaults.model_id.clone()),

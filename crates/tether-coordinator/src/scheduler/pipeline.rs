@@ -1,11 +1,16 @@
 //! The scheduler's calls over the workers: KV bookkeeping of freed and shifted slots, and
-//! one step's groups run through every worker as a pipeline.
+//! batches moved through the workers in layer order: one step's groups at once
+//! ([`run_pipeline`]), or a stream of lanes' batches through stage loops that stay up while
+//! a model serves ([`stage_loops`]). Both pass a batch over one worker the same way
+//! ([`pass`]).
 
 use crate::api::TokenLogProb;
 use crate::load::LoadedStage;
 use crate::loss::Loss;
 use crate::sequence::{Batch, RowUse, Sequence};
 use crate::stage_call;
+use std::future::Future;
+use std::sync::Arc;
 use tether_protocol::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
 use tokio::sync::mpsc;
 
@@ -139,6 +144,65 @@ pub(super) fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
     }
 }
 
+/// A batch after one worker: the next worker's input, or (after the last) its rows.
+enum Passed {
+    Next(ForwardInput),
+    Rows(RowsOut),
+}
+
+/// Runs `b` over worker `i` of `stages` with input `x`; `alone` as [`stage_call::forward`].
+async fn pass(
+    stages: &[LoadedStage],
+    i: usize,
+    b: &Batch,
+    x: ForwardInput,
+    alone: bool,
+) -> Result<Passed, Loss> {
+    let st = &stages[i];
+    let last = i + 1 == stages.len();
+    let rows: &[u32] = if last { &b.logits_rows } else { &[] };
+    let want = if last { b.rows } else { Rows::Logits };
+    let targets: &[u32] = match want {
+        Rows::LogProbs(_) => &b.targets,
+        _ => &[],
+    };
+    let out = stage_call::forward(st, &b.tokens, x, rows, want, targets, alone)
+        .await
+        .map_err(Loss::Call)?;
+    Ok(match out {
+        ForwardOutput::Hidden(h) if !last => Passed::Next(ForwardInput::Hidden(h)),
+        ForwardOutput::Logits(l) if last && want == Rows::Logits => {
+            Passed::Rows(RowsOut::Logits(l))
+        }
+        ForwardOutput::ArgMax(t) if last && want == Rows::ArgMax => {
+            Passed::Rows(RowsOut::ArgMax(t))
+        }
+        ForwardOutput::Top { counts, candidates } if last && matches!(want, Rows::Top(_)) => {
+            let starts = row_starts(&counts);
+            Passed::Rows(RowsOut::Top { starts, candidates })
+        }
+        ForwardOutput::Scored {
+            counts,
+            candidates,
+            scores,
+        } if last && matches!(want, Rows::LogProbs(_)) => {
+            let starts = row_starts(&counts);
+            Passed::Rows(RowsOut::Scored {
+                starts,
+                candidates,
+                scores,
+            })
+        }
+        ForwardOutput::Hidden(_) if rows.is_empty() => Passed::Rows(RowsOut::Logits(Vec::new())),
+        _ => {
+            return Err(Loss::BadReply(format!(
+                "worker {} returned the wrong kind of output",
+                st.client.addr()
+            )));
+        }
+    })
+}
+
 /// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
 /// groups in order (a later group of a sequence needs the cells of an earlier one) and
 /// passes each on as soon as it is done, so group k+1 runs on one worker while group k
@@ -149,62 +213,19 @@ pub(super) async fn run_pipeline(
 ) -> Result<Vec<RowsOut>, Loss> {
     let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
     let mut workers = Vec::with_capacity(stages.len());
-    let last = stages.len().saturating_sub(1);
     let alone = groups.len() == 1;
-    for (i, st) in stages.iter().enumerate() {
+    for i in 0..stages.len() {
         let (tx, next) = mpsc::unbounded_channel();
         let mut input = std::mem::replace(&mut rx, next);
         workers.push(async move {
             let mut logits = Vec::new();
             while let Some((k, x)) = input.recv().await {
-                let b = &groups[k];
-                let rows: &[u32] = if i == last { &b.logits_rows } else { &[] };
-                let want = if i == last { b.rows } else { Rows::Logits };
-                let targets: &[u32] = match want {
-                    Rows::LogProbs(_) => &b.targets,
-                    _ => &[],
-                };
-                let out = stage_call::forward(st, &b.tokens, x, rows, want, targets, alone)
-                    .await
-                    .map_err(Loss::Call)?;
-                match out {
-                    ForwardOutput::Hidden(h) if i < last => {
+                match pass(stages, i, &groups[k], x, alone).await? {
+                    Passed::Next(x) => {
                         // The next worker gone means another worker failed; its error wins.
-                        let _ = tx.send((k, ForwardInput::Hidden(h)));
+                        let _ = tx.send((k, x));
                     }
-                    ForwardOutput::Logits(l) if i == last && want == Rows::Logits => {
-                        logits.push(RowsOut::Logits(l))
-                    }
-                    ForwardOutput::ArgMax(t) if i == last && want == Rows::ArgMax => {
-                        logits.push(RowsOut::ArgMax(t))
-                    }
-                    ForwardOutput::Top { counts, candidates }
-                        if i == last && matches!(want, Rows::Top(_)) =>
-                    {
-                        let starts = row_starts(&counts);
-                        logits.push(RowsOut::Top { starts, candidates })
-                    }
-                    ForwardOutput::Scored {
-                        counts,
-                        candidates,
-                        scores,
-                    } if i == last && matches!(want, Rows::LogProbs(_)) => {
-                        let starts = row_starts(&counts);
-                        logits.push(RowsOut::Scored {
-                            starts,
-                            candidates,
-                            scores,
-                        })
-                    }
-                    ForwardOutput::Hidden(_) if rows.is_empty() => {
-                        logits.push(RowsOut::Logits(Vec::new()))
-                    }
-                    _ => {
-                        return Err(Loss::BadReply(format!(
-                            "worker {} returned the wrong kind of output",
-                            st.client.addr()
-                        )));
-                    }
+                    Passed::Rows(r) => logits.push(r),
                 }
             }
             Ok::<_, Loss>(logits)
@@ -224,6 +245,75 @@ pub(super) async fn run_pipeline(
         )));
     }
     Ok(logits)
+}
+
+/// One batch of a lane's step on its way through the stage loops.
+pub(super) struct Job {
+    /// The lane whose step it belongs to.
+    pub lane: usize,
+    /// Its place among the step's batches.
+    pub k: usize,
+    pub batch: Arc<Batch>,
+    /// Nothing else is in flight (see [`stage_call::forward`]).
+    pub alone: bool,
+}
+
+/// A batch that left the last worker (lane, place, rows), or the error that stopped a loop.
+pub(super) type Done = Result<(usize, usize, RowsOut), Loss>;
+
+/// Where a lane's batches enter the first worker.
+pub(super) struct Jobs(mpsc::UnboundedSender<(Job, ForwardInput)>);
+
+impl Jobs {
+    /// Sends `job` into the first worker's loop; false when that loop has stopped (a worker
+    /// failed, and its error is on its way as a [`Done`]).
+    pub fn send(&self, job: Job) -> bool {
+        let ids = ForwardInput::TokenIds(job.batch.ids.clone());
+        self.0.send((job, ids)).is_ok()
+    }
+}
+
+/// One loop per worker, each taking batches in the order they come (so a sequence's
+/// batches reach a worker in the order they were sent) and handing each to the next worker
+/// as soon as it is done; what leaves the last worker comes out of the returned receiver.
+/// The future runs every loop; it ends once the returned [`Jobs`] is dropped and the loops
+/// have drained, or a loop has failed (its error is sent as the last [`Done`]).
+pub(super) fn stage_loops(
+    stages: &[LoadedStage],
+) -> (
+    Jobs,
+    mpsc::UnboundedReceiver<Done>,
+    impl Future<Output = ()> + '_,
+) {
+    let (jobs, mut hidden) = mpsc::unbounded_channel::<(Job, ForwardInput)>();
+    let (done_tx, done) = mpsc::unbounded_channel::<Done>();
+    let mut loops = Vec::with_capacity(stages.len());
+    for i in 0..stages.len() {
+        let (tx, next) = mpsc::unbounded_channel::<(Job, ForwardInput)>();
+        let mut input = std::mem::replace(&mut hidden, next);
+        let done = done_tx.clone();
+        loops.push(async move {
+            while let Some((job, x)) = input.recv().await {
+                match pass(stages, i, &job.batch, x, job.alone).await {
+                    Ok(Passed::Next(x)) => {
+                        // The next loop gone means another worker failed; its error is sent.
+                        let _ = tx.send((job, x));
+                    }
+                    Ok(Passed::Rows(r)) => {
+                        let _ = done.send(Ok((job.lane, job.k, r)));
+                    }
+                    Err(e) => {
+                        let _ = done.send(Err(e));
+                        return;
+                    }
+                }
+            }
+        });
+    }
+    let run = async move {
+        futures::future::join_all(loops).await;
+    };
+    (Jobs(jobs), done, run)
 }
 
 /// Where each row's candidates start, from the count of each, and where the last ends.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tether_client::ClientOptions;
 use tether_compute::CpuBackend;
-use tether_coordinator::api::{FinishReason, GenError, GenEvent, GenRequest, Generation};
+use tether_coordinator::api::{FinishReason, GenError, GenEvent, GenRequest, Generation, Health};
 use tether_coordinator::{Coordinator, CoordinatorConfig, ModelFile};
 use tether_gguf::{GgmlType, GgufFile};
 use tether_model::tokenizer::Tokenizer;
@@ -194,4 +194,20 @@ pub async fn generate(
     max_tokens: usize,
 ) -> (Vec<u32>, Result<FinishReason, GenError>) {
     collect(engine.submit(greedy(prompt, max_tokens)).expect("submit")).await
+}
+
+/// Waits (up to 30 s) until `coordinator` has loaded the model again after a loss, and
+/// checks that it now spans `workers` workers.
+pub async fn wait_until_loaded_again(coordinator: &Coordinator, workers: usize) {
+    let started = std::time::Instant::now();
+    while coordinator.health() != Health::Ready {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "not loaded again: {:?}",
+            coordinator.health()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let plan = coordinator.plan().expect("plan");
+    assert_eq!(plan.assignments.len(), workers, "{plan}");
 }
