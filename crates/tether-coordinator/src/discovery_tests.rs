@@ -7,7 +7,7 @@ use crate::{Coordinator, CoordinatorConfig, ModelFile};
 use std::time::{Duration, Instant};
 use tether_client::ClientOptions;
 use tether_gguf::GgmlType;
-use tether_model::{SamplingParams, SynthShape};
+use tether_model::SynthShape;
 use tether_worker::embedded::{LocalOptions, LocalWorkers};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -51,17 +51,7 @@ async fn a_changed_worker_list_moves_the_model_to_the_new_workers() {
             .expect("coordinator starts");
     assert_eq!(old.status().sessions, 1);
 
-    let request = GenRequest {
-        prompt: vec![1, 17, 42],
-        max_tokens: 240,
-        sampling: SamplingParams::greedy(),
-        deadline: None,
-        stop_tokens: Vec::new(),
-        model_epoch: None,
-        logprobs: None,
-        prompt_logprobs: None,
-        constraint: None,
-    };
+    let request = GenRequest::greedy(&[1, 17, 42], 240);
     let mut events = coordinator.submit(request).expect("submitted");
     let first = tokio::time::timeout(Duration::from_secs(30), events.recv()).await;
     assert!(

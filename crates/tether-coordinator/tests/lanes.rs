@@ -1,9 +1,11 @@
 //! Lanes: with a lane per worker, groups of sequences go through the workers on their own.
 //! Their greedy tokens equal the single-process generator's and those of one lane, with
 //! prompts cut into chunks smaller than the micro-batch; log-probabilities of the prompt and
-//! of generated tokens come back through lanes as through one worker; a request cancelled
-//! while its lane is in flight ends alone; a worker lost while lanes are in flight fails
-//! every running request, and the model is loaded again.
+//! of generated tokens come back through lanes as through one worker; a model swapped while
+//! lanes are in flight finishes their requests (or, past the grace, ends them with a clear
+//! error) before the new model serves; a request cancelled while its lane is in flight ends
+//! alone; a worker lost while lanes are in flight fails every running request, and the
+//! model is loaded again.
 
 mod support;
 
@@ -13,6 +15,7 @@ use std::time::{Duration, Instant};
 use support::{TempDir, cluster, collect, generate, greedy, prompt, reference, tiny_model};
 use tether_compute::CpuBackend;
 use tether_coordinator::api::{FinishReason, GenError, GenEvent, Generation, TokenLogProb};
+use tether_coordinator::{Coordinator, ModelChangeError, ModelChangeReport, ModelLoad};
 use tether_gguf::GgufFile;
 use tether_model::Generator;
 
@@ -243,6 +246,120 @@ async fn lanes_carry_log_probabilities_as_one_worker_does() {
         c.coordinator.shutdown().await;
         c.workers.shutdown().await;
     }
+}
+
+type Events = tokio::sync::mpsc::Receiver<Result<GenEvent, GenError>>;
+
+/// Submits greedy `max_tokens` of each prompt and waits until each has its first token, so
+/// every lane is running.
+async fn running(
+    engine: &impl Generation,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> Vec<(u32, Events)> {
+    let mut out = Vec::new();
+    for p in prompts {
+        let mut rx = engine.submit(greedy(p, max_tokens)).expect("submit");
+        let first = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .expect("a first token");
+        let Some(Ok(GenEvent::Token(t))) = first else {
+            panic!("{first:?}");
+        };
+        out.push((t, rx));
+    }
+    out
+}
+
+/// Loads `path` beside the served model and switches to it, on a task of its own.
+fn swap_to(
+    coordinator: &Arc<Coordinator>,
+    path: &Path,
+) -> tokio::task::JoinHandle<Result<ModelChangeReport, ModelChangeError>> {
+    let coordinator = Arc::clone(coordinator);
+    let load = ModelLoad {
+        path: path.to_path_buf(),
+        id: None,
+        unload_first: false,
+    };
+    tokio::spawn(async move { coordinator.load_model(load).await })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_swapped_while_lanes_are_in_flight_drains_them_first() {
+    let (dir_a, dir_b) = (TempDir::new("lanes-swap-a"), TempDir::new("lanes-swap-b"));
+    let (a, b) = (tiny_model(&dir_a, 35), tiny_model(&dir_b, 36));
+    let prompts_a = prompts(&a);
+    // Within the grace: every request admitted for the old model ends as it would have.
+    let c = cluster(&a, 2, |cfg| {
+        cfg.parallel = 4;
+        cfg.prefill_chunk = 2;
+    })
+    .await;
+    let coordinator = Arc::new(c.coordinator);
+    let inflight = running(coordinator.as_ref(), &prompts_a[..4], 24).await;
+    let swap = swap_to(&coordinator, &b);
+    for (i, (first, rx)) in inflight.into_iter().enumerate() {
+        let (tokens, end) = support::collect_after(vec![first], rx).await;
+        assert!(end.is_ok(), "request {i}: {end:?}");
+        assert_eq!(tokens, reference(&a, &prompts_a[i], 24, 256), "request {i}");
+    }
+    let report = swap.await.expect("swap task").expect("swap");
+    assert!(!report.outage, "{report:?}");
+    let prompts_b = prompts(&b);
+    let (tokens, end) = generate(coordinator.as_ref(), &prompts_b[0], 12).await;
+    assert!(end.is_ok(), "{end:?}");
+    assert_eq!(
+        tokens,
+        reference(&b, &prompts_b[0], 12, 256),
+        "the new model"
+    );
+    for w in &c.workers.workers {
+        assert_eq!(
+            w.status().sessions,
+            1,
+            "only the new model's session is left"
+        );
+    }
+    coordinator.shutdown().await;
+    c.workers.shutdown().await;
+
+    // Past the grace: no lane's next step starts, and once none is in flight the requests
+    // left end with an error that says why; the new model then serves.
+    let c = cluster(&a, 2, |cfg| {
+        cfg.parallel = 4;
+        cfg.ctx_per_seq = 2048;
+        cfg.retire_grace = Duration::from_millis(300);
+    })
+    .await;
+    let coordinator = Arc::new(c.coordinator);
+    let inflight = running(coordinator.as_ref(), &prompts_a[..4], 2000).await;
+    let report = swap_to(&coordinator, &b)
+        .await
+        .expect("swap task")
+        .expect("swap");
+    assert!(!report.outage, "{report:?}");
+    for (i, (first, rx)) in inflight.into_iter().enumerate() {
+        let (tokens, end) = support::collect_after(vec![first], rx).await;
+        match end {
+            Err(GenError::Unavailable(why)) => assert!(why.contains("replaced"), "{i}: {why}"),
+            // A fast machine may finish it within the grace.
+            Ok(_) => assert_eq!(tokens.len(), 2000, "request {i}"),
+            other => panic!("request {i}: {other:?}"),
+        }
+        let n = tokens.len().min(16);
+        assert_eq!(
+            tokens[..n],
+            reference(&a, &prompts_a[i], n, 2048)[..],
+            "request {i}"
+        );
+    }
+    assert_eq!(coordinator.stats().running, 0);
+    let (tokens, end) = generate(coordinator.as_ref(), &prompts_b[1], 12).await;
+    assert!(end.is_ok(), "{end:?}");
+    assert_eq!(tokens, reference(&b, &prompts_b[1], 12, 2048));
+    coordinator.shutdown().await;
+    c.workers.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -147,24 +147,21 @@ pub async fn cluster(path: &Path, n: usize, tune: impl FnOnce(&mut CoordinatorCo
 
 /// A greedy request.
 pub fn greedy(prompt: &[u32], max_tokens: usize) -> GenRequest {
-    GenRequest {
-        prompt: prompt.to_vec(),
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        deadline: None,
-        stop_tokens: Vec::new(),
-        model_epoch: None,
-        logprobs: None,
-        prompt_logprobs: None,
-        constraint: None,
-    }
+    GenRequest::greedy(prompt, max_tokens)
 }
 
 /// Reads every event: the tokens, and how it ended.
 pub async fn collect(
+    rx: mpsc::Receiver<Result<GenEvent, GenError>>,
+) -> (Vec<u32>, Result<FinishReason, GenError>) {
+    collect_after(Vec::new(), rx).await
+}
+
+/// As [`collect`], for a request whose first `tokens` were read already.
+pub async fn collect_after(
+    mut tokens: Vec<u32>,
     mut rx: mpsc::Receiver<Result<GenEvent, GenError>>,
 ) -> (Vec<u32>, Result<FinishReason, GenError>) {
-    let mut tokens = Vec::new();
     loop {
         let event = tokio::time::timeout(Duration::from_secs(60), rx.recv())
             .await
