@@ -175,3 +175,36 @@ fn bad_grammars_and_unsupported_keywords_are_refused_with_their_reason() {
         .expect_err("refused");
     assert!(e.to_string().contains("undefined_rule"), "{e}");
 }
+
+#[test]
+fn a_draw_among_top_candidates_needs_every_logit_when_none_is_allowed() {
+    let t = byte_tokenizer();
+    let grammars = Grammars::for_tokenizer(&t).expect("grammars");
+    let mut c = grammars
+        .compile(&GrammarSpec::Lark(r#"start: "a""#.into()))
+        .expect("compiles");
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    let ends = |id: u32| id == EOS;
+    let disallowed = [(byte(b'b'), 9.0), (EOS, 8.0), (byte(b'c'), 7.0)];
+    assert_eq!(
+        c.pick_top(&mut sampler, &disallowed, &[], &ends)
+            .expect("matcher"),
+        Picked::NeedLogits,
+        "neither b, c nor the end is allowed before a"
+    );
+    let mixed = [(byte(b'b'), 9.0), (byte(b'a'), 1.0)];
+    assert_eq!(
+        c.pick_top(&mut sampler, &mixed, &[], &ends)
+            .expect("matcher"),
+        Picked::Token(byte(b'a')),
+        "the best allowed candidate, not the best one"
+    );
+    // Every logit: the allowed token wins even when it is the least likely.
+    let mut logits = vec![5.0f32; t.vocab_size()];
+    logits[byte(b'a') as usize] = -50.0;
+    assert_eq!(
+        c.pick_full(&mut sampler, &logits, &[], &ends)
+            .expect("matcher"),
+        Some(byte(b'a'))
+    );
+}
