@@ -9,8 +9,8 @@ use tether_proto::v1 as pb;
 use tether_protocol::forward::grpc::{output_from_proto, request_to_proto};
 use tether_protocol::grpc::{identity_to_proto, spec_to_proto, timings_from_proto};
 use tether_protocol::{
-    AbortCause, BlockSpec, FileIdentity, ForwardInput, ForwardOutput, Outcome, PrepareTimings,
-    Rows, SessionId, TokenPos, TxnId,
+    AbortCause, BlockSpec, FileIdentity, ForwardInput, ForwardOutput, MAX_TOP_K, Outcome,
+    PrepareTimings, Rows, SessionId, TokenPos, TxnId, WorkerError,
 };
 
 /// Where a client reads tensor bytes from (an mmap of the GGUF file, or memory).
@@ -299,6 +299,19 @@ impl WorkerClient {
         rows: Rows,
         targets: &[u32],
     ) -> Result<ForwardOutput, ClientError> {
+        // gRPC carries "no top-k" as 0, so a zero k would reach the worker as a request for
+        // every logit: such a request is refused here, as the worker refuses it on a link.
+        if let Rows::Top(k) = rows
+            && (k == 0 || k > MAX_TOP_K)
+        {
+            return Err(ClientError::domain(
+                "forward",
+                &self.addr,
+                WorkerError::InvalidArgument(format!(
+                    "forward: top_k {k} is outside 1..={MAX_TOP_K}"
+                )),
+            ));
+        }
         let req = request_to_proto(session, tokens, input, logits_rows, rows, targets);
         let reply = self
             .rpc
