@@ -246,15 +246,8 @@ async fn generate(
     out.write_all(args.prompt.as_bytes())?;
     out.flush()?;
     let mut events = coordinator.submit(GenRequest {
-        prompt: prompt.clone(),
-        max_tokens: args.n_predict,
         sampling: params,
-        deadline: None,
-        stop_tokens: Vec::new(),
-        model_epoch: None,
-        logprobs: None,
-        prompt_logprobs: None,
-        constraint: None,
+        ..GenRequest::greedy(&prompt, args.n_predict)
     })?;
     let mut first_token: Option<f64> = None;
     let mut tokens = Vec::new();
