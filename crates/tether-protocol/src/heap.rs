@@ -1,7 +1,8 @@
 //! Giving freed host memory back to the operating system.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 /// Returns the free pages of every malloc arena to the OS. A session's host buffers (cpu
 /// weights, KV, scratch) are large and freed together, and so are the buffers of a flood of
@@ -19,13 +20,19 @@ pub fn return_freed_heap() {
 /// Connections open at once from which their closing is worth a trim.
 const FLOOD: usize = 256;
 
+/// How long a drain must stand still before the trimming that follows it stops: the last
+/// connections of a flood close over some milliseconds after the first trim.
+const SETTLE: Duration = Duration::from_millis(150);
+
 /// Counts a server's open connections and returns the heap to the OS once a flood of them
-/// (at least [`FLOOD`] open at once) has drained to a quarter of its peak: each connection's
-/// buffers are small, so the allocator keeps them all after they are freed.
+/// (at least [`FLOOD`] open at once) has drained to a quarter of its peak, and again as the
+/// rest closes: each connection's buffers are small, so the allocator keeps them all after
+/// they are freed.
 #[derive(Debug, Default)]
 pub struct FloodWatch {
     open: AtomicUsize,
     peak: AtomicUsize,
+    trimming: AtomicBool,
 }
 
 /// One open connection of a [`FloodWatch`]; dropping it counts the connection closed.
@@ -61,13 +68,34 @@ impl FloodWatch {
 impl Drop for OpenConnection {
     fn drop(&mut self) {
         let open = self.0.open.fetch_sub(1, Ordering::AcqRel) - 1;
-        if self.0.drained(open) {
+        if self.0.drained(open) && !self.0.trimming.swap(true, Ordering::AcqRel) {
+            let watch = Arc::clone(&self.0);
             // Off the caller's (async) thread: a trim walks every arena.
-            let _ = std::thread::Builder::new()
+            let spawned = std::thread::Builder::new()
                 .name("tether-trim".into())
-                .spawn(return_freed_heap);
+                .spawn(move || trim_while_draining(&watch));
+            if spawned.is_err() {
+                self.0.trimming.store(false, Ordering::Release);
+            }
         }
     }
+}
+
+/// Trims after each [`SETTLE`] until one passes in which no connection closed, so that the
+/// buffers of the flood's last connections go back too, not only those of the first three
+/// quarters, and those freed just after a connection is counted closed.
+fn trim_while_draining(watch: &FloodWatch) {
+    let mut last = usize::MAX;
+    loop {
+        std::thread::sleep(SETTLE);
+        let open = watch.open_now();
+        return_freed_heap();
+        if open == last {
+            break;
+        }
+        last = open;
+    }
+    watch.trimming.store(false, Ordering::Release);
 }
 
 #[cfg(test)]
