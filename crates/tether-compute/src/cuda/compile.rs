@@ -35,14 +35,32 @@ pub(crate) struct Kernels {
 impl Kernels {
     /// Compiles (or reads from the disk cache) and loads every kernel file for compute
     /// capability `cc` (`(9, 0)` for an H100), caching compiled files in `dir`.
-    pub(crate) fn load(ctx: &Arc<CudaContext>, cc: (i32, i32), dir: Option<&Path>) -> Result<Self> {
+    /// Sources found in `sources` (`NAME.cu`, `common.cuh`) replace the built-in ones.
+    pub(crate) fn load(
+        ctx: &Arc<CudaContext>,
+        cc: (i32, i32),
+        dir: Option<&Path>,
+        sources: Option<&Path>,
+    ) -> Result<Self> {
         let nvrtc = nvrtc_version()?;
+        let common = replaced(sources, "common.cuh", COMMON)?;
+        let texts = FILES
+            .iter()
+            .map(|f| replaced(sources, &format!("{}.cu", f.name), f.source))
+            .collect::<Result<Vec<String>>>()?;
         // Each file compiles on its own thread: NVRTC takes seconds to minutes a file, and a
         // machine's first start (an empty cache) would otherwise pay them one after another.
         let compiled: Vec<Result<(String, bool)>> = std::thread::scope(|scope| {
             let jobs: Vec<_> = FILES
                 .iter()
-                .map(|file| scope.spawn(move || module_ptx(file, cc, nvrtc, dir, true)))
+                .zip(&texts)
+                .map(|(file, text)| {
+                    let source = Source {
+                        common: &common,
+                        file: text,
+                    };
+                    scope.spawn(move || module_ptx(file, source, cc, nvrtc, dir, true))
+                })
                 .collect();
             jobs.into_iter()
                 .map(|job| {
@@ -55,7 +73,7 @@ impl Kernels {
                 .collect()
         });
         let mut functions = HashMap::new();
-        for (file, compiled) in FILES.iter().zip(compiled) {
+        for ((file, text), compiled) in FILES.iter().zip(&texts).zip(compiled) {
             let load_err = |e| {
                 driver_err(
                     &format!(
@@ -71,7 +89,11 @@ impl Kernels {
                 Ok(m) => m,
                 // A cache entry the driver rejects is treated like a corrupt one.
                 Err(_) if cached => {
-                    let (ptx, _) = module_ptx(file, cc, nvrtc, dir, false)?;
+                    let source = Source {
+                        common: &common,
+                        file: text,
+                    };
+                    let (ptx, _) = module_ptx(file, source, cc, nvrtc, dir, false)?;
                     ctx.load_module(Ptx::from_src(ptx)).map_err(load_err)?
                 }
                 Err(e) => return Err(load_err(e)),
@@ -120,13 +142,35 @@ fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// The name of the cache entry of `file` for this architecture and NVRTC.
-fn cache_name(file: &KernelFile, cc: (i32, i32), nvrtc: (i32, i32)) -> String {
+/// The text of kernel source `name`: the file of that name in `dir` when there is one,
+/// else `built_in`.
+fn replaced(dir: Option<&Path>, name: &str, built_in: &str) -> Result<String> {
+    let Some(path) = dir.map(|d| d.join(name)).filter(|p| p.exists()) else {
+        return Ok(built_in.to_string());
+    };
+    std::fs::read_to_string(&path).map_err(|e| {
+        ComputeError::Device(format!(
+            "reading kernel source {} (TETHER_KERNEL_SOURCES): {e}",
+            path.display()
+        ))
+    })
+}
+
+/// The texts one kernel file compiles from: the common header and the file itself.
+#[derive(Clone, Copy)]
+struct Source<'a> {
+    common: &'a str,
+    file: &'a str,
+}
+
+/// The name of the cache entry of `file` compiled from `source` for this architecture and
+/// NVRTC.
+fn cache_name(file: &KernelFile, source: Source, cc: (i32, i32), nvrtc: (i32, i32)) -> String {
     let arch = format!("sm_{}{}", cc.0, cc.1);
     let version = format!("nvrtc{}.{}", nvrtc.0, nvrtc.1);
     let hash = fnv1a(&[
-        COMMON.as_bytes(),
-        file.source.as_bytes(),
+        source.common.as_bytes(),
+        source.file.as_bytes(),
         arch.as_bytes(),
         version.as_bytes(),
     ]);
@@ -144,19 +188,20 @@ fn plausible_ptx(text: &str, file: &KernelFile) -> bool {
 /// and a valid entry exists, else compiled (and written to the cache).
 fn module_ptx(
     file: &KernelFile,
+    source: Source,
     cc: (i32, i32),
     nvrtc: (i32, i32),
     dir: Option<&Path>,
     use_cache: bool,
 ) -> Result<(String, bool)> {
-    let path = dir.map(|d| d.join(cache_name(file, cc, nvrtc)));
+    let path = dir.map(|d| d.join(cache_name(file, source, cc, nvrtc)));
     if use_cache
         && let Some(text) = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok())
         && plausible_ptx(&text, file)
     {
         return Ok((text, true));
     }
-    let source = format!("{COMMON}\n{}", file.source);
+    let source = format!("{}\n{}", source.common, source.file);
     let opts = CompileOptions {
         options: vec![
             format!("--gpu-architecture=compute_{}{}", cc.0, cc.1),
@@ -184,12 +229,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cache_names_change_with_arch_and_nvrtc() {
+    fn cache_names_change_with_arch_nvrtc_and_source() {
         let f = &FILES[0];
-        let a = cache_name(f, (9, 0), (12, 8));
-        assert_ne!(a, cache_name(f, (8, 0), (12, 8)));
-        assert_ne!(a, cache_name(f, (9, 0), (13, 0)));
+        let built_in = Source {
+            common: COMMON,
+            file: f.source,
+        };
+        let a = cache_name(f, built_in, (9, 0), (12, 8));
+        assert_ne!(a, cache_name(f, built_in, (8, 0), (12, 8)));
+        assert_ne!(a, cache_name(f, built_in, (9, 0), (13, 0)));
+        let edited = format!("{}\n// a variant", f.source);
+        let variant = Source {
+            common: COMMON,
+            file: &edited,
+        };
+        assert_ne!(a, cache_name(f, variant, (9, 0), (12, 8)));
         assert!(a.starts_with("matvec-") && a.ends_with("-sm_90-nvrtc12.8.ptx"));
+    }
+
+    #[test]
+    fn a_source_folder_replaces_only_the_files_it_holds() {
+        let dir = std::env::temp_dir().join(format!("tether-ksrc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("matvec.cu"), "// variant").unwrap();
+        let got = |name| replaced(Some(&dir), name, "built in").unwrap();
+        assert_eq!(got("matvec.cu"), "// variant");
+        assert_eq!(got("gemm.cu"), "built in");
+        assert_eq!(replaced(None, "matvec.cu", "built in").unwrap(), "built in");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

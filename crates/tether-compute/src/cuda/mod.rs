@@ -164,7 +164,12 @@ impl CudaBackend {
             .map_err(|e| {
                 driver_err(&format!("reading the SM count of CUDA device {ordinal}"), e)
             })?;
-        let kernels = Kernels::load(&ctx, cc, tuning.kernel_cache.as_deref())?;
+        let kernels = Kernels::load(
+            &ctx,
+            cc,
+            tuning.kernel_cache.as_deref(),
+            tuning.kernel_sources.as_deref(),
+        )?;
         let flash = if tuning.flash_attention {
             attention_flash::FlashKernels::enable(&ctx, cc, &kernels)?
         } else {

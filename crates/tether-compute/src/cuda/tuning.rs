@@ -30,6 +30,10 @@ pub struct CudaTuning {
     /// Where compiled kernels are cached on disk: `kernels` under the cache root
     /// ([`crate::cache_dir`]); `None` compiles every time.
     pub kernel_cache: Option<PathBuf>,
+    /// A folder whose `NAME.cu` and `common.cuh` replace the built-in kernel sources of
+    /// the same names (`TETHER_KERNEL_SOURCES`): kernel variants can be compared on a GPU
+    /// machine without building the binary again. Entry points must keep their names.
+    pub kernel_sources: Option<PathBuf>,
 }
 
 /// The smallest batch the GEMM is tested from, as it was first used.
@@ -64,6 +68,9 @@ impl CudaTuning {
             gemm_min_tokens: tokens("TETHER_GEMM_MIN_TOKENS").map(|n| n.max(GEMM_TESTED_FROM)),
             mmq_max_tokens: var("TETHER_MMQ").and_then(|v| v.to_str()?.trim().parse().ok()),
             kernel_cache: cache_root.map(|root| root.join("kernels")),
+            kernel_sources: var("TETHER_KERNEL_SOURCES")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
         }
     }
 }
@@ -86,7 +93,7 @@ mod tests {
         let t = tuning(&[]);
         assert!(t.dependent_launches && t.flash_attention);
         assert_eq!((t.mma_min_tokens, t.gemm_min_tokens), (None, None));
-        assert_eq!(t.kernel_cache, None);
+        assert_eq!((&t.kernel_cache, &t.kernel_sources), (&None, &None));
         assert_eq!(t, CudaTuning::default());
     }
 
@@ -98,11 +105,13 @@ mod tests {
             ("TETHER_MMA_MIN_TOKENS", "3"),
             ("TETHER_GEMM_MIN_TOKENS", "65"),
             ("TETHER_CACHE", "/var/cache/t"),
+            ("TETHER_KERNEL_SOURCES", "/src/kernels"),
             ("HOME", "/home/x"),
         ]);
         assert!(!t.dependent_launches && !t.flash_attention);
         assert_eq!((t.mma_min_tokens, t.gemm_min_tokens), (Some(3), Some(65)));
         assert_eq!(t.kernel_cache, Some(PathBuf::from("/var/cache/t/kernels")));
+        assert_eq!(t.kernel_sources, Some(PathBuf::from("/src/kernels")));
     }
 
     #[test]
