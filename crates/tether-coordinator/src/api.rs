@@ -223,8 +223,24 @@ pub trait Generation: Send + Sync + 'static {
     }
     /// Starts a request. Events arrive on the receiver; dropping the receiver cancels the
     /// request and frees its sequence slot at the next step.
-    fn submit(
-        &self,
-        req: GenRequest,
-    ) -> Result<mpsc::Receiver<Result<GenEvent, GenError>>, GenError>;
+    fn submit(&self, req: GenRequest) -> Result<GenEvents, GenError>;
+    /// Sequences served at once (`--parallel`): the most choices one request may have.
+    fn parallel(&self) -> usize {
+        1
+    }
+    /// Starts a request of several choices of one prompt (the API's `n`), each a sequence
+    /// of its own with a receiver of its own, admitted together: every choice gets a slot
+    /// or none waits holding one. The default serves one choice only.
+    fn submit_choices(&self, reqs: Vec<GenRequest>) -> Result<Vec<GenEvents>, GenError> {
+        match <[GenRequest; 1]>::try_from(reqs) {
+            Ok([req]) => Ok(vec![self.submit(req)?]),
+            Err(reqs) => Err(GenError::InvalidRequest(format!(
+                "this engine serves one choice per request; {} were asked",
+                reqs.len()
+            ))),
+        }
+    }
 }
+
+/// The events of one submitted request (or one choice of it).
+pub type GenEvents = mpsc::Receiver<Result<GenEvent, GenError>>;

@@ -3,7 +3,7 @@
 //! [`Generation`] requests with continuous batching.
 
 use crate::api::{
-    ContextShift, EngineStats, GenError, GenEvent, GenRequest, Generation, Health, ModelChange,
+    ContextShift, EngineStats, GenError, GenEvents, GenRequest, Generation, Health, ModelChange,
     ModelInfo,
 };
 use crate::discovery::{WorkerDns, resolve, watch_dns, worker_list};
@@ -13,7 +13,7 @@ use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::{PlacementError, Plan, ServeShape, WorkerCapacity, place};
 use crate::scheduler::replace::Replace;
-use crate::scheduler::{Admitted, Inbox, Scheduler, Shared};
+use crate::scheduler::{Admitted, Choice, Inbox, Scheduler, Shared};
 use futures::future::join_all;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, RwLock};
@@ -499,10 +499,25 @@ impl Generation for Coordinator {
         }
     }
 
-    fn submit(
-        &self,
-        req: GenRequest,
-    ) -> Result<mpsc::Receiver<Result<GenEvent, GenError>>, GenError> {
+    fn parallel(&self) -> usize {
+        self.setup.shape.n_seq
+    }
+
+    fn submit(&self, req: GenRequest) -> Result<GenEvents, GenError> {
+        let mut events = self.submit_choices(vec![req])?;
+        events
+            .pop()
+            .ok_or_else(|| GenError::Internal("a request of one choice got no events".into()))
+    }
+
+    fn submit_choices(&self, reqs: Vec<GenRequest>) -> Result<Vec<GenEvents>, GenError> {
+        if reqs.is_empty() || reqs.len() > self.setup.shape.n_seq {
+            return Err(GenError::InvalidRequest(format!(
+                "a request may have 1 to {} choices (--parallel); {} were asked",
+                self.setup.shape.n_seq,
+                reqs.len()
+            )));
+        }
         // Held while the request is queued, so it joins the queue tagged with the epoch of
         // the model it was checked against: a replacement bumps the epoch under the
         // write lock.
@@ -510,24 +525,30 @@ impl Generation for Coordinator {
         if let Health::Unavailable(why) = self.shared.health() {
             return Err(GenError::Unavailable(why));
         }
-        if req.model_epoch.is_some_and(|e| e != served.epoch) {
-            return Err(GenError::Unavailable(
-                "the model was replaced while the request was being prepared; send it again".into(),
-            ));
+        let mut choices = Vec::with_capacity(reqs.len());
+        let mut receivers = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            if req.model_epoch.is_some_and(|e| e != served.epoch) {
+                return Err(GenError::Unavailable(
+                    "the model was replaced while the request was being prepared; send it again"
+                        .into(),
+                ));
+            }
+            Self::check(&req, &served)?;
+            // Room for every event a request can produce, so the scheduler never waits on a
+            // slow reader (tokio allocates channel blocks lazily).
+            let most = match self.context_shift {
+                Some(_) => req.max_tokens,
+                None => req.max_tokens.min(served.info.ctx_per_seq),
+            };
+            // Tokens, the prompt's scores, the end.
+            let (events, rx) = mpsc::channel(most + 3);
+            choices.push(Choice { req, events });
+            receivers.push(rx);
         }
-        Self::check(&req, &served)?;
-        // Room for every event a request can produce, so the scheduler never waits on a
-        // slow reader (tokio allocates channel blocks lazily).
-        let most = match self.context_shift {
-            Some(_) => req.max_tokens,
-            None => req.max_tokens.min(served.info.ctx_per_seq),
-        };
-        // Tokens, the prompt's scores, the end.
-        let capacity = most + 3;
-        let (events, rx) = mpsc::channel(capacity);
         let epoch = served.epoch;
-        match self.submit.try_send(Admitted { req, events, epoch }) {
-            Ok(()) => Ok(rx),
+        match self.submit.try_send(Admitted { choices, epoch }) {
+            Ok(()) => Ok(receivers),
             Err(mpsc::error::TrySendError::Full(_)) => Err(GenError::Busy(format!(
                 "every sequence slot is taken and {} requests are queued; retry later",
                 self.submit.max_capacity()

@@ -121,6 +121,12 @@ impl PrefixCache {
         }
     }
 
+    /// Whether a prompt's cells are copied from a busy slot (never for a model whose
+    /// sliding-window layers keep a ring).
+    pub fn copies_busy_slots(&self) -> bool {
+        self.ring.is_none()
+    }
+
     /// Forgets everything (the workers' sessions, and so their cells, are new).
     pub fn clear(&mut self) {
         *self = Self::new(self.held.len(), self.ring);

@@ -6,12 +6,13 @@
 //! the admin API is swapped at a step boundary ([`replace`]).
 
 mod apply;
+mod choices;
 mod lanes;
 mod pick;
 mod pipeline;
 pub(crate) mod replace;
 
-use crate::api::{FinishReason, GenError, GenEvent, GenRequest, Health};
+use crate::api::{FinishReason, GenError, GenEvent, Health};
 use crate::constraint::Picked;
 use crate::engine::Setup;
 use crate::load::{LoadedModel, LoadedStage};
@@ -22,6 +23,8 @@ use crate::prefix::{CellCopy, PrefixCache, copy_cells, slot_uses};
 use crate::sequence::{
     Batch, Next, RowUse, Sequence, StepShape, build_step, split_batch, split_off,
 };
+use choices::Siblings;
+pub(crate) use choices::{Admitted, Choice};
 use pipeline::{RowsOut, clear_slots, rows_wanted, run_pipeline, truncate_slots};
 use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -30,14 +33,6 @@ use std::time::{Duration, Instant};
 use tether_model::{Sampler, kv_ring};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-
-/// A request accepted by `submit`, waiting for a slot.
-pub(crate) struct Admitted {
-    pub req: GenRequest,
-    pub events: crate::sequence::Events,
-    /// The model epoch it was admitted for.
-    pub epoch: u64,
-}
 
 /// What the front sends the scheduler: requests, and model replacements.
 pub(crate) struct Inbox {
@@ -114,8 +109,11 @@ pub(crate) struct Scheduler {
     epoch: u64,
     /// How long a retired model's requests may run on before they are ended.
     grace: Duration,
-    /// The first request for the next model, waiting for the switch.
+    /// The first request for the next model, waiting for the switch, or one whose choices
+    /// wait for enough free slots.
     held: Option<Admitted>,
+    /// Choices of running requests waiting for their first choice's prompt.
+    siblings: Vec<Siblings>,
     retiring: Option<Retiring>,
     slots: Vec<Option<Sequence>>,
     to_clear: Vec<u32>,
@@ -158,6 +156,7 @@ impl Scheduler {
             epoch: 0,
             grace,
             held: None,
+            siblings: Vec::new(),
             retiring: None,
             slots: (0..n_seq).map(|_| None).collect(),
             to_clear: Vec::new(),
@@ -207,10 +206,9 @@ impl Scheduler {
             .set_health(Health::Unavailable(reason.to_string()));
         self.requests.close();
         let mut held = self.held.take();
+        let error = GenError::Unavailable(reason.to_string());
         while let Some(a) = held.take().or_else(|| self.requests.try_recv().ok()) {
-            let _ = a
-                .events
-                .try_send(Err(GenError::Unavailable(reason.to_string())));
+            a.refuse(&error);
         }
     }
 
@@ -236,6 +234,7 @@ impl Scheduler {
     /// Ends cancelled requests (receiver dropped) and those past their deadline, but none
     /// of a lane that is `busy` (in flight: its step's output will come back for them).
     fn reap(&mut self, busy: &[bool]) {
+        self.reap_siblings();
         let now = Instant::now();
         for i in 0..self.slots.len() {
             let Some(seq) = &self.slots[i] else { continue };
@@ -257,14 +256,15 @@ impl Scheduler {
         }
     }
 
-    /// Gives a request a free slot, or ends it at once when there is nothing to do.
-    fn start(&mut self, a: Admitted) {
-        let Admitted { req, events, .. } = a;
+    /// Gives a choice a free slot, or ends it at once when there is nothing to do; the
+    /// slot it took.
+    fn start(&mut self, choice: Choice) -> Option<usize> {
+        let Choice { req, events } = choice;
         if req.deadline.is_some_and(|d| Instant::now() >= d) {
             let _ = events.try_send(Err(GenError::Timeout(
                 "the deadline passed while the request was queued".into(),
             )));
-            return;
+            return None;
         }
         if req.max_tokens == 0 && req.prompt_logprobs.is_none() {
             let _ = events.try_send(Ok(GenEvent::Done {
@@ -272,7 +272,7 @@ impl Scheduler {
                 prompt_tokens: req.prompt.len(),
                 completion_tokens: 0,
             }));
-            return;
+            return None;
         }
         // Scoring the prompt needs the logits of every position: nothing is reused.
         let reused: &[u32] = match req.prompt_logprobs {
@@ -283,7 +283,7 @@ impl Scheduler {
             let _ = events.try_send(Err(GenError::Internal(
                 "no free sequence slot for an admitted request".into(),
             )));
-            return;
+            return None;
         };
         let lane = self.quietest_lane();
         self.slots[i] = Some(Sequence {
@@ -307,6 +307,7 @@ impl Scheduler {
             needs_logits: false,
         });
         self.shared.running.store(self.active(), Ordering::Relaxed);
+        Some(i)
     }
 
     /// A free slot for `prompt` and how many of its first tokens that slot's cells will
@@ -331,11 +332,16 @@ impl Scheduler {
     }
 
     fn admit(&mut self) {
+        self.start_ready_siblings();
         let epoch = self.epoch;
-        if let Some(a) = self.held.take_if(|a| a.epoch == epoch) {
-            self.start(a);
+        let startable = self
+            .held
+            .as_ref()
+            .is_some_and(|a| a.epoch == epoch && self.fits(a));
+        if startable && let Some(a) = self.held.take() {
+            self.start_choices(a);
         }
-        while self.held.is_none() && self.slots.iter().any(Option::is_none) {
+        while self.held.is_none() && self.free_slots() > 0 {
             match self.requests.try_recv() {
                 Ok(a) => self.take_in(a),
                 Err(_) => break,
@@ -345,6 +351,7 @@ impl Scheduler {
 
     /// Fails every running request and forgets their slots.
     fn fail_all(&mut self, error: &GenError) {
+        self.fail_waiting(error);
         for slot in &mut self.slots {
             if let Some(seq) = slot.take() {
                 seq.send(Err(error.clone()));
@@ -514,9 +521,7 @@ impl Scheduler {
                     Some(replace) = self.control.recv() => return Err(replace),
                     next = self.requests.recv(), if self.held.is_none() => match next {
                         Some(a) if a.epoch > self.epoch => self.held = Some(a),
-                        Some(a) => {
-                            let _ = a.events.try_send(Err(GenError::Unavailable(self.shared.health_text())));
-                        }
+                        Some(a) => a.refuse(&GenError::Unavailable(self.shared.health_text())),
                         None => return Ok(None),
                     },
                 }

@@ -8,6 +8,7 @@
 pub mod admin;
 mod admin_model;
 mod body_deadline;
+mod choices;
 pub mod cors;
 mod endpoints;
 pub mod error;
@@ -19,6 +20,8 @@ mod messages;
 pub mod metrics;
 mod prepare;
 mod run;
+mod shape;
+mod sse;
 mod strict;
 mod structured;
 pub mod template;
@@ -33,6 +36,8 @@ pub(crate) mod test_support;
 mod tests;
 #[cfg(test)]
 mod tests_bias;
+#[cfg(test)]
+mod tests_choices;
 #[cfg(test)]
 mod tests_cors;
 #[cfg(test)]

@@ -31,11 +31,16 @@ const MAX_STOP_TOKENS: usize = 64;
 /// The largest bias magnitude; OpenAI's range. At -100 a token is banned outright.
 const BIAS_LIMIT: f64 = 100.0;
 
+/// Most choices per request (`n`): each is a sequence of its own.
+pub(super) const MAX_CHOICES: usize = 16;
+
 /// A request ready for the engine.
 #[derive(Clone, Debug)]
 pub(super) struct Prepared {
     /// Prompt token ids.
     pub prompt: Vec<u32>,
+    /// Choices to generate from the prompt (`n`), 1..=[`MAX_CHOICES`].
+    pub n: usize,
     /// Most tokens to generate.
     pub max_tokens: usize,
     /// How to sample.
@@ -79,7 +84,10 @@ pub(super) fn completion(state: &AppState, req: CompletionRequest) -> Result<Pre
     if req.best_of.is_some_and(|b| b != n) {
         return Err(ApiError::invalid_param(
             "best_of",
-            "only best_of equal to n is supported (every candidate is returned); leave it out",
+            format!(
+                "only best_of equal to n ({n}) is supported (every candidate is returned); \
+                 leave it out"
+            ),
         ));
     }
     let mut text = None;
@@ -234,9 +242,7 @@ fn finish(
         )
         .with_code("context_length_exceeded"));
     }
-    if p.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid_param("n", "only n = 1 is supported"));
-    }
+    let n = choices(p.n, state.engine.parallel())?;
     let max_tokens = max_tokens.unwrap_or(default_max_tokens.min(state.opts.max_tokens_limit));
     // With `echo`, no new token is the scoring use: the prompt (and its log-probabilities).
     let least = usize::from(!extras.echo);
@@ -284,6 +290,7 @@ fn finish(
     let constraint = super::structured::constraint(state, p, extras.forced)?;
     Ok(Prepared {
         prompt,
+        n,
         max_tokens,
         sampling,
         stops,
@@ -296,6 +303,29 @@ fn finish(
         constraint,
         tools: None,
     })
+}
+
+/// `n`, checked against [`MAX_CHOICES`] and the sequences the engine serves at once
+/// (`parallel`): a request's choices are admitted together, so more than that could never
+/// start.
+fn choices(n: Option<usize>, parallel: usize) -> Result<usize, ApiError> {
+    let n = n.unwrap_or(1);
+    if n == 0 || n > MAX_CHOICES {
+        return Err(ApiError::invalid_param(
+            "n",
+            format!("n must be between 1 and {MAX_CHOICES}; got {n}"),
+        ));
+    }
+    if n > parallel {
+        return Err(ApiError::invalid_param(
+            "n",
+            format!(
+                "n = {n} choices need {n} sequence slots, but this server runs {parallel} at \
+                 once (--parallel {parallel}); ask for at most {parallel}"
+            ),
+        ));
+    }
+    Ok(n)
 }
 
 /// Sampling parameters: the request's values over llama.cpp's defaults.
@@ -559,6 +589,21 @@ mod tests {
             .join(",");
         let e = biases(&format!("{{{all}}}"), false).expect_err("everything banned");
         assert!(e.message.contains("every one"), "{}", e.message);
+    }
+
+    #[test]
+    fn n_is_checked_against_the_limit_and_parallel() {
+        assert_eq!(choices(None, 1).expect("default"), 1);
+        assert_eq!(choices(Some(4), 4).expect("fits"), 4);
+        for (n, parallel, says) in [
+            (0, 4, "between 1 and 16"),
+            (17, 32, "between 1 and 16"),
+            (5, 4, "--parallel 4"),
+        ] {
+            let e = choices(Some(n), parallel).expect_err("refused");
+            assert_eq!(e.param.as_deref(), Some("n"));
+            assert!(e.message.contains(says), "{}", e.message);
+        }
     }
 
     #[test]

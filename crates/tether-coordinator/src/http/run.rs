@@ -6,14 +6,12 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::mpsc;
-
 use super::AppState;
 use super::error::ApiError;
 use super::metrics::Metrics;
 use super::prepare::Prepared;
 use super::text::{TextAssembler, TextStep};
-use crate::api::{FinishReason, GenError, GenEvent, GenRequest, TokenLogProb};
+use crate::api::{FinishReason, GenEvent, GenEvents, GenRequest, TokenLogProb};
 
 /// What a run produces, in order: text pieces, then one `End`.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,11 +35,9 @@ pub(super) enum RunEvent {
     },
 }
 
-type Events = mpsc::Receiver<Result<GenEvent, GenError>>;
-
-/// A submitted request being read.
+/// A submitted request (one choice of it) being read.
 pub(super) struct Run {
-    events: Option<Events>,
+    events: Option<GenEvents>,
     assembler: TextAssembler,
     pending: VecDeque<RunEvent>,
     deadline: tokio::time::Instant,
@@ -52,43 +48,59 @@ pub(super) struct Run {
     metrics: Arc<Metrics>,
     /// The prompt, whose ids its scores are reported with.
     prompt_ids: Vec<u32>,
+    /// Which choice of the request this is: the first one alone counts the prompt and
+    /// times the request in the metrics.
+    choice: usize,
 }
 
 impl Run {
-    /// Submits `prepared` to the engine; `started` is when the HTTP request arrived.
-    pub(super) fn start(
+    /// Submits the `prepared.n` choices of a request together, one run each, in choice
+    /// order; `started` is when the HTTP request arrived.
+    pub(super) fn start_choices(
         state: &AppState,
         prepared: Prepared,
         started: Instant,
-    ) -> Result<Run, ApiError> {
+    ) -> Result<Vec<Run>, ApiError> {
         let deadline = started + state.opts.request_timeout;
-        let prompt_tokens = prepared.prompt.len();
-        let prompt_ids = prepared.prompt.clone();
         let prompt_logprobs = prepared.echo.as_ref().and(prepared.logprobs);
-        let events = state.engine.submit(GenRequest {
-            prompt: prepared.prompt,
-            max_tokens: prepared.max_tokens,
-            sampling: prepared.sampling,
-            deadline: Some(deadline),
-            stop_tokens: prepared.stop_tokens,
-            model_epoch: Some(state.epoch),
-            logprobs: prepared.logprobs,
-            prompt_logprobs,
-            constraint: prepared.constraint,
-        })?;
-        Ok(Run {
-            events: Some(events),
-            assembler: TextAssembler::new(Arc::clone(&state.tokenizer), prepared.stops)
-                .stops_after(prepared.min_tokens),
-            pending: VecDeque::new(),
-            deadline: deadline.into(),
-            started,
-            prompt_tokens,
-            completion_tokens: 0,
-            first_token_seen: false,
-            metrics: Arc::clone(&state.metrics),
-            prompt_ids,
-        })
+        let requests = (0..prepared.n)
+            .map(|choice| {
+                let mut sampling = prepared.sampling.clone();
+                sampling.seed = choice_seed(sampling.seed, choice);
+                GenRequest {
+                    prompt: prepared.prompt.clone(),
+                    max_tokens: prepared.max_tokens,
+                    sampling,
+                    deadline: Some(deadline),
+                    stop_tokens: prepared.stop_tokens.clone(),
+                    model_epoch: Some(state.epoch),
+                    logprobs: prepared.logprobs,
+                    prompt_logprobs,
+                    // A fresh grammar state per choice.
+                    constraint: prepared.constraint.clone(),
+                }
+            })
+            .collect();
+        let receivers = state.engine.submit_choices(requests)?;
+        let runs = receivers
+            .into_iter()
+            .enumerate()
+            .map(|(choice, events)| Run {
+                events: Some(events),
+                assembler: TextAssembler::new(Arc::clone(&state.tokenizer), prepared.stops.clone())
+                    .stops_after(prepared.min_tokens),
+                pending: VecDeque::new(),
+                deadline: deadline.into(),
+                started,
+                prompt_tokens: prepared.prompt.len(),
+                completion_tokens: 0,
+                first_token_seen: false,
+                metrics: Arc::clone(&state.metrics),
+                prompt_ids: prepared.prompt.clone(),
+                choice,
+            })
+            .collect();
+        Ok(runs)
     }
 
     /// The next event; `None` after the end or an error.
@@ -146,7 +158,7 @@ impl Run {
     /// Takes a generated token: its text through the assembler.
     fn token(&mut self, id: u32) {
         self.completion_tokens += 1;
-        if !self.first_token_seen {
+        if !self.first_token_seen && self.choice == 0 {
             self.first_token_seen = true;
             self.metrics.observe_first_token(self.started.elapsed());
         }
@@ -184,8 +196,26 @@ impl Run {
 
 impl Drop for Run {
     fn drop(&mut self) {
+        if self.choice > 0 {
+            self.metrics.count_tokens(0, self.completion_tokens);
+            return;
+        }
         self.metrics
             .count_tokens(self.prompt_tokens, self.completion_tokens);
         self.metrics.observe_duration(self.started.elapsed());
     }
+}
+
+/// The sampling seed of choice `choice` of a request seeded with `seed`: the seed itself
+/// for the first (so `n` = 1 draws as before), a mix of both for the others, so choices
+/// differ while a repeated request repeats each of them.
+pub(super) fn choice_seed(seed: u64, choice: usize) -> u64 {
+    if choice == 0 {
+        return seed;
+    }
+    // SplitMix64's finalizer over the seed and the choice spread far apart.
+    let mut z = seed ^ (choice as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }

@@ -308,6 +308,28 @@ pub async fn send(
     parse_reply(&raw)
 }
 
+/// `POST path` with `body` asking for a stream, read until its first event: the open
+/// connection, and what was read (the status line on).
+pub async fn open_stream(addr: SocketAddr, path: &str, body: &str) -> (TcpStream, String) {
+    let mut stream = TcpStream::connect(addr).await.expect("connecting");
+    stream
+        .write_all(&request_bytes("POST", path, &[], Some(body)))
+        .await
+        .expect("writing the request");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = stream.read(&mut buf).await.expect("reading the reply");
+        assert!(
+            n > 0,
+            "the stream ended early: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (stream, String::from_utf8_lossy(&seen).into_owned())
+}
+
 /// `POST path` with a JSON body.
 pub async fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> Reply {
     send(addr, "POST", path, &[], Some(&body.to_string())).await

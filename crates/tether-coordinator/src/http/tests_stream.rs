@@ -3,12 +3,12 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use super::HttpOptions;
 use super::test_support::{
-    TEST_CTX, TestServer, engine, post, reference, request_bytes, tiny_model,
+    TEST_CTX, TestServer, engine, open_stream, post, reference, request_bytes, tiny_model,
 };
 use crate::api::Generation;
 
@@ -147,23 +147,8 @@ async fn client_hanging_up_mid_stream_frees_the_engine() {
     let server = TestServer::start(engine.clone(), HttpOptions::default()).await;
     let long = json!({"prompt": prompt, "max_tokens": ctx - 8, "temperature": 0, "stream": true})
         .to_string();
-    let mut stream = TcpStream::connect(server.addr).await.expect("connects");
-    stream
-        .write_all(&request_bytes("POST", "/v1/completions", &[], Some(&long)))
-        .await
-        .expect("sends");
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: {") {
-        let n = stream.read(&mut buf).await.expect("reads");
-        assert!(
-            n > 0,
-            "stream ended early: {}",
-            String::from_utf8_lossy(&seen)
-        );
-        seen.extend_from_slice(&buf[..n]);
-    }
-    assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
+    let (stream, seen) = open_stream(server.addr, "/v1/completions", &long).await;
+    assert!(seen.starts_with("HTTP/1.1 200"));
     drop(stream);
 
     let started = Instant::now();

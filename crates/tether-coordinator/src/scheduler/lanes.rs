@@ -81,7 +81,7 @@ impl Scheduler {
             if idle && !requests_open && self.active() == 0 {
                 return Ended::Stopped;
             }
-            let room = requests_open && self.slots.iter().any(Option::is_none);
+            let room = requests_open && self.free_slots() > 0;
             tokio::select! {
                 () = stop.cancelled() => return Ended::Stopped,
                 reason = loaded.lost() => return Ended::Lost(Loss::SessionEnded(reason)),

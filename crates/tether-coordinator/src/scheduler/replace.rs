@@ -44,20 +44,19 @@ pub(super) struct Retiring {
 }
 
 impl Scheduler {
-    /// Takes a request off the queue: starts it when it is for the model served, keeps it
-    /// aside when it is for the next one (admission stops until the switch, so the queue
-    /// stays bounded), refuses it when it was for a model replaced since.
+    /// Takes a request off the queue: starts it when it is for the model served and every
+    /// choice has a slot, keeps it aside when it is for the next one or waits for slots
+    /// (admission stops until then, so the queue stays bounded and keeps its order),
+    /// refuses it when it was for a model replaced since.
     pub(super) fn take_in(&mut self, a: Admitted) {
         match a.epoch.cmp(&self.epoch) {
-            Order::Equal => self.start(a),
-            Order::Greater => self.held = Some(a),
-            Order::Less => {
-                let _ = a.events.try_send(Err(GenError::Unavailable(
-                    "the model this request was made for was replaced before it started; \
-                     send it again"
-                        .into(),
-                )));
-            }
+            Order::Equal if self.fits(&a) => self.start_choices(a),
+            Order::Equal | Order::Greater => self.held = Some(a),
+            Order::Less => a.refuse(&GenError::Unavailable(
+                "the model this request was made for was replaced before it started; \
+                 send it again"
+                    .into(),
+            )),
         }
     }
 
@@ -91,9 +90,7 @@ impl Scheduler {
         while self.held.is_none() {
             match self.requests.try_recv() {
                 Ok(a) if a.epoch > self.epoch => self.held = Some(a),
-                Ok(a) => {
-                    let _ = a.events.try_send(Err(error.clone()));
-                }
+                Ok(a) => a.refuse(&error),
                 Err(_) => break,
             }
         }
@@ -139,9 +136,7 @@ impl Scheduler {
                 },
                 next = self.requests.recv(), if self.held.is_none() => match next {
                     Some(a) if a.epoch > self.epoch => self.held = Some(a),
-                    Some(a) => {
-                        let _ = a.events.try_send(Err(GenError::Unavailable(self.shared.health_text())));
-                    }
+                    Some(a) => a.refuse(&GenError::Unavailable(self.shared.health_text())),
                     None => return None,
                 },
             }
