@@ -206,6 +206,36 @@ async fn a_stop_string_ends_one_choice_while_the_others_go_on() {
 }
 
 #[tokio::test]
+async fn every_choice_carries_the_echo_and_its_own_logprobs() {
+    let server = TestServer::start(parallel_engine(2).await, HttpOptions::default()).await;
+    let single = json!({"prompt": "ka ke ki", "max_tokens": 5, "temperature": 0,
+                        "logprobs": 2, "echo": true});
+    let one = post(server.addr, "/v1/completions", &single).await.json();
+    let mut request = single.clone();
+    request["n"] = json!(2);
+    let two = post(server.addr, "/v1/completions", &request).await.json();
+    for i in 0..2 {
+        let choice = &two["choices"][i];
+        assert_eq!(choice["text"], one["choices"][0]["text"], "{two}");
+        assert!(
+            choice["text"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("ka ke ki"))
+        );
+        assert_eq!(choice["logprobs"], one["choices"][0]["logprobs"], "{two}");
+    }
+    assert_eq!(two["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"]);
+    request["stream"] = json!(true);
+    let reply = post(server.addr, "/v1/completions", &request).await;
+    let (text, _) = streamed(&parse_chunks(&reply.sse_data()), 2);
+    assert_eq!(
+        text,
+        vec![one["choices"][0]["text"].as_str().expect("text"); 2]
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn n_out_of_range_or_over_parallel_is_refused_naming_n() {
     let server = TestServer::start(parallel_engine(2).await, HttpOptions::default()).await;
     for (n, says) in [

@@ -9,7 +9,7 @@ use tether_gguf::{GgmlType, MetaValue};
 use tether_model::SynthShape;
 
 use super::HttpOptions;
-use super::test_support::{TestServer, engine, post, test_dir};
+use super::test_support::{TestServer, engine, engine_with, post, test_dir};
 use super::tests_structured::validate;
 
 /// A Qwen/Hermes-style template: tools listed in a system turn, calls in `<tool_call>`.
@@ -208,6 +208,52 @@ async fn streamed_calls_come_as_tool_call_deltas() {
     assert_eq!(calls.len(), 1, "{calls:?}");
     assert_eq!(calls[0]["index"], 0);
     check_call(&calls[0], &["get_weather"]);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn every_choice_of_a_forced_call_follows_its_own_grammar() {
+    let model = templated_model("hermes-choices.gguf", HERMES_TEMPLATE);
+    let engine = engine_with(&model, 2048, 8, 1 << 30, |c| c.parallel = 3).await;
+    let opts = HttpOptions {
+        max_heavy_requests: 16,
+        ..HttpOptions::default()
+    };
+    let server = TestServer::start(engine, opts).await;
+    let mut body = request(json!("required"), 5);
+    body["n"] = json!(3);
+    let reply = post(server.addr, "/v1/chat/completions", &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let whole = reply.json();
+    let choices = whole["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3, "{whole}");
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["finish_reason"], "tool_calls", "{whole}");
+        let calls = choice["message"]["tool_calls"].as_array().expect("calls");
+        assert_eq!(calls.len(), 1, "{whole}");
+        check_call(&calls[0], &["get_weather", "now"]);
+    }
+    body["stream"] = json!(true);
+    let reply = post(server.addr, "/v1/chat/completions", &body).await;
+    let mut calls = vec![Vec::new(); 3];
+    for data in reply.sse_data().iter().filter(|d| d.as_str() != "[DONE]") {
+        let chunk: Value = serde_json::from_str(data).expect("chunk");
+        for choice in chunk["choices"].as_array().expect("choices") {
+            let i = choice["index"].as_u64().expect("index") as usize;
+            if let Some(delta) = choice["delta"]["tool_calls"].as_array() {
+                calls[i].extend(delta.iter().cloned());
+            }
+        }
+    }
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(calls[i].len(), 1, "choice {i} streams its call: {calls:?}");
+        let streamed = &calls[i][0]["function"];
+        assert_eq!(
+            streamed, &choice["message"]["tool_calls"][0]["function"],
+            "a streamed choice calls as the whole one did"
+        );
+    }
     server.stop().await;
 }
 
