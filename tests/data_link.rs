@@ -99,6 +99,20 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
         let reference = link
             .forward(&call(vec![1, 2, 3], &[2], Rows::Logits))
             .expect("logits");
+        // Sent and answered in two halves, as a decode step over a GPU worker is: the same
+        // answer. A reply whose caller gave up is dropped before the next call, which gets
+        // its own, and the abandoned half cannot take it later.
+        let c = call(vec![1, 2, 3], &[2], Rows::Logits);
+        let sent = link.forward_send(&c).expect("send");
+        assert_eq!(link.forward_reply(sent).expect("reply"), reference);
+        let abandoned = link
+            .forward_send(&call(vec![1, 2, 3], &[1, 2], Rows::ArgMax))
+            .expect("send");
+        assert_eq!(link.forward(&c).expect("the next call"), reference);
+        let e = link
+            .forward_reply(abandoned)
+            .expect_err("its reply was dropped");
+        assert!(e.to_string().contains("awaits its reply"), "{e}");
         let bad = [
             call(vec![1, 2, 1 << 30], &[2], Rows::Logits),
             call(vec![1, 2, 3], &[], Rows::ArgMax),

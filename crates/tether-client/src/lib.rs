@@ -12,7 +12,7 @@ mod session;
 
 pub use admin::AdminClient;
 pub use health::{Health, check_health};
-pub use link::{DataLink, LinkTarget};
+pub use link::{DataLink, LinkTarget, SentForward};
 pub use load::{DEFAULT_CHUNK_BYTES, LoadRequest, Prepared, TensorSource};
 pub use session::{AttachOptions, Session};
 pub use tether_protocol::error_chain;

@@ -29,6 +29,8 @@ pub struct DataLink {
     broken: AtomicBool,
     spin: Duration,
     max_frame_bytes: usize,
+    // Set between `forward_send` and `forward_reply`: a reply is on its way or unread.
+    unread: AtomicBool,
 }
 
 impl std::fmt::Debug for DataLink {
@@ -156,6 +158,7 @@ impl DataLink {
             broken: AtomicBool::new(false),
             spin,
             max_frame_bytes: to.max_frame_bytes,
+            unread: AtomicBool::new(false),
         })
     }
 
@@ -183,20 +186,67 @@ impl DataLink {
 
     /// Runs `call` on the session's block. Blocking: the reply is awaited on this thread.
     pub fn forward(&self, call: &ForwardCall) -> Result<ForwardOutput, ClientError> {
-        let op = "forward";
-        let worker = self.worker.as_str();
-        let io = |e: std::io::Error| {
-            self.broken.store(true, Ordering::SeqCst);
-            ClientError::Connect {
-                addr: worker.to_string(),
-                detail: format!("data link: {e}"),
-            }
+        let mut stream = self.lock()?;
+        let sent = self.send(&mut stream, call)?;
+        self.receive(&mut stream, sent)
+    }
+
+    /// Sends `call` and returns without waiting, so that the caller can do other work while
+    /// the worker computes; [`DataLink::forward_reply`] takes the reply. A reply never
+    /// taken (its caller gave up) is read and dropped before the link's next call.
+    pub fn forward_send(&self, call: &ForwardCall) -> Result<SentForward, ClientError> {
+        let mut stream = self.lock()?;
+        let sent = self.send(&mut stream, call)?;
+        self.unread.store(true, Ordering::SeqCst);
+        Ok(sent)
+    }
+
+    /// Waits for the reply of the call `sent` by [`DataLink::forward_send`]. Blocking.
+    pub fn forward_reply(&self, sent: SentForward) -> Result<ForwardOutput, ClientError> {
+        let mut stream = self.lock()?;
+        if !self.unread.swap(false, Ordering::SeqCst) {
+            return Err(ClientError::protocol(
+                "forward",
+                &self.worker,
+                "no call of this link awaits its reply",
+            ));
+        }
+        self.receive(&mut stream, sent)
+    }
+
+    /// The socket, once no other call holds it and when the link is still open.
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Conn>, ClientError> {
+        let stream = match self.stream.lock() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
         };
+        if self.shut.load(Ordering::SeqCst) {
+            return Err(ClientError::protocol(
+                "forward",
+                &self.worker,
+                "the data link was closed",
+            ));
+        }
+        Ok(stream)
+    }
+
+    /// The error of a failed socket, which breaks the link: whether the call ran is unknown.
+    fn io(&self, e: std::io::Error) -> ClientError {
+        self.broken.store(true, Ordering::SeqCst);
+        ClientError::Connect {
+            addr: self.worker.clone(),
+            detail: format!("data link: {e}"),
+        }
+    }
+
+    /// Writes `call` on `stream`, after dropping the reply of a call whose caller gave up.
+    fn send(&self, stream: &mut Conn, call: &ForwardCall) -> Result<SentForward, ClientError> {
+        let op = "forward";
         let request = frame::encode_forward(call);
         if request.len() - 4 > self.max_frame_bytes {
             return Err(ClientError::domain(
                 op,
-                worker,
+                &self.worker,
                 WorkerError::InvalidArgument(format!(
                     "a {}-byte request is over the worker's {}-byte limit",
                     request.len() - 4,
@@ -204,44 +254,59 @@ impl DataLink {
                 )),
             ));
         }
-        let mut stream = match self.stream.lock() {
-            Ok(s) => s,
-            Err(p) => p.into_inner(),
-        };
-        if self.shut.load(Ordering::SeqCst) {
-            return Err(ClientError::protocol(
-                op,
-                worker,
-                "the data link was closed",
-            ));
+        if self.unread.swap(false, Ordering::SeqCst) {
+            self.read_body(stream)?;
         }
-        stream.write_all(&request).map_err(io)?;
-        wait_for_frame(&stream, self.spin, || self.shut.load(Ordering::SeqCst)).map_err(
-            |e| match e {
-                WaitEnd::Closed => io(std::io::ErrorKind::UnexpectedEof.into()),
-                WaitEnd::GaveUp => ClientError::protocol(op, worker, "the data link was closed"),
-                WaitEnd::Io(e) => io(e),
-            },
-        )?;
-        // Replies are bounded by what was asked, far below this.
-        let body = read_frame(&mut stream, usize::MAX >> 1, FRAME_WITHIN, self.spin).map_err(
-            |e| match e {
-                FrameError::TooLong(n) => {
-                    self.broken.store(true, Ordering::SeqCst);
-                    ClientError::protocol(op, worker, format!("a {n}-byte reply"))
-                }
-                FrameError::Io(e) => io(e),
-            },
-        )?;
-        drop(stream);
+        stream.write_all(&request).map_err(|e| self.io(e))?;
+        Ok(SentForward {
+            logits_rows: call.logits_rows.len(),
+            rows: call.rows,
+        })
+    }
+
+    /// Reads and checks the reply of `sent`.
+    fn receive(&self, stream: &mut Conn, sent: SentForward) -> Result<ForwardOutput, ClientError> {
+        let (op, worker) = ("forward", self.worker.as_str());
+        let body = self.read_body(stream)?;
         let out = match frame::decode_output(&body) {
             Ok(Ok(out)) => out,
             Ok(Err(refusal)) => return Err(refused(op, worker, refusal)),
             Err(e) => return Err(ClientError::domain(op, worker, e)),
         };
-        check_reply(call.logits_rows.len(), call.rows, out)
+        check_reply(sent.logits_rows, sent.rows, out)
             .map_err(|e| ClientError::domain(op, worker, e))
     }
+
+    /// Waits for the next reply frame and reads its body.
+    fn read_body(&self, stream: &mut Conn) -> Result<Vec<u8>, ClientError> {
+        let op = "forward";
+        wait_for_frame(stream, self.spin, || self.shut.load(Ordering::SeqCst)).map_err(
+            |e| match e {
+                WaitEnd::Closed => self.io(std::io::ErrorKind::UnexpectedEof.into()),
+                WaitEnd::GaveUp => {
+                    ClientError::protocol(op, &self.worker, "the data link was closed")
+                }
+                WaitEnd::Io(e) => self.io(e),
+            },
+        )?;
+        // Replies are bounded by what was asked, far below this.
+        read_frame(stream, usize::MAX >> 1, FRAME_WITHIN, self.spin).map_err(|e| match e {
+            FrameError::TooLong(n) => {
+                self.broken.store(true, Ordering::SeqCst);
+                ClientError::protocol(op, &self.worker, format!("a {n}-byte reply"))
+            }
+            FrameError::Io(e) => self.io(e),
+        })
+    }
+}
+
+/// A forward call sent by [`DataLink::forward_send`] whose reply is still to be read: what
+/// checking that reply needs.
+#[derive(Debug)]
+#[must_use = "the reply must be taken with forward_reply"]
+pub struct SentForward {
+    logits_rows: usize,
+    rows: tether_protocol::Rows,
 }
 
 fn refused(op: &'static str, worker: &str, r: Refusal) -> ClientError {

@@ -34,8 +34,13 @@ pub(crate) async fn forward(
     if alone && link.spins() && Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
         // A GPU worker answers within a step of a few ms, and this task has nothing else to
         // do until it does: waiting here, spinning, saves two thread hand-offs a call
-        // (~0.1 ms each on a server CPU). The runtime's other threads keep serving.
-        return link.forward(&call);
+        // (~0.1 ms each on a server CPU). But the tasks this one woke last step (the
+        // streams of the tokens it sampled) wait on this thread (tokio's LIFO slot is not
+        // stolen) until it yields: without this yield a stream's events all arrived when
+        // its request ended. They run while the worker computes.
+        let sent = link.forward_send(&call)?;
+        tokio::task::yield_now().await;
+        return link.forward_reply(sent);
     }
     let link = Arc::clone(link);
     tokio::task::spawn_blocking(move || link.forward(&call))
