@@ -151,6 +151,41 @@ fn two_workers_serve_gemma_phi3_and_moe_as_a_single_process_runs_them() {
     }
 }
 
+/// `n` choices through real processes: every greedy choice is the single-process text, on a
+/// model whose later choices copy the first one's prompt cells and on one whose
+/// sliding-window ring keeps them from being copied (each choice then prefills).
+#[test]
+fn each_of_several_choices_over_two_workers_matches_a_single_process_run() {
+    use tether_model::SynthShape;
+    for model in [TinyModel::new(), TinyModel::of(SynthShape::TinyGemma3)] {
+        let (a, b) = two_workers();
+        let mut args = serve_args(&model, &a, &b);
+        args.extend(["--parallel", "3"]);
+        let serve = Serve::start(&args);
+        // 40 tokens: one whole block of 32 is shared.
+        let prompt: Vec<u32> = (0..40).map(|i| 3 + (i * 37 + 11) % 250).collect();
+        let n = 8;
+        let (_, ref_text) = reference(&model, &prompt, n);
+        let body = serde_json::json!({"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                      "repeat_penalty": 1.0, "n": 3});
+        let (status, body) = http(
+            &serve.addr,
+            "POST",
+            "/v1/completions",
+            Some(&body.to_string()),
+        );
+        assert_eq!(status, 200, "{body}");
+        let reply: serde_json::Value = serde_json::from_str(&body).expect("JSON completion");
+        let texts: Vec<&str> = reply["choices"]
+            .as_array()
+            .expect("choices")
+            .iter()
+            .map(|c| c["text"].as_str().expect("text"))
+            .collect();
+        assert_eq!(texts, vec![ref_text.as_str(); 3], "{reply}");
+    }
+}
+
 #[test]
 fn serve_over_two_workers_matches_a_single_process_run() {
     let model = TinyModel::new();
