@@ -35,11 +35,22 @@ impl Scheduler {
         let (jobs, mut done, loops) = stage_loops(stages);
         let driver = self.drive_lanes(stages, loaded, jobs, &mut done);
         tokio::select! {
-            ended = driver => ended,
-            () = loops => Ended::Lost(Loss::Internal(
-                "the workers' stage loops stopped while the model was served".into(),
-            )),
+            ended = driver => return ended,
+            () = loops => {}
         }
+        // The loops end once one has failed, and that one sent its error (naming its
+        // worker) last, after outputs the driver may not have taken yet.
+        let mut reason = None;
+        while let Ok(out) = done.try_recv() {
+            if let Err(e) = out {
+                reason = Some(e);
+                break;
+            }
+        }
+        let reason = reason.unwrap_or_else(|| {
+            Loss::Internal("the workers' stage loops stopped while the model was served".into())
+        });
+        Ended::Lost(blame(loaded, reason))
     }
 
     async fn drive_lanes(
