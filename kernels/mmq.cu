@@ -1,19 +1,18 @@
-// Products of 17 to a few hundred tokens over quantized weights on the int8 tensor cores,
+// Products of 17 to a few dozen tokens over quantized weights on the int8 tensor cores,
 // read straight from their blocks: no f16 copy of the weight is made. The activations come
 // quantized once to 8 bits per 32 values (xq [nt][cols], (scale, scale * sum) pairs
 // xds [nt][cols / 32], as quantize_q8 writes them).
 //
-// A block computes MMQ_ROWS weight rows x MMQ_TOKENS tokens. For each chunk of MMQ_K
-// columns it decodes its rows' quants to signed bytes in shared memory (one float scale per
-// MMQ_SUB values, and for Q4_K / Q5_K the float min) next to the tokens' 8-bit values and
-// scales; each of the 4 warps then multiplies 32 rows x 32 tokens with mma m16n8k32
-// (m16n8k16 for Q6_K, whose scales cover 16 values) and adds every int32 block sum times
-// its weight scale times its activation scale (less min x activation sum) to f32
-// accumulators. Each thread holds its share of a chunk's loads in registers: all of them
-// are issued together, one chunk ahead of the multiplications (the first version loaded
-// and stored one word at a time and ran at half the GEMM's speed on an H200). Decoding a
-// tile once for 64 tokens is meant to beat the GEMM's pass writing the whole weight as f16
-// and reading it back; the host keeps these kernels off until that is measured.
+// A block computes MMQ_ROWS weight rows x MMQ_TOKENS tokens; each of its 4 warps takes 16
+// rows against every token. A warp reads its rows' quants from global memory straight into
+// the registers of mma m16n8k32's A fragments (m16n8k16 for Q6_K, whose scales cover 16
+// values), as signed bytes, with their scales (and for Q4_K / Q5_K the mins), a set of
+// MMQ_HG groups of 32 columns ahead of the one it multiplies: every weight byte is read once
+// per token tile, and never goes through shared memory. The tokens' 8-bit values and
+// scales, which all four warps read, are staged in shared memory MMQ_K columns at a time.
+// Each group's int32 sums times the weight scale times the activation scale (less min x
+// activation sum) are added to f32 accumulators. A tile whose batch ends in its first half
+// multiplies only that half.
 //
 // Launch: blockDim.x = MMQ_THREADS, grid (ceil(nt / MMQ_TOKENS), ceil(rows / MMQ_ROWS),
 // splits); split z takes chunks [z * k_chunks, (z + 1) * k_chunks) of MMQ_K columns and
@@ -27,6 +26,9 @@
 #define MMQ_TOKENS 64
 #define MMQ_K 256
 #define MMQ_THREADS 128
+#ifndef MMQ_MIN_BLOCKS
+#define MMQ_MIN_BLOCKS 1
+#endif
 // Shared-memory row pitch in bytes: 272 puts the 8 rows one fragment load touches on
 // different banks.
 #define MMQ_LD (MMQ_K + 16)
@@ -134,81 +136,133 @@ __device__ __forceinline__ void mmq_scale(const u8* row, int grp, float* s, floa
     }
 }
 
+// The mmas below start their int32 sums at the bits of 1.5 * 2^23: a sum c (|c| < 2^22) then
+// reads as the float 1.5 * 2^23 + c exactly, and one subtraction makes it a float. An
+// int-to-float conversion runs at a quarter of the rate of a float add on sm_80 and sm_90,
+// and one per product element per 32 columns was what bounded these kernels.
+#ifdef MMQ_NO_MAGIC
+#define MMQ_MAGIC_BITS 0
+__device__ __forceinline__ float mmq_f(int c) { return (float)c; }
+#else
+#define MMQ_MAGIC_BITS 0x4B400000
+#define MMQ_MAGIC 12582912.0f
+__device__ __forceinline__ float mmq_f(int c) { return __int_as_float(c) - MMQ_MAGIC; }
+#endif
+
 // mma m16n8k16 (s8): A registers 0 and 1 hold elements 4t..4t+3 of rows g and g + 8, B's
 // one register elements 4t..4t+3 of token g; C as m16n8k32's.
 __device__ __forceinline__ void mmq_mma16(int (&c)[4], u32 a0, u32 a1, u32 b0) {
 #if __CUDA_ARCH__ >= 800
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
         "{%4, %5}, {%6}, {%7, %7, %7, %7};"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+        : "r"(a0), "r"(a1), "r"(b0), "r"(MMQ_MAGIC_BITS));
 #else
-    c[0] = c[1] = c[2] = c[3] = 0;
+    c[0] = c[1] = c[2] = c[3] = MMQ_MAGIC_BITS;
 #endif
 }
 
+// mma m16n8k32 (s8), not volatile so that the compiler may interleave it with the loads.
+__device__ __forceinline__ void mmq_mma32(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(MMQ_MAGIC_BITS));
+#else
+    c[0] = c[1] = c[2] = c[3] = MMQ_MAGIC_BITS;
+#endif
+}
+
+// Groups of 32 columns whose weights one warp holds in registers at a time, and loads one
+// such set ahead.
+#ifndef MMQ_HG
+#define MMQ_HG (MMQ_K / 64)
+#endif
+#define MMQ_NH (MMQ_K / 32 / MMQ_HG)
+
+// One half chunk of a warp's 16 rows, as mma A fragments: for each group of 32 columns,
+// this thread's quants of rows g and g + 8 at columns 4t.. and 16 + 4t.. (signed bytes),
+// the rows' scales (two a group for Q6_K, whose scales cover 16 values) and mins.
+struct MmqFrag {
+    u32 q[MMQ_HG][4];
+    float s[MMQ_HG][2][2];
+    float m[MMQ_HG][2];
+};
+
 template <int TY>
+__device__ __forceinline__ void mmq_frag_load(MmqFrag& f, const u8* wa, const u8* wb, int k0,
+                                              int cols, int tig) {
+    constexpr int SUB = mmq_sub<TY>();
+#pragma unroll
+    for (int g = 0; g < MMQ_HG; g++) {
+        const int k = k0 + 32 * g;
+        if (k < cols) {
+            f.q[g][0] = mmq_word<TY>(wa, k + 4 * tig);
+            f.q[g][1] = mmq_word<TY>(wb, k + 4 * tig);
+            f.q[g][2] = mmq_word<TY>(wa, k + 16 + 4 * tig);
+            f.q[g][3] = mmq_word<TY>(wb, k + 16 + 4 * tig);
+            float unused;
+            mmq_scale<TY>(wa, k / SUB, &f.s[g][0][0], &f.m[g][0]);
+            mmq_scale<TY>(wb, k / SUB, &f.s[g][1][0], &f.m[g][1]);
+            if (SUB == 16) {
+                mmq_scale<TY>(wa, k / SUB + 1, &f.s[g][0][1], &unused);
+                mmq_scale<TY>(wb, k / SUB + 1, &f.s[g][1][1], &unused);
+            } else {
+                f.s[g][0][1] = f.s[g][1][1] = 0.0f;
+            }
+        } else {
+            f.q[g][0] = f.q[g][1] = f.q[g][2] = f.q[g][3] = 0u;
+            f.s[g][0][0] = f.s[g][0][1] = f.s[g][1][0] = f.s[g][1][1] = 0.0f;
+            f.m[g][0] = f.m[g][1] = 0.0f;
+        }
+    }
+}
+
+// Each warp takes 16 of the block's rows against all of its tokens. Its weights go from
+// global memory straight into registers in the mma's fragment layout, a half chunk ahead
+// of their use: every weight byte is read once per token tile and never goes through shared
+// memory. The tokens' 8-bit values and scales, which all four warps read, are staged in
+// shared memory a chunk at a time.
+template <int TY, int NI>
 __device__ __forceinline__ void mmq_block(const u8* __restrict__ w, u64 row_bytes, int rows,
                                           int cols, const i8* __restrict__ xq,
                                           const float2* __restrict__ xds, int nt, int k_chunks,
                                           float* __restrict__ dst, int ldd, u64 split_stride,
                                           int accumulate) {
     constexpr int SUB = mmq_sub<TY>();
-    constexpr int GROUPS = MMQ_K / SUB;
     constexpr bool MIN = mmq_has_min<TY>();
-    __shared__ __align__(16) i8 sw[MMQ_ROWS * MMQ_LD];
+    constexpr int G = MMQ_K / 32;
     __shared__ __align__(16) i8 sx[MMQ_TOKENS * MMQ_LD];
-    __shared__ float sws[MMQ_ROWS][GROUPS];
-    __shared__ float swm[MIN ? MMQ_ROWS : 1][MIN ? 8 : 1];
-    __shared__ float2 sxd[MMQ_TOKENS][MMQ_K / 32];
+    // Token-minor, so that a thread's two tokens are one 16-byte load.
+    __shared__ __align__(16) float2 sxd[G][MMQ_TOKENS];
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int gid = lane >> 2, tig = lane & 3;
-    const int t0 = blockIdx.x * MMQ_TOKENS, r0 = blockIdx.y * MMQ_ROWS;
-    // Warp tile: rows wr..wr+31, tokens wt..wt+31.
-    const int wr = (warp & 1) * 32, wt = (warp >> 1) * 32;
+    const int t0 = blockIdx.x * MMQ_TOKENS;
+    const int ra = blockIdx.y * MMQ_ROWS + warp * 16 + gid;
+    // Rows past the end read the last row; their sums are never written.
+    const u8* wa = w + (u64)min(ra, rows - 1) * row_bytes;
+    const u8* wb = w + (u64)min(ra + 8, rows - 1) * row_bytes;
     const int total_chunks = (cols + MMQ_K - 1) / MMQ_K;
     const int c0 = blockIdx.z * k_chunks;
     const int c1 = min(c0 + k_chunks, total_chunks);
     const int groups32 = cols / 32;
 
-    float acc[2][4][4];
+    // Only the first NI tiles of 8 tokens hold tokens (the rest of a short batch's tile is
+    // zeros, never multiplied).
+    float acc[NI][4];
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+    for (int j = 0; j < MMQ_TOKENS / 8; j++)
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
 
-    // Per thread: the loads of one chunk, held in registers so that every load of a chunk
-    // is in flight at once, and the next chunk's fly while this one is multiplied.
-    constexpr int NW = MMQ_ROWS * (MMQ_K / 4) / MMQ_THREADS;
-    constexpr int NS = MMQ_ROWS * GROUPS / MMQ_THREADS;
     constexpr int NX = MMQ_TOKENS * (MMQ_K / 16) / MMQ_THREADS;
-    constexpr int ND = MMQ_TOKENS * (MMQ_K / 32) / MMQ_THREADS;
-    u32 rw[NW];
-    float rs[NS], rm[NS];
+    constexpr int ND = MMQ_TOKENS * G / MMQ_THREADS;
     uint4 rx[NX];
     float2 rd[ND];
-    auto load = [&](int chunk) {
+    auto load_x = [&](int chunk) {
         const int k0 = chunk * MMQ_K;
-#pragma unroll
-        for (int it = 0; it < NW; it++) {
-            int i = tid + it * MMQ_THREADS;
-            int r = i / (MMQ_K / 4), kw = (i % (MMQ_K / 4)) * 4;
-            rw[it] = r0 + r < rows && k0 + kw < cols
-                         ? mmq_word<TY>(w + (u64)(r0 + r) * row_bytes, k0 + kw)
-                         : 0u;
-        }
-#pragma unroll
-        for (int it = 0; it < NS; it++) {
-            int i = tid + it * MMQ_THREADS;
-            int r = i / GROUPS, g = i % GROUPS;
-            rs[it] = rm[it] = 0.0f;
-            if (r0 + r < rows && k0 + g * SUB < cols)
-                mmq_scale<TY>(w + (u64)(r0 + r) * row_bytes, (k0 + g * SUB) / SUB, &rs[it], &rm[it]);
-        }
 #pragma unroll
         for (int it = 0; it < NX; it++) {
             int i = tid + it * MMQ_THREADS;
@@ -220,26 +274,19 @@ __device__ __forceinline__ void mmq_block(const u8* __restrict__ w, u64 row_byte
 #pragma unroll
         for (int it = 0; it < ND; it++) {
             int i = tid + it * MMQ_THREADS;
-            int t = i / (MMQ_K / 32), g = i % (MMQ_K / 32);
+            int t = i / G, g = i % G;
             rd[it] = t0 + t < nt && k0 / 32 + g < groups32
                          ? xds[(u64)(t0 + t) * groups32 + k0 / 32 + g]
                          : make_float2(0.0f, 0.0f);
         }
     };
-    if (c0 < c1) load(c0);
 
+    MmqFrag cur, nxt;
+    if (c0 < c1) {
+        load_x(c0);
+        mmq_frag_load<TY>(cur, wa, wb, c0 * MMQ_K, cols, tig);
+    }
     for (int chunk = c0; chunk < c1; chunk++) {
-#pragma unroll
-        for (int it = 0; it < NW; it++) {
-            int i = tid + it * MMQ_THREADS;
-            *(u32*)&sw[(i / (MMQ_K / 4)) * MMQ_LD + (i % (MMQ_K / 4)) * 4] = rw[it];
-        }
-#pragma unroll
-        for (int it = 0; it < NS; it++) {
-            int i = tid + it * MMQ_THREADS;
-            sws[i / GROUPS][i % GROUPS] = rs[it];
-            if (MIN) swm[i / GROUPS][i % GROUPS] = rm[it];
-        }
 #pragma unroll
         for (int it = 0; it < NX; it++) {
             int i = tid + it * MMQ_THREADS;
@@ -248,95 +295,80 @@ __device__ __forceinline__ void mmq_block(const u8* __restrict__ w, u64 row_byte
 #pragma unroll
         for (int it = 0; it < ND; it++) {
             int i = tid + it * MMQ_THREADS;
-            sxd[i / (MMQ_K / 32)][i % (MMQ_K / 32)] = rd[it];
+            sxd[i % G][i / G] = rd[it];
         }
         __syncthreads();
-        if (chunk + 1 < c1) load(chunk + 1);
-
-#pragma unroll 2
-        for (int g = 0; g < MMQ_K / 32; g++) {
-            const int kb = g * 32 + 4 * tig;
-            u32 b[4][2];
+        if (chunk + 1 < c1) load_x(chunk + 1);
 #pragma unroll
-            for (int ni = 0; ni < 4; ni++) {
-                const i8* p = &sx[(wt + ni * 8 + gid) * MMQ_LD + kb];
-                b[ni][0] = *(const u32*)p;
-                b[ni][1] = *(const u32*)(p + 16);
+        for (int h = 0; h < MMQ_NH; h++) {
+            // The next set's weights fly while this one is multiplied.
+            if (h + 1 < MMQ_NH) {
+                mmq_frag_load<TY>(nxt, wa, wb, chunk * MMQ_K + (h + 1) * 32 * MMQ_HG, cols, tig);
+            } else if (chunk + 1 < c1) {
+                mmq_frag_load<TY>(nxt, wa, wb, (chunk + 1) * MMQ_K, cols, tig);
             }
-            // Activation scales of this thread's 8 tokens.
-            float2 xd[4][2];
 #pragma unroll
-            for (int ni = 0; ni < 4; ni++)
+            for (int gg = 0; gg < MMQ_HG; gg++) {
+                const int g = h * MMQ_HG + gg;
+                const int kb = g * 32 + 4 * tig;
 #pragma unroll
-                for (int e = 0; e < 2; e++) xd[ni][e] = sxd[wt + ni * 8 + 2 * tig + e][g];
-#pragma unroll
-            for (int mi = 0; mi < 2; mi++) {
-                const int ra = wr + mi * 16 + gid;
-                const i8* p0 = &sw[ra * MMQ_LD + kb];
-                const i8* p1 = &sw[(ra + 8) * MMQ_LD + kb];
-                u32 a[4] = {*(const u32*)p0, *(const u32*)p1, *(const u32*)(p0 + 16),
-                            *(const u32*)(p1 + 16)};
-                // Weight scales (and mins) of rows ra and ra + 8; Q6_K's two per half.
-                float ws[2][2], wm[2];
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    ws[e][0] = sws[ra + 8 * e][SUB == 32 ? g : 2 * g];
-                    ws[e][1] = sws[ra + 8 * e][SUB == 32 ? g : 2 * g + 1];
-                    wm[e] = MIN ? swm[ra + 8 * e][g] : 0.0f;
-                }
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++) {
+                for (int ni = 0; ni < NI; ni++) {
+                    const i8* p = &sx[(ni * 8 + gid) * MMQ_LD + kb];
+                    const u32 b0 = *(const u32*)p, b1 = *(const u32*)(p + 16);
+                    const float4 xd = *(const float4*)&sxd[g][ni * 8 + 2 * tig];
+                    const float xs[2] = {xd.x, xd.z}, xm[2] = {xd.y, xd.w};
                     if (SUB == 32) {
                         int c[4];
-                        mma_8bit<false>(c, a, b[ni][0], b[ni][1]);
+                        mmq_mma32(c, cur.q[gg], b0, b1);
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
-                            float2 x = xd[ni][e & 1];
-                            float v = ws[e >> 1][0] * x.x * (float)c[e];
-                            if (MIN) v -= wm[e >> 1] * x.y;
-                            acc[mi][ni][e] += v;
+                            acc[ni][e] += mmq_f(c[e]) * (cur.s[gg][e >> 1][0] * xs[e & 1]);
+                            if (MIN) acc[ni][e] -= cur.m[gg][e >> 1] * xm[e & 1];
                         }
                     } else {
-                        // Two halves of 16 values, each with its own weight scale.
+                        int c[4], d[4];
+                        mmq_mma16(c, cur.q[gg][0], cur.q[gg][1], b0);
+                        mmq_mma16(d, cur.q[gg][2], cur.q[gg][3], b1);
 #pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            int c[4];
-                            mmq_mma16(c, a[2 * h], a[2 * h + 1], b[ni][h]);
-#pragma unroll
-                            for (int e = 0; e < 4; e++) {
-                                acc[mi][ni][e] += ws[e >> 1][h] * xd[ni][e & 1].x * (float)c[e];
-                            }
+                        for (int e = 0; e < 4; e++) {
+                            float v = mmq_f(c[e]) * cur.s[gg][e >> 1][0] +
+                                      mmq_f(d[e]) * cur.s[gg][e >> 1][1];
+                            acc[ni][e] += v * xs[e & 1];
                         }
                     }
                 }
             }
+            cur = nxt;
         }
         __syncthreads();
     }
 
     dst += blockIdx.z * split_stride;
 #pragma unroll
-    for (int mi = 0; mi < 2; mi++)
+    for (int ni = 0; ni < NI; ni++)
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int r = r0 + wr + mi * 16 + gid + (e >> 1) * 8;
-                int t = t0 + wt + ni * 8 + 2 * tig + (e & 1);
-                if (r < rows && t < nt) {
-                    float* o = dst + (u64)t * ldd + r;
-                    *o = accumulate ? *o + acc[mi][ni][e] : acc[mi][ni][e];
-                }
+        for (int e = 0; e < 4; e++) {
+            int r = ra + (e >> 1) * 8;
+            int t = t0 + ni * 8 + 2 * tig + (e & 1);
+            if (r < rows && t < nt) {
+                float* o = dst + (u64)t * ldd + r;
+                *o = accumulate ? *o + acc[ni][e] : acc[ni][e];
             }
+        }
 }
 
 #define MMQ_ENTRY(name, ty)                                                                    \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                 \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                 \
         name(const u8* __restrict__ w, u64 row_bytes, int rows, int cols,                     \
              const i8* __restrict__ xq, const float2* __restrict__ xds, int nt, int k_chunks, \
              float* __restrict__ dst, int ldd, u64 split_stride, int accumulate) {            \
-        mmq_block<ty>(w, row_bytes, rows, cols, xq, xds, nt, k_chunks, dst, ldd, split_stride, \
-                      accumulate);                                                             \
+        if (nt - (int)blockIdx.x * MMQ_TOKENS > MMQ_TOKENS / 2) {                              \
+            mmq_block<ty, MMQ_TOKENS / 8>(w, row_bytes, rows, cols, xq, xds, nt, k_chunks, dst,  \
+                                          ldd, split_stride, accumulate);                      \
+        } else {                                                                               \
+            mmq_block<ty, MMQ_TOKENS / 16>(w, row_bytes, rows, cols, xq, xds, nt, k_chunks, dst, \
+                                           ldd, split_stride, accumulate);                     \
+        }                                                                                      \
     }
 
 MMQ_ENTRY(mmq_q4_0, TY_Q4_0)

@@ -11,7 +11,7 @@ use tether_gguf::GgmlType;
 
 use super::CudaBackend;
 use super::check::{row_bytes, shape_err};
-use super::gemm::{BLOCKS_PER_SM, MMQ_XQ_BYTES, PARTIAL_ELEMS, THREADS, TILE_K, split_k};
+use super::gemm::{MMQ_XQ_BYTES, PARTIAL_ELEMS, THREADS, TILE_K, split_k};
 use super::kernel_files::{define, source};
 use super::launch::{Arg, grid_for, int};
 use super::matvec::{MatmulArgs, XQ_MAX_COLS};
@@ -27,14 +27,20 @@ const K_CHUNK: usize = define(source::MMQ, "MMQ_K");
 const MAX_ROW_TILES: usize = 65_535;
 
 /// The largest batch these kernels take unless [`super::CudaTuning::mmq_max_tokens`] says
-/// otherwise: none. On an
-/// H200 (llama3-8b, `tether bench --parallel 32,64 -p 128 -n 128`) they took batches of
-/// 17-256 tokens at 0.44-0.64x of the f16 GEMM's speed (Q4_0 924 / 1,776 t/s against
-/// 2,112 / 2,762; one 128-token prompt 2,581 against 5,426 t/s), before their loads were
-/// issued a chunk ahead; they stay off until measured faster.
-pub(crate) const MMQ_MAX_TOKENS: usize = 0;
+/// otherwise. On an H100 (llama3-8b's products of a layer, `cuda_mmq bench_`) they take
+/// 0.58-0.77x of the time of the f16 GEMM path for Q4_K and Q6_K at 17-64 tokens, and
+/// 0.48-0.81x for Q4_0 / Q8_0 at 32-64; past 64 a second token tile reads every weight
+/// again and the GEMM wins for the K-quants.
+pub(crate) const MMQ_MAX_TOKENS: usize = 64;
 /// Below this the decode kernels (launches of 8 tokens reading each weight once) win.
 pub(crate) const MMQ_MIN_TOKENS: usize = 17;
+/// Q4_0 and Q8_0 have faster decode kernels than the other types: below this many tokens
+/// those stay ahead (0.92x / 0.99x at 17 tokens on the H100).
+const MMQ_MIN_TOKENS_LEGACY: usize = 32;
+
+/// Blocks per multiprocessor K is split to fill (2, 4 and 8 measured on an H100: 2 was
+/// fastest, 8 slowest, by up to 15%; more splits write more partial sums).
+pub(crate) const MMQ_BLOCKS_PER_SM: usize = 2;
 
 /// The largest batch these kernels take on a device of compute capability `cc`: `tuned`
 /// ([`super::CudaTuning::mmq_max_tokens`]) or [`MMQ_MAX_TOKENS`]; 0 when they take none
@@ -64,6 +70,14 @@ fn kernel(ty: GgmlType, packed: bool) -> Option<&'static str> {
     })
 }
 
+/// The fewest tokens the kernels take for weights of type `ty`.
+fn min_tokens(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q8_0 => MMQ_MIN_TOKENS_LEGACY,
+        _ => MMQ_MIN_TOKENS,
+    }
+}
+
 /// The kernel that takes this product, if any: a type it reads, whole 8-bit blocks of
 /// activations, a row count the grid holds and from [`MMQ_MIN_TOKENS`] to `max_tokens`
 /// tokens.
@@ -72,7 +86,7 @@ pub(super) fn mmq_kernel(a: &MatmulArgs, max_tokens: usize) -> Option<&'static s
         && a.cols.is_multiple_of(32)
         && a.cols <= XQ_MAX_COLS
         && a.rows.div_ceil(TILE_ROWS) <= MAX_ROW_TILES
-        && (MMQ_MIN_TOKENS..=max_tokens).contains(&a.n_tokens);
+        && (min_tokens(a.ty)..=max_tokens).contains(&a.n_tokens);
     if fits { kernel(a.ty, a.packed) } else { None }
 }
 
@@ -118,7 +132,7 @@ impl CudaBackend {
                 m_tiles * n_tiles,
                 a.cols.div_ceil(TILE_K),
                 nt * a.rows,
-                BLOCKS_PER_SM * self.sm_count,
+                self.mmq_blocks_per_sm * self.sm_count,
             );
             let per_split = per_split.div_ceil(K_CHUNK / TILE_K);
             let splits = chunks.div_ceil(per_split);
@@ -191,7 +205,12 @@ mod tests {
     #[test]
     fn takes_its_types_and_sizes_only() {
         let q4 = |packed, cols, n| mmq_kernel(&args(GgmlType::Q4_0, packed, 4096, cols, n), 256);
-        assert_eq!(q4(true, 4096, 17), Some("mmq_q4_0p"));
+        assert_eq!(q4(true, 4096, 32), Some("mmq_q4_0p"));
+        assert_eq!(
+            q4(true, 4096, 31),
+            None,
+            "Q4_0's decode kernels win below 32"
+        );
         assert_eq!(q4(false, 288, 256), Some("mmq_q4_0"));
         assert_eq!(
             q4(true, 4096, 16),
@@ -223,9 +242,14 @@ mod tests {
         let wide = args(GgmlType::Q8_0, true, 4096, 4096, 512);
         assert_eq!(mmq_kernel(&wide, 512), Some("mmq_q8_0p"), "a larger bound");
         assert_eq!(
-            mmq_kernel(&args(GgmlType::Q8_0, true, 64, 256, 17), 0),
+            mmq_kernel(&args(GgmlType::Q8_0, true, 64, 256, 40), 0),
             None,
             "off"
+        );
+        assert_eq!(
+            mmq_kernel(&args(GgmlType::Q6K, true, 64, 256, 17), MMQ_MAX_TOKENS),
+            Some("mmq_q6_kp"),
+            "on by default from 17 tokens for the K-quants"
         );
     }
 }

@@ -96,6 +96,9 @@ pub struct CudaBackend {
     /// capability 8.0, `mmq_capable` false).
     mmq_max_tokens: usize,
     mmq_capable: bool,
+    /// Blocks per multiprocessor the 8-bit products split K to fill
+    /// ([`CudaTuning::mmq_blocks_per_sm`] or mmq.rs's measured default).
+    mmq_blocks_per_sm: usize,
     /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
     gemm_ws: Mutex<GemmWorkspace>,
     /// Per-process memory of this device, when NVML is there to ask.
@@ -218,6 +221,7 @@ impl CudaBackend {
             mma_min_tokens,
             mmq_max_tokens,
             mmq_capable: cc.0 >= 8,
+            mmq_blocks_per_sm: tuning.mmq_blocks_per_sm.unwrap_or(mmq::MMQ_BLOCKS_PER_SM),
             gemm_ws,
             nvml,
         })

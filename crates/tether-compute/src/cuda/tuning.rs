@@ -27,6 +27,9 @@ pub struct CudaTuning {
     /// Batches of 17 to this many tokens take the 8-bit tensor-core products (mmq.rs),
     /// instead of the measured default, none (`TETHER_MMQ=N`; 0 turns them off).
     pub mmq_max_tokens: Option<usize>,
+    /// Blocks per multiprocessor the 8-bit products split K until they fill, instead of
+    /// the measured default (`TETHER_MMQ_BLOCKS`, > 0).
+    pub mmq_blocks_per_sm: Option<usize>,
     /// Where compiled kernels are cached on disk: `kernels` under the cache root
     /// ([`crate::cache_dir`]); `None` compiles every time.
     pub kernel_cache: Option<PathBuf>,
@@ -67,6 +70,7 @@ impl CudaTuning {
             mma_min_tokens: tokens("TETHER_MMA_MIN_TOKENS"),
             gemm_min_tokens: tokens("TETHER_GEMM_MIN_TOKENS").map(|n| n.max(GEMM_TESTED_FROM)),
             mmq_max_tokens: var("TETHER_MMQ").and_then(|v| v.to_str()?.trim().parse().ok()),
+            mmq_blocks_per_sm: tokens("TETHER_MMQ_BLOCKS"),
             kernel_cache: cache_root.map(|root| root.join("kernels")),
             kernel_sources: var("TETHER_KERNEL_SOURCES")
                 .filter(|v| !v.is_empty())
@@ -106,9 +110,11 @@ mod tests {
             ("TETHER_GEMM_MIN_TOKENS", "65"),
             ("TETHER_CACHE", "/var/cache/t"),
             ("TETHER_KERNEL_SOURCES", "/src/kernels"),
+            ("TETHER_MMQ_BLOCKS", "4"),
             ("HOME", "/home/x"),
         ]);
         assert!(!t.dependent_launches && !t.flash_attention);
+        assert_eq!(t.mmq_blocks_per_sm, Some(4));
         assert_eq!((t.mma_min_tokens, t.gemm_min_tokens), (Some(3), Some(65)));
         assert_eq!(t.kernel_cache, Some(PathBuf::from("/var/cache/t/kernels")));
         assert_eq!(t.kernel_sources, Some(PathBuf::from("/src/kernels")));
@@ -142,5 +148,9 @@ mod tests {
         assert_eq!(mmq("0"), Some(0));
         assert_eq!(mmq("many"), None);
         assert_eq!(tuning(&[]).mmq_max_tokens, None);
+        assert_eq!(
+            tuning(&[("TETHER_MMQ_BLOCKS", "0")]).mmq_blocks_per_sm,
+            None
+        );
     }
 }
