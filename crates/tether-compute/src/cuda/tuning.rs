@@ -25,7 +25,7 @@ pub struct CudaTuning {
     /// (`TETHER_GEMM_MIN_TOKENS`; raised to 9, the smallest batch the GEMM is tested at).
     pub gemm_min_tokens: Option<usize>,
     /// Batches of 17 to this many tokens take the 8-bit tensor-core products (mmq.rs),
-    /// instead of the measured default, none (`TETHER_MMQ=N`; 0 turns them off).
+    /// instead of the measured default, 64 (`TETHER_MMQ=N`; 0 turns them off).
     pub mmq_max_tokens: Option<usize>,
     /// Blocks per multiprocessor the 8-bit products split K until they fill, instead of
     /// the measured default (`TETHER_MMQ_BLOCKS`, > 0).
