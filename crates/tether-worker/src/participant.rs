@@ -132,7 +132,9 @@ impl<S> Participant<S> {
     }
 
     /// prepared → aborted for every transaction whose decision deadline has passed.
-    pub fn expire(&mut self, now: Instant) -> Vec<TxnId> {
+    /// `before_abort` runs for each one before its staged memory is freed, so that a
+    /// count it raises is never behind the freed bytes a status reader sees.
+    pub fn expire(&mut self, now: Instant, mut before_abort: impl FnMut(TxnId)) -> Vec<TxnId> {
         let expired: Vec<TxnId> = self
             .txns
             .iter()
@@ -140,6 +142,7 @@ impl<S> Participant<S> {
             .map(|(id, _)| *id)
             .collect();
         for txn in &expired {
+            before_abort(*txn);
             self.decide(*txn, Txn::Aborted(AbortCause::TimedOut));
         }
         expired
@@ -264,9 +267,9 @@ mod tests {
         p.prepared(txn, s, Instant::now() + Duration::from_millis(300))
             .unwrap();
         tokio::time::advance(Duration::from_millis(299)).await;
-        assert!(p.expire(Instant::now()).is_empty());
+        assert!(p.expire(Instant::now(), |_| {}).is_empty());
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(p.expire(Instant::now()), vec![txn]);
+        assert_eq!(p.expire(Instant::now(), |_| {}), vec![txn]);
         assert_eq!(drops.load(Ordering::SeqCst), 1);
         assert!(
             matches!(p.commit(txn), Err(WorkerError::FailedPrecondition(m)) if m.contains("TimedOut"))

@@ -386,14 +386,17 @@ impl SessionRegistry {
                 .collect();
             let mut aborted = Vec::new();
             for s in inner.sessions.values_mut() {
-                for txn in s.participant.expire(now) {
+                let timed_out = &self.counters.txn_timed_out;
+                let expired = s.participant.expire(now, |_| {
+                    timed_out.fetch_add(1, Ordering::Relaxed);
+                });
+                for txn in expired {
                     aborted.push((s.id, txn));
                 }
             }
             (expired, aborted)
         };
         for (session, txn) in aborted {
-            self.counters.txn_timed_out.fetch_add(1, Ordering::Relaxed);
             tracing::info!(session = %session, txn = %txn, "prepared transaction aborted: no decision within its timeout");
         }
         let n = expired.len();
