@@ -36,6 +36,57 @@ pub struct GenRequest {
     /// The grammar the generated tokens must follow: only tokens it allows are drawn, and
     /// the request ends (`Stop`) once it is complete.
     pub constraint: Option<crate::constraint::Constraint>,
+    /// Embed the prompt instead of generating: its hidden states after the output norm,
+    /// pooled this way, come as one [`GenEvent::Embedding`] (`max_tokens` is ignored and
+    /// nothing is generated). The prompt is prefilled in full, not taken from the prefix
+    /// cache, since the pooled rows are needed.
+    pub embed: Option<Pooling>,
+}
+
+/// How an embedding pools a prompt's hidden states (GGUF's `{arch}.pooling_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pooling {
+    /// The mean of every position's.
+    Mean,
+    /// The first position's (BERT's CLS token).
+    Cls,
+    /// The last position's (decoder embedding models such as Qwen3-Embedding).
+    Last,
+}
+
+impl Pooling {
+    /// The pooling a GGUF `pooling_type` value names; `None` for none (0), rank (4) and
+    /// values this server does not know.
+    pub fn from_gguf(value: u32) -> Option<Pooling> {
+        match value {
+            1 => Some(Pooling::Mean),
+            2 => Some(Pooling::Cls),
+            3 => Some(Pooling::Last),
+            _ => None,
+        }
+    }
+
+    /// Its name on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+            Pooling::Last => "last",
+        }
+    }
+}
+
+impl std::str::FromStr for Pooling {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "mean" => Ok(Pooling::Mean),
+            "cls" => Ok(Pooling::Cls),
+            "last" => Ok(Pooling::Last),
+            other => Err(format!("unknown pooling {other:?}; use mean, cls or last")),
+        }
+    }
 }
 
 impl GenRequest {
@@ -52,6 +103,7 @@ impl GenRequest {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            embed: None,
         }
     }
 }
@@ -103,6 +155,9 @@ pub enum GenEvent {
     /// The prompt's tokens with their log-probabilities (`None` for the first, which
     /// nothing precedes), first of all events when the request asked for `prompt_logprobs`.
     Prompt(Vec<Option<TokenLogProb>>),
+    /// The pooled embedding of the prompt (not normalized), before `Done`, when the
+    /// request asked to embed.
+    Embedding(Vec<f32>),
     /// The end.
     Done {
         /// Why it ended.
@@ -161,10 +216,14 @@ pub struct ModelInfo {
     pub id: String,
     /// Context cells per sequence.
     pub ctx_per_seq: usize,
+    /// The width of the hidden states, which an embedding has.
+    pub n_embd: usize,
     /// Unix seconds when the model was loaded.
     pub created: u64,
     /// `tokenizer.chat_template` from the GGUF file.
     pub chat_template: Option<String>,
+    /// The pooling the GGUF file names for embeddings (`{arch}.pooling_type`), if any.
+    pub pooling: Option<Pooling>,
 }
 
 /// A model change in progress.

@@ -377,8 +377,10 @@ impl Coordinator {
                 info: ModelInfo {
                     id: config.model_id,
                     ctx_per_seq: config.ctx_per_seq,
+                    n_embd: model.config().n_embd,
                     created,
                     chat_template: model.chat_template(),
+                    pooling: model.pooling(),
                 },
                 tokenizer: model.tokenizer(),
                 file: model,

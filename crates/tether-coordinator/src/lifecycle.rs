@@ -303,8 +303,10 @@ impl Coordinator {
             served.info = ModelInfo {
                 id: id.to_string(),
                 ctx_per_seq: served.info.ctx_per_seq,
+                n_embd: file.config().n_embd,
                 created,
                 chat_template: file.chat_template(),
+                pooling: file.pooling(),
             };
             served.tokenizer = file.tokenizer();
             served.file = Arc::clone(file);

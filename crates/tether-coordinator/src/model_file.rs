@@ -1,6 +1,7 @@
 //! The coordinator's view of the model file: an mmap the tensors are streamed from, the
 //! header the workers plan from, the hyper-parameters and the tokenizer.
 
+use crate::api::Pooling;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -119,6 +120,12 @@ impl ModelFile {
         self.file
             .get_str("tokenizer.chat_template")
             .map(str::to_string)
+    }
+
+    /// The embedding pooling the file names (`{arch}.pooling_type`), when it names one.
+    pub fn pooling(&self) -> Option<Pooling> {
+        let arch = self.file.get_str("general.architecture")?;
+        Pooling::from_gguf(self.file.get_u32(&format!("{arch}.pooling_type"))?)
     }
 }
 

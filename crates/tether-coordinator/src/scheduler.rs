@@ -21,7 +21,7 @@ use crate::model_file::ModelFile;
 use crate::placement::Plan;
 use crate::prefix::{CellCopy, PrefixCache, copy_cells, slot_uses};
 use crate::sequence::{
-    Batch, Next, RowUse, Sequence, StepShape, build_step, split_batch, split_off,
+    Batch, Embedding, Next, RowUse, Sequence, StepShape, build_step, split_batch, split_off,
 };
 use choices::Siblings;
 pub(crate) use choices::{Admitted, Choice};
@@ -266,7 +266,7 @@ impl Scheduler {
             )));
             return None;
         }
-        if req.max_tokens == 0 && req.prompt_logprobs.is_none() {
+        if req.max_tokens == 0 && req.prompt_logprobs.is_none() && req.embed.is_none() {
             let _ = events.try_send(Ok(GenEvent::Done {
                 finish: FinishReason::Length,
                 prompt_tokens: req.prompt.len(),
@@ -274,10 +274,11 @@ impl Scheduler {
             }));
             return None;
         }
-        // Scoring the prompt needs the logits of every position: nothing is reused.
-        let reused: &[u32] = match req.prompt_logprobs {
-            Some(_) => &[],
-            None => &req.prompt,
+        // Scoring or embedding the prompt needs the rows of its positions: nothing is
+        // reused.
+        let reused: &[u32] = match (req.prompt_logprobs, req.embed) {
+            (None, None) => &req.prompt,
+            _ => &[],
         };
         let Some((i, cached)) = self.place(reused) else {
             let _ = events.try_send(Err(GenError::Internal(
@@ -305,6 +306,7 @@ impl Scheduler {
             scored: None,
             constraint: req.constraint,
             needs_logits: false,
+            embed: req.embed.map(Embedding::new),
         });
         self.shared.running.store(self.active(), Ordering::Relaxed);
         Some(i)
@@ -472,7 +474,8 @@ impl Scheduler {
 
     /// The forward passes of a step's `chunks`: one chunk is cut into `groups` groups of
     /// sequences; a row that needs every logit goes alone, so the others still come
-    /// reduced; each asks the last worker for what its rows need.
+    /// reduced, and so do the embedding requests' rows, which want normed hidden states;
+    /// each asks the last worker for what its rows need.
     fn groups(&self, mut chunks: Vec<Batch>, groups: usize) -> Vec<Batch> {
         let chunks = match chunks.len() {
             1 => split_batch(chunks.remove(0), groups),
@@ -482,6 +485,7 @@ impl Scheduler {
         let mut out: Vec<Batch> = chunks
             .into_iter()
             .flat_map(|g| split_off(g, |i| slots[i].as_ref().is_some_and(|s| s.needs_logits)))
+            .flat_map(|g| split_off(g, |i| slots[i].as_ref().is_some_and(|s| s.embed.is_some())))
             .collect();
         for g in &mut out {
             g.rows = rows_wanted(slots, g);

@@ -2,7 +2,7 @@
 //! them: decode tokens first (one per generating sequence), then prompt chunks, never more
 //! than `ubatch` tokens in all.
 
-use crate::api::{ContextShift, FinishReason, GenError, GenEvent, TokenLogProb};
+use crate::api::{ContextShift, FinishReason, GenError, GenEvent, Pooling, TokenLogProb};
 use crate::constraint::Constraint;
 use std::time::Instant;
 use tether_model::{Sampler, StopReason, StopRules, Verdict};
@@ -52,6 +52,50 @@ pub(crate) struct Sequence {
     /// None of the top candidates of the last row was allowed by the grammar: the last
     /// token is fed again for a row of every logit.
     pub needs_logits: bool,
+    /// The pooled embedding being summed, when the request embeds its prompt.
+    pub embed: Option<Embedding>,
+}
+
+/// An embedding being pooled: the sum of its rows' normed hidden states so far.
+pub(crate) struct Embedding {
+    pub pooling: Pooling,
+    pub sum: Vec<f32>,
+    pub rows: usize,
+}
+
+impl Embedding {
+    pub fn new(pooling: Pooling) -> Self {
+        Self {
+            pooling,
+            sum: Vec::new(),
+            rows: 0,
+        }
+    }
+
+    /// Whether the prompt position `p` (of `len`) is one of the pooled rows.
+    fn pools(&self, p: usize, len: usize) -> bool {
+        match self.pooling {
+            Pooling::Mean => true,
+            Pooling::Cls => p == 0,
+            Pooling::Last => p + 1 == len,
+        }
+    }
+
+    /// Adds a row.
+    pub fn add(&mut self, row: &[f32]) {
+        if self.sum.is_empty() {
+            self.sum = row.to_vec();
+        } else {
+            self.sum.iter_mut().zip(row).for_each(|(s, r)| *s += r);
+        }
+        self.rows += 1;
+    }
+
+    /// The pooled vector: the mean of the rows added.
+    pub fn pooled(&self) -> Vec<f32> {
+        let n = self.rows.max(1) as f32;
+        self.sum.iter().map(|s| s / n).collect()
+    }
 }
 
 /// Candidates a constrained row asks for at least: the more, the rarer a row none of whose
@@ -65,6 +109,17 @@ pub(crate) enum RowUse {
     Sample(usize),
     /// It scores the prompt token after it, of the sequence in this slot.
     Score(usize),
+    /// Its normed hidden state is pooled into the embedding of the sequence in this slot.
+    Embed(usize),
+}
+
+impl RowUse {
+    /// The slot of the sequence the row belongs to.
+    pub fn slot(self) -> usize {
+        match self {
+            RowUse::Sample(i) | RowUse::Score(i) | RowUse::Embed(i) => i,
+        }
+    }
 }
 
 /// What a sampled token did to its sequence.
@@ -345,8 +400,17 @@ fn fill_batch(
                     batch.uses.push(RowUse::Score(i));
                     batch.targets.push(seq.tokens[p + 1]);
                 }
+                if seq
+                    .embed
+                    .as_ref()
+                    .is_some_and(|e| e.pools(p, seq.prompt_len))
+                {
+                    batch.logits_rows.push((batch.tokens.len() - 1) as u32);
+                    batch.uses.push(RowUse::Embed(i));
+                    batch.targets.push(0);
+                }
             }
-            if done + take == seq.tokens.len() {
+            if done + take == seq.tokens.len() && seq.embed.is_none() {
                 batch.logits_rows.push((batch.tokens.len() - 1) as u32);
                 batch.uses.push(RowUse::Sample(i));
                 batch.sample_for.push(i);

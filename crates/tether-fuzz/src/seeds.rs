@@ -281,6 +281,7 @@ fn forward_seeds(model: &TinyModel) -> Vec<Seed> {
             logprobs: false,
             logprobs_k: 0,
             targets: vec![],
+            embeddings: false,
         }
         .encode_to_vec()
     };

@@ -258,7 +258,8 @@ impl<B: Backend> ServingStage for ModelStage<B> {
             .collect();
         let n = tokens.len();
         let all_rows = logits_rows.iter().copied().eq(0..n as u32);
-        if n > 0 && n <= self.stage.decode_step_tokens() && (all_rows || logits_rows.is_empty()) {
+        let step_rows = all_rows && rows != Rows::Embeddings;
+        if n > 0 && n <= self.stage.decode_step_tokens() && (step_rows || logits_rows.is_empty()) {
             return self.decode_step(&batch, &input, logits_rows.is_empty(), rows, targets);
         }
         let mut hidden = match input {
@@ -277,7 +278,7 @@ impl<B: Backend> ServingStage for ModelStage<B> {
         if logits_rows.is_empty() {
             return Ok(ForwardOutput::Hidden(hidden));
         }
-        let mut rows = Vec::with_capacity(logits_rows.len() * n_embd);
+        let mut rows_in = Vec::with_capacity(logits_rows.len() * n_embd);
         for &r in logits_rows {
             let start = r as usize * n_embd;
             let row = hidden.get(start..start + n_embd).ok_or_else(|| {
@@ -285,11 +286,18 @@ impl<B: Backend> ServingStage for ModelStage<B> {
                     "forward: logits row {r} is outside the batch"
                 ))
             })?;
-            rows.extend_from_slice(row);
+            rows_in.extend_from_slice(row);
+        }
+        if rows == Rows::Embeddings {
+            let mut normed = vec![0.0; logits_rows.len() * n_embd];
+            self.stage
+                .output_normed(&rows_in, logits_rows.len(), &mut normed)
+                .map_err(|e| model_error("forward: output norm", e))?;
+            return Ok(ForwardOutput::Embeddings(normed));
         }
         let mut logits = vec![0.0; logits_rows.len() * self.shape.n_vocab];
         self.stage
-            .logits(&rows, logits_rows.len(), &mut logits)
+            .logits(&rows_in, logits_rows.len(), &mut logits)
             .map_err(|e| model_error("forward: output head", e))?;
         Ok(ForwardOutput::Logits(logits))
     }

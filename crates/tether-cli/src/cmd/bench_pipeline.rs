@@ -214,7 +214,7 @@ impl Setup {
                     tokens += 1;
                 }
                 Some(Ok(GenEvent::Done { .. })) => break,
-                Some(Ok(GenEvent::Scored(_) | GenEvent::Prompt(_))) => {
+                Some(Ok(GenEvent::Scored(_) | GenEvent::Prompt(_) | GenEvent::Embedding(_))) => {
                     bail!("the engine sent log-probabilities that were not asked for")
                 }
                 Some(Err(e)) => bail!("generation through {n} worker(s) failed: {e}"),
@@ -266,7 +266,9 @@ impl Setup {
                         match events.recv().await {
                             Some(Ok(GenEvent::Token(_))) => times.push(Instant::now()),
                             Some(Ok(GenEvent::Done { .. })) => return Ok(times),
-                            Some(Ok(GenEvent::Scored(_) | GenEvent::Prompt(_))) => {
+                            Some(Ok(
+                                GenEvent::Scored(_) | GenEvent::Prompt(_) | GenEvent::Embedding(_),
+                            )) => {
                                 return Err("the engine sent log-probabilities that were \
                                             not asked for"
                                     .into());

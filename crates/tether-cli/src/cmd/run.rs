@@ -269,7 +269,7 @@ async fn generate(
                 out.flush()?;
             }
             Some(Ok(GenEvent::Done { finish, .. })) => break finish,
-            Some(Ok(GenEvent::Scored(_) | GenEvent::Prompt(_))) => {
+            Some(Ok(GenEvent::Scored(_) | GenEvent::Prompt(_) | GenEvent::Embedding(_))) => {
                 bail!("the engine sent log-probabilities that were not asked for")
             }
             Some(Err(e)) => bail!("generation failed: {e}"),

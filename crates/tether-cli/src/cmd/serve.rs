@@ -111,6 +111,10 @@ pub struct ServeArgs {
     /// body of 16 KiB or more, or a chat template to render); more get HTTP 429 at once.
     #[arg(long, default_value_t = default_max_heavy_requests())]
     pub max_heavy_requests: usize,
+    /// How `/v1/embeddings` pools a prompt's hidden states: mean, cls or last. Default:
+    /// the model file's pooling type, else the last token's.
+    #[arg(long, value_name = "POOLING")]
+    pub pooling: Option<tether_coordinator::api::Pooling>,
     /// Lease of the worker sessions: a worker frees a session that has not heard a
     /// heartbeat for this long (heartbeats go every third of it).
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
@@ -242,6 +246,7 @@ async fn serve_model(args: ServeArgs) -> Result<()> {
             ..TemplateBudget::default()
         },
         max_heavy_requests: args.max_heavy_requests,
+        pooling: args.pooling,
         ..HttpOptions::default()
     };
     args.conn.apply(&mut opts);

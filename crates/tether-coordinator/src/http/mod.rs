@@ -10,6 +10,7 @@ mod admin_model;
 mod body_deadline;
 mod choices;
 pub mod cors;
+mod embeddings;
 mod endpoints;
 pub mod error;
 mod heavy;
@@ -40,6 +41,8 @@ mod tests_bias;
 mod tests_choices;
 #[cfg(test)]
 mod tests_cors;
+#[cfg(test)]
+mod tests_embeddings;
 #[cfg(test)]
 mod tests_errors;
 #[cfg(test)]
@@ -103,6 +106,9 @@ pub struct HttpOptions {
     pub body_timeout: Duration,
     /// Origins browsers may call the API from (CORS); empty sends no CORS headers.
     pub cors: Vec<CorsOrigin>,
+    /// How `/v1/embeddings` pools, instead of the model file's pooling type (and the last
+    /// token's where the file names none).
+    pub pooling: Option<crate::api::Pooling>,
 }
 
 impl Default for HttpOptions {
@@ -118,6 +124,7 @@ impl Default for HttpOptions {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             body_timeout: DEFAULT_BODY_TIMEOUT,
             cors: Vec::new(),
+            pooling: None,
         }
     }
 }
@@ -214,9 +221,10 @@ impl axum::extract::FromRef<Front> for SharedState {
 }
 
 /// Endpoints named in `/metrics`; anything else is counted as `other`.
-const ENDPOINTS: [&str; 7] = [
+const ENDPOINTS: [&str; 8] = [
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/embeddings",
     "/v1/models",
     "/tokenize",
     "/detokenize",
@@ -239,6 +247,7 @@ pub fn router(engine: Arc<dyn Generation>, opts: HttpOptions) -> Router {
         .route("/v1/completions", post(endpoints::completions))
         .route("/v1/chat/completions", post(endpoints::chat_completions))
         .route("/v1/models", get(list_models))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         // Inside the key check: a client without the key cannot make us wait on its body.

@@ -78,6 +78,7 @@ impl Run {
                     prompt_logprobs,
                     // A fresh grammar state per choice.
                     constraint: prepared.constraint.clone(),
+                    embed: None,
                 }
             })
             .collect();
@@ -134,6 +135,8 @@ impl Run {
                     self.pending.push_back(RunEvent::LogProb(scored));
                     self.token(id);
                 }
+                // Completions never ask for embeddings.
+                Ok(Some(Ok(GenEvent::Embedding(_)))) => {}
                 Ok(Some(Ok(GenEvent::Prompt(scores)))) => {
                     let ids = std::mem::take(&mut self.prompt_ids);
                     self.pending

@@ -16,6 +16,7 @@ pub(super) enum Endpoint {
     Chat,
     Tokenize,
     Detokenize,
+    Embeddings,
 }
 
 impl Endpoint {
@@ -80,6 +81,7 @@ fn own_fields(endpoint: Endpoint) -> &'static [&'static str] {
             "with_pieces",
         ],
         Endpoint::Detokenize => &["model", "tokens"],
+        Endpoint::Embeddings => &["model", "input", "encoding_format", "dimensions", "user"],
     }
 }
 

@@ -40,8 +40,10 @@ impl Generation for ScriptedEngine {
         ModelInfo {
             id: "scripted".into(),
             ctx_per_seq: 64,
+            n_embd: 8,
             created: 1,
             chat_template: None,
+            pooling: None,
         }
     }
 

@@ -7,9 +7,20 @@ impl Scheduler {
     /// Moves every sequence of `batch` forward and samples the rows that asked for logits
     /// (or takes the worker's arg-max tokens for them).
     pub(super) fn apply(&mut self, batch: &Batch, out: &RowsOut) -> Result<(), Loss> {
-        let v = self.model.config().n_vocab;
+        let (v, e) = (self.model.config().n_vocab, self.model.config().n_embd);
         let rows = batch.logits_rows.len();
         match out {
+            RowsOut::Embeddings(_) if batch.uses.iter().any(|u| !matches!(u, RowUse::Embed(_))) => {
+                return Err(Loss::Internal(
+                    "a batch of embedding rows carried other rows".into(),
+                ));
+            }
+            RowsOut::Embeddings(x) if x.len() != rows * e => {
+                return Err(Loss::BadReply(format!(
+                    "the last worker returned {} embedding values for {rows} rows of {e}",
+                    x.len()
+                )));
+            }
             RowsOut::Logits(l) if l.len() != rows * v => {
                 return Err(Loss::BadReply(format!(
                     "the last worker returned {} logits for {rows} rows of {v}",
@@ -51,10 +62,16 @@ impl Scheduler {
         let mut finished = Vec::new();
         let mut failed = Vec::new();
         for (row, &use_) in batch.uses.iter().enumerate() {
-            let (RowUse::Sample(i) | RowUse::Score(i)) = use_;
+            let i = use_.slot();
             let Some(seq) = &mut self.slots[i] else {
                 continue;
             };
+            if let RowUse::Embed(_) = use_ {
+                if let (Some(embedding), RowsOut::Embeddings(x)) = (&mut seq.embed, out) {
+                    embedding.add(&x[row * e..(row + 1) * e]);
+                }
+                continue;
+            }
             if let RowUse::Score(_) = use_ {
                 let target = batch.targets.get(row).copied().unwrap_or(0);
                 let n = seq.prompt_logprobs.unwrap_or(0);
@@ -123,6 +140,16 @@ impl Scheduler {
                     self.to_truncate.push((seq.slot, kept));
                 }
                 Next::Finish(finish) => finished.push((i, finish)),
+            }
+        }
+        // An embedding is done once its prompt is in.
+        for &(i, _) in &batch.fed {
+            if let Some(seq) = &self.slots[i]
+                && let Some(embedding) = &seq.embed
+                && seq.fed >= seq.prompt_len
+            {
+                seq.send(Ok(GenEvent::Embedding(embedding.pooled())));
+                finished.push((i, FinishReason::Stop));
             }
         }
         for (i, finish) in finished {

@@ -32,6 +32,9 @@ pub(super) fn pick(
             | RowsOut::Scored {
                 starts, candidates, ..
             } => sampler.sample_top(&candidates[starts[row]..starts[row + 1]], tokens),
+            // Embedding batches have no sampling rows (`Scheduler::apply` checks): fetch
+            // the row's logits in a batch of its own.
+            RowsOut::Embeddings(_) => return Ok(Picked::NeedLogits),
         }));
     };
     match out {
@@ -52,8 +55,9 @@ pub(super) fn pick(
             tokens,
             &ends,
         ),
-        // Constrained rows never ask for arg-max tokens (`Sequence::samples_greedily`).
-        RowsOut::ArgMax(_) => Ok(Picked::NeedLogits),
+        // Constrained rows never ask for arg-max tokens (`Sequence::samples_greedily`), nor
+        // sit in embedding batches.
+        RowsOut::ArgMax(_) | RowsOut::Embeddings(_) => Ok(Picked::NeedLogits),
     }
 }
 

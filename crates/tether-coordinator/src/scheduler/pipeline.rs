@@ -62,6 +62,8 @@ pub(super) enum RowsOut {
         candidates: Vec<(u32, f32)>,
         scores: Vec<(f32, f32)>,
     },
+    /// `[rows][n_embd]` normed hidden states, for embeddings.
+    Embeddings(Vec<f32>),
 }
 
 impl RowsOut {
@@ -88,7 +90,9 @@ impl RowsOut {
                 (lse, logit, cands[..n.min(cands.len())].to_vec())
             }
             // Never asked for with log-probabilities (`rows_wanted`).
-            RowsOut::ArgMax(_) | RowsOut::Top { .. } => (f32::NAN, f32::NAN, Vec::new()),
+            RowsOut::ArgMax(_) | RowsOut::Top { .. } | RowsOut::Embeddings(_) => {
+                (f32::NAN, f32::NAN, Vec::new())
+            }
         };
         TokenLogProb {
             token,
@@ -110,17 +114,21 @@ pub(super) fn rows_wanted(slots: &[Option<Sequence>], batch: &Batch) -> Rows {
     if batch.logits_rows.is_empty() {
         return Rows::Logits;
     }
+    // Embedding sequences go in batches of their own (`Scheduler::groups`).
+    if batch.uses.iter().any(|u| matches!(u, RowUse::Embed(_))) {
+        return Rows::Embeddings;
+    }
     let samplers = || batch.sample_for.iter().map(|&i| slots[i].as_ref());
     let mut reported = 0;
     let mut scored = false;
     for &use_ in &batch.uses {
-        let (RowUse::Sample(i) | RowUse::Score(i)) = use_;
-        let Some(seq) = slots[i].as_ref() else {
+        let Some(seq) = slots[use_.slot()].as_ref() else {
             continue;
         };
         let n = match use_ {
             RowUse::Sample(_) => seq.logprobs,
             RowUse::Score(_) => seq.prompt_logprobs,
+            RowUse::Embed(_) => None,
         };
         if let Some(n) = n {
             scored = true;
@@ -173,6 +181,9 @@ async fn pass(
         ForwardOutput::Hidden(h) if !last => Passed::Next(ForwardInput::Hidden(h)),
         ForwardOutput::Logits(l) if last && want == Rows::Logits => {
             Passed::Rows(RowsOut::Logits(l))
+        }
+        ForwardOutput::Embeddings(e) if last && want == Rows::Embeddings => {
+            Passed::Rows(RowsOut::Embeddings(e))
         }
         ForwardOutput::ArgMax(t) if last && want == Rows::ArgMax => {
             Passed::Rows(RowsOut::ArgMax(t))

@@ -26,6 +26,7 @@ fn seq(
         scored: None,
         constraint: None,
         needs_logits: false,
+        embed: None,
     };
     (s, rx)
 }

@@ -169,7 +169,7 @@ pub async fn collect_after(
         match event {
             Some(Ok(GenEvent::Token(t))) => tokens.push(t),
             Some(Ok(GenEvent::Scored(t))) => tokens.push(t.token),
-            Some(Ok(GenEvent::Prompt(_))) => {}
+            Some(Ok(GenEvent::Prompt(_) | GenEvent::Embedding(_))) => {}
             Some(Ok(GenEvent::Done {
                 finish,
                 completion_tokens,

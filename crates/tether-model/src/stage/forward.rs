@@ -380,6 +380,56 @@ impl<B: Backend> Stage<B> {
         Ok(())
     }
 
+    /// The final norm alone: `out` (`[n_tokens][n_embd]`) from `hidden`, the vectors an
+    /// embedding pools (the head's input, as llama.cpp's embeddings and Hugging Face's
+    /// `last_hidden_state` are).
+    pub fn output_normed(
+        &mut self,
+        hidden: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let backend = self.backend.clone();
+        backend.scope(|| self.output_normed_in_scope(hidden, n_tokens, out))
+    }
+
+    fn output_normed_in_scope(
+        &mut self,
+        hidden: &[f32],
+        n_tokens: usize,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        self.check_loaded()?;
+        let e = self.cfg.n_embd;
+        let Some(norm) = self.out_norm else {
+            return Err(ModelError::FailedPrecondition(
+                "this stage does not hold the output norm".into(),
+            ));
+        };
+        need_len("the hidden-state buffer", hidden.len(), n_tokens * e)?;
+        need_len("the embeddings buffer", out.len(), n_tokens * e)?;
+        let ub = self.spec.ubatch;
+        for (h, o) in hidden.chunks(ub * e).zip(out.chunks_mut(ub * e)) {
+            let s = &mut self.scratch;
+            let be = &*self.backend;
+            be.upload(&mut s.hidden, 0, as_bytes(h))
+                .map_err(compute("uploading hidden states"))?;
+            let normed = s.normed.as_mut().ok_or_else(head_scratch_missing)?;
+            be.rms_norm(
+                &s.hidden,
+                &self.weights[norm].buf,
+                h.len() / e,
+                e,
+                self.cfg.rms_eps,
+                normed,
+            )
+            .map_err(compute("output norm"))?;
+            be.download(normed, 0, as_bytes_mut(o))
+                .map_err(compute("downloading normed hidden states"))?;
+        }
+        Ok(())
+    }
+
     /// The output head over the `n` hidden states in `scratch.hidden`, into `out`.
     pub(super) fn head_on_device(
         &mut self,

@@ -1,6 +1,7 @@
 //! The forward pass against an independent reference, and the stage's behaviour.
 
 mod cache_types;
+mod embeddings;
 mod kv_copy;
 mod moe_config;
 mod new_archs;

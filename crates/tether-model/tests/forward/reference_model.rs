@@ -289,6 +289,28 @@ impl Reference {
 
     /// Logits `[tokens.len()][vocab]`.
     pub fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {
+        let head = if self.w.contains_key("output.weight") {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
+        let final_cap = self.gemma.as_ref().and_then(|g| g.final_cap);
+        self.normed_hidden(tokens)
+            .iter()
+            .map(|x| {
+                let logits = self.mat(head, x);
+                // Gemma 2: logits / cap, tanh, * cap.
+                match final_cap {
+                    Some(cap) => logits.iter().map(|l| (l / cap).tanh() * cap).collect(),
+                    None => logits,
+                }
+            })
+            .collect()
+    }
+
+    /// The last layer's output after the final norm, `[tokens.len()][embd]`: the head's
+    /// input (Hugging Face's `last_hidden_state`).
+    pub fn normed_hidden(&self, tokens: &[u32]) -> Vec<Vec<f64>> {
         let (e, hd) = (self.embd, self.head_dim);
         let table = self.t("token_embd.weight");
         // Gemma3TextScaledWordEmbedding multiplies by sqrt(hidden_size).
@@ -402,21 +424,8 @@ impl Reference {
                 x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
             }
         }
-        let head = if self.w.contains_key("output.weight") {
-            "output.weight"
-        } else {
-            "token_embd.weight"
-        };
-        let final_cap = self.gemma.as_ref().and_then(|g| g.final_cap);
         xs.iter()
-            .map(|x| {
-                let logits = self.mat(head, &self.norm("output_norm.weight", x));
-                // Gemma 2: logits / cap, tanh, * cap.
-                match final_cap {
-                    Some(cap) => logits.iter().map(|l| (l / cap).tanh() * cap).collect(),
-                    None => logits,
-                }
-            })
+            .map(|x| self.norm("output_norm.weight", x))
             .collect()
     }
 

@@ -44,6 +44,7 @@ pub fn request_to_proto(
             _ => 0,
         },
         targets: targets.to_vec(),
+        embeddings: rows == Rows::Embeddings,
     }
 }
 
@@ -61,14 +62,16 @@ pub fn request_from_proto(
             ));
         }
     };
-    let rows = match (req.argmax, req.top_k, req.logprobs) {
-        (false, 0, false) => Rows::Logits,
-        (true, 0, false) => Rows::ArgMax,
-        (false, k, false) => Rows::Top(k),
-        (false, 0, true) => Rows::LogProbs(req.logprobs_k),
+    let rows = match (req.argmax, req.top_k, req.logprobs, req.embeddings) {
+        (false, 0, false, false) => Rows::Logits,
+        (true, 0, false, false) => Rows::ArgMax,
+        (false, k, false, false) => Rows::Top(k),
+        (false, 0, true, false) => Rows::LogProbs(req.logprobs_k),
+        (false, 0, false, true) => Rows::Embeddings,
         _ => {
             return Err(WorkerError::InvalidArgument(
-                "forward: ask for one of argmax, top_k and logprobs, not several".into(),
+                "forward: ask for one of argmax, top_k, logprobs and embeddings, not several"
+                    .into(),
             ));
         }
     };
@@ -92,7 +95,7 @@ pub fn request_from_proto(
 /// The reply carrying `output`.
 pub fn output_to_proto(output: ForwardOutput) -> pb::ForwardReply {
     match output {
-        ForwardOutput::Hidden(h) => pb::ForwardReply {
+        ForwardOutput::Hidden(h) | ForwardOutput::Embeddings(h) => pb::ForwardReply {
             hidden: f32s_to_le(&h),
             ..Default::default()
         },
@@ -164,6 +167,8 @@ pub fn output_from_proto(
                     .collect(),
             },
         }
+    } else if rows == Rows::Embeddings {
+        ForwardOutput::Embeddings(f32s_from_le(&reply.hidden, "forward reply")?)
     } else if rows == Rows::ArgMax {
         ForwardOutput::ArgMax(reply.argmax)
     } else {

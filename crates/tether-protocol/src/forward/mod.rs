@@ -55,6 +55,9 @@ pub enum ForwardOutput {
         /// `(log-sum-exp, target logit)` per row.
         scores: Vec<(f32, f32)>,
     },
+    /// What [`Rows::Embeddings`] asks for: each row's hidden state after the output norm,
+    /// `[rows][n_embd]`, the vectors an embedding pools.
+    Embeddings(Vec<f32>),
 }
 
 /// What a forward returns for its logits rows.
@@ -71,6 +74,8 @@ pub enum Rows {
     /// likely candidates (0..=[`MAX_TOP_K`]), its log-sum-exp, and the logit of the call's
     /// target for the row ([`ForwardCall::targets`]).
     LogProbs(u32),
+    /// Each row's hidden state after the output norm instead of its logits.
+    Embeddings,
 }
 
 /// Most candidates a row may ask for.
@@ -104,6 +109,10 @@ pub fn check_reply(
     match (&out, rows) {
         (ForwardOutput::Hidden(_), _) if n == 0 => Ok(out),
         (ForwardOutput::Logits(_), Rows::Logits) if n > 0 => Ok(out),
+        (ForwardOutput::Embeddings(e), Rows::Embeddings) if n > 0 && e.len() % n == 0 => Ok(out),
+        (ForwardOutput::Embeddings(e), Rows::Embeddings) => {
+            bad(format!("{} embedding values for {n} rows", e.len()))
+        }
         (ForwardOutput::ArgMax(ids), Rows::ArgMax) if ids.len() == n => Ok(out),
         (ForwardOutput::ArgMax(ids), Rows::ArgMax) => {
             bad(format!("{} arg-max tokens for {n} logits rows", ids.len()))

@@ -27,11 +27,13 @@ const ROWS_LOGITS: u8 = 0;
 const ROWS_ARGMAX: u8 = 1;
 const ROWS_TOP: u8 = 2;
 const ROWS_LOGPROBS: u8 = 3;
+const ROWS_EMBEDDINGS: u8 = 4;
 const OUT_HIDDEN: u8 = 0;
 const OUT_LOGITS: u8 = 1;
 const OUT_ARGMAX: u8 = 2;
 const OUT_TOP: u8 = 3;
 const OUT_SCORED: u8 = 4;
+const OUT_EMBEDDINGS: u8 = 5;
 
 /// A frame's body, built in place behind room for its length.
 pub(crate) struct Writer(Vec<u8>);
@@ -294,6 +296,7 @@ pub fn encode_forward(call: &ForwardCall) -> Vec<u8> {
         Rows::ArgMax => w.u8(ROWS_ARGMAX).u32(0),
         Rows::Top(k) => w.u8(ROWS_TOP).u32(k),
         Rows::LogProbs(k) => w.u8(ROWS_LOGPROBS).u32(k),
+        Rows::Embeddings => w.u8(ROWS_EMBEDDINGS).u32(0),
     };
     w.u32s(&call.targets);
     w.finish()
@@ -331,6 +334,7 @@ pub fn decode_forward(body: &[u8]) -> Result<ForwardCall, WorkerError> {
         ROWS_ARGMAX => Rows::ArgMax,
         ROWS_TOP => Rows::Top(k),
         ROWS_LOGPROBS => Rows::LogProbs(k),
+        ROWS_EMBEDDINGS => Rows::Embeddings,
         other => {
             return Err(WorkerError::InvalidArgument(format!(
                 "data link forward: unknown rows kind {other}"
@@ -350,7 +354,9 @@ pub fn decode_forward(body: &[u8]) -> Result<ForwardCall, WorkerError> {
 
 pub fn encode_output(result: &Result<ForwardOutput, WorkerError>) -> Vec<u8> {
     let values = match result {
-        Ok(ForwardOutput::Hidden(v) | ForwardOutput::Logits(v)) => v.len(),
+        Ok(ForwardOutput::Hidden(v) | ForwardOutput::Logits(v) | ForwardOutput::Embeddings(v)) => {
+            v.len()
+        }
         Ok(ForwardOutput::ArgMax(ids)) => ids.len(),
         Ok(ForwardOutput::Top { counts, candidates }) => counts.len() + 2 * candidates.len(),
         Ok(ForwardOutput::Scored {
@@ -364,6 +370,7 @@ pub fn encode_output(result: &Result<ForwardOutput, WorkerError>) -> Vec<u8> {
     match result {
         Ok(ForwardOutput::Hidden(h)) => w.u8(Code::Ok as u8).u8(OUT_HIDDEN).f32s(h),
         Ok(ForwardOutput::Logits(l)) => w.u8(Code::Ok as u8).u8(OUT_LOGITS).f32s(l),
+        Ok(ForwardOutput::Embeddings(e)) => w.u8(Code::Ok as u8).u8(OUT_EMBEDDINGS).f32s(e),
         Ok(ForwardOutput::ArgMax(ids)) => w.u8(Code::Ok as u8).u8(OUT_ARGMAX).u32s(ids),
         Ok(ForwardOutput::Top { counts, candidates }) => {
             w.u8(Code::Ok as u8).u8(OUT_TOP);
@@ -395,6 +402,7 @@ pub fn decode_output(body: &[u8]) -> Result<Result<ForwardOutput, Refusal>, Work
     let out = match r.u8()? {
         OUT_HIDDEN => ForwardOutput::Hidden(r.f32s()?),
         OUT_LOGITS => ForwardOutput::Logits(r.f32s()?),
+        OUT_EMBEDDINGS => ForwardOutput::Embeddings(r.f32s()?),
         OUT_ARGMAX => ForwardOutput::ArgMax(r.u32s()?),
         OUT_TOP => {
             let counts = r.u32s()?;
