@@ -2,13 +2,15 @@
 
 use super::error::ApiError;
 use super::template::ChatMessage;
-use super::tools::calls_for_template;
+use super::tools::{ToolFormat, call_id_for_template, calls_for_template};
 use super::types::{MessageContent, RequestMessage};
 
 /// `messages` for the template: text parts joined, tool calls with their arguments as
-/// objects, tool results with the call they answer.
+/// objects, tool results with the call they answer; call ids as a template writing calls
+/// in `format` accepts them.
 pub(super) fn template_messages(
     messages: Vec<RequestMessage>,
+    format: Option<ToolFormat>,
 ) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid_param(
@@ -42,12 +44,12 @@ pub(super) fn template_messages(
         let tool_calls = m
             .tool_calls
             .filter(|calls| !calls.is_empty())
-            .map(|calls| calls_for_template(&calls));
+            .map(|calls| calls_for_template(&calls, format));
         out.push(ChatMessage {
             role: m.role,
             content,
             tool_calls,
-            tool_call_id: m.tool_call_id,
+            tool_call_id: m.tool_call_id.map(|id| call_id_for_template(id, format)),
             name: m.name,
         });
     }

@@ -19,6 +19,7 @@ pub mod loading;
 mod logprobs;
 mod messages;
 pub mod metrics;
+mod mistral_calls;
 mod prepare;
 mod run;
 mod shape;
@@ -57,6 +58,8 @@ mod tests_structured;
 mod tests_tokenize;
 #[cfg(test)]
 mod tests_tools;
+#[cfg(test)]
+mod tests_tools_mistral;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock, RwLock};

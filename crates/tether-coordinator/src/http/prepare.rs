@@ -65,6 +65,8 @@ pub(super) struct Prepared {
     pub constraint: Option<crate::constraint::Constraint>,
     /// The tools whose calls are looked for in the output.
     pub tools: Option<Tools>,
+    /// Control tokens whose text the output keeps (the markers of those calls).
+    pub shown_tokens: Vec<u32>,
 }
 
 /// The checks of the fields that ask for log-probabilities, the prompt back and choices.
@@ -145,12 +147,13 @@ fn checked_logprobs(param: &str, n: Option<usize>) -> Result<Option<usize>, ApiE
 
 /// A `/v1/chat/completions` request: the conversation rendered with the chat template.
 pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiError> {
+    let chat_template = state.model.chat_template.as_deref();
     let tools = tools::tools(
-        state.model.chat_template.as_deref(),
+        chat_template,
         req.tools.as_deref(),
         req.tool_choice.as_ref(),
     )?;
-    let messages = template_messages(req.messages)?;
+    let messages = template_messages(req.messages, tools::template_format(chat_template))?;
     let listed = tools.as_ref().map(|t| &t.listed);
     let rendered = state
         .template
@@ -191,7 +194,7 @@ pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiEr
     let extras = Extras {
         logprobs,
         echo: false,
-        forced: tools.as_ref().and_then(Tools::forced),
+        forced: tools.as_ref().and_then(|t| t.forced(tokenizer)),
     };
     let mut prepared = finish(
         state,
@@ -203,6 +206,9 @@ pub(super) fn chat(state: &AppState, req: ChatRequest) -> Result<Prepared, ApiEr
         extras,
     )?;
     prepared.tools = tools.filter(Tools::parses_calls);
+    if let Some(t) = &prepared.tools {
+        prepared.shown_tokens = t.shown_tokens(tokenizer);
+    }
     Ok(prepared)
 }
 
@@ -302,6 +308,7 @@ fn finish(
         echo: None,
         constraint,
         tools: None,
+        shown_tokens: Vec::new(),
     })
 }
 

@@ -89,7 +89,8 @@ impl Run {
             .map(|(choice, events)| Run {
                 events: Some(events),
                 assembler: TextAssembler::new(Arc::clone(&state.tokenizer), prepared.stops.clone())
-                    .stops_after(prepared.min_tokens),
+                    .stops_after(prepared.min_tokens)
+                    .showing(prepared.shown_tokens.clone()),
                 pending: VecDeque::new(),
                 deadline: deadline.into(),
                 started,

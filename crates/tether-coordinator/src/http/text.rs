@@ -123,6 +123,8 @@ pub struct TextAssembler {
     stops: StopMatcher,
     /// Tokens whose text is passed on without looking for stop strings (`min_tokens`).
     unchecked_tokens: usize,
+    /// Control tokens shown as their text, which they otherwise do not decode to.
+    shown: Vec<u32>,
 }
 
 impl TextAssembler {
@@ -133,6 +135,7 @@ impl TextAssembler {
             utf8: Utf8Stream::default(),
             stops: StopMatcher::new(stops),
             unchecked_tokens: 0,
+            shown: Vec::new(),
         }
     }
 
@@ -143,9 +146,25 @@ impl TextAssembler {
         self
     }
 
+    /// Shows the control tokens `ids` as their text: tool-call markers that the reply's
+    /// parser looks for.
+    pub fn showing(mut self, ids: Vec<u32>) -> Self {
+        self.shown = ids;
+        self
+    }
+
     /// Adds one generated token.
     pub fn push_token(&mut self, id: u32) -> TextStep {
-        let text = self.utf8.push(&self.tokenizer.token_to_piece(id));
+        let piece = if self.shown.contains(&id) {
+            self.tokenizer
+                .token_text(id)
+                .unwrap_or_default()
+                .as_bytes()
+                .to_vec()
+        } else {
+            self.tokenizer.token_to_piece(id)
+        };
+        let text = self.utf8.push(&piece);
         if self.unchecked_tokens > 0 {
             self.unchecked_tokens -= 1;
             return TextStep {

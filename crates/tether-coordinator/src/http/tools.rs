@@ -5,8 +5,10 @@
 //! would not call gets a call whose arguments follow the function's parameters schema.
 
 use serde_json::{Value, json};
+use tether_model::tokenizer::Tokenizer;
 
 use super::error::ApiError;
+use super::mistral_calls;
 use super::types::ToolDef;
 use crate::constraint::{GrammarSpec, json_layout};
 
@@ -18,6 +20,12 @@ pub(super) enum ToolFormat {
     Hermes,
     /// Llama 3.1-3.3: the whole reply is one `{"name": ..., "parameters": {...}}`.
     Llama3,
+    /// Mistral 7B v0.3, Nemo, Small up to 3.1: `[TOOL_CALLS]` then a JSON array of
+    /// `{"name": ..., "arguments": {...}}` (each maybe with an `id`), after any text.
+    MistralJson,
+    /// Mistral templates of tokenizer v11 on (Small 3.2, ...): `[TOOL_CALLS]name[ARGS]{...}`
+    /// a call.
+    MistralArgs,
 }
 
 impl ToolFormat {
@@ -30,24 +38,38 @@ impl ToolFormat {
         };
         if t.contains("<tool_call>") {
             Ok(ToolFormat::Hermes)
-        } else if t.contains("[TOOL_CALLS]") {
-            Err("the model's chat template uses Mistral's [TOOL_CALLS] format, which this server does not parse yet".into())
+        } else if t.contains(mistral_calls::TOOL_CALLS) {
+            // Only the newer templates write the name apart from the arguments.
+            if t.contains("[ARGS]") {
+                Ok(ToolFormat::MistralArgs)
+            } else {
+                Ok(ToolFormat::MistralJson)
+            }
         } else if t.contains("<|python_tag|>")
             || (t.contains("ipython") && t.contains("parameters"))
         {
             Ok(ToolFormat::Llama3)
         } else {
-            Err("the model's chat template writes tool calls in no format this server parses (Qwen/Hermes `<tool_call>`, Llama 3 JSON)".into())
+            Err("the model's chat template writes tool calls in no format this server parses (Qwen/Hermes `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`)".into())
         }
     }
 
     /// The key of a call's arguments.
     fn arguments_key(self) -> &'static str {
         match self {
-            ToolFormat::Hermes => "arguments",
+            ToolFormat::Hermes | ToolFormat::MistralJson | ToolFormat::MistralArgs => "arguments",
             ToolFormat::Llama3 => "parameters",
         }
     }
+
+    fn is_mistral(self) -> bool {
+        matches!(self, ToolFormat::MistralJson | ToolFormat::MistralArgs)
+    }
+}
+
+/// The call format of `template`, if it has a known one.
+pub(super) fn template_format(template: Option<&str>) -> Option<ToolFormat> {
+    ToolFormat::of_template(template).ok()
 }
 
 /// `tool_choice`.
@@ -82,13 +104,19 @@ pub(super) struct ToolCall {
     pub name: String,
     /// Its arguments, a JSON text.
     pub arguments: String,
+    /// The id to return, where the format needs ids of its own; else a fresh one is made.
+    pub id: Option<String>,
 }
 
 impl ToolCall {
-    /// OpenAI's shape of a call, with a fresh id.
+    /// OpenAI's shape of a call.
     pub(super) fn to_json(&self) -> Value {
+        let id = match &self.id {
+            Some(id) => id.clone(),
+            None => format!("call_{}", uuid::Uuid::new_v4().simple()),
+        };
         json!({
-            "id": format!("call_{}", uuid::Uuid::new_v4().simple()),
+            "id": id,
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         })
@@ -137,12 +165,7 @@ pub(super) fn tools(
             ));
         }
         let name = &tool.function.name;
-        let valid = !name.is_empty()
-            && name.len() <= 64
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !valid || defs.iter().any(|d| &d.0 == name) {
+        if !is_valid_name(name) || defs.iter().any(|d| &d.0 == name) {
             return Err(ApiError::invalid_param(
                 &format!("tools[{i}].function.name"),
                 format!("`{name}` must be 1 to 64 of a-z, A-Z, 0-9, _ and -, and unique"),
@@ -195,6 +218,15 @@ pub(super) fn tools(
     }))
 }
 
+/// Whether `name` is a function name OpenAI accepts: 1 to 64 of a-z, A-Z, 0-9, _ and -.
+pub(super) fn is_valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 fn parse_choice(choice: Option<&Value>) -> Result<Choice, ApiError> {
     let bad = || {
         ApiError::invalid_param(
@@ -225,14 +257,20 @@ impl Tools {
         self.choice != Choice::None && self.format.is_some()
     }
 
-    /// The grammar that forces a call (`required`, or a named tool).
-    pub(super) fn forced(&self) -> Option<GrammarSpec> {
+    /// The grammar that forces a call (`required`, or a named tool); `tokenizer` is the
+    /// model's, whose marker tokens the grammar names.
+    pub(super) fn forced(&self, tokenizer: &Tokenizer) -> Option<GrammarSpec> {
         let format = self.format?;
         let callable: Vec<&(String, Value)> = match &self.choice {
             Choice::Required => self.defs.iter().collect(),
             Choice::Named(n) => self.defs.iter().filter(|d| &d.0 == n).collect(),
             Choice::None | Choice::Auto => return None,
         };
+        if format == ToolFormat::MistralArgs {
+            return Some(GrammarSpec::Lark(mistral_calls::args_grammar(
+                &callable, tokenizer,
+            )));
+        }
         let key = format.arguments_key();
         let variants: Vec<Value> = callable
             .iter()
@@ -256,7 +294,23 @@ impl Tools {
                 format!("start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\n{call}")
             }
             ToolFormat::Llama3 => format!("start: call\n{call}"),
+            ToolFormat::MistralJson | ToolFormat::MistralArgs => {
+                mistral_calls::array_grammar(&call, tokenizer)
+            }
         }))
+    }
+
+    /// Control tokens whose text the reply must keep for its calls to be found: the
+    /// markers of Mistral's format, which decode to no text in its vocabularies.
+    pub(super) fn shown_tokens(&self, tokenizer: &Tokenizer) -> Vec<u32> {
+        if !self.format.is_some_and(ToolFormat::is_mistral) {
+            return Vec::new();
+        }
+        mistral_calls::MARKERS
+            .iter()
+            .filter_map(|m| tokenizer.token_id(m))
+            .filter(|&id| tokenizer.token_to_piece(id).is_empty())
+            .collect()
     }
 
     /// The text before the calls (if any) and the calls `text` makes; `None` when it
@@ -273,6 +327,7 @@ impl Tools {
                 let call = call_of(body, &["parameters", "arguments"])?;
                 Some((None, vec![call]))
             }
+            ToolFormat::MistralJson | ToolFormat::MistralArgs => mistral_calls::parse(text),
         }
     }
 }
@@ -299,9 +354,14 @@ fn parse_hermes(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
     Some(((!content.is_empty()).then(|| content.to_owned()), calls))
 }
 
-/// A call from a JSON object with `name` and arguments under one of `keys`.
+/// A call from the text of a JSON object with `name` and arguments under one of `keys`.
 fn call_of(json_text: &str, keys: &[&str]) -> Option<ToolCall> {
     let v: Value = serde_json::from_str(json_text).ok()?;
+    call_of_value(&v, keys)
+}
+
+/// A call from a JSON object with `name` and arguments under one of `keys`.
+pub(super) fn call_of_value(v: &Value, keys: &[&str]) -> Option<ToolCall> {
     let name = v.get("name")?.as_str()?.to_owned();
     let arguments = keys
         .iter()
@@ -313,13 +373,18 @@ fn call_of(json_text: &str, keys: &[&str]) -> Option<ToolCall> {
         Value::String(s) => s,
         other => other.to_string(),
     };
-    Some(ToolCall { name, arguments })
+    Some(ToolCall {
+        name,
+        arguments,
+        id: None,
+    })
 }
 
 /// An assistant message's `tool_calls` as templates read them: each call's `arguments`
-/// as the object it encodes (Hugging Face templates write it with `tojson`).
-pub(super) fn calls_for_template(calls: &[Value]) -> Vec<Value> {
-    calls
+/// as the object it encodes (Hugging Face templates write it with `tojson`), and ids as
+/// a template of `format` accepts them.
+pub(super) fn calls_for_template(calls: &[Value], format: Option<ToolFormat>) -> Vec<Value> {
+    let mut calls: Vec<Value> = calls
         .iter()
         .map(|call| {
             let mut call = call.clone();
@@ -330,12 +395,52 @@ pub(super) fn calls_for_template(calls: &[Value]) -> Vec<Value> {
             }
             call
         })
-        .collect()
+        .collect();
+    if format.is_some_and(ToolFormat::is_mistral) {
+        mistral_calls::calls_with_template_ids(&mut calls);
+    }
+    calls
+}
+
+/// A `tool` message's `tool_call_id` as a template of `format` accepts it: mapped as the
+/// call's own id is in [`calls_for_template`], so the two still match.
+pub(super) fn call_id_for_template(id: String, format: Option<ToolFormat>) -> String {
+    if format.is_some_and(ToolFormat::is_mistral) {
+        mistral_calls::template_id(&id)
+    } else {
+        id
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use tether_model::tokenizer::{TokenType, Vocab};
+
     use super::*;
+
+    /// `<unk>`, `<s>`, `</s>`, the byte tokens, then Mistral's markers as control tokens.
+    fn mistral_tokenizer() -> Tokenizer {
+        let mut tokens = vec!["<unk>".to_string(), "<s>".to_string(), "</s>".to_string()];
+        let mut types = vec![TokenType::Unknown, TokenType::Control, TokenType::Control];
+        for b in 0..=255u8 {
+            tokens.push(format!("<0x{b:02X}>"));
+            types.push(TokenType::Byte);
+        }
+        for marker in ["[TOOL_CALLS]", "[ARGS]"] {
+            tokens.push(marker.to_string());
+            types.push(TokenType::Control);
+        }
+        let vocab = Vocab {
+            model: "llama".into(),
+            scores: vec![0.0; tokens.len()],
+            tokens,
+            token_types: types,
+            bos: Some(1),
+            eos: Some(2),
+            ..Vocab::default()
+        };
+        Tokenizer::from_vocab(vocab).expect("a valid vocabulary")
+    }
 
     fn tools_for(template: &str, choice: Value) -> Tools {
         let defs: Vec<ToolDef> = serde_json::from_value(json!([
@@ -389,17 +494,170 @@ mod tests {
             "<tool_call>",
             json!({"type": "function", "function": {"name": "now"}}),
         );
-        let Some(GrammarSpec::Lark(g)) = named.forced() else {
+        let tokenizer = mistral_tokenizer();
+        let Some(GrammarSpec::Lark(g)) = named.forced(&tokenizer) else {
             panic!("a grammar")
         };
         assert!(g.starts_with("start: \"<tool_call>\\n\""), "{g}");
         assert!(g.contains("\"now\"") && !g.contains("get_weather"), "{g}");
         let required = tools_for("ipython parameters", json!("required"));
-        let Some(GrammarSpec::Lark(g)) = required.forced() else {
+        let Some(GrammarSpec::Lark(g)) = required.forced(&tokenizer) else {
             panic!("a grammar")
         };
         assert!(g.contains("anyOf") && g.contains("\"parameters\""), "{g}");
-        assert!(tools_for("<tool_call>", json!("auto")).forced().is_none());
+        assert!(
+            tools_for("<tool_call>", json!("auto"))
+                .forced(&tokenizer)
+                .is_none()
+        );
+    }
+
+    const MISTRAL_JSON: &str = "[AVAILABLE_TOOLS] ... [TOOL_CALLS] ... [TOOL_RESULTS]";
+    const MISTRAL_ARGS: &str = "[AVAILABLE_TOOLS] ... [TOOL_CALLS]{{ name }}[ARGS]{{ args }}";
+
+    #[test]
+    fn mistral_calls_parse_after_the_text_before_them() {
+        let t = tools_for(MISTRAL_JSON, json!("auto"));
+        let (content, calls) = t
+            .parse("Checking.[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}, \"id\": \"a1b2C3d4E\"}, {\"name\": \"now\", \"arguments\": {}}]")
+            .expect("calls");
+        assert_eq!(content.as_deref(), Some("Checking."));
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].name, "get_weather");
+        assert_eq!(calls[0].arguments, r#"{"city":"Oslo"}"#);
+        assert_eq!(
+            calls[0].id.as_deref(),
+            Some("a1b2C3d4E"),
+            "the model's id is kept"
+        );
+        let fresh = calls[1].id.as_deref().expect("an id is made");
+        assert!(
+            fresh.len() == 9 && fresh.bytes().all(|b| b.is_ascii_alphanumeric()),
+            "{fresh}"
+        );
+        let (content, calls) = t
+            .parse("[TOOL_CALLS][{\"name\": \"now\", \"arguments\": {}}]")
+            .expect("no space, no text");
+        assert_eq!((content, calls.len()), (None, 1));
+        let one = t
+            .parse("[TOOL_CALLS]{\"name\": \"now\", \"arguments\": \"{}\"}")
+            .expect("a lone object");
+        assert_eq!(one.1[0].arguments, "{}");
+    }
+
+    #[test]
+    fn malformed_mistral_calls_stay_text() {
+        let t = tools_for(MISTRAL_JSON, json!("auto"));
+        for text in [
+            "no marker here",
+            "[TOOL_CALLS] [{\"name\": \"now\", \"arguments\": {}",
+            "[TOOL_CALLS] [{not json}]",
+            "[TOOL_CALLS] []",
+            "[TOOL_CALLS] [{\"arguments\": {}}]",
+            "[TOOL_CALLS] [{\"name\": \"now\", \"arguments\": {}}] and then prose",
+            "[TOOL_CALLS]now[ARGS]{broken",
+            "[TOOL_CALLS]two words[ARGS]{}",
+        ] {
+            assert!(t.parse(text).is_none(), "{text}");
+        }
+    }
+
+    #[test]
+    fn mistral_v11_calls_name_each_call_before_its_arguments() {
+        let t = tools_for(MISTRAL_ARGS, json!("auto"));
+        let (content, calls) = t
+            .parse("Sure. [TOOL_CALLS]get_weather[ARGS]{\"city\": \"Rome\"}[TOOL_CALLS]now[CALL_ID]Xy12345ab[ARGS]{}")
+            .expect("calls");
+        assert_eq!(content.as_deref(), Some("Sure."));
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].name, "get_weather");
+        assert_eq!(calls[0].arguments, r#"{"city":"Rome"}"#);
+        assert_eq!(calls[1].name, "now");
+        assert_eq!(calls[1].id.as_deref(), Some("Xy12345ab"));
+        // Either Mistral template family reads the other's form too.
+        let json_form = "[TOOL_CALLS][{\"name\": \"now\", \"arguments\": {}}]";
+        assert!(t.parse(json_form).is_some());
+        let v03 = tools_for(MISTRAL_JSON, json!("auto"));
+        assert!(v03.parse("[TOOL_CALLS]now[ARGS]{}").is_some());
+    }
+
+    #[test]
+    fn forced_mistral_calls_start_with_the_marker_token() {
+        let tokenizer = mistral_tokenizer();
+        let calls = tokenizer
+            .token_id("[TOOL_CALLS]")
+            .expect("in the vocabulary");
+        let args = tokenizer.token_id("[ARGS]").expect("in the vocabulary");
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        let Some(GrammarSpec::Lark(g)) = tools_for(MISTRAL_JSON, named.clone()).forced(&tokenizer)
+        else {
+            panic!("a grammar")
+        };
+        assert!(
+            g.starts_with(&format!("start: <[{calls}]> \" \"? \"[\" call \"]\"")),
+            "{g}"
+        );
+        assert!(g.contains("\"arguments\"") && !g.contains("\"now\""), "{g}");
+        let Some(GrammarSpec::Lark(g)) =
+            tools_for(MISTRAL_ARGS, json!("required")).forced(&tokenizer)
+        else {
+            panic!("a grammar")
+        };
+        assert!(g.starts_with(&format!("start: <[{calls}]> call\n")), "{g}");
+        assert!(
+            g.contains(&format!(
+                "\"get_weather\" <[{args}]> args0 | \"now\" <[{args}]> args1"
+            )),
+            "{g}"
+        );
+        // Without the tokens, the markers are text.
+        let plain = Tokenizer::from_vocab(Vocab {
+            model: "llama".into(),
+            tokens: vec!["<unk>".into(), "<s>".into(), "</s>".into()],
+            scores: vec![0.0; 3],
+            token_types: vec![TokenType::Unknown, TokenType::Control, TokenType::Control],
+            bos: Some(1),
+            eos: Some(2),
+            ..Vocab::default()
+        })
+        .expect("a vocabulary");
+        let Some(GrammarSpec::Lark(g)) = tools_for(MISTRAL_JSON, named).forced(&plain) else {
+            panic!("a grammar")
+        };
+        assert!(g.starts_with("start: \"[TOOL_CALLS]\" \" \"? \"[\""), "{g}");
+        let shown = tools_for(MISTRAL_ARGS, json!("auto")).shown_tokens(&tokenizer);
+        assert_eq!(
+            shown,
+            vec![calls, args],
+            "the markers' text reaches the parser"
+        );
+        assert!(
+            tools_for("<tool_call>", json!("auto"))
+                .shown_tokens(&tokenizer)
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn history_ids_are_mapped_for_mistral_templates_only() {
+        let calls = [json!({"id": "call_1", "type": "function",
+                            "function": {"name": "now", "arguments": "{}"}})];
+        let mistral = template_format(Some(MISTRAL_JSON));
+        let mapped = calls_for_template(&calls, mistral);
+        let id = mapped[0]["id"].as_str().expect("an id");
+        assert!(
+            id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric()),
+            "{id}"
+        );
+        assert_eq!(mapped[0]["function"]["arguments"], json!({}));
+        assert_eq!(
+            call_id_for_template("call_1".into(), mistral),
+            id,
+            "a result matches its call"
+        );
+        let hermes = template_format(Some("<tool_call>"));
+        assert_eq!(calls_for_template(&calls, hermes)[0]["id"], "call_1");
+        assert_eq!(call_id_for_template("call_1".into(), hermes), "call_1");
     }
 
     #[test]
@@ -420,7 +678,6 @@ mod tests {
                 "tool_choice",
             ),
             ("{{ messages }}", json!("auto"), "tools"),
-            ("[TOOL_CALLS]", json!("required"), "tools"),
         ] {
             let e = tools(Some(template), Some(&ok), Some(&choice)).expect_err(template);
             assert_eq!(e.param.as_deref(), Some(param), "{template} {choice}");
