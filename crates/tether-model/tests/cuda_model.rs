@@ -406,3 +406,46 @@ fn greedy_tokens_equal_on_both(file: &GgufFile, what: &str) {
         "{what}: greedy tokens cpu vs cuda"
     );
 }
+
+/// The rows an embedding pools (the output norm's, `Stage::output_normed`) on the GPU
+/// against the reference's last hidden state, over more than one micro-batch, for a plain
+/// llama, Qwen3's per-head norms and Gemma's stored (1 + w) norm gains.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn normed_hidden_states_match_the_reference() {
+    for shape in [
+        SynthShape::Tiny,
+        SynthShape::TinyQwen3,
+        SynthShape::TinyGemma3,
+    ] {
+        let (_tmp, file) = synth(shape, GgmlType::F16);
+        let n = ModelConfig::from_gguf(&file).unwrap().n_layer;
+        let mut stage = load_stage_from_file(gpu(), &file, stage_spec(0, n, true, true)).unwrap();
+        let e = stage.config().n_embd;
+        let ids = prompt(stage.config().n_vocab);
+        let mut h = vec![0.0; ids.len() * e];
+        stage.embed(&ids, &mut h).unwrap();
+        for (k, chunk) in h.chunks_mut(UBATCH * e).enumerate() {
+            let toks: Vec<BatchToken> = (0..chunk.len() / e)
+                .map(|i| BatchToken {
+                    seq: 0,
+                    pos: (k * UBATCH + i) as u32,
+                })
+                .collect();
+            stage.forward(&toks, chunk).unwrap();
+        }
+        let mut got = vec![0.0; ids.len() * e];
+        stage.output_normed(&h, ids.len(), &mut got).unwrap();
+        let want = Reference::load(&file).normed_hidden(&ids);
+        let worst = want
+            .iter()
+            .enumerate()
+            .map(|(p, row)| relative_error(&got[p * e..(p + 1) * e], row))
+            .fold(0f64, f64::max);
+        println!(
+            "{}: normed hidden states, worst relative error {worst:.2e}",
+            shape.name()
+        );
+        assert!(worst < 1e-2, "{}: {worst:e}", shape.name());
+    }
+}
