@@ -493,7 +493,8 @@ impl Generation for Coordinator {
 
     fn stats(&self) -> EngineStats {
         EngineStats {
-            queued: self.submit.max_capacity() - self.submit.capacity(),
+            queued: self.submit.max_capacity() - self.submit.capacity()
+                + self.shared.held.load(Ordering::Relaxed),
             running: self.shared.running.load(Ordering::Relaxed),
             generated_tokens: self.shared.generated_tokens.load(Ordering::Relaxed),
             prompt_tokens: self.shared.prompt_tokens.load(Ordering::Relaxed),

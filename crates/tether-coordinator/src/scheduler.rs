@@ -45,6 +45,9 @@ pub(crate) struct Shared {
     pub health: Mutex<Health>,
     pub plan: Mutex<Option<Plan>>,
     pub running: AtomicUsize,
+    /// Requests taken off the queue that wait for slots (one at most: a request of
+    /// several choices waiting for room for all of them, or one for the next model).
+    pub held: AtomicUsize,
     pub generated_tokens: AtomicU64,
     pub prompt_tokens: AtomicU64,
     /// Prompt tokens whose KV cells were reused instead of prefilled.
@@ -57,6 +60,7 @@ impl Shared {
             health: Mutex::new(health),
             plan: Mutex::new(plan),
             running: AtomicUsize::new(0),
+            held: AtomicUsize::new(0),
             generated_tokens: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             prefix_hit_tokens: AtomicU64::new(0),
@@ -469,6 +473,9 @@ impl Scheduler {
         truncate_slots(stages, &mut self.to_truncate).await?;
         clear_slots(stages, &mut self.to_clear).await?;
         self.admit();
+        self.shared
+            .held
+            .store(usize::from(self.held.is_some()), Ordering::Relaxed);
         Ok(())
     }
 

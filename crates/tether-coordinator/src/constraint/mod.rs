@@ -186,6 +186,14 @@ impl Allowed<'_> {
             self.mask.is_allowed(token)
         }
     }
+
+    /// The only token allowed, when the grammar may not end here and allows exactly one.
+    pub(crate) fn single(&self) -> Option<u32> {
+        if self.accepting || self.mask.num_set() != 1 {
+            return None;
+        }
+        self.mask.first_bit_set().map(|t| t as u32)
+    }
 }
 
 #[cfg(test)]

@@ -47,6 +47,16 @@ impl Constraint {
         }))
     }
 
+    /// The one token the grammar allows next, when it allows exactly one and may not end
+    /// here (nor is that token one that `ends` the generation): any draw would give it.
+    pub(crate) fn forced(
+        &mut self,
+        ends: &dyn Fn(u32) -> bool,
+    ) -> Result<Option<u32>, ConstraintError> {
+        let next = self.allowed()?;
+        Ok(next.single().filter(|&t| !ends(t)))
+    }
+
     /// Draws from a row's every logit, the tokens the grammar does not allow set to
     /// `-inf`. `None` when the grammar allows no token at all.
     pub(crate) fn pick_full(

@@ -208,3 +208,22 @@ fn a_draw_among_top_candidates_needs_every_logit_when_none_is_allowed() {
         Some(byte(b'a'))
     );
 }
+
+#[test]
+fn a_token_the_grammar_forces_is_known_without_logits() {
+    let t = byte_tokenizer();
+    let grammars = Grammars::for_tokenizer(&t).expect("grammars");
+    let ends = |id: u32| id == EOS;
+    let mut c = grammars
+        .compile(&GrammarSpec::Lark(r#"start: "ab" | "ac""#.into()))
+        .expect("compiles");
+    assert_eq!(c.forced(&ends).expect("matcher"), Some(byte(b'a')));
+    c.advance(byte(b'a')).expect("advances");
+    assert_eq!(c.forced(&ends).expect("matcher"), None, "b or c");
+    assert!(c.advance(byte(b'b')).expect("advances"), "complete");
+    // A forced token that would end the generation is not taken.
+    let mut c = grammars
+        .compile(&GrammarSpec::Lark(r#"start: "a""#.into()))
+        .expect("compiles");
+    assert_eq!(c.forced(&|id| id == byte(b'a')).expect("matcher"), None);
+}

@@ -358,6 +358,8 @@ async fn choices_wait_together_for_enough_slots_never_starting_in_part() {
         );
     }
     assert!(!pair.is_finished());
+    // The waiting request counts as queued, though the scheduler holds it off the queue.
+    assert_eq!(engine.stats().queued, 1, "the request of two is queued");
     drop(stream);
     let reply = tokio::time::timeout(Duration::from_secs(20), pair)
         .await

@@ -21,6 +21,7 @@ pub(super) fn pick(
         tokens,
         constraint,
         stop_tokens,
+        logprobs,
         ..
     } = seq;
     let ends = |t: u32| tokenizer.is_eog(t) || stop_tokens.contains(&t);
@@ -49,12 +50,20 @@ pub(super) fn pick(
         RowsOut::Top { starts, candidates }
         | RowsOut::Scored {
             starts, candidates, ..
-        } => c.pick_top(
+        } => match c.pick_top(
             sampler,
             &candidates[starts[row]..starts[row + 1]],
             tokens,
             &ends,
-        ),
+        )? {
+            // A token the grammar forces needs no logits to be drawn (JSON's punctuation
+            // and keys, which a model may rank below its top candidates), unless its
+            // log-probability is to be reported.
+            Picked::NeedLogits if logprobs.is_none() => {
+                Ok(c.forced(&ends)?.map_or(Picked::NeedLogits, Picked::Token))
+            }
+            picked => Ok(picked),
+        },
         // Constrained rows never ask for arg-max tokens (`Sequence::samples_greedily`), nor
         // sit in embedding batches.
         RowsOut::ArgMax(_) | RowsOut::Embeddings(_) => Ok(Picked::NeedLogits),
