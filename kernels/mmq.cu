@@ -1,24 +1,25 @@
-// Products of 17 to a few dozen tokens over quantized weights on the int8 tensor cores,
-// read straight from their blocks: no f16 copy of the weight is made. The activations come
-// quantized once to 8 bits per 32 values (xq [nt][cols], (scale, scale * sum) pairs
-// xds [nt][cols / 32], as quantize_q8 writes them).
+// Products of 17 to a few dozen tokens over quantized weights on the tensor cores, read
+// straight from their blocks: no f16 copy of the weight is made in memory. The tokens come
+// as f16 scaled per token by a power of two into [-1, 1] (xh [nt][cols] and the scales
+// xs [nt], as mmq_tokens_f16 writes them): a token of any range converts without
+// overflow, and the sums are scaled back when they are written.
 //
 // A block computes MMQ_ROWS weight rows x MMQ_TOKENS tokens; each of its 4 warps takes 16
-// rows against every token. A warp reads its rows' quants from global memory straight into
-// the registers of mma m16n8k32's A fragments (m16n8k16 for Q6_K, whose scales cover 16
-// values), as signed bytes, with their scales (and for Q4_K / Q5_K the mins), a set of
-// MMQ_HG groups of 32 columns ahead of the one it multiplies: every weight byte is read once
-// per token tile, and never goes through shared memory. The tokens' 8-bit values and
-// scales, which all four warps read, are staged in shared memory MMQ_K columns at a time.
-// Each group's int32 sums times the weight scale times the activation scale (less min x
-// activation sum) are added to f32 accumulators. A tile whose batch ends in its first half
-// multiplies only that half.
+// rows against every token. A warp reads its rows' quants (with their scales, and for Q4_K
+// / Q5_K the mins) from global memory straight into registers, a set of MMQ_HG groups of 32
+// columns ahead of the one it multiplies, and turns them there into the f16 A fragments of
+// mma m16n8k16 (a byte permute, a subtraction and a multiply-add per two values), which add
+// into f32 accumulators: every weight byte is read once per token tile, never goes through
+// shared memory, and no per-group scaling of the sums is left. The tokens, which all four
+// warps read, are staged in shared memory MMQ_K columns at a time. A tile whose batch ends in
+// its first half multiplies only that half. The values are those of the f16 GEMM path (f16
+// weights and tokens, f32 sums).
 //
 // Launch: blockDim.x = MMQ_THREADS, grid (ceil(nt / MMQ_TOKENS), ceil(rows / MMQ_ROWS),
 // splits); split z takes chunks [z * k_chunks, (z + 1) * k_chunks) of MMQ_K columns and
 // writes its partial sums at dst + z * split_stride, element (t, r) at t * ldd + r
 // (gemm_reduce adds them); with one split that is the result, added to what dst holds
-// when `accumulate`. cols is a multiple of 32 (of 256 for K-quants and packed rows), xq
+// when `accumulate`. cols is a multiple of 32 (of 256 for K-quants and packed rows), xh
 // rows 16-byte aligned. Rows and tokens past the ends read as zero and are never written.
 // Needs sm_80 (the host launches it only there).
 
@@ -26,9 +27,9 @@
 #define MMQ_TOKENS 64
 #define MMQ_K 256
 #define MMQ_THREADS 128
-// Shared-memory row pitch in bytes: 272 puts the 8 rows one fragment load touches on
-// different banks.
-#define MMQ_LD (MMQ_K + 16)
+// Shared-memory row pitch of the tokens, in halves: 544 bytes puts the 8 rows one fragment
+// load touches on different banks.
+#define MMQ_LDH (MMQ_K + 16)
 
 // 4 bytes at a 2-byte aligned address (GGUF's Q4_0 / Q8_0 / Q6_K blocks).
 __device__ __forceinline__ u32 mmq_ld32_2(const u8* p) {
@@ -133,37 +134,45 @@ __device__ __forceinline__ void mmq_scale(const u8* row, int grp, float* s, floa
     }
 }
 
-// The mmas below start their int32 sums at the bits of 1.5 * 2^23: a sum c (|c| < 2^22) then
-// reads as the float 1.5 * 2^23 + c exactly, and one subtraction makes it a float. An
-// int-to-float conversion runs at a quarter of the rate of a float add on sm_80 and sm_90
-// (on an H100 the two measured within their spread: these kernels wait on latency more).
-#define MMQ_MAGIC_BITS 0x4B400000
-#define MMQ_MAGIC 12582912.0f
-__device__ __forceinline__ float mmq_f(int c) { return __int_as_float(c) - MMQ_MAGIC; }
-
-// mma m16n8k16 (s8): A registers 0 and 1 hold elements 4t..4t+3 of rows g and g + 8, B's
-// one register elements 4t..4t+3 of token g; C as m16n8k32's.
-__device__ __forceinline__ void mmq_mma16(int (&c)[4], u32 a0, u32 a1, u32 b0) {
+// mma m16n8k16 with f16 inputs, accumulating into c; not volatile so that the compiler
+// may interleave it with the loads.
+__device__ __forceinline__ void mmq_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                        u32 b1) {
 #if __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
-        "{%4, %5}, {%6}, {%7, %7, %7, %7};"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a0), "r"(a1), "r"(b0), "r"(MMQ_MAGIC_BITS));
-#else
-    c[0] = c[1] = c[2] = c[3] = MMQ_MAGIC_BITS;
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #endif
 }
 
-// mma m16n8k32 (s8), not volatile so that the compiler may interleave it with the loads.
-__device__ __forceinline__ void mmq_mma32(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-#if __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(MMQ_MAGIC_BITS));
-#else
-    c[0] = c[1] = c[2] = c[3] = MMQ_MAGIC_BITS;
-#endif
+// f16 pairs in 32-bit registers (NVRTC compiles these kernels without cuda_fp16.h).
+__device__ __forceinline__ u32 h2_sub(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ u32 h2_of(float f) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f));
+    return d;
+}
+
+// Four quant bytes (signed, or unsigned for the types with a min) as two f16 pairs,
+// bytes (0, 2) and (1, 3), each times scale s plus nm (minus the min): 0x64XX is the f16
+// 1024 + XX, so a byte permute and one subtraction make a byte an exact f16.
+template <bool UNSIGNED>
+__device__ __forceinline__ void mmq_halves(u32 v, u32 s, u32 nm, u32* lo, u32* hi) {
+    const u32 u = UNSIGNED ? v : v ^ 0x80808080u;
+    // 1024 (0x6400) or 1024 + 128 (0x6480) in both halves.
+    const u32 bias = UNSIGNED ? 0x64006400u : 0x64806480u;
+    *lo = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4240), bias), s, nm);
+    *hi = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4341), bias), s, nm);
 }
 
 // Groups of 32 columns whose weights one warp holds in registers at a time, and loads one
@@ -210,22 +219,20 @@ __device__ __forceinline__ void mmq_frag_load(MmqFrag& f, const u8* wa, const u8
 }
 
 // Each warp takes 16 of the block's rows against all of its tokens. Its weights go from
-// global memory straight into registers in the mma's fragment layout, a half chunk ahead
-// of their use: every weight byte is read once per token tile and never goes through shared
-// memory. The tokens' 8-bit values and scales, which all four warps read, are staged in
-// shared memory a chunk at a time.
+// global memory straight into registers, a set of groups ahead of their use, and become
+// f16 mma fragments there: every weight byte is read once per token tile and never goes
+// through shared memory. The tokens (f16), which all four warps read, are staged in shared
+// memory a chunk at a time, each 4 values stored as (0, 2, 1, 3) so that one 8-byte load
+// is a thread's two B registers.
 template <int TY, int NI>
 __device__ __forceinline__ void mmq_block(const u8* __restrict__ w, u64 row_bytes, int rows,
-                                          int cols, const i8* __restrict__ xq,
-                                          const float2* __restrict__ xds, int nt, int k_chunks,
-                                          float* __restrict__ dst, int ldd, u64 split_stride,
-                                          int accumulate) {
+                                          int cols, const u16* __restrict__ xh,
+                                          const float* __restrict__ xs, int nt,
+                                          int k_chunks, float* __restrict__ dst, int ldd,
+                                          u64 split_stride, int accumulate) {
     constexpr int SUB = mmq_sub<TY>();
     constexpr bool MIN = mmq_has_min<TY>();
-    constexpr int G = MMQ_K / 32;
-    __shared__ __align__(16) i8 sx[MMQ_TOKENS * MMQ_LD];
-    // Token-minor, so that a thread's two tokens are one 16-byte load.
-    __shared__ __align__(16) float2 sxd[G][MMQ_TOKENS];
+    __shared__ __align__(16) u16 sx[MMQ_TOKENS * MMQ_LDH];
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int gid = lane >> 2, tig = lane & 3;
@@ -237,37 +244,27 @@ __device__ __forceinline__ void mmq_block(const u8* __restrict__ w, u64 row_byte
     const int total_chunks = (cols + MMQ_K - 1) / MMQ_K;
     const int c0 = blockIdx.z * k_chunks;
     const int c1 = min(c0 + k_chunks, total_chunks);
-    const int groups32 = cols / 32;
 
     // Only the first NI tiles of 8 tokens hold tokens (the rest of a short batch's tile is
     // zeros, never multiplied).
     float acc[NI][4];
 #pragma unroll
-    for (int j = 0; j < MMQ_TOKENS / 8; j++)
+    for (int j = 0; j < NI; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
 
-    constexpr int NX = MMQ_TOKENS * (MMQ_K / 16) / MMQ_THREADS;
-    constexpr int ND = MMQ_TOKENS * G / MMQ_THREADS;
+    // A chunk of tokens: 8 halves a thread a step.
+    constexpr int NX = MMQ_TOKENS * (MMQ_K / 8) / MMQ_THREADS;
     uint4 rx[NX];
-    float2 rd[ND];
     auto load_x = [&](int chunk) {
         const int k0 = chunk * MMQ_K;
 #pragma unroll
         for (int it = 0; it < NX; it++) {
             int i = tid + it * MMQ_THREADS;
-            int t = i / (MMQ_K / 16), c = (i % (MMQ_K / 16)) * 16;
+            int t = i / (MMQ_K / 8), c = (i % (MMQ_K / 8)) * 8;
             rx[it] = t0 + t < nt && k0 + c < cols
-                         ? *(const uint4*)(xq + (u64)(t0 + t) * cols + k0 + c)
+                         ? *(const uint4*)(xh + (u64)(t0 + t) * cols + k0 + c)
                          : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int it = 0; it < ND; it++) {
-            int i = tid + it * MMQ_THREADS;
-            int t = i / G, g = i % G;
-            rd[it] = t0 + t < nt && k0 / 32 + g < groups32
-                         ? xds[(u64)(t0 + t) * groups32 + k0 / 32 + g]
-                         : make_float2(0.0f, 0.0f);
         }
     };
 
@@ -280,12 +277,12 @@ __device__ __forceinline__ void mmq_block(const u8* __restrict__ w, u64 row_byte
 #pragma unroll
         for (int it = 0; it < NX; it++) {
             int i = tid + it * MMQ_THREADS;
-            *(uint4*)&sx[(i / (MMQ_K / 16)) * MMQ_LD + (i % (MMQ_K / 16)) * 16] = rx[it];
-        }
-#pragma unroll
-        for (int it = 0; it < ND; it++) {
-            int i = tid + it * MMQ_THREADS;
-            sxd[i % G][i / G] = rd[it];
+            uint4 v = rx[it], o;
+            o.x = __byte_perm(v.x, v.y, 0x5410);
+            o.y = __byte_perm(v.x, v.y, 0x7632);
+            o.z = __byte_perm(v.z, v.w, 0x5410);
+            o.w = __byte_perm(v.z, v.w, 0x7632);
+            *(uint4*)&sx[(i / (MMQ_K / 8)) * MMQ_LDH + (i % (MMQ_K / 8)) * 8] = o;
         }
         __syncthreads();
         if (chunk + 1 < c1) load_x(chunk + 1);
@@ -300,32 +297,25 @@ __device__ __forceinline__ void mmq_block(const u8* __restrict__ w, u64 row_byte
 #pragma unroll
             for (int gg = 0; gg < MMQ_HG; gg++) {
                 const int g = h * MMQ_HG + gg;
-                const int kb = g * 32 + 4 * tig;
+                // A fragments of the group's two halves of 16 columns: rows g and g + 8,
+                // values 4t.. of each half.
+                u32 a[2][4];
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const int si = SUB == 16 ? half : 0;
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
+                        mmq_halves<MIN>(cur.q[gg][2 * half + r], h2_of(cur.s[gg][r][si]),
+                                        h2_of(MIN ? -cur.m[gg][r] : 0.0f), &a[half][r],
+                                        &a[half][2 + r]);
+                    }
+                }
 #pragma unroll
                 for (int ni = 0; ni < NI; ni++) {
-                    const i8* p = &sx[(ni * 8 + gid) * MMQ_LD + kb];
-                    const u32 b0 = *(const u32*)p, b1 = *(const u32*)(p + 16);
-                    const float4 xd = *(const float4*)&sxd[g][ni * 8 + 2 * tig];
-                    const float xs[2] = {xd.x, xd.z}, xm[2] = {xd.y, xd.w};
-                    if (SUB == 32) {
-                        int c[4];
-                        mmq_mma32(c, cur.q[gg], b0, b1);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            acc[ni][e] += mmq_f(c[e]) * (cur.s[gg][e >> 1][0] * xs[e & 1]);
-                            if (MIN) acc[ni][e] -= cur.m[gg][e >> 1] * xm[e & 1];
-                        }
-                    } else {
-                        int c[4], d[4];
-                        mmq_mma16(c, cur.q[gg][0], cur.q[gg][1], b0);
-                        mmq_mma16(d, cur.q[gg][2], cur.q[gg][3], b1);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            float v = mmq_f(c[e]) * cur.s[gg][e >> 1][0] +
-                                      mmq_f(d[e]) * cur.s[gg][e >> 1][1];
-                            acc[ni][e] += v * xs[e & 1];
-                        }
-                    }
+                    const u16* p = &sx[(ni * 8 + gid) * MMQ_LDH + g * 32 + 4 * tig];
+                    const uint2 b0 = *(const uint2*)p, b1 = *(const uint2*)(p + 16);
+                    mmq_mma(acc[ni], a[0][0], a[0][1], a[0][2], a[0][3], b0.x, b0.y);
+                    mmq_mma(acc[ni], a[1][0], a[1][1], a[1][2], a[1][3], b1.x, b1.y);
                 }
             }
             cur = nxt;
@@ -342,21 +332,22 @@ __device__ __forceinline__ void mmq_block(const u8* __restrict__ w, u64 row_byte
             int t = t0 + ni * 8 + 2 * tig + (e & 1);
             if (r < rows && t < nt) {
                 float* o = dst + (u64)t * ldd + r;
-                *o = accumulate ? *o + acc[ni][e] : acc[ni][e];
+                float v = acc[ni][e] * xs[t];
+                *o = accumulate ? *o + v : v;
             }
         }
 }
 
 #define MMQ_ENTRY(name, ty)                                                                    \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                                 \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS)                 \
         name(const u8* __restrict__ w, u64 row_bytes, int rows, int cols,                     \
-             const i8* __restrict__ xq, const float2* __restrict__ xds, int nt, int k_chunks, \
+             const u16* __restrict__ xh, const float* __restrict__ xs, int nt, int k_chunks, \
              float* __restrict__ dst, int ldd, u64 split_stride, int accumulate) {            \
         if (nt - (int)blockIdx.x * MMQ_TOKENS > MMQ_TOKENS / 2) {                              \
-            mmq_block<ty, MMQ_TOKENS / 8>(w, row_bytes, rows, cols, xq, xds, nt, k_chunks, dst,  \
+            mmq_block<ty, MMQ_TOKENS / 8>(w, row_bytes, rows, cols, xh, xs, nt, k_chunks, dst,   \
                                           ldd, split_stride, accumulate);                      \
         } else {                                                                               \
-            mmq_block<ty, MMQ_TOKENS / 16>(w, row_bytes, rows, cols, xq, xds, nt, k_chunks, dst, \
+            mmq_block<ty, MMQ_TOKENS / 16>(w, row_bytes, rows, cols, xh, xs, nt, k_chunks, dst,  \
                                            ldd, split_stride, accumulate);                     \
         }                                                                                      \
     }
@@ -371,3 +362,29 @@ MMQ_ENTRY(mmq_q6_k, TY_Q6_K)
 MMQ_ENTRY(mmq_q6_kp, TY_Q6_KP)
 MMQ_ENTRY(mmq_iq4_xs, TY_IQ4_XS)
 MMQ_ENTRY(mmq_iq4_xsp, TY_IQ4_XSP)
+
+// Token t of x (cols f32) as f16 times 1 / xs[t], xs[t] the least power of two at or above
+// its largest magnitude (1 for a row of zeros): dividing by a power of two is exact, so
+// only the f16 rounding remains. Launch: one block of MMQ_THREADS per token.
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS)
+    mmq_tokens_f16(const float* __restrict__ x, int cols, u16* __restrict__ xh,
+                   float* __restrict__ xs) {
+    __shared__ float part[MMQ_THREADS / 32];
+    const u64 t = blockIdx.x;
+    const float* row = x + t * cols;
+    float m = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += MMQ_THREADS) m = fmaxf(m, fabsf(row[c]));
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MMQ_THREADS / 32; i++) m = fmaxf(m, part[i]);
+    // The exponent of m, rounded up: frexp gives m = f * 2^e with f in [0.5, 1).
+    int e = 0;
+    float f = frexpf(m, &e);
+    const float s = m > 0.0f && isfinite(m) ? ldexpf(1.0f, f == 0.5f ? e - 1 : e) : 1.0f;
+    const float inv = 1.0f / s;
+    for (int c = threadIdx.x; c < cols; c += MMQ_THREADS) xh[t * cols + c] = f2h(row[c] * inv);
+    if (threadIdx.x == 0) xs[t] = s;
+}

@@ -1,4 +1,4 @@
-//! Products of 17 to 256 tokens on the int8 tensor cores straight from quantized blocks
+//! Products of 17 to 256 tokens on the tensor cores straight from quantized blocks
 //! (kernels/mmq.cu) for Q4_0, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS, packed and in GGUF's
 //! layout: every result equals the cpu backend's within the 8-bit activations' error, at
 //! row counts that end inside a tile, token counts that end inside a tile, rows whose
@@ -20,7 +20,7 @@ use common::{Rng, cpu, f32_bytes, get, gpu, put, random_weights};
 
 type GpuBuffer = <CudaBackend as Backend>::Buffer;
 
-/// The GPU with the 8-bit products (off by default) on for 17 to 256 tokens.
+/// The GPU with the tensor-core products from quantized blocks on for 17 to 256 tokens.
 fn mmq_gpu() -> CudaBackend {
     gpu().with_mmq_max_tokens(256)
 }
@@ -102,12 +102,13 @@ fn mmq_products_split_k_and_many_tiles_give_the_cpus() {
 #[ignore = "needs a CUDA GPU"]
 fn mmq_batches_of_fused_products_give_the_cpus() {
     // q/k/v and gate/up/down over batches the fused decode kernels do not take: each runs
-    // as its own 8-bit product here.
+    // as its own product from the quantized blocks here.
     let (g, c) = (mmq_gpu(), cpu());
     let mut rng = Rng(79);
-    // Q4_K: the down projection meets the gate/up output (wide-ranged) quantized in blocks
-    // of 32 here and of 256 on the cpu; 2.4% apart at 17 tokens on an H200.
-    for (ty, tol) in [(GgmlType::Q4_0, 1e-2), (GgmlType::Q4K, 3e-2)] {
+    // The down projection meets the gate/up output (wide-ranged) as f16 here and quantized
+    // to 8 bits on the cpu (in blocks of 256 for Q4_K): 1.09% apart for Q4_0 at 100 tokens
+    // on an H100, 2.4% for Q4_K at 17 on an H200 (when both sides took 8-bit tokens).
+    for (ty, tol, down_tol) in [(GgmlType::Q4_0, 1e-2, 2e-2), (GgmlType::Q4K, 3e-2, 3e-2)] {
         let mut rig = Rig {
             g: &g,
             c: &c,
@@ -117,7 +118,7 @@ fn mmq_batches_of_fused_products_give_the_cpus() {
         };
         let tokens = [17usize, 100];
         rig.qkv([ty; 3], &tokens, tol);
-        rig.gate_up_down(ty, &tokens, tol, tol);
+        rig.gate_up_down(ty, &tokens, tol, down_tol);
     }
 }
 

@@ -97,15 +97,15 @@ impl GemmWorkspace {
         self.w16.bytes() + self.x16.bytes() + self.partials.bytes()
     }
 
-    /// The workspace as the 8-bit products (mmq.rs) use it: (8-bit activations, their
-    /// scales, split-K partials) addresses; [`MMQ_XQ_BYTES`] bytes of activations,
-    /// a quarter of that of scales (8 bytes a block of 32), [`PARTIAL_ELEMS`] partials.
+    /// The workspace as the products from quantized blocks (mmq.rs) use it: (f16 tokens,
+    /// an area of a quarter of [`MMQ_XQ_BYTES`] they do not use, split-K partials)
+    /// addresses; [`MMQ_XQ_BYTES`] bytes of tokens, [`PARTIAL_ELEMS`] partials.
     pub(super) fn mmq_areas(&self) -> (u64, u64, u64) {
         (self.x16.ptr(), self.w16.ptr(), self.partials.ptr())
     }
 }
 
-/// Bytes of 8-bit activations the products of mmq.rs quantize into the f16 token chunk.
+/// Bytes of tokens the products of mmq.rs convert to f16 into the f16 token chunk.
 pub(super) const MMQ_XQ_BYTES: usize = X16_ELEMS * 2;
 // Their scales take a quarter of that in the (larger) f16 weight chunk.
 const _: () = assert!(MMQ_XQ_BYTES / 4 <= W16_ELEMS * 2);

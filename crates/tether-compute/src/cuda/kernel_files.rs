@@ -440,6 +440,7 @@ pub(super) const FILES: &[KernelFile] = &[
             "mmq_q6_kp",
             "mmq_iq4_xs",
             "mmq_iq4_xsp",
+            "mmq_tokens_f16",
         ],
     },
     KernelFile {

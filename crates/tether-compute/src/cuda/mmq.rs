@@ -28,14 +28,14 @@ const MAX_ROW_TILES: usize = 65_535;
 
 /// The largest batch these kernels take unless [`super::CudaTuning::mmq_max_tokens`] says
 /// otherwise. On an H100 (llama3-8b's products of a layer, `cuda_mmq bench_`) they take
-/// 0.58-0.77x of the time of the f16 GEMM path for Q4_K and Q6_K at 17-64 tokens, and
-/// 0.48-0.81x for Q4_0 / Q8_0 at 32-64; past 64 a second token tile reads every weight
-/// again and the GEMM wins for the K-quants.
+/// 0.55-0.62x of the time of the f16 GEMM path for Q4_K and Q6_K at 17-64 tokens, and
+/// 0.47-0.82x for Q4_0 / Q8_0 at 32-64; past 64 a second token tile reads every weight
+/// again and at 128 the GEMM is as fast for the K-quants.
 pub(crate) const MMQ_MAX_TOKENS: usize = 64;
 /// Below this the decode kernels (launches of 8 tokens reading each weight once) win.
 pub(crate) const MMQ_MIN_TOKENS: usize = 17;
 /// Q4_0 and Q8_0 have faster decode kernels than the other types: below this many tokens
-/// those stay ahead (at 17 tokens these kernels took 1.08x / 1.0x of their time on the H100).
+/// those are as fast (265 against 268 us a layer at 17 tokens on the H100).
 const MMQ_MIN_TOKENS_LEGACY: usize = 32;
 
 /// Blocks per multiprocessor K is split to fill (2, 4 and 8 measured on an H100: 2 was
@@ -101,31 +101,40 @@ impl CudaBackend {
         self
     }
 
-    /// The product of `a` with `kernel` (from [`mmq_kernel`]): the tokens quantized to
-    /// 8-bit blocks once, then one launch per chunk of tokens the workspace holds, K split
+    /// The product of `a` with `kernel` (from [`mmq_kernel`]): the tokens converted to f16
+    /// once, then one launch per chunk of tokens the workspace holds, K split
     /// across blocks when the tiles alone leave the GPU idle (partials summed in a fixed
     /// order by gemm.cu's `gemm_reduce`, so results are deterministic).
     pub(super) fn mmq(&self, a: &MatmulArgs, kernel: &str) -> Result<()> {
         const OP: &str = "matmul";
         let rb = row_bytes(OP, a.ty, a.cols)?;
         let (rows_arg, cols_arg) = (int(OP, "rows", a.rows)?, int(OP, "cols", a.cols)?);
-        let token_chunk = MMQ_XQ_BYTES / a.cols;
+        // The tokens as f16, in the workspace's f16 token area.
+        let token_chunk = MMQ_XQ_BYTES / 2 / a.cols;
         if token_chunk == 0 {
             return Err(shape_err(
                 OP,
-                format!(
-                    "{} columns do not fit the 8-bit activation workspace",
-                    a.cols
-                ),
+                format!("{} columns do not fit the f16 token workspace", a.cols),
             ));
         }
         let chunks = a.cols.div_ceil(K_CHUNK);
         // Held while enqueuing, as the GEMM holds it (one stream orders the calls).
         let ws = self.lock_gemm();
-        let (xq, xds, partials) = ws.mmq_areas();
+        let (xh, xs, partials) = ws.mmq_areas();
         for t0 in (0..a.n_tokens).step_by(token_chunk) {
             let nt = (a.n_tokens - t0).min(token_chunk);
-            self.quantize_q8(a.x + (t0 * a.cols * 4) as u64, a.cols, nt, xq, xds)?;
+            let args = [
+                Arg::Ptr(a.x + (t0 * a.cols * 4) as u64),
+                cols_arg,
+                Arg::Ptr(xh),
+                Arg::Ptr(xs),
+            ];
+            let cfg = LaunchConfig {
+                grid_dim: (nt as u32, 1, 1),
+                block_dim: (BLOCK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.run("mmq_tokens_f16", cfg, &args)?;
             let (m_tiles, n_tiles) = (a.rows.div_ceil(TILE_ROWS), nt.div_ceil(TILE_TOKENS));
             // split_k counts K in GEMM tiles of 32 columns; a split here is whole chunks.
             let (_, per_split) = split_k(
@@ -154,8 +163,8 @@ impl CudaBackend {
                 Arg::U64(rb as u64),
                 rows_arg,
                 cols_arg,
-                Arg::Ptr(xq),
-                Arg::Ptr(xds),
+                Arg::Ptr(xh),
+                Arg::Ptr(xs),
                 Arg::I32(nt as i32),
                 Arg::I32(per_split as i32),
                 Arg::Ptr(dst),
