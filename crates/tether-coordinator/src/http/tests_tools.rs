@@ -296,7 +296,7 @@ async fn tool_results_in_the_history_reach_the_template() {
 
 /// The `openai` Python package against the server, when it is installed (CI installs it).
 #[tokio::test]
-async fn the_openai_python_client_gets_tool_calls() {
+async fn the_openai_python_client_gets_tool_calls_json_and_embeddings() {
     let has_openai = tokio::process::Command::new("python3")
         .args(["-c", "import openai"])
         .output()
@@ -306,19 +306,18 @@ async fn the_openai_python_client_gets_tool_calls() {
         eprintln!("skipped: the openai Python package is not installed (pip install openai)");
         return;
     }
-    let server = server(&templated_model("llama3-openai.gguf", LLAMA3_TEMPLATE)).await;
     let script = r#"
 import json, sys, openai
 client = openai.OpenAI(base_url=sys.argv[1], api_key="unused")
 tools = json.loads(sys.argv[2])
-r = client.chat.completions.create(model="llama3-openai", messages=[{"role": "user", "content": "Weather?"}],
+r = client.chat.completions.create(model=sys.argv[4], messages=[{"role": "user", "content": "Weather?"}],
     tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=200, seed=1)
 c = r.choices[0]
 assert c.finish_reason == "tool_calls", c
 call = c.message.tool_calls[0]
 args = json.loads(call.function.arguments)
 assert call.function.name == "get_weather" and set(args) == {"city", "unit"}, call
-stream = client.chat.completions.create(model="llama3-openai", messages=[{"role": "user", "content": "Weather?"}],
+stream = client.chat.completions.create(model=sys.argv[4], messages=[{"role": "user", "content": "Weather?"}],
     tools=tools, tool_choice="required", max_tokens=200, seed=2, stream=True)
 names, finish = [], None
 for chunk in stream:
@@ -327,29 +326,43 @@ for chunk in stream:
         names.append(tc.function.name)
     finish = chunk.choices[0].finish_reason or finish
 assert finish == "tool_calls" and names and names[0] in ("get_weather", "now"), (finish, names)
-j = client.chat.completions.create(model="llama3-openai", messages=[{"role": "user", "content": "JSON"}],
+j = client.chat.completions.create(model=sys.argv[4], messages=[{"role": "user", "content": "JSON"}],
     response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": json.loads(sys.argv[3])}},
     max_tokens=200, seed=3)
 json.loads(j.choices[0].message.content)
+# The client asks for base64 vectors unless told otherwise, and decodes them.
+e = client.embeddings.create(model=sys.argv[4], input=["ba be", "bi"])
+assert [d.index for d in e.data] == [0, 1], e
+assert abs(sum(x * x for x in e.data[0].embedding) - 1) < 1e-3, e.data[0]
+f = client.embeddings.create(model=sys.argv[4], input="bo", encoding_format="float", dimensions=4)
+assert len(f.data[0].embedding) == 4, f
 print("ok")
 "#;
-    let base = format!("http://{}/v1", server.addr);
-    let out = tokio::process::Command::new("python3")
-        .args([
-            "-c",
-            script,
-            &base,
-            &tool_list().to_string(),
-            &weather_schema().to_string(),
-        ])
-        .output()
-        .await
-        .expect("running python3");
-    assert!(
-        out.status.success(),
-        "stdout: {}\nstderr: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    server.stop().await;
+    // A Qwen/Hermes template and a Llama 3 one: each format's calls through the client.
+    for (name, template) in [
+        ("hermes-openai", HERMES_TEMPLATE),
+        ("llama3-openai", LLAMA3_TEMPLATE),
+    ] {
+        let server = server(&templated_model(&format!("{name}.gguf"), template)).await;
+        let base = format!("http://{}/v1", server.addr);
+        let out = tokio::process::Command::new("python3")
+            .args([
+                "-c",
+                script,
+                &base,
+                &tool_list().to_string(),
+                &weather_schema().to_string(),
+                name,
+            ])
+            .output()
+            .await
+            .expect("running python3");
+        assert!(
+            out.status.success(),
+            "stdout: {}\nstderr: {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        server.stop().await;
+    }
 }
