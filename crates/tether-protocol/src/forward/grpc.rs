@@ -215,4 +215,23 @@ mod tests {
         short.target_logits.pop();
         assert!(output_from_proto(short, 2, Rows::LogProbs(2)).is_err());
     }
+
+    #[test]
+    fn embedding_calls_and_replies_survive_the_round_trip() {
+        let session = SessionId::new_random();
+        let tokens = [TokenPos { seq: 0, pos: 0 }, TokenPos { seq: 0, pos: 1 }];
+        let input = ForwardInput::TokenIds(vec![3, 9]);
+        let req = request_to_proto(session, &tokens, &input, &[0, 1], Rows::Embeddings, &[]);
+        let (_, call) = request_from_proto(req.clone()).unwrap();
+        assert_eq!(call.rows, Rows::Embeddings);
+        let mut both = req;
+        both.argmax = true;
+        assert!(request_from_proto(both).is_err(), "argmax and embeddings");
+        let out = ForwardOutput::Embeddings(vec![0.5, -1.0, 2.0, 0.25]);
+        let back = output_from_proto(output_to_proto(out.clone()), 2, Rows::Embeddings);
+        assert_eq!(back.unwrap(), out);
+        // Three values cannot be two rows of one width.
+        let odd = output_to_proto(ForwardOutput::Embeddings(vec![1.0, 2.0, 3.0]));
+        assert!(output_from_proto(odd, 2, Rows::Embeddings).is_err());
+    }
 }

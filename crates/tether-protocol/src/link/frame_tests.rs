@@ -36,11 +36,18 @@ fn calls() -> Vec<ForwardCall> {
             targets: Vec::new(),
         },
         ForwardCall {
-            tokens,
+            tokens: tokens.clone(),
             input: ForwardInput::TokenIds(vec![4, 6]),
             logits_rows: vec![0, 1],
             rows: Rows::LogProbs(0),
             targets: vec![6, 11],
+        },
+        ForwardCall {
+            tokens,
+            input: ForwardInput::TokenIds(vec![4, 6]),
+            logits_rows: vec![0, 1],
+            rows: Rows::Embeddings,
+            targets: Vec::new(),
         },
     ]
 }
@@ -59,6 +66,7 @@ fn outputs() -> Vec<ForwardOutput> {
             candidates: vec![(4, 0.5)],
             scores: vec![(2.25, -1.0), (f32::NEG_INFINITY, 7.0)],
         },
+        ForwardOutput::Embeddings(vec![0.5, -0.25, 1e-3, 4.0]),
     ]
 }
 
