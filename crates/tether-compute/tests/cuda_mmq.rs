@@ -1,4 +1,4 @@
-//! Products of 17 to 256 tokens on the tensor cores straight from quantized blocks
+//! Products of 9 to 256 tokens on the tensor cores straight from quantized blocks
 //! (kernels/mmq.cu) for Q4_0, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS, packed and in GGUF's
 //! layout: every result equals the cpu backend's within the 8-bit activations' error, at
 //! row counts that end inside a tile, token counts that end inside a tile, rows whose
@@ -20,13 +20,13 @@ use common::{Rng, cpu, f32_bytes, get, gpu, put, random_weights};
 
 type GpuBuffer = <CudaBackend as Backend>::Buffer;
 
-/// The GPU with the tensor-core products from quantized blocks on for 17 to 256 tokens.
+/// The GPU with the tensor-core products from quantized blocks on for 9 to 256 tokens.
 fn mmq_gpu() -> CudaBackend {
     gpu().with_mmq_max_tokens(256)
 }
 
 /// Token counts on both sides of the tiles (64) and of the GEMM's boundary (256).
-const TOKENS: [usize; 9] = [17, 33, 63, 64, 100, 255, 256, 257, 512];
+const TOKENS: [usize; 11] = [9, 16, 17, 33, 63, 64, 100, 255, 256, 257, 512];
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -196,7 +196,7 @@ fn bench_mmq_against_the_gemm() {
                 (a, b)
             })
             .collect();
-        for n in [17usize, 32, 48, 64, 96, 128, 192, 256, 512] {
+        for n in [9usize, 12, 16, 17, 32, 48, 64, 96, 128, 192, 256, 512] {
             let (mut layer_on, mut layer_off) = (0.0, 0.0);
             for (&(rows, cols, per), (a, b)) in shapes.iter().zip(&weights) {
                 layer_on += per * time_matmul(&on, a, ty, [rows, cols, n]);

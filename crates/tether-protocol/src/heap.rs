@@ -24,6 +24,11 @@ const FLOOD: usize = 256;
 /// connections of a flood close over some milliseconds after the first trim.
 const SETTLE: Duration = Duration::from_millis(150);
 
+/// When the last trim of a drain runs after the one that found it still: a connection's
+/// tasks (an HTTP/2 connection's streams and buffers) may outlive its count by that long
+/// on a busy machine, and what they free after the last trim stays in the arenas.
+const LATE: Duration = Duration::from_secs(1);
+
 /// Counts a server's open connections and returns the heap to the OS once a flood of them
 /// (at least [`FLOOD`] open at once) has drained to a quarter of its peak, and again as the
 /// rest closes: each connection's buffers are small, so the allocator keeps them all after
@@ -83,7 +88,8 @@ impl Drop for OpenConnection {
 
 /// Trims after each [`SETTLE`] until one passes in which no connection closed, so that the
 /// buffers of the flood's last connections go back too, not only those of the first three
-/// quarters, and those freed just after a connection is counted closed.
+/// quarters, and those freed just after a connection is counted closed; then once more
+/// [`LATE`] after, for what their tasks free later still.
 fn trim_while_draining(watch: &FloodWatch) {
     let mut last = usize::MAX;
     loop {
@@ -95,6 +101,8 @@ fn trim_while_draining(watch: &FloodWatch) {
         }
         last = open;
     }
+    std::thread::sleep(LATE);
+    return_freed_heap();
     watch.trimming.store(false, Ordering::Release);
 }
 

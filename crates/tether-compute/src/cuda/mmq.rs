@@ -32,8 +32,14 @@ const MAX_ROW_TILES: usize = 65_535;
 /// 0.47-0.82x for Q4_0 / Q8_0 at 32-64; past 64 a second token tile reads every weight
 /// again and at 128 the GEMM is as fast for the K-quants.
 pub(crate) const MMQ_MAX_TOKENS: usize = 64;
-/// Below this the decode kernels (launches of 8 tokens reading each weight once) win.
+/// Below this the decode kernels (launches of 8 tokens reading each weight once) win for
+/// Q5_K and IQ4_XS, not measured at fewer tokens.
 pub(crate) const MMQ_MIN_TOKENS: usize = 17;
+/// Q6_K's decode kernels are the slowest: from 9 tokens, two launches of them, a layer's
+/// products take 0.85x / 0.71x / 0.54x of their time at 9 / 12 / 16 tokens (H100).
+const MMQ_MIN_TOKENS_Q6_K: usize = 9;
+/// Q4_K's: at 9 and 12 tokens the products take 1.38x / 1.18x of their time, at 16 0.93x.
+const MMQ_MIN_TOKENS_Q4_K: usize = 16;
 /// Q4_0 and Q8_0 have faster decode kernels than the other types: below this many tokens
 /// those are as fast (265 against 268 us a layer at 17 tokens on the H100).
 const MMQ_MIN_TOKENS_LEGACY: usize = 32;
@@ -74,6 +80,8 @@ fn kernel(ty: GgmlType, packed: bool) -> Option<&'static str> {
 fn min_tokens(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q4_0 | GgmlType::Q8_0 => MMQ_MIN_TOKENS_LEGACY,
+        GgmlType::Q6K => MMQ_MIN_TOKENS_Q6_K,
+        GgmlType::Q4K => MMQ_MIN_TOKENS_Q4_K,
         _ => MMQ_MIN_TOKENS,
     }
 }
@@ -91,9 +99,10 @@ pub(super) fn mmq_kernel(a: &MatmulArgs, max_tokens: usize) -> Option<&'static s
 }
 
 impl CudaBackend {
-    /// This backend with the 8-bit tensor-core products taking batches of 17 to
-    /// `max_tokens` tokens (0: none), whatever the backend was tuned with: tests of each path, and one path against the other in one process. Devices
-    /// before compute capability 8.0 never take them.
+    /// This backend with the tensor-core products taking batches of 9 to 32 (by type, see
+    /// `min_tokens`) to `max_tokens` tokens (0: none), whatever the backend was tuned with: tests
+    /// of each path, and one path against the other in one process. Devices before
+    /// compute capability 8.0 never take them.
     pub fn with_mmq_max_tokens(mut self, max_tokens: usize) -> Self {
         if self.mmq_capable {
             self.mmq_max_tokens = max_tokens;
@@ -255,10 +264,20 @@ mod tests {
             None,
             "off"
         );
+        let by = |ty, n| mmq_kernel(&args(ty, false, 64, 256, n), MMQ_MAX_TOKENS);
+        assert_eq!(by(GgmlType::Q6K, 9), Some("mmq_q6_k"), "Q6_K from 9 tokens");
         assert_eq!(
-            mmq_kernel(&args(GgmlType::Q6K, true, 64, 256, 17), MMQ_MAX_TOKENS),
-            Some("mmq_q6_kp"),
-            "on by default from 17 tokens for the K-quants"
+            by(GgmlType::Q6K, 8),
+            None,
+            "one launch of the decode kernels"
         );
+        assert_eq!(
+            by(GgmlType::Q4K, 15),
+            None,
+            "Q4_K's decode kernels up to 15"
+        );
+        assert_eq!(by(GgmlType::Q4K, 16), Some("mmq_q4_k"));
+        assert_eq!(by(GgmlType::Q5K, 16), None, "the others from 17");
+        assert_eq!(by(GgmlType::Q5K, 17), Some("mmq_q5_k"));
     }
 }

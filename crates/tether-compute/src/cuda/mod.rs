@@ -91,7 +91,7 @@ pub struct CudaBackend {
     /// cores (`usize::MAX` before compute capability 8.0; [`CudaTuning::mma_min_tokens`]
     /// overrides it).
     mma_min_tokens: usize,
-    /// Batches of 17 (32 for Q4_0 / Q8_0) to this many tokens over the weight types mmq.rs
+    /// Batches of 9-32 (by weight type) to this many tokens over the weight types mmq.rs
     /// reads take its int8 tensor-core kernels ([`CudaTuning::mmq_max_tokens`] or mmq.rs's
     /// default; always 0 before compute capability 8.0, `mmq_capable` false).
     mmq_max_tokens: usize,

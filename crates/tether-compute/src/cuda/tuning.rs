@@ -24,8 +24,8 @@ pub struct CudaTuning {
     /// Tokens from which products take the GEMM, instead of the measured defaults
     /// (`TETHER_GEMM_MIN_TOKENS`; raised to 9, the smallest batch the GEMM is tested at).
     pub gemm_min_tokens: Option<usize>,
-    /// Batches of 17 to this many tokens take the 8-bit tensor-core products (mmq.rs),
-    /// instead of the measured default, 64 (`TETHER_MMQ=N`; 0 turns them off).
+    /// Batches of 9-32 tokens (by weight type) to this many take the products from the
+    /// quantized blocks (mmq.rs), instead of the measured default, 64 (`TETHER_MMQ=N`; 0 turns them off).
     pub mmq_max_tokens: Option<usize>,
     /// Blocks per multiprocessor the 8-bit products split K until they fill, instead of
     /// the measured default (`TETHER_MMQ_BLOCKS`, > 0).
