@@ -88,6 +88,32 @@ macro_rules! panel_format {
     };
 }
 
+/// A K-quant panel product (every VNNI encoding) with the sub-blocks outermost inside a
+/// super-block: each sub-block's eight quant vectors are loaded once for all `N` tokens.
+/// With the tokens outermost (`panel_dot_body`) every `vpdpbusd` loaded its panel vector
+/// and its broadcast activations, and the loads, not the products, bounded prefill.
+/// `$step(pb, v, s, y, sums)` adds sub-block `s` (quants `v`) against token `y` to `sums`,
+/// in the order `panel_dot_body`'s integer step would, so the sums are the same.
+macro_rules! panel_dot_subs {
+    ($panel:expr, $xs:expr, $packed:expr, $subs:expr, $step:ident, $finish:path) => {{
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (b, pb) in $panel.chunks_exact($packed).enumerate() {
+            let mut sums = [_mm256_setzero_si256(); N];
+            for s in 0..$subs {
+                let q = &pb[8 * s..8 * s + 8];
+                let v = [q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]];
+                for (sum, x) in sums.iter_mut().zip($xs) {
+                    *sum = $step(pb, &v, s, &x[b], *sum);
+                }
+            }
+            for ((a, x), sum) in acc.iter_mut().zip($xs).zip(sums) {
+                *a = $finish(pb, &x[b], sum, *a);
+            }
+        }
+        acc
+    }};
+}
+
 /// The kernels of one VNNI encoding: `$features` to compile them with, `$Token` proving
 /// them, `$dpbusd` and `$dpwssd` the two intrinsics in that encoding.
 macro_rules! vnni_kernels {
@@ -179,47 +205,49 @@ macro_rules! vnni_kernels {
             _mm256_add_epi32(even, odd)
         }
 
-        /// `Σ_s scale_s · Σ q·y` of one packed Q4_K super-block. Each 16-element half of a
-        /// sub-block sums to at most 16 · 15 · 127 < 2^15, so the two halves go into the
-        /// i16 halves of each lane and one `vpdpwssd` applies the panel's scale pair.
+        /// Adds sub-block `s`'s `scale_s · Σ q·y` of one packed Q4_K super-block (quants
+        /// `v`) to `sums`. Each 16-element half sums to at most 16 · 15 · 127 < 2^15, so the
+        /// two halves go into the i16 halves of each lane and one `vpdpwssd` applies the
+        /// panel's scale pair.
         #[inline]
         #[target_feature(enable = $features)]
-        fn super_sums_q4k(pb: &[__m256i], y: &BlockQ8K) -> __m256i {
-            let mut sums = _mm256_setzero_si256();
-            for s in 0..q4k::SUBS {
-                let v = &pb[8 * s..8 * s + 8];
-                let p =
-                    |acc: __m256i, k: usize| $dpbusd(acc, v[k], broadcast4(&y.qs, 32 * s + 4 * k));
-                let z = _mm256_setzero_si256();
-                let lo = p(p(p(p(z, 0), 1), 2), 3);
-                let hi = p(p(p(p(z, 4), 5), 6), 7);
-                let halves = _mm256_blend_epi16::<0b1010_1010>(lo, _mm256_slli_epi32::<16>(hi));
-                sums = $dpwssd(sums, halves, pb[q4k::SCALES_AT + s]);
-            }
-            sums
+        fn sub_sums_q4k(
+            pb: &[__m256i],
+            v: &[__m256i; 8],
+            s: usize,
+            y: &BlockQ8K,
+            sums: __m256i,
+        ) -> __m256i {
+            let p = |acc: __m256i, k: usize| $dpbusd(acc, v[k], broadcast4(&y.qs, 32 * s + 4 * k));
+            let z = _mm256_setzero_si256();
+            let lo = p(p(p(p(z, 0), 1), 2), 3);
+            let hi = p(p(p(p(z, 4), 5), 6), 7);
+            let halves = _mm256_blend_epi16::<0b1010_1010>(lo, _mm256_slli_epi32::<16>(hi));
+            $dpwssd(sums, halves, pb[q4k::SCALES_AT + s])
         }
 
-        /// `Σ_s scale_s · Σ q·y` of one packed Q6_K super-block (quants `0..64`). A
-        /// 16-element sub-block sums to up to 16 · 63 · 127, past i16, so its scale is taken
-        /// back to i32 (the panel keeps it in both i16 halves) for a multiply.
+        /// Adds chunk `c`'s `scale · Σ q·y` of one packed Q6_K super-block (quants `v`) to
+        /// `sums`. A 16-element sub-block sums to up to 16 · 63 · 127, past i16, so its
+        /// scale is taken back to i32 (the panel keeps it in both i16 halves) for a
+        /// multiply.
         #[inline]
         #[target_feature(enable = $features)]
-        fn super_sums_q6k(pb: &[__m256i], y: &BlockQ8K) -> __m256i {
-            let mut sums = _mm256_setzero_si256();
-            for c in 0..q6k::CHUNKS {
-                let v = &pb[8 * c..8 * c + 8];
-                let p =
-                    |acc: __m256i, k: usize| $dpbusd(acc, v[k], broadcast4(&y.qs, 32 * c + 4 * k));
-                let z = _mm256_setzero_si256();
-                let lo = p(p(p(p(z, 0), 1), 2), 3);
-                let hi = p(p(p(p(z, 4), 5), 6), 7);
-                let sc_lo = _mm256_srai_epi32::<16>(pb[q6k::SCALES_AT + 2 * c]);
-                let sc_hi = _mm256_srai_epi32::<16>(pb[q6k::SCALES_AT + 2 * c + 1]);
-                let scaled =
-                    _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo), _mm256_mullo_epi32(hi, sc_hi));
-                sums = _mm256_add_epi32(sums, scaled);
-            }
-            sums
+        fn sub_sums_q6k(
+            pb: &[__m256i],
+            v: &[__m256i; 8],
+            c: usize,
+            y: &BlockQ8K,
+            sums: __m256i,
+        ) -> __m256i {
+            let p = |acc: __m256i, k: usize| $dpbusd(acc, v[k], broadcast4(&y.qs, 32 * c + 4 * k));
+            let z = _mm256_setzero_si256();
+            let lo = p(p(p(p(z, 0), 1), 2), 3);
+            let hi = p(p(p(p(z, 4), 5), 6), 7);
+            let sc_lo = _mm256_srai_epi32::<16>(pb[q6k::SCALES_AT + 2 * c]);
+            let sc_hi = _mm256_srai_epi32::<16>(pb[q6k::SCALES_AT + 2 * c + 1]);
+            let scaled =
+                _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo), _mm256_mullo_epi32(hi, sc_hi));
+            _mm256_add_epi32(sums, scaled)
         }
 
         #[inline]
@@ -257,13 +285,27 @@ macro_rules! vnni_kernels {
         #[inline]
         #[target_feature(enable = $features)]
         fn panel_dot_q4k<const N: usize>(p: &[__m256i], xs: [&[BlockQ8K]; N]) -> [__m256; N] {
-            panel_dot_body!(p, xs, q4k::PACKED_BLOCK, super_sums_q4k, q4k::finish)
+            panel_dot_subs!(
+                p,
+                xs,
+                q4k::PACKED_BLOCK,
+                q4k::SUBS,
+                sub_sums_q4k,
+                q4k::finish
+            )
         }
 
         #[inline]
         #[target_feature(enable = $features)]
         fn panel_dot_q6k<const N: usize>(p: &[__m256i], xs: [&[BlockQ8K]; N]) -> [__m256; N] {
-            panel_dot_body!(p, xs, q6k::PACKED_BLOCK, super_sums_q6k, q6k::finish)
+            panel_dot_subs!(
+                p,
+                xs,
+                q6k::PACKED_BLOCK,
+                q6k::CHUNKS,
+                sub_sums_q6k,
+                q6k::finish
+            )
         }
 
         row_kernel!(
