@@ -146,6 +146,33 @@ macro_rules! panel_dot_body {
 }
 pub(super) use panel_dot_body;
 
+/// A K-quant panel product (every kernel level) with the sub-blocks outermost inside a
+/// super-block: each sub-block's eight quant vectors are loaded once for all `N` tokens.
+/// With the tokens outermost (`panel_dot_body`) every `vpdpbusd` loaded its panel vector
+/// and its broadcast activations, and the loads, not the products, bounded prefill.
+/// `$step(pb, v, s, y, sums)` adds sub-block `s` (quants `v`) against token `y` to `sums`,
+/// in the order `panel_dot_body`'s integer step would, so the sums are the same.
+macro_rules! panel_dot_subs {
+    ($panel:expr, $xs:expr, $packed:expr, $subs:expr, $step:ident, $finish:path) => {{
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (b, pb) in $panel.chunks_exact($packed).enumerate() {
+            let mut sums = [_mm256_setzero_si256(); N];
+            for s in 0..$subs {
+                let q = &pb[8 * s..8 * s + 8];
+                let v = [q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]];
+                for (sum, x) in sums.iter_mut().zip($xs) {
+                    *sum = $step(pb, &v, s, &x[b], *sum);
+                }
+            }
+            for ((a, x), sum) in acc.iter_mut().zip($xs).zip(sums) {
+                *a = $finish(pb, &x[b], sum, *a);
+            }
+        }
+        acc
+    }};
+}
+pub(super) use panel_dot_subs;
+
 /// Each row's `Σ q·y` over one packed Q4_0 block (unsigned nibbles, before the `-8`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, panel_dot_body, transpose8};
+use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, panel_dot_subs, transpose8};
 use super::scalar::unpack_q4k_scales;
 use crate::cpu::q8::{BlockQ8K, quantize_row_q8k};
 use crate::cpu::simd::Avx2;
@@ -109,17 +109,14 @@ fn sub_block_sum(q: &[__m256i], qs: &[i8], at: usize) -> __m256i {
     _mm256_add_epi16(_mm256_add_epi16(s01, s23), _mm256_add_epi16(s45, s67))
 }
 
-/// `Σ_s scale_s · Σ q·y` of one packed super-block against one token, one row per lane:
-/// at most 8 · 63 · 32 · 15 · 127 < 2^31.
+/// Adds sub-block `s`'s `scale_s · Σ q·y` (quants `v`) of one packed super-block against
+/// one token to `sums`, one row per lane; all eight make at most 8 · 63 · 32 · 15 · 127 <
+/// 2^31.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn super_sums(pb: &[__m256i], y: &BlockQ8K) -> __m256i {
-    let mut sums = _mm256_setzero_si256();
-    for s in 0..SUBS {
-        let s16 = sub_block_sum(&pb[8 * s..8 * s + 8], &y.qs, 32 * s);
-        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(s16, pb[SCALES_AT + s]));
-    }
-    sums
+fn sub_sums(pb: &[__m256i], v: &[__m256i; 8], s: usize, y: &BlockQ8K, sums: __m256i) -> __m256i {
+    let s16 = sub_block_sum(v, &y.qs, 32 * s);
+    _mm256_add_epi32(sums, _mm256_madd_epi16(s16, pb[SCALES_AT + s]))
 }
 
 /// `acc + d·d_y·sums - dmin·d_y·Σ_s min_s·(sum of sub-block s's activations)` for one
@@ -154,7 +151,7 @@ pub(super) fn finish(pb: &[__m256i], y: &BlockQ8K, sums: __m256i, acc: __m256) -
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panel_dot<const N: usize>(panel: &[__m256i], xs: [&[BlockQ8K]; N]) -> [__m256; N] {
-    panel_dot_body!(panel, xs, PACKED_BLOCK, super_sums, finish)
+    panel_dot_subs!(panel, xs, PACKED_BLOCK, SUBS, sub_sums, finish)
 }
 
 /// Q4_K weights against [`BlockQ8K`] activations.

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, panel_dot_body, transpose8};
+use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, panel_dot_subs, transpose8};
 use crate::cpu::q8::{BlockQ8K, quantize_row_q8k};
 use crate::cpu::simd::Avx2;
 
@@ -114,27 +114,23 @@ pub(super) fn pack(w: &[u8], row_bytes: usize, rows: usize, r0: usize, panel: &m
     }
 }
 
-/// `Σ_s scale_s · Σ q·y` of one packed super-block against one token (quants `0..64`, before
-/// the -32 bias), one row per lane: |.| ≤ 16 · 128 · 16 · 63 · 127 < 2^31.
+/// Adds chunk `c`'s `Σ_s scale_s · Σ q·y` (quants `v`, `0..64` before the -32 bias) of one
+/// packed super-block against one token to `sums`, one row per lane; all eight make at
+/// most 16 · 128 · 16 · 63 · 127 < 2^31.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn super_sums(pb: &[__m256i], y: &BlockQ8K) -> __m256i {
-    let mut sums = _mm256_setzero_si256();
-    for c in 0..CHUNKS {
-        let v = &pb[8 * c..8 * c + 8];
-        let p = |k: usize| _mm256_maddubs_epi16(v[k], broadcast4(&y.qs, 32 * c + 4 * k));
-        // Two maddubs outputs of at most 2·63·127 each still fit i16.
-        let lo = _mm256_add_epi32(
-            _mm256_madd_epi16(_mm256_add_epi16(p(0), p(1)), pb[SCALES_AT + 2 * c]),
-            _mm256_madd_epi16(_mm256_add_epi16(p(2), p(3)), pb[SCALES_AT + 2 * c]),
-        );
-        let hi = _mm256_add_epi32(
-            _mm256_madd_epi16(_mm256_add_epi16(p(4), p(5)), pb[SCALES_AT + 2 * c + 1]),
-            _mm256_madd_epi16(_mm256_add_epi16(p(6), p(7)), pb[SCALES_AT + 2 * c + 1]),
-        );
-        sums = _mm256_add_epi32(sums, _mm256_add_epi32(lo, hi));
-    }
-    sums
+fn sub_sums(pb: &[__m256i], v: &[__m256i; 8], c: usize, y: &BlockQ8K, sums: __m256i) -> __m256i {
+    let p = |k: usize| _mm256_maddubs_epi16(v[k], broadcast4(&y.qs, 32 * c + 4 * k));
+    // Two maddubs outputs of at most 2·63·127 each still fit i16.
+    let lo = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_add_epi16(p(0), p(1)), pb[SCALES_AT + 2 * c]),
+        _mm256_madd_epi16(_mm256_add_epi16(p(2), p(3)), pb[SCALES_AT + 2 * c]),
+    );
+    let hi = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_add_epi16(p(4), p(5)), pb[SCALES_AT + 2 * c + 1]),
+        _mm256_madd_epi16(_mm256_add_epi16(p(6), p(7)), pb[SCALES_AT + 2 * c + 1]),
+    );
+    _mm256_add_epi32(sums, _mm256_add_epi32(lo, hi))
 }
 
 /// `acc + d·d_y·(sums - 32·Σ_s scale_s·bsum_s)` for one packed super-block; the bias stays
@@ -158,7 +154,7 @@ pub(super) fn finish(pb: &[__m256i], y: &BlockQ8K, sums: __m256i, acc: __m256) -
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn panel_dot<const N: usize>(panel: &[__m256i], xs: [&[BlockQ8K]; N]) -> [__m256; N] {
-    panel_dot_body!(panel, xs, PACKED_BLOCK, super_sums, finish)
+    panel_dot_subs!(panel, xs, PACKED_BLOCK, CHUNKS, sub_sums, finish)
 }
 
 /// Q6_K weights against [`BlockQ8K`] activations.

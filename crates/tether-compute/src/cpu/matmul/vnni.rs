@@ -22,7 +22,9 @@ use super::avx2::{
 use super::avx2_kquant::{
     Q6K_SCALE_PICK, dot_q4k_body, dot_q6k_body, high2, load_bsums, load32, load32_i8, prefetch,
 };
-use super::avx2_panel::{PANEL_ROWS, PanelFormat, broadcast4, finish, panel_dot_body};
+use super::avx2_panel::{
+    PANEL_ROWS, PanelFormat, broadcast4, finish, panel_dot_body, panel_dot_subs,
+};
 use super::packed::{PackedKernel, packed_dot_body, prefetch_ahead, unpack_block};
 use super::scalar::unpack_q4k_scales;
 use super::{RowKernel, Shape, avx2_panel, avx2_panel_q4k as q4k, avx2_panel_q6k as q6k, run};
@@ -86,32 +88,6 @@ macro_rules! panel_format {
             }
         }
     };
-}
-
-/// A K-quant panel product (every VNNI encoding) with the sub-blocks outermost inside a
-/// super-block: each sub-block's eight quant vectors are loaded once for all `N` tokens.
-/// With the tokens outermost (`panel_dot_body`) every `vpdpbusd` loaded its panel vector
-/// and its broadcast activations, and the loads, not the products, bounded prefill.
-/// `$step(pb, v, s, y, sums)` adds sub-block `s` (quants `v`) against token `y` to `sums`,
-/// in the order `panel_dot_body`'s integer step would, so the sums are the same.
-macro_rules! panel_dot_subs {
-    ($panel:expr, $xs:expr, $packed:expr, $subs:expr, $step:ident, $finish:path) => {{
-        let mut acc = [_mm256_setzero_ps(); N];
-        for (b, pb) in $panel.chunks_exact($packed).enumerate() {
-            let mut sums = [_mm256_setzero_si256(); N];
-            for s in 0..$subs {
-                let q = &pb[8 * s..8 * s + 8];
-                let v = [q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]];
-                for (sum, x) in sums.iter_mut().zip($xs) {
-                    *sum = $step(pb, &v, s, &x[b], *sum);
-                }
-            }
-            for ((a, x), sum) in acc.iter_mut().zip($xs).zip(sums) {
-                *a = $finish(pb, &x[b], sum, *a);
-            }
-        }
-        acc
-    }};
 }
 
 /// The kernels of one VNNI encoding: `$features` to compile them with, `$Token` proving
