@@ -181,6 +181,17 @@ macro_rules! vnni_kernels {
             _mm256_add_epi32(even, odd)
         }
 
+        /// The sums of 32 quants (`v`, one row per lane) against activations `at..at + 32`
+        /// of `y`: elements `0..16` in the first, `16..32` in the second, each one
+        /// `vpdpbusd` chain.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn half_sums(v: &[__m256i; 8], y: &BlockQ8K, at: usize) -> (__m256i, __m256i) {
+            let p = |acc: __m256i, k: usize| $dpbusd(acc, v[k], broadcast4(&y.qs, at + 4 * k));
+            let z = _mm256_setzero_si256();
+            (p(p(p(p(z, 0), 1), 2), 3), p(p(p(p(z, 4), 5), 6), 7))
+        }
+
         /// Adds sub-block `s`'s `scale_s · Σ q·y` of one packed Q4_K super-block (quants
         /// `v`) to `sums`. Each 16-element half sums to at most 16 · 15 · 127 < 2^15, so the
         /// two halves go into the i16 halves of each lane and one `vpdpwssd` applies the
@@ -194,10 +205,7 @@ macro_rules! vnni_kernels {
             y: &BlockQ8K,
             sums: __m256i,
         ) -> __m256i {
-            let p = |acc: __m256i, k: usize| $dpbusd(acc, v[k], broadcast4(&y.qs, 32 * s + 4 * k));
-            let z = _mm256_setzero_si256();
-            let lo = p(p(p(p(z, 0), 1), 2), 3);
-            let hi = p(p(p(p(z, 4), 5), 6), 7);
+            let (lo, hi) = half_sums(v, y, 32 * s);
             let halves = _mm256_blend_epi16::<0b1010_1010>(lo, _mm256_slli_epi32::<16>(hi));
             $dpwssd(sums, halves, pb[q4k::SCALES_AT + s])
         }
@@ -215,10 +223,7 @@ macro_rules! vnni_kernels {
             y: &BlockQ8K,
             sums: __m256i,
         ) -> __m256i {
-            let p = |acc: __m256i, k: usize| $dpbusd(acc, v[k], broadcast4(&y.qs, 32 * c + 4 * k));
-            let z = _mm256_setzero_si256();
-            let lo = p(p(p(p(z, 0), 1), 2), 3);
-            let hi = p(p(p(p(z, 4), 5), 6), 7);
+            let (lo, hi) = half_sums(v, y, 32 * c);
             let sc_lo = _mm256_srai_epi32::<16>(pb[q6k::SCALES_AT + 2 * c]);
             let sc_hi = _mm256_srai_epi32::<16>(pb[q6k::SCALES_AT + 2 * c + 1]);
             let scaled =
