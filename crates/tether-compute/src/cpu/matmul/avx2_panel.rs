@@ -148,7 +148,7 @@ pub(super) use panel_dot_body;
 
 /// A K-quant panel product (every kernel level) with the sub-blocks outermost inside a
 /// super-block: each sub-block's eight quant vectors are loaded once for all `N` tokens.
-/// With the tokens outermost (`panel_dot_body`) every `vpdpbusd` loaded its panel vector
+/// With the tokens outermost (`panel_dot_body`) every product loaded its panel vector
 /// and its broadcast activations, and the loads, not the products, bounded prefill.
 /// `$step(pb, v, s, y, sums)` adds sub-block `s` (quants `v`) against token `y` to `sums`,
 /// in the order `panel_dot_body`'s integer step would, so the sums are the same.
