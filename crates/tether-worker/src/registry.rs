@@ -76,6 +76,18 @@ pub(crate) struct Inner {
     pub closed: bool,
 }
 
+impl Inner {
+    /// Takes session `id` out of the live ones and counts it in `ending` until its bytes
+    /// are freed, in the same critical section, so no status sees it in neither list while
+    /// its blocks are still being dropped.
+    fn take(&mut self, id: &SessionId) -> Option<Session> {
+        let session = self.sessions.remove(id)?;
+        self.ending.retain(|b| b.load(Ordering::Acquire) > 0);
+        self.ending.push(Arc::clone(&session.bytes));
+        Some(session)
+    }
+}
+
 /// Every live session of one worker, the memory ledger they reserve from, and the factory
 /// that builds their layer blocks.
 pub struct SessionRegistry {
@@ -275,7 +287,7 @@ impl SessionRegistry {
     /// Ends a session: removes it, cancels its token, frees everything it owns and logs the
     /// reason. Returns `None` when it had ended already.
     pub fn end(&self, id: SessionId, reason: EndReason) -> Option<SessionEnd> {
-        let session = self.lock().sessions.remove(&id)?;
+        let session = self.lock().take(&id)?;
         Some(self.finish(session, reason))
     }
 
@@ -302,12 +314,8 @@ impl SessionRegistry {
         // progress (waiting for the chunk being copied into it).
         drop(session);
         crate::heap::return_freed_heap();
+        // `Inner::take` already counts the session in `ending` while this is above 0.
         let still_held = bytes.load(Ordering::Acquire);
-        if still_held > 0 {
-            let mut inner = self.lock();
-            inner.ending.retain(|b| b.load(Ordering::Acquire) > 0);
-            inner.ending.push(bytes);
-        }
         tracing::info!(
             session = %id,
             client = %client,
@@ -359,7 +367,8 @@ impl SessionRegistry {
             let mut inner = self.lock();
             inner.closed = true;
             self.accepting.send_replace(false);
-            inner.sessions.drain().map(|(_, s)| s).collect()
+            let ids: Vec<SessionId> = inner.sessions.keys().copied().collect();
+            ids.iter().filter_map(|id| inner.take(id)).collect()
         };
         let n = sessions.len();
         for session in sessions {
@@ -380,10 +389,7 @@ impl SessionRegistry {
                 .filter(|s| s.is_expired(now))
                 .map(|s| s.id)
                 .collect();
-            let expired: Vec<Session> = ids
-                .iter()
-                .filter_map(|id| inner.sessions.remove(id))
-                .collect();
+            let expired: Vec<Session> = ids.iter().filter_map(|id| inner.take(id)).collect();
             let mut aborted = Vec::new();
             for s in inner.sessions.values_mut() {
                 let timed_out = &self.counters.txn_timed_out;
