@@ -785,3 +785,136 @@ __device__ __forceinline__ void mma_8bit(int (&c)[4], const u32 (&a)[4], u32 b0,
     c[0] = c[1] = c[2] = c[3] = 0;
 #endif
 }
+
+// ---- quantized blocks as f16 tensor-core operands (mmq.cu, gemm.cu) ----
+// 4 bytes at a 2-byte aligned address (GGUF's Q4_0 / Q8_0 / Q6_K blocks).
+__device__ __forceinline__ u32 mmq_ld32_2(const u8* p) {
+    return (u32)ld16(p) | ((u32)ld16(p + 2) << 16);
+}
+
+// Signed bytes b - bias from unsigned bytes b < 128 (bias 8 or 32): adding 128 - bias
+// never carries, and flipping the top bit subtracts 128.
+__device__ __forceinline__ u32 mmq_unbias(u32 v, u32 bias) {
+    u32 add = (128u - bias) * 0x01010101u;
+    return (v + add) ^ 0x80808080u;
+}
+
+// Values per scale of type TY: 16 for Q6_K, 32 for the others.
+template <int TY>
+__device__ __forceinline__ constexpr int mmq_sub() {
+    return (TY == TY_Q6_K || TY == TY_Q6_KP) ? 16 : 32;
+}
+
+template <int TY>
+__device__ __forceinline__ constexpr bool mmq_has_min() {
+    return TY == TY_Q4_K || TY == TY_Q5_K;
+}
+
+// Quants k..k+3 (k a multiple of 4) of a row of type TY as 4 signed bytes, without their
+// scales: value = scale * byte (- min for Q4_K / Q5_K).
+template <int TY>
+__device__ __forceinline__ u32 mmq_word(const u8* row, int k) {
+    if (TY == TY_Q4_0 || TY == TY_Q4_0P) {
+        int b = k >> 5, j = k & 31;
+        u32 x;
+        if (TY == TY_Q4_0P) {
+            x = *(const u32*)(row + (b >> 3) * 144 + 16 + 16 * (b & 7) + (j & 15));
+        } else {
+            x = mmq_ld32_2(row + b * 18 + 2 + (j & 15));
+        }
+        return mmq_unbias((j < 16 ? x : x >> 4) & 0x0F0F0F0Fu, 8);
+    } else if (TY == TY_Q8_0 || TY == TY_Q8_0P) {
+        int b = k >> 5, j = k & 31;
+        if (TY == TY_Q8_0P) return *(const u32*)(row + (b >> 3) * 272 + 16 + 32 * (b & 7) + j);
+        return mmq_ld32_2(row + b * 34 + 2 + j);
+    } else if (TY == TY_Q4_K || TY == TY_Q5_K) {
+        bool five = TY == TY_Q5_K;
+        const u8* b = row + (k >> 8) * (five ? 176 : 144);
+        int i = k & 255, g = i >> 6, kk = i & 63, l = kk & 31;
+        u32 x = *(const u32*)(b + (five ? 48 : 16) + 32 * g + l);
+        u32 v = (kk < 32 ? x : x >> 4) & 0x0F0F0F0Fu;
+        if (five) {
+            int s = 2 * g + (kk >= 32);
+            v |= ((*(const u32*)(b + 16 + l) >> s) & 0x01010101u) << 4;
+        }
+        return v;
+    } else if (TY == TY_Q6_K || TY == TY_Q6_KP) {
+        const u8* b;
+        float d;
+        q6_k_block(TY, row, k >> 8, &b, &d);
+        int i = k & 255, h = i >> 7, r = i & 127, kq = r >> 5, l = r & 31;
+        u32 ql = mmq_ld32_2(b + 64 * h + l + 32 * (kq & 1));
+        u32 nib = (kq < 2 ? ql : ql >> 4) & 0x0F0F0F0Fu;
+        u32 hb = (mmq_ld32_2(b + 128 + 32 * h + l) >> (2 * kq)) & 0x03030303u;
+        return mmq_unbias(nib | (hb << 4), 32);
+    } else {  // IQ4_XS, GGUF or packed
+        const u8 *head, *qs;
+        iq4_xs_block(TY, row, k >> 8, &head, &qs);
+        int i = k & 255, ib = i >> 5, j = i & 31;
+        u32 x = *(const u32*)(qs + 16 * ib + (j & 15));
+        u32 nib = (j < 16 ? x : x >> 4) & 0x0F0F0F0Fu;
+        u32 v = 0;
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            int n = (nib >> (8 * s)) & 15;
+            u32 q = n & 8 ? byte_of(0x26190D01u, 0x71594535u, n) : byte_of(0xBFAD9881u, 0xF6EADDCFu, n);
+            v |= q << (8 * s);
+        }
+        return v;
+    }
+}
+
+// Scale (and min) of the MMQ_SUB-value group grp of a row of type TY.
+template <int TY>
+__device__ __forceinline__ void mmq_scale(const u8* row, int grp, float* s, float* m) {
+    *m = 0.0f;
+    if (TY == TY_Q4_0 || TY == TY_Q8_0) {
+        *s = h2f(ld16(row + grp * (TY == TY_Q4_0 ? 18 : 34)));
+    } else if (TY == TY_Q4_0P || TY == TY_Q8_0P) {
+        *s = h2f(ld16(row + (grp >> 3) * (TY == TY_Q4_0P ? 144 : 272) + 2 * (grp & 7)));
+    } else if (TY == TY_Q4_K || TY == TY_Q5_K) {
+        const u8* b = row + (grp >> 3) * (TY == TY_Q5_K ? 176 : 144);
+        int sc, mn;
+        scale_min_k4(grp & 7, b + 4, &sc, &mn);
+        *s = h2f(ld16(b)) * (float)sc;
+        *m = h2f(ld16(b + 2)) * (float)mn;
+    } else if (TY == TY_Q6_K || TY == TY_Q6_KP) {
+        const u8* b;
+        float d;
+        q6_k_block(TY, row, grp >> 4, &b, &d);
+        *s = d * (float)(i8)b[192 + (grp & 15)];
+    } else {
+        const u8 *head, *qs;
+        iq4_xs_block(TY, row, grp >> 3, &head, &qs);
+        *s = h2f(ld16(head)) * (float)scale_iq4_xs(grp & 7, head);
+    }
+}
+
+// f16 pairs in 32-bit registers (NVRTC compiles these kernels without cuda_fp16.h).
+__device__ __forceinline__ u32 h2_sub(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ u32 h2_of(float f) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f));
+    return d;
+}
+
+// Four quant bytes (signed, or unsigned for the types with a min) as two f16 pairs,
+// bytes (0, 2) and (1, 3), each times scale s plus nm (minus the min): 0x64XX is the f16
+// 1024 + XX, so a byte permute and one subtraction make a byte an exact f16.
+template <bool UNSIGNED>
+__device__ __forceinline__ void mmq_halves(u32 v, u32 s, u32 nm, u32* lo, u32* hi) {
+    const u32 u = UNSIGNED ? v : v ^ 0x80808080u;
+    // 1024 (0x6400) or 1024 + 128 (0x6480) in both halves.
+    const u32 bias = UNSIGNED ? 0x64006400u : 0x64806480u;
+    *lo = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4240), bias), s, nm);
+    *hi = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4341), bias), s, nm);
+}

@@ -1,7 +1,12 @@
-// Prefill matmul on tensor cores: weights are decoded to an f16 workspace, activations are
-// converted to f16, and an f16 x f16 -> f32 GEMM (mma.sync m16n8k16) multiplies them.
-// Decoding once per call and reusing each weight tile for up to 128 tokens is what makes
-// prefill fast; the matvec kernels re-read the weights every few tokens.
+// Prefill matmul on tensor cores: activations are converted to f16, and an f16 x f16 -> f32
+// GEMM (mma.sync m16n8k16) multiplies them with the weights. Reusing each weight tile for up
+// to 128 tokens is what makes prefill fast; the matvec kernels re-read the weights every few
+// tokens. The weights reach the tiles in one of two ways:
+// - the gemmq_* kernels decode the quantized blocks (packed Q4_0 / Q8_0, Q4_K, Q5_K) on
+//   their way into shared memory, so nothing but the blocks is read and no f16 copy is
+//   written;
+// - the other types are decoded to an f16 workspace first (gemm_dequant_f16), which the
+//   gemm_f16* kernels copy into shared memory.
 //
 // Workspace layout (both written here, read by the tile kernels): `kp` f16 per row,
 // kp = cols rounded up to a multiple of 32 (GEMM_K), the tail zeroed, so the GEMM never
@@ -98,6 +103,129 @@ __device__ __forceinline__ void load_tile(u32 tile, const u16* src, int row0, in
     }
 }
 
+// 16 bytes of weights from global memory. Volatile, so the load is issued where written:
+// before the tile kernel's products of the current K tile (also volatile), not sunk to its
+// use. Unlike ld_stream it allocates in L1: the next K tiles read the rest of the line.
+__device__ __forceinline__ uint4 ldg16(const u8* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// One weight row's 32 values of a K tile, for the types the tile kernels decode (packed
+// Q4_0 / Q8_0, Q4_K, Q5_K: blocks whose quants lie 16-byte aligned), held in registers from
+// their load, issued before the products of the current K tile, to their store as f16 into
+// shared memory after them, so the loads' latency hides behind the products. Each of the
+// GEMM_M threads takes one row, and K tiles in order: the 32 rows of a warp's load are 32
+// cache lines, which bound the kernel when it loads more than ~2 times a K tile (ncu, H100:
+// 76% memory-pipe busy with 6), so what later K tiles share (a group's scales, a Q4_K
+// pair's quant bytes, Q5_K's high bits) is loaded once and kept.
+template <int TY>
+struct QTile {
+    uint4 q[2], hb[2], sw;
+    int kt, have_q = -1, have_s = -1;
+
+    __device__ __forceinline__ void fetch(const u8* row, int k_tile) {
+        kt = k_tile;
+        if constexpr (TY == TY_Q4_0P || TY == TY_Q8_0P) {
+            constexpr int GROUP = TY == TY_Q4_0P ? 144 : 272, QB = TY == TY_Q4_0P ? 16 : 32;
+            const u8* g = row + (kt >> 3) * GROUP;
+            if ((kt >> 3) != have_s) {
+                sw = ldg16(g);
+                have_s = kt >> 3;
+            }
+            q[0] = ldg16(g + 16 + QB * (kt & 7));
+            if constexpr (TY == TY_Q8_0P) q[1] = ldg16(g + 32 + QB * (kt & 7));
+        } else {
+            constexpr bool FIVE = TY == TY_Q5_K;
+            const u8* b = row + (kt >> 3) * (FIVE ? 176 : 144);
+            if ((kt >> 1) != have_q) {
+                const u8* qs = b + (FIVE ? 48 : 16) + 32 * ((kt & 7) >> 1);
+                q[0] = ldg16(qs);
+                q[1] = ldg16(qs + 16);
+                have_q = kt >> 1;
+            }
+            if ((kt >> 3) != have_s) {
+                sw = ldg16(b);
+                if constexpr (FIVE) {
+                    hb[0] = ldg16(b + 16);
+                    hb[1] = ldg16(b + 32);
+                }
+                have_s = kt >> 3;
+            }
+        }
+    }
+
+    // Block kt's f16 scale among the 8 of a packed group's header (registers only: a
+    // runtime index into an array would put it in local memory).
+    __device__ __forceinline__ u16 block_scale() const {
+        const int j = kt & 7;
+        const u32 w = (j & 4) ? ((j & 2) ? sw.w : sw.z) : ((j & 2) ? sw.y : sw.x);
+        return (u16)(w >> (16 * (j & 1)));
+    }
+
+    // The 32 values as f16 (scale x quant - min) in order at row `row` of the tile: the
+    // byte permute puts a quant byte under the f16 exponent of 1024, so one subtraction
+    // makes it an exact f16 and one multiply-add scales it.
+    __device__ __forceinline__ void store(u32 tile, int row) const {
+        u32 w[8], bias, sc, nm = 0;
+        if constexpr (TY == TY_Q4_0P) {
+            const u32 x[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                w[i] = x[i] & 0x0F0F0F0Fu;
+                w[4 + i] = (x[i] >> 4) & 0x0F0F0F0Fu;
+            }
+            bias = 0x64086408u;  // 1024 + 8: the quants are offset by 8
+            sc = h2_of(h2f(block_scale()));
+        } else if constexpr (TY == TY_Q8_0P) {
+            const u32 x[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) w[i] = x[i] ^ 0x80808080u;  // signed + 128
+            bias = 0x64806480u;
+            sc = h2_of(h2f(block_scale()));
+        } else {
+            const int sub = kt & 7, shift = 4 * (sub & 1);
+            const u32 x[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
+            const u32 h[8] = {hb[0].x, hb[0].y, hb[0].z, hb[0].w, hb[1].x, hb[1].y, hb[1].z, hb[1].w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                w[i] = (x[i] >> shift) & 0x0F0F0F0Fu;
+                if constexpr (TY == TY_Q5_K) w[i] |= ((h[i] >> sub) & 0x01010101u) << 4;
+            }
+            // scale_min_k4 over the 12 scale bytes in sw.y..w, with register byte picks.
+            int s, m;
+            if (sub < 4) {
+                s = byte_of(sw.y, sw.z, sub) & 63;
+                m = byte_of(sw.y, sw.z, sub + 4) & 63;
+            } else {
+                s = (byte_of(sw.w, sw.w, sub + 4) & 15) | ((byte_of(sw.y, sw.z, sub - 4) >> 6) << 4);
+                m = (byte_of(sw.w, sw.w, sub + 4) >> 4) | ((byte_of(sw.y, sw.z, sub) >> 6) << 4);
+            }
+            bias = 0x64006400u;
+            sc = h2_of(h2f((u16)sw.x) * (float)s);
+            nm = h2_of(-h2f((u16)(sw.x >> 16)) * (float)m);
+        }
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            u32 v[4];
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const u32 u = w[2 * c + j];
+                v[2 * j] = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4140), bias), sc, nm);
+                v[2 * j + 1] = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4342), bias), sc, nm);
+            }
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + tile_off(row, c)),
+                         "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+        }
+    }
+};
+
+// No weight type: the weights are the f16 workspace, copied with cp.async.
+#define TY_WORKSPACE (-1)
+
 // out[n][m] (row stride ldo) = sum_k a[m][k] * b[n][k] for m < m_rows, n < n_cols: a is the
 // decoded weight chunk [m_rows][kp], b the f16 tokens [n_cols][kp], both from the kernels
 // above (kp a multiple of GEMM_K, rows 64-byte aligned).
@@ -109,11 +237,11 @@ __device__ __forceinline__ void load_tile(u32 tile, const u16* src, int row0, in
 // Split-K: block z sums K tiles [z * k_tiles, (z + 1) * k_tiles) and writes its partial
 // at out + z * split_stride (gemm_reduce adds them); with one split that is the result,
 // added to what out holds when `accumulate` (a residual add with no pass of its own).
-template <int WARPS_N>
-__device__ __forceinline__ void gemm_block(const u16* __restrict__ a, const u16* __restrict__ b,
-                                           int m_rows, int n_cols, int kp, int k_tiles,
-                                           float* __restrict__ out, int ldo, u64 split_stride,
-                                           int accumulate) {
+template <int WARPS_N, int TY>
+__device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_bytes,
+                                           const u16* __restrict__ b, int m_rows, int n_cols,
+                                           int kp, int k_tiles, float* __restrict__ out, int ldo,
+                                           u64 split_stride, int accumulate) {
     constexpr int THREADS = 64 * WARPS_N;
     constexpr int WARP_N = GEMM_N / WARPS_N;
     constexpr int NI = WARP_N / 8;
@@ -139,10 +267,21 @@ __device__ __forceinline__ void gemm_block(const u16* __restrict__ a, const u16*
     u32 sa0 = smem_addr(&sa[0][0]), sb0 = smem_addr(&sb[0][0]);
     const u32 stage_bytes = GEMM_M * GEMM_K * 2;
 
+    const u16* a16 = (const u16*)a;
+    // A decoding kernel's thread reads one weight row (rows past the end read the last;
+    // their sums are never written).
+    static_assert(TY == TY_WORKSPACE || THREADS == GEMM_M, "one weight row a thread");
+    const u8* arow = a + (u64)min(bm + (int)threadIdx.x, m_rows - 1) * a_row_bytes;
+    QTile<TY> qt;
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; s++) {
         if (s < nk) {
-            load_tile<THREADS>(sa0 + s * stage_bytes, a, bm, m_rows, kp, k0 + s);
+            if constexpr (TY == TY_WORKSPACE) {
+                load_tile<THREADS>(sa0 + s * stage_bytes, a16, bm, m_rows, kp, k0 + s);
+            } else {
+                qt.fetch(arow, k0 + s);
+                qt.store(sa0 + s * stage_bytes, threadIdx.x);
+            }
             load_tile<THREADS>(sb0 + s * stage_bytes, b, bn, n_cols, kp, k0 + s);
         }
         // Empty groups keep the wait count below uniform.
@@ -157,7 +296,11 @@ __device__ __forceinline__ void gemm_block(const u16* __restrict__ a, const u16*
         int next = kt + GEMM_STAGES - 1;
         if (next < nk) {
             int s = next % GEMM_STAGES;
-            load_tile<THREADS>(sa0 + s * stage_bytes, a, bm, m_rows, kp, k0 + next);
+            if constexpr (TY == TY_WORKSPACE) {
+                load_tile<THREADS>(sa0 + s * stage_bytes, a16, bm, m_rows, kp, k0 + next);
+            } else {
+                qt.fetch(arow, k0 + next);
+            }
             load_tile<THREADS>(sb0 + s * stage_bytes, b, bn, n_cols, kp, k0 + next);
         }
         cp_async_commit();
@@ -191,6 +334,11 @@ __device__ __forceinline__ void gemm_block(const u16* __restrict__ a, const u16*
 #pragma unroll
                 for (int ni = 0; ni < NI; ni++) mma_16816(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
         }
+        // Stage `next` was last read in iteration kt - 1, which every warp finished before
+        // this iteration's barrier; the next barrier makes the store visible.
+        if constexpr (TY != TY_WORKSPACE) {
+            if (next < nk) qt.store(sa0 + (next % GEMM_STAGES) * stage_bytes, threadIdx.x);
+        }
     }
     cp_async_wait<0>();
 
@@ -212,21 +360,25 @@ __device__ __forceinline__ void gemm_block(const u16* __restrict__ a, const u16*
             }
 }
 
-// gemm_block with 8 warps of 64 x 32: 256 threads, two blocks per multiprocessor.
-extern "C" __global__ void __launch_bounds__(256, 2)
-    gemm_f16(const u16* __restrict__ a, const u16* __restrict__ b, int m_rows, int n_cols,
-             int kp, int k_tiles, float* __restrict__ out, int ldo, u64 split_stride,
-             int accumulate) {
-    gemm_block<4>(a, b, m_rows, n_cols, kp, k_tiles, out, ldo, split_stride, accumulate);
-}
+// Every tile kernel takes (a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,
+// split_stride, accumulate); a_row_bytes is 2 * kp for the f16 workspace.
+#define GEMM_ENTRY(name, warps_n, ty)                                                          \
+    extern "C" __global__ void __launch_bounds__(64 * warps_n, 2)                              \
+        name(const u8* __restrict__ a, u64 a_row_bytes, const u16* __restrict__ b, int m_rows, \
+             int n_cols, int kp, int k_tiles, float* __restrict__ out, int ldo,                 \
+             u64 split_stride, int accumulate) {                                                \
+        gemm_block<warps_n, ty>(a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,      \
+                                split_stride, accumulate);                                      \
+    }
 
-// gemm_block with 4 warps of 64 x 64: 128 threads, two blocks per multiprocessor.
-extern "C" __global__ void __launch_bounds__(128, 2)
-    gemm_f16_wide(const u16* __restrict__ a, const u16* __restrict__ b, int m_rows, int n_cols,
-                  int kp, int k_tiles, float* __restrict__ out, int ldo, u64 split_stride,
-                  int accumulate) {
-    gemm_block<2>(a, b, m_rows, n_cols, kp, k_tiles, out, ldo, split_stride, accumulate);
-}
+// 8 warps of 64 x 32 (256 threads) or 4 of 64 x 64 (128), two blocks per multiprocessor.
+GEMM_ENTRY(gemm_f16, 4, TY_WORKSPACE)
+GEMM_ENTRY(gemm_f16_wide, 2, TY_WORKSPACE)
+// The weight types QTile decodes, in the tile kernel: 4 warps of 64 x 64, a row a thread.
+GEMM_ENTRY(gemmq_q4_0p, 2, TY_Q4_0P)
+GEMM_ENTRY(gemmq_q8_0p, 2, TY_Q8_0P)
+GEMM_ENTRY(gemmq_q4_k, 2, TY_Q4_K)
+GEMM_ENTRY(gemmq_q5_k, 2, TY_Q5_K)
 
 // out[t][r] (row stride ldo) = sum over z < splits of p[z][t][r], p holding splits partials
 // [nt][nr] of gemm_f16, split_stride = nt * nr apart. Summed in split order, so the result

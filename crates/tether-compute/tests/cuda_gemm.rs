@@ -9,7 +9,7 @@ use std::time::Instant;
 use tether_compute::Weight;
 
 use tether_compute::cuda::GEMM_MIN_TOKENS;
-use tether_compute::{Backend, ComputeError, CpuBackend, CudaBackend};
+use tether_compute::{Backend, ComputeError, CpuBackend, CudaBackend, CudaTuning};
 use tether_gguf::GgmlType;
 
 mod common;
@@ -19,6 +19,18 @@ use common::{Rng, WEIGHT_TYPES, cpu, f32_bytes, get, gpu, put, random_weights};
 /// GEMM (cuda_mmq.rs tests those products).
 fn gemm_gpu() -> CudaBackend {
     gpu().with_mmq_max_tokens(0)
+}
+
+/// `gemm_gpu` with the weights decoded to the f16 workspace for every type, as types the
+/// tile kernels cannot decode always are.
+fn workspace_gemm_gpu() -> CudaBackend {
+    let tuning = CudaTuning {
+        fused_gemm: false,
+        ..CudaTuning::from_env()
+    };
+    CudaBackend::with_tuning(0, &tuning)
+        .unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"))
+        .with_mmq_max_tokens(0)
 }
 
 /// The cpu backend's answers for one case: its matmul, and the exact (f64) product of its
@@ -145,11 +157,17 @@ fn check(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_matches_cpu_for_every_weight_type_and_edge_shape() {
-    let (g, c) = (gemm_gpu(), cpu());
+    let c = cpu();
     let mut rng = Rng(11);
     let mut failures = Vec::new();
     let mut cases = 0;
-    for ty in WEIGHT_TYPES {
+    // Both ways to the tiles: decoded in them (the default where the type allows) and
+    // through the f16 workspace.
+    let gpus = [gemm_gpu(), workspace_gemm_gpu()];
+    for (ty, g) in WEIGHT_TYPES
+        .iter()
+        .flat_map(|&ty| gpus.iter().map(move |g| (ty, g)))
+    {
         let mut shapes = Vec::new();
         // Every (rows, tokens) pair on short rows: one row, a partial tile, a partial last
         // tile after 32 full ones; the smallest GEMM batch, a partial tile, 4 tiles.
@@ -173,7 +191,7 @@ fn gemm_matches_cpu_for_every_weight_type_and_edge_shape() {
         }
         for shape in shapes {
             cases += 1;
-            if let Err(e) = check(&g, &c, &mut rng, ty, shape) {
+            if let Err(e) = check(g, &c, &mut rng, ty, shape) {
                 eprintln!("FAIL {e}");
                 failures.push(e);
             }
@@ -280,12 +298,20 @@ fn time_matmul(g: &CudaBackend, ty: GgmlType, rows: usize, cols: usize, n: usize
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bench_prefill_gemm() {
-    let g = gemm_gpu();
+    let (g, ws) = (gemm_gpu(), workspace_gemm_gpu());
     let n = 512;
-    for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K] {
+    for (ty, g, how) in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K]
+        .into_iter()
+        .flat_map(|ty| {
+            [
+                (ty, &g, "decoded in the tiles"),
+                (ty, &ws, "via the workspace"),
+            ]
+        })
+    {
         let mut t = std::collections::HashMap::new();
         for (rows, cols) in [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)] {
-            let secs = time_matmul(&g, ty, rows, cols, n);
+            let secs = time_matmul(g, ty, rows, cols, n);
             let tflops = 2.0 * (rows * cols * n) as f64 / secs / 1e12;
             eprintln!(
                 "gemm {ty:>5} {rows:>5}x{cols:<5} n={n}: {:8.1} us  {tflops:6.1} TFLOP/s",
@@ -299,7 +325,7 @@ fn bench_prefill_gemm() {
             + 2.0 * t[&(14336, 4096)]
             + t[&(4096, 14336)];
         eprintln!(
-            "gemm {ty:>5} 8B-shape pp{n} (32 layers of matmuls only): {:.0} tokens/s",
+            "gemm {ty:>5} 8B-shape pp{n} (32 layers of matmuls only, {how}): {:.0} tokens/s",
             n as f64 / (32.0 * layer)
         );
     }

@@ -1,5 +1,6 @@
-//! Prefill matmul on tensor cores (kernels/gemm.cu): weight rows are decoded to f16 in a
-//! workspace chunk, the tokens converted to f16, and one GEMM multiplies the two.
+//! Prefill matmul on tensor cores (kernels/gemm.cu): the tokens are converted to f16 and one
+//! GEMM multiplies them with the weights. The types mmq.cu reads are decoded inside the
+//! GEMM's tiles; other types' rows are decoded to f16 in a workspace chunk first.
 //!
 //! The workspace is allocated once with the backend, so serving never allocates device
 //! memory here; a matmul larger than it runs in chunks of rows and of tokens. Chunks too
@@ -8,6 +9,7 @@
 use std::sync::{Arc, MutexGuard};
 
 use cudarc::driver::LaunchConfig;
+use tether_gguf::GgmlType;
 
 use super::check::{row_bytes, shape_err};
 use super::device::Device;
@@ -48,14 +50,18 @@ pub(super) const BLOCKS_PER_SM: usize = 2;
 const TILE_M: usize = define(source::GEMM, "GEMM_M");
 const TILE_N: usize = define(source::GEMM, "GEMM_N");
 pub(super) const TILE_K: usize = define(source::GEMM, "GEMM_K");
+/// Most row tiles of one launch (grid y).
+const MAX_GRID_Y: usize = 65_535;
 /// Threads per block of the element-wise gemm.cu kernels.
 pub(super) const THREADS: u32 = 256;
 
-/// One instantiation of gemm.cu's `gemm_block`: its entry point and threads per block.
+/// One instantiation of gemm.cu's `gemm_block`: its entry point, threads per block, and
+/// whether it decodes the weight's blocks itself (else it reads the f16 workspace).
 #[derive(Clone, Copy, Debug)]
 struct TileKernel {
     name: &'static str,
     threads: u32,
+    decodes: bool,
 }
 
 /// 8 warps of 64 x 32 outputs: the same sums as `WARPS_64X64`, bit for bit, so the tests
@@ -64,12 +70,45 @@ struct TileKernel {
 const WARPS_64X32: TileKernel = TileKernel {
     name: "gemm_f16",
     threads: 256,
+    decodes: false,
 };
 /// 4 warps of 64 x 64 outputs: half the shared-memory reads per mma, more registers.
 const WARPS_64X64: TileKernel = TileKernel {
     name: "gemm_f16_wide",
     threads: 128,
+    decodes: false,
 };
+
+/// The gemm.cu kernel that decodes the blocks of `a`'s weight in its tiles, if any: packed
+/// Q4_0 / Q8_0, Q4_K and Q5_K, whose quants it reads 16 bytes at a time (so the rows must
+/// start 16-byte aligned), in one launch (so the row tiles must fit grid y). Other types
+/// are decoded to the f16 workspace first. On an H100, llama3-8b pp512 (`tether bench`)
+/// ran at 13,511-13,620 t/s this way against 11,272 through the workspace for Q4_0,
+/// 12,349-12,512 against 11,253 for Q4_K_M and 11,248-12,031 against 11,069 for Q5_K_M.
+fn decoding_kernel(a: &MatmulArgs) -> Option<&'static str> {
+    let name = match (a.ty, a.packed) {
+        (GgmlType::Q4_0, true) => "gemmq_q4_0p",
+        (GgmlType::Q8_0, true) => "gemmq_q8_0p",
+        (GgmlType::Q4K, false) => "gemmq_q4_k",
+        (GgmlType::Q5K, false) => "gemmq_q5_k",
+        _ => return None,
+    };
+    let aligned = a.w.is_multiple_of(16)
+        && a.ty
+            .bytes_for(a.cols as u64)
+            .is_some_and(|rb| rb.is_multiple_of(16));
+    let fits = a.cols.is_multiple_of(TILE_K) && a.rows.div_ceil(TILE_M) <= MAX_GRID_Y;
+    (aligned && fits).then_some(name)
+}
+
+/// gemm.cu's `gemmq_*` kernel `name`: `WARPS_64X64`'s tiles, decoding the weights' blocks.
+fn decoding(name: &'static str) -> TileKernel {
+    TileKernel {
+        name,
+        threads: WARPS_64X64.threads,
+        decodes: true,
+    }
+}
 /// The tile kernel `matmul` uses: on an H100 (`gpu_bench_tile_kernels`, Q8_0, 512 tokens)
 /// 8B-shape matmuls took 1.12 ms a layer with it against 1.21 ms with `WARPS_64X32`.
 const TILE_KERNEL: TileKernel = WARPS_64X64;
@@ -155,9 +194,14 @@ impl CudaBackend {
     }
 
     /// The matmul of `a` on tensor cores; the caller has checked the buffers' sizes and
-    /// that no dimension is zero.
+    /// that no dimension is zero. Weights of the types gemm.cu decodes in its tiles skip
+    /// the f16 workspace unless tuned off: decoding to it took 20% of llama3-8b pp512's
+    /// kernel time (ncu, H200).
     pub(super) fn gemm(&self, a: &MatmulArgs) -> Result<()> {
-        self.gemm_with(a, TILE_KERNEL, BLOCKS_PER_SM)
+        let tile = decoding_kernel(a)
+            .filter(|_| self.fused_gemm)
+            .map_or(TILE_KERNEL, decoding);
+        self.gemm_with(a, tile, BLOCKS_PER_SM)
     }
 
     /// The GEMM with tile kernel `tile`, splitting K until `blocks_per_sm` blocks per
@@ -165,7 +209,12 @@ impl CudaBackend {
     fn gemm_with(&self, a: &MatmulArgs, tile: TileKernel, blocks_per_sm: usize) -> Result<()> {
         let rb = row_bytes(OP, a.ty, a.cols)?;
         let kp = padded_cols(a.cols)?;
-        let row_chunk = rows_per_chunk(kp);
+        // A decoding kernel reads the weight in place: all its rows in one launch.
+        let row_chunk = if tile.decodes {
+            a.rows
+        } else {
+            rows_per_chunk(kp)
+        };
         let token_chunk = X16_ELEMS / kp;
         if row_chunk == 0 || token_chunk == 0 {
             return Err(shape_err(
@@ -204,16 +253,22 @@ impl CudaBackend {
             self.run("gemm_x_f16", grid_for(nt * kp / 8, THREADS), &args)?;
             for r0 in (0..a.rows).step_by(row_chunk) {
                 let nr = (a.rows - r0).min(row_chunk);
-                let args = [
-                    Arg::Ptr(a.w + (r0 * rb) as u64),
-                    ty,
-                    Arg::U64(rb as u64),
-                    cols_arg,
-                    kp_arg,
-                    Arg::I32(nr as i32),
-                    Arg::Ptr(w16),
-                ];
-                self.run("gemm_dequant_f16", grid_for(nr * kp / 8, THREADS), &args)?;
+                let rows_at = a.w + (r0 * rb) as u64;
+                let (wa, wa_row_bytes) = if tile.decodes {
+                    (rows_at, rb)
+                } else {
+                    let args = [
+                        Arg::Ptr(rows_at),
+                        ty,
+                        Arg::U64(rb as u64),
+                        cols_arg,
+                        kp_arg,
+                        Arg::I32(nr as i32),
+                        Arg::Ptr(w16),
+                    ];
+                    self.run("gemm_dequant_f16", grid_for(nr * kp / 8, THREADS), &args)?;
+                    (w16, kp * 2)
+                };
                 let (m_tiles, n_tiles) = (nr.div_ceil(TILE_M), nt.div_ceil(TILE_N));
                 let (splits, k_tiles) = split_k(
                     m_tiles * n_tiles,
@@ -236,7 +291,8 @@ impl CudaBackend {
                 };
                 let accumulate = Arg::I32(i32::from(a.accumulate));
                 let args = [
-                    Arg::Ptr(w16),
+                    Arg::Ptr(wa),
+                    Arg::U64(wa_row_bytes as u64),
                     Arg::Ptr(x16),
                     Arg::I32(nr as i32),
                     Arg::I32(nt as i32),

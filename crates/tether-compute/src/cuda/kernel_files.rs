@@ -453,6 +453,10 @@ pub(super) const FILES: &[KernelFile] = &[
             "gemm_f16",
             "gemm_f16_wide",
             "gemm_reduce",
+            "gemmq_q4_0p",
+            "gemmq_q8_0p",
+            "gemmq_q4_k",
+            "gemmq_q5_k",
         ],
     },
 ];
@@ -540,6 +544,12 @@ mod tests {
                 if e.starts_with("mmq_") {
                     let defined = f.source.contains(&format!("MMQ_ENTRY({e}, "))
                         || f.source.contains(&format!("    {e}("));
+                    assert!(defined, "{e} not found in {}", f.name);
+                    continue;
+                }
+                // Tile kernels: GEMM_ENTRY(name, warps, type).
+                if e.starts_with("gemm_f16") || e.starts_with("gemmq_") {
+                    let defined = f.source.contains(&format!("GEMM_ENTRY({e}, "));
                     assert!(defined, "{e} not found in {}", f.name);
                     continue;
                 }

@@ -99,6 +99,9 @@ pub struct CudaBackend {
     /// Blocks per multiprocessor the 8-bit products split K to fill
     /// ([`CudaTuning::mmq_blocks_per_sm`] or mmq.rs's measured default).
     mmq_blocks_per_sm: usize,
+    /// Whether the GEMM decodes the weight types it reads in its tiles
+    /// ([`CudaTuning::fused_gemm`]).
+    fused_gemm: bool,
     /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
     gemm_ws: Mutex<GemmWorkspace>,
     /// Per-process memory of this device, when NVML is there to ask.
@@ -222,6 +225,7 @@ impl CudaBackend {
             mmq_max_tokens,
             mmq_capable: cc.0 >= 8,
             mmq_blocks_per_sm: tuning.mmq_blocks_per_sm.unwrap_or(mmq::MMQ_BLOCKS_PER_SM),
+            fused_gemm: tuning.fused_gemm,
             gemm_ws,
             nvml,
         })

@@ -27,6 +27,9 @@ pub struct CudaTuning {
     /// Batches of 9-32 tokens (by weight type) to this many take the products from the
     /// quantized blocks (mmq.rs), instead of the measured default, 64 (`TETHER_MMQ=N`; 0 turns them off).
     pub mmq_max_tokens: Option<usize>,
+    /// The GEMM decodes the weight types it can read in its own tiles, skipping the f16
+    /// workspace (`TETHER_GEMM_FUSED=0` turns that off).
+    pub fused_gemm: bool,
     /// Blocks per multiprocessor the 8-bit products split K until they fill, instead of
     /// the measured default (`TETHER_MMQ_BLOCKS`, > 0).
     pub mmq_blocks_per_sm: Option<usize>,
@@ -70,6 +73,7 @@ impl CudaTuning {
             mma_min_tokens: tokens("TETHER_MMA_MIN_TOKENS"),
             gemm_min_tokens: tokens("TETHER_GEMM_MIN_TOKENS").map(|n| n.max(GEMM_TESTED_FROM)),
             mmq_max_tokens: var("TETHER_MMQ").and_then(|v| v.to_str()?.trim().parse().ok()),
+            fused_gemm: !off("TETHER_GEMM_FUSED"),
             mmq_blocks_per_sm: tokens("TETHER_MMQ_BLOCKS"),
             kernel_cache: cache_root.map(|root| root.join("kernels")),
             kernel_sources: var("TETHER_KERNEL_SOURCES")
@@ -95,7 +99,7 @@ mod tests {
     #[test]
     fn an_empty_environment_turns_everything_on_with_measured_defaults() {
         let t = tuning(&[]);
-        assert!(t.dependent_launches && t.flash_attention);
+        assert!(t.dependent_launches && t.flash_attention && t.fused_gemm);
         assert_eq!((t.mma_min_tokens, t.gemm_min_tokens), (None, None));
         assert_eq!((&t.kernel_cache, &t.kernel_sources), (&None, &None));
         assert_eq!(t, CudaTuning::default());
@@ -111,9 +115,10 @@ mod tests {
             ("TETHER_CACHE", "/var/cache/t"),
             ("TETHER_KERNEL_SOURCES", "/src/kernels"),
             ("TETHER_MMQ_BLOCKS", "4"),
+            ("TETHER_GEMM_FUSED", "0"),
             ("HOME", "/home/x"),
         ]);
-        assert!(!t.dependent_launches && !t.flash_attention);
+        assert!(!t.dependent_launches && !t.flash_attention && !t.fused_gemm);
         assert_eq!(t.mmq_blocks_per_sm, Some(4));
         assert_eq!((t.mma_min_tokens, t.gemm_min_tokens), (Some(3), Some(65)));
         assert_eq!(t.kernel_cache, Some(PathBuf::from("/var/cache/t/kernels")));
