@@ -2,9 +2,9 @@
 // GEMM (mma.sync m16n8k16) multiplies them with the weights. Reusing each weight tile for up
 // to 128 tokens is what makes prefill fast; the matvec kernels re-read the weights every few
 // tokens. The weights reach the tiles in one of two ways:
-// - the gemmq_* kernels decode the quantized blocks (packed Q4_0 / Q8_0, Q4_K, Q5_K) on
-//   their way into shared memory, so nothing but the blocks is read and no f16 copy is
-//   written;
+// - the gemmq_* kernels decode the quantized blocks (packed Q4_0 / Q8_0 / Q6_K / IQ4_XS,
+//   Q4_K, Q5_K) on their way into shared memory, so nothing but the blocks is read and no
+//   f16 copy is written;
 // - the other types are decoded to an f16 workspace first (gemm_dequant_f16), which the
 //   gemm_f16* kernels copy into shared memory.
 //
@@ -114,18 +114,44 @@ __device__ __forceinline__ uint4 ldg16(const u8* p) {
     return v;
 }
 
+// 8 bytes of weights from global memory, as ldg16.
+__device__ __forceinline__ uint2 ldg8(const u8* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// Halfword j (0..8) of the 16 bytes v.
+__device__ __forceinline__ u16 half_of(uint4 v, int j) {
+    const u32 w = (j & 4) ? ((j & 2) ? v.w : v.z) : ((j & 2) ? v.y : v.x);
+    return (u16)(w >> (16 * (j & 1)));
+}
+
+// The IQ4 levels (signed bytes) of the nibbles in the 4 bytes of w (each 0..15): two byte
+// permutes look each up among levels 0-7 and 8-15, and bit 3 picks one of the two.
+__device__ __forceinline__ u32 iq4_levels(u32 w) {
+    const u32 t = w | (w >> 4);
+    const u32 sel = __byte_perm(t, 0, 0x4420) & 0x7777u;
+    const u32 lo = __byte_perm(0xBFAD9881u, 0xF6EADDCFu, sel);
+    const u32 hi = __byte_perm(0x26190D01u, 0x71594535u, sel);
+    const u32 pick_hi = ((w >> 3) & 0x01010101u) * 0xFFu;
+    return (lo & ~pick_hi) | (hi & pick_hi);
+}
+
 // One weight row's 32 values of a K tile, for the types the tile kernels decode (packed
-// Q4_0 / Q8_0, Q4_K, Q5_K: blocks whose quants lie 16-byte aligned), held in registers from
+// Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K, Q5_K: blocks whose quants lie 16-byte aligned), held in registers from
 // their load, issued before the products of the current K tile, to their store as f16 into
 // shared memory after them, so the loads' latency hides behind the products. Each of the
 // GEMM_M threads takes one row, and K tiles in order: the 32 rows of a warp's load are 32
 // cache lines, which bound the kernel when it loads more than ~2 times a K tile (ncu, H100:
 // 76% memory-pipe busy with 6), so what later K tiles share (a group's scales, a Q4_K
-// pair's quant bytes, Q5_K's high bits) is loaded once and kept.
+// pair's quant bytes, Q5_K's and Q6_K's high bits, a block's scales) is loaded once and
+// kept.
 template <int TY>
 struct QTile {
-    uint4 q[2], hb[2], sw;
-    int kt, have_q = -1, have_s = -1;
+    uint4 q[2], hb[2], sw, sb;
+    uint2 head;
+    int kt, have_q = -1, have_s = -1, have_b = -1;
 
     __device__ __forceinline__ void fetch(const u8* row, int k_tile) {
         kt = k_tile;
@@ -138,6 +164,38 @@ struct QTile {
             }
             q[0] = ldg16(g + 16 + QB * (kt & 7));
             if constexpr (TY == TY_Q8_0P) q[1] = ldg16(g + 32 + QB * (kt & 7));
+        } else if constexpr (TY == TY_Q6_KP) {
+            // Groups of 8 blocks: their 8 f16 d, then each block's ql (128), qh (64) and
+            // scales (16). K tile kt is half h = (kt & 7) / 4, quarter k = kt & 3 of block
+            // kt / 8: ql bytes 64h + 32(k & 1).. (nibble k / 2), qh bytes 32h.. (bits 2k).
+            const int n = kt >> 3, h = (kt >> 2) & 1, k = kt & 3;
+            const u8* g = row + (n >> 3) * 1680;
+            const u8* b = g + 16 + 208 * (n & 7);
+            if ((n >> 3) != have_s) {
+                sw = ldg16(g);
+                have_s = n >> 3;
+            }
+            if (n != have_b) {
+                sb = ldg16(b + 192);
+                have_b = n;
+            }
+            if ((kt >> 2) != have_q) {
+                hb[0] = ldg16(b + 128 + 32 * h);
+                hb[1] = ldg16(b + 144 + 32 * h);
+                have_q = kt >> 2;
+            }
+            q[0] = ldg16(b + 64 * h + 32 * (k & 1));
+            q[1] = ldg16(b + 64 * h + 32 * (k & 1) + 16);
+        } else if constexpr (TY == TY_IQ4_XSP) {
+            // Groups of 8 blocks: their 8-byte headers (d, scales_h, scales_l), then each
+            // block's 128 quant bytes, 16 per K tile (low nibbles values 0-15, high 16-31).
+            const int n = kt >> 3;
+            const u8* g = row + (n >> 3) * 1088;
+            if (n != have_b) {
+                head = ldg8(g + 8 * (n & 7));
+                have_b = n;
+            }
+            q[0] = ldg16(g + 64 + 128 * (n & 7) + 16 * (kt & 7));
         } else {
             constexpr bool FIVE = TY == TY_Q5_K;
             const u8* b = row + (kt >> 3) * (FIVE ? 176 : 144);
@@ -160,32 +218,54 @@ struct QTile {
 
     // Block kt's f16 scale among the 8 of a packed group's header (registers only: a
     // runtime index into an array would put it in local memory).
-    __device__ __forceinline__ u16 block_scale() const {
-        const int j = kt & 7;
-        const u32 w = (j & 4) ? ((j & 2) ? sw.w : sw.z) : ((j & 2) ? sw.y : sw.x);
-        return (u16)(w >> (16 * (j & 1)));
-    }
+    __device__ __forceinline__ u16 block_scale() const { return half_of(sw, kt & 7); }
 
     // The 32 values as f16 (scale x quant - min) in order at row `row` of the tile: the
     // byte permute puts a quant byte under the f16 exponent of 1024, so one subtraction
     // makes it an exact f16 and one multiply-add scales it.
     __device__ __forceinline__ void store(u32 tile, int row) const {
-        u32 w[8], bias, sc, nm = 0;
-        if constexpr (TY == TY_Q4_0P) {
+        // Values 8c.. take scale sc[c / 2] (Q6_K's scales cover 16 values, the others' 32).
+        u32 w[8], bias, sc[2], nm = 0;
+        if constexpr (TY == TY_Q4_0P || TY == TY_IQ4_XSP) {
             const u32 x[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 w[i] = x[i] & 0x0F0F0F0Fu;
                 w[4 + i] = (x[i] >> 4) & 0x0F0F0F0Fu;
             }
-            bias = 0x64086408u;  // 1024 + 8: the quants are offset by 8
-            sc = h2_of(h2f(block_scale()));
+            if constexpr (TY == TY_Q4_0P) {
+                bias = 0x64086408u;  // 1024 + 8: the quants are offset by 8
+                sc[0] = h2_of(h2f(block_scale()));
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; i++) w[i] = iq4_levels(w[i]) ^ 0x80808080u;  // + 128
+                bias = 0x64806480u;
+                const int ib = kt & 7;
+                const int low = (head.y >> (4 * ib)) & 15, high = (head.x >> (16 + 2 * ib)) & 3;
+                sc[0] = h2_of(h2f((u16)head.x) * (float)((low | (high << 4)) - 32));
+            }
+            sc[1] = sc[0];
         } else if constexpr (TY == TY_Q8_0P) {
             const u32 x[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
 #pragma unroll
             for (int i = 0; i < 8; i++) w[i] = x[i] ^ 0x80808080u;  // signed + 128
             bias = 0x64806480u;
-            sc = h2_of(h2f(block_scale()));
+            sc[0] = sc[1] = h2_of(h2f(block_scale()));
+        } else if constexpr (TY == TY_Q6_KP) {
+            const int h = (kt >> 2) & 1, k = kt & 3, shift = 4 * (k >> 1);
+            const u32 x[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
+            const u32 y[8] = {hb[0].x, hb[0].y, hb[0].z, hb[0].w, hb[1].x, hb[1].y, hb[1].z, hb[1].w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                w[i] = ((x[i] >> shift) & 0x0F0F0F0Fu) | (((y[i] >> (2 * k)) & 0x03030303u) << 4);
+            }
+            bias = 0x64206420u;  // 1024 + 32: the quants are offset by 32
+            const float d = h2f(half_of(sw, (kt >> 3) & 7));
+            // Scales 8h + 2k and the next, signed bytes of sb.
+            const int j = 8 * h + 2 * k;
+            const u32 lo = j < 8 ? sb.x : sb.z, hi = j < 8 ? sb.y : sb.w;
+#pragma unroll
+            for (int i = 0; i < 2; i++) sc[i] = h2_of(d * (float)(i8)byte_of(lo, hi, j + i));
         } else {
             const int sub = kt & 7, shift = 4 * (sub & 1);
             const u32 x[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
@@ -205,7 +285,7 @@ struct QTile {
                 m = (byte_of(sw.w, sw.w, sub + 4) >> 4) | ((byte_of(sw.y, sw.z, sub) >> 6) << 4);
             }
             bias = 0x64006400u;
-            sc = h2_of(h2f((u16)sw.x) * (float)s);
+            sc[0] = sc[1] = h2_of(h2f((u16)sw.x) * (float)s);
             nm = h2_of(-h2f((u16)(sw.x >> 16)) * (float)m);
         }
 #pragma unroll
@@ -214,8 +294,8 @@ struct QTile {
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 const u32 u = w[2 * c + j];
-                v[2 * j] = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4140), bias), sc, nm);
-                v[2 * j + 1] = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4342), bias), sc, nm);
+                v[2 * j] = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4140), bias), sc[c >> 1], nm);
+                v[2 * j + 1] = h2_fma(h2_sub(__byte_perm(u, 0x64646464u, 0x4342), bias), sc[c >> 1], nm);
             }
             asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + tile_off(row, c)),
                          "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
@@ -379,6 +459,8 @@ GEMM_ENTRY(gemmq_q4_0p, 2, TY_Q4_0P)
 GEMM_ENTRY(gemmq_q8_0p, 2, TY_Q8_0P)
 GEMM_ENTRY(gemmq_q4_k, 2, TY_Q4_K)
 GEMM_ENTRY(gemmq_q5_k, 2, TY_Q5_K)
+GEMM_ENTRY(gemmq_q6_kp, 2, TY_Q6_KP)
+GEMM_ENTRY(gemmq_iq4_xsp, 2, TY_IQ4_XSP)
 
 // out[t][r] (row stride ldo) = sum over z < splits of p[z][t][r], p holding splits partials
 // [nt][nr] of gemm_f16, split_stride = nt * nr apart. Summed in split order, so the result

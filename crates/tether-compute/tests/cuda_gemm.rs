@@ -9,7 +9,7 @@ use std::time::Instant;
 use tether_compute::Weight;
 
 use tether_compute::cuda::GEMM_MIN_TOKENS;
-use tether_compute::{Backend, ComputeError, CpuBackend, CudaBackend, CudaTuning};
+use tether_compute::{Backend, ComputeError, CpuBackend, CudaBackend};
 use tether_gguf::GgmlType;
 
 mod common;
@@ -24,13 +24,7 @@ fn gemm_gpu() -> CudaBackend {
 /// `gemm_gpu` with the weights decoded to the f16 workspace for every type, as types the
 /// tile kernels cannot decode always are.
 fn workspace_gemm_gpu() -> CudaBackend {
-    let tuning = CudaTuning {
-        fused_gemm: false,
-        ..CudaTuning::from_env()
-    };
-    CudaBackend::with_tuning(0, &tuning)
-        .unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"))
-        .with_mmq_max_tokens(0)
+    gemm_gpu().with_fused_gemm(false)
 }
 
 /// The cpu backend's answers for one case: its matmul, and the exact (f64) product of its

@@ -33,7 +33,9 @@ fn kquant_weights_give_the_cpus_products() {
             let packs = matches!(ty, GgmlType::Q6K | GgmlType::Q3K | GgmlType::IQ4XS)
                 && cols.is_multiple_of(2048);
             assert_eq!(w.packed, packs, "{ty} {rows}x{cols}: packed");
-            // Up to 8 tokens a launch; 13 is two launches; 17 and 64 take the GEMM. 8-bit
+            // Up to 8 tokens a launch; 13 is two launches; from 17 the GEMM, which decodes
+            // Q4_K, Q5_K and packed rows in its tiles (other rows: the products from the
+            // blocks, mmq.cu, to 64, the GEMM's f16 workspace past that). 8-bit
             // activations (blocks of 32 here, of 256 on the cpu) against weights with a min
             // offset: about 1% on 256-wide rows of random data.
             let mut rig = Rig {
@@ -43,7 +45,7 @@ fn kquant_weights_give_the_cpus_products() {
                 cols,
                 expect_packed: false,
             };
-            rig.products(&w, ty, rows, &[1, 2, 3, 5, 8, 13, 17, 64], 2e-2);
+            rig.products(&w, ty, rows, &[1, 2, 3, 5, 8, 13, 17, 64, 65, 130], 2e-2);
         }
 
         // Embedding rows of a (packed) table decode exactly as the cpu's.

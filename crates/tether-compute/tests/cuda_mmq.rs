@@ -20,9 +20,10 @@ use common::{Rng, cpu, f32_bytes, get, gpu, put, random_weights};
 
 type GpuBuffer = <CudaBackend as Backend>::Buffer;
 
-/// The GPU with the tensor-core products from quantized blocks on for 9 to 256 tokens.
+/// The GPU with the tensor-core products from quantized blocks on for 9 to 256 tokens (and
+/// the GEMM that decodes weights in its tiles, which would take them from 17, off).
 fn mmq_gpu() -> CudaBackend {
-    gpu().with_mmq_max_tokens(256)
+    gpu().with_mmq_max_tokens(256).with_fused_gemm(false)
 }
 
 /// Token counts on both sides of the tiles (64) and of the GEMM's boundary (256).
@@ -176,7 +177,10 @@ fn time_matmul(g: &CudaBackend, w: &GpuBuffer, ty: GgmlType, shape: [usize; 3]) 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bench_mmq_against_the_gemm() {
-    let (on, off) = (gpu().with_mmq_max_tokens(512), gpu().with_mmq_max_tokens(0));
+    let (on, off) = (
+        mmq_gpu().with_mmq_max_tokens(512),
+        gpu().with_mmq_max_tokens(0),
+    );
     let mut rng = Rng(89);
     // q, o; k, v; gate, up; down (rows, cols, per layer).
     let shapes = [

@@ -73,6 +73,14 @@ impl CudaBackend {
             out: op,
             accumulate,
         };
+        // The GEMM that decodes the weight in its tiles beats the products from the blocks
+        // and the tensor-core matvecs from its smallest batch on: llama3-8b on an H100,
+        // `bench --parallel 24,32,48,64 -p 128 -n 128`, Q4_0 2,091 / 2,756 / 3,904 / 4,947
+        // t/s against 1,874 / 2,659 / 3,487 / 4,533, Q4_K_M 1,953 / 2,547 / 3,580 / 4,534
+        // against 1,621 / 2,143 / 2,742 / 3,538.
+        if n_tokens >= self.gemm_min_tokens && self.gemm_decodes(&a) {
+            return self.gemm(&a);
+        }
         if let Some(kernel) = super::mmq::mmq_kernel(&a, self.mmq_max_tokens) {
             return self.mmq(&a, kernel);
         }

@@ -80,7 +80,7 @@ const WARPS_64X64: TileKernel = TileKernel {
 };
 
 /// The gemm.cu kernel that decodes the blocks of `a`'s weight in its tiles, if any: packed
-/// Q4_0 / Q8_0, Q4_K and Q5_K, whose quants it reads 16 bytes at a time (so the rows must
+/// Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K and Q5_K, whose quants it reads 16 bytes at a time (so the rows must
 /// start 16-byte aligned), in one launch (so the row tiles must fit grid y). Other types
 /// are decoded to the f16 workspace first. On an H100, llama3-8b pp512 (`tether bench`)
 /// ran at 13,511-13,620 t/s this way against 11,272 through the workspace for Q4_0,
@@ -91,6 +91,8 @@ fn decoding_kernel(a: &MatmulArgs) -> Option<&'static str> {
         (GgmlType::Q8_0, true) => "gemmq_q8_0p",
         (GgmlType::Q4K, false) => "gemmq_q4_k",
         (GgmlType::Q5K, false) => "gemmq_q5_k",
+        (GgmlType::Q6K, true) => "gemmq_q6_kp",
+        (GgmlType::IQ4XS, true) => "gemmq_iq4_xsp",
         _ => return None,
     };
     let aligned = a.w.is_multiple_of(16)
@@ -202,6 +204,20 @@ impl CudaBackend {
             .filter(|_| self.fused_gemm)
             .map_or(TILE_KERNEL, decoding);
         self.gemm_with(a, tile, BLOCKS_PER_SM)
+    }
+
+    /// This backend with the GEMM decoding the weight types it can in its tiles and taking
+    /// their batches from its smallest size on (`on`, the default unless tuned off), or
+    /// neither (every type through the f16 workspace, batches of up to 64 tokens to the
+    /// products from the blocks), whatever it was tuned with: tests of each path.
+    pub fn with_fused_gemm(mut self, on: bool) -> Self {
+        self.fused_gemm = on;
+        self
+    }
+
+    /// Whether [`Self::gemm`] decodes `a`'s weight in its tiles (no workspace pass).
+    pub(super) fn gemm_decodes(&self, a: &MatmulArgs) -> bool {
+        self.fused_gemm && decoding_kernel(a).is_some()
     }
 
     /// The GEMM with tile kernel `tile`, splitting K until `blocks_per_sm` blocks per

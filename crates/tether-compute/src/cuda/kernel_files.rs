@@ -457,6 +457,8 @@ pub(super) const FILES: &[KernelFile] = &[
             "gemmq_q8_0p",
             "gemmq_q4_k",
             "gemmq_q5_k",
+            "gemmq_q6_kp",
+            "gemmq_iq4_xsp",
         ],
     },
 ];

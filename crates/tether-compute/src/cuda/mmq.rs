@@ -30,7 +30,9 @@ const MAX_ROW_TILES: usize = 65_535;
 /// otherwise. On an H100 (llama3-8b's products of a layer, `cuda_mmq bench_`) they take
 /// 0.55-0.62x of the time of the f16 GEMM path for Q4_K and Q6_K at 17-64 tokens, and
 /// 0.47-0.82x for Q4_0 / Q8_0 at 32-64; past 64 a second token tile reads every weight
-/// again and at 128 the GEMM is as fast for the K-quants.
+/// again and at 128 the GEMM is as fast for the K-quants. Weights the GEMM decodes in its
+/// own tiles (gemm.rs: packed rows, Q4_K, Q5_K) take the GEMM from 17 tokens instead, so
+/// these kernels keep their smaller batches and the rows left in GGUF's layout.
 pub(crate) const MMQ_MAX_TOKENS: usize = 64;
 /// Below this the decode kernels (launches of 8 tokens reading each weight once) win for
 /// Q5_K and IQ4_XS, not measured at fewer tokens.
