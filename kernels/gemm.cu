@@ -139,9 +139,10 @@ __device__ __forceinline__ u32 iq4_levels(u32 w) {
 }
 
 // One weight row's 32 values of a K tile, for the types the tile kernels decode (packed
-// Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K, Q5_K: blocks whose quants lie 16-byte aligned), held in registers from
-// their load, issued before the products of the current K tile, to their store as f16 into
-// shared memory after them, so the loads' latency hides behind the products. Each of the
+// Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K, Q5_K: blocks whose quants lie 16-byte aligned), held
+// in registers from their load, issued before the products of the current K tile, to their
+// store as f16 into shared memory after them, so the loads' latency hides behind the
+// products. Each of the
 // GEMM_M threads takes one row, and K tiles in order: the 32 rows of a warp's load are 32
 // cache lines, which bound the kernel when it loads more than ~2 times a K tile (ncu, H100:
 // 76% memory-pipe busy with 6), so what later K tiles share (a group's scales, a Q4_K

@@ -259,6 +259,48 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Every kernel file compiles with the NVRTC this machine has, for an H100, and its PTX
+    /// names every entry: a kernel edit that does not compile is caught without a GPU.
+    /// Where no libnvrtc loads the test says "skipped" and passes (CI installs NVRTC's pip
+    /// wheel for it).
+    #[test]
+    fn every_kernel_file_compiles_where_nvrtc_is_installed() {
+        let nvrtc = match nvrtc_version() {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+        };
+        let compiled: Vec<(&KernelFile, Result<(String, bool)>)> = std::thread::scope(|scope| {
+            let jobs: Vec<_> = FILES
+                .iter()
+                .map(|f| {
+                    let source = Source {
+                        common: COMMON,
+                        file: f.source,
+                    };
+                    (
+                        f,
+                        scope.spawn(move || module_ptx(f, source, (9, 0), nvrtc, None, false)),
+                    )
+                })
+                .collect();
+            jobs.into_iter()
+                .map(|(f, j)| (f, j.join().expect("a compile thread panicked")))
+                .collect()
+        });
+        for (f, result) in compiled {
+            match result {
+                Ok((ptx, cached)) => {
+                    assert!(!cached, "{}: no cache was given", f.name);
+                    assert!(plausible_ptx(&ptx, f), "{}: an entry is missing", f.name);
+                }
+                Err(e) => panic!("kernels/{}.cu: {e:?}", f.name),
+            }
+        }
+    }
+
     #[test]
     fn hash_separates_parts() {
         assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
