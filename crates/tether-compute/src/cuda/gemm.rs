@@ -378,6 +378,54 @@ mod tests {
         }
     }
 
+    fn args(ty: GgmlType, packed: bool, w: u64, rows: usize, cols: usize) -> MatmulArgs {
+        MatmulArgs {
+            w,
+            ty,
+            packed,
+            rows,
+            cols,
+            x: 0,
+            n_tokens: 512,
+            out: 0,
+            accumulate: false,
+        }
+    }
+
+    #[test]
+    fn the_tiles_decode_aligned_rows_of_their_six_types_only() {
+        let kernel = |ty, packed| decoding_kernel(&args(ty, packed, 256, 4096, 4096));
+        assert_eq!(kernel(GgmlType::Q4_0, true), Some("gemmq_q4_0p"));
+        assert_eq!(kernel(GgmlType::Q8_0, true), Some("gemmq_q8_0p"));
+        assert_eq!(kernel(GgmlType::Q6K, true), Some("gemmq_q6_kp"));
+        assert_eq!(kernel(GgmlType::IQ4XS, true), Some("gemmq_iq4_xsp"));
+        assert_eq!(kernel(GgmlType::Q4K, false), Some("gemmq_q4_k"));
+        assert_eq!(kernel(GgmlType::Q5K, false), Some("gemmq_q5_k"));
+        // GGUF's 18 / 34 / 210 / 136-byte blocks, and types with no decoder in the tiles.
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q8_0,
+            GgmlType::Q6K,
+            GgmlType::IQ4XS,
+        ] {
+            assert_eq!(kernel(ty, false), None, "{ty} in GGUF's layout");
+        }
+        for ty in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q3K, GgmlType::F16] {
+            assert_eq!(kernel(ty, false), None, "{ty}");
+        }
+        // A weight not 16-byte aligned, or whose rows are not, takes the workspace: its
+        // 16-byte loads would fault.
+        assert_eq!(
+            decoding_kernel(&args(GgmlType::Q4K, false, 264, 4096, 4096)),
+            None
+        );
+        let odd_rows = args(GgmlType::Q4_0, true, 256, 4096, 256 * 3 + 32);
+        assert_eq!(decoding_kernel(&odd_rows), None, "row bytes 450");
+        // More row tiles than one launch's grid y.
+        let tall = args(GgmlType::Q4K, false, 256, TILE_M * MAX_GRID_Y + 1, 256);
+        assert_eq!(decoding_kernel(&tall), None);
+    }
+
     #[test]
     fn grid_dimensions_fit_the_launch_limits() {
         // The smallest padded row gives the most tiles per chunk; both stay under the
