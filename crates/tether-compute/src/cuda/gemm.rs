@@ -1,6 +1,7 @@
 //! Prefill matmul on tensor cores (kernels/gemm.cu): the tokens are converted to f16 and one
-//! GEMM multiplies them with the weights. The types mmq.cu reads are decoded inside the
-//! GEMM's tiles; other types' rows are decoded to f16 in a workspace chunk first.
+//! GEMM multiplies them with the weights. Packed Q4_0 / Q8_0 / Q6_K / IQ4_XS and Q4_K / Q5_K
+//! weights are decoded inside the GEMM's tiles; other types' rows are decoded to f16 in a
+//! workspace chunk first.
 //!
 //! The workspace is allocated once with the backend, so serving never allocates device
 //! memory here; a matmul larger than it runs in chunks of rows and of tokens. Chunks too
@@ -80,11 +81,11 @@ const WARPS_64X64: TileKernel = TileKernel {
 };
 
 /// The gemm.cu kernel that decodes the blocks of `a`'s weight in its tiles, if any: packed
-/// Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K and Q5_K, whose quants it reads 16 bytes at a time (so the rows must
-/// start 16-byte aligned), in one launch (so the row tiles must fit grid y). Other types
-/// are decoded to the f16 workspace first. On an H100, llama3-8b pp512 (`tether bench`)
-/// ran at 13,511-13,620 t/s this way against 11,272 through the workspace for Q4_0,
-/// 12,349-12,512 against 11,253 for Q4_K_M and 11,248-12,031 against 11,069 for Q5_K_M.
+/// Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K and Q5_K, whose quants it reads 16 bytes at a time (so
+/// the rows must start 16-byte aligned), in one launch (so the row tiles must fit grid y).
+/// Other types are decoded to the f16 workspace first. On an H100, llama3-8b pp512 (`tether
+/// bench`) ran at 13,511-13,620 t/s this way against 11,272 through the workspace for Q4_0,
+/// 12,432-12,481 against 11,157 for Q4_K_M and 11,579-11,596 against 10,656 for Q6_K.
 fn decoding_kernel(a: &MatmulArgs) -> Option<&'static str> {
     let name = match (a.ty, a.packed) {
         (GgmlType::Q4_0, true) => "gemmq_q4_0p",
@@ -111,6 +112,7 @@ fn decoding(name: &'static str) -> TileKernel {
         decodes: true,
     }
 }
+
 /// The tile kernel `matmul` uses: on an H100 (`gpu_bench_tile_kernels`, Q8_0, 512 tokens)
 /// 8B-shape matmuls took 1.12 ms a layer with it against 1.21 ms with `WARPS_64X32`.
 const TILE_KERNEL: TileKernel = WARPS_64X64;
