@@ -156,10 +156,32 @@ __device__ __forceinline__ u32 byte_of(u32 x, u32 y, int s) {
     return r & 255;
 }
 
+// IQ4's 16 non-uniform levels (signed bytes), 4 to a word, for byte_perm lookups.
+#define IQ4_LEVELS_0 0xBFAD9881u  // -127 -104 -83 -65
+#define IQ4_LEVELS_1 0xF6EADDCFu  //  -49  -35 -22 -10
+#define IQ4_LEVELS_2 0x26190D01u  //    1   13  25  38
+#define IQ4_LEVELS_3 0x71594535u  //   53   69  89 113
+
+// The IQ4 levels of the 8 nibbles of q: lo gets the low nibbles' (bytes 0..3 in order),
+// hi the high ones', as signed bytes. Each byte_perm looks up four nibbles by their low 3
+// bits in the levels of 0..7 and of 8..15; bit 3 picks between the two, and the values are
+// then split into even and odd nibbles.
+__device__ __forceinline__ void iq4_values(u32 q, int* lo, int* hi) {
+    // A selector nibble's bit 3 would ask prmt to replicate the sign: cleared.
+    u32 pick = 0x32103210u | ((q & 0x88888888u) >> 1), idx = q & 0x77777777u;
+    u32 a0 = __byte_perm(IQ4_LEVELS_0, IQ4_LEVELS_1, idx);
+    u32 a1 = __byte_perm(IQ4_LEVELS_2, IQ4_LEVELS_3, idx);
+    u32 b0 = __byte_perm(IQ4_LEVELS_0, IQ4_LEVELS_1, idx >> 16);
+    u32 b1 = __byte_perm(IQ4_LEVELS_2, IQ4_LEVELS_3, idx >> 16);
+    u32 first = __byte_perm(a0, a1, pick), second = __byte_perm(b0, b1, pick >> 16);
+    *lo = (int)__byte_perm(first, second, 0x6420);
+    *hi = (int)__byte_perm(first, second, 0x7531);
+}
+
 // The IQ4_NL / IQ4_XS codebook value of nibble n (ggml's kvalues_iq4nl: -127, -104, -83,
-// -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), packed little-endian in words.
+// -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113): IQ4_LEVELS_*.
 __device__ __forceinline__ float iq4_value(int n) {
-    u32 b = n & 8 ? byte_of(0x26190D01u, 0x71594535u, n) : byte_of(0xBFAD9881u, 0xF6EADDCFu, n);
+    u32 b = n & 8 ? byte_of(IQ4_LEVELS_2, IQ4_LEVELS_3, n) : byte_of(IQ4_LEVELS_0, IQ4_LEVELS_1, n);
     return (float)(i8)b;
 }
 
@@ -857,7 +879,7 @@ __device__ __forceinline__ u32 mmq_word(const u8* row, int k) {
 #pragma unroll
         for (int s = 0; s < 4; s++) {
             int n = (nib >> (8 * s)) & 15;
-            u32 q = n & 8 ? byte_of(0x26190D01u, 0x71594535u, n) : byte_of(0xBFAD9881u, 0xF6EADDCFu, n);
+            u32 q = n & 8 ? byte_of(IQ4_LEVELS_2, IQ4_LEVELS_3, n) : byte_of(IQ4_LEVELS_0, IQ4_LEVELS_1, n);
             v |= q << (8 * s);
         }
         return v;

@@ -127,17 +127,6 @@ __device__ __forceinline__ u16 half_of(uint4 v, int j) {
     return (u16)(w >> (16 * (j & 1)));
 }
 
-// The IQ4 levels (signed bytes) of the nibbles in the 4 bytes of w (each 0..15): two byte
-// permutes look each up among levels 0-7 and 8-15, and bit 3 picks one of the two.
-__device__ __forceinline__ u32 iq4_levels(u32 w) {
-    const u32 t = w | (w >> 4);
-    const u32 sel = __byte_perm(t, 0, 0x4420) & 0x7777u;
-    const u32 lo = __byte_perm(0xBFAD9881u, 0xF6EADDCFu, sel);
-    const u32 hi = __byte_perm(0x26190D01u, 0x71594535u, sel);
-    const u32 pick_hi = ((w >> 3) & 0x01010101u) * 0xFFu;
-    return (lo & ~pick_hi) | (hi & pick_hi);
-}
-
 // One weight row's 32 values of a K tile, for the types the tile kernels decode (packed
 // Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K, Q5_K: blocks whose quants lie 16-byte aligned), held
 // in registers from their load, issued before the products of the current K tile, to their
@@ -229,17 +218,22 @@ struct QTile {
         u32 w[8], bias, sc[2], nm = 0;
         if constexpr (TY == TY_Q4_0P || TY == TY_IQ4_XSP) {
             const u32 x[4] = {q[0].x, q[0].y, q[0].z, q[0].w};
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                w[i] = x[i] & 0x0F0F0F0Fu;
-                w[4 + i] = (x[i] >> 4) & 0x0F0F0F0Fu;
-            }
             if constexpr (TY == TY_Q4_0P) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    w[i] = x[i] & 0x0F0F0F0Fu;
+                    w[4 + i] = (x[i] >> 4) & 0x0F0F0F0Fu;
+                }
                 bias = 0x64086408u;  // 1024 + 8: the quants are offset by 8
                 sc[0] = h2_of(h2f(block_scale()));
             } else {
 #pragma unroll
-                for (int i = 0; i < 8; i++) w[i] = iq4_levels(w[i]) ^ 0x80808080u;  // + 128
+                for (int i = 0; i < 4; i++) {
+                    int lo, hi;
+                    iq4_values(x[i], &lo, &hi);
+                    w[i] = (u32)lo ^ 0x80808080u;  // signed + 128
+                    w[4 + i] = (u32)hi ^ 0x80808080u;
+                }
                 bias = 0x64806480u;
                 const int ib = kt & 7;
                 const int low = (head.y >> (4 * ib)) & 15, high = (head.x >> (16 + 2 * ib)) & 3;

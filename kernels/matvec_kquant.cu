@@ -56,28 +56,6 @@ __device__ __forceinline__ uint2 ld_stream8(const u8* p) {
     return v;
 }
 
-// IQ4's 16 non-uniform levels (signed bytes), 4 to a word, for byte_perm lookups.
-#define IQ4_LEVELS_0 0xBFAD9881u  // -127 -104 -83 -65
-#define IQ4_LEVELS_1 0xF6EADDCFu  //  -49  -35 -22 -10
-#define IQ4_LEVELS_2 0x26190D01u  //    1   13  25  38
-#define IQ4_LEVELS_3 0x71594535u  //   53   69  89 113
-
-// The IQ4 levels of the 8 nibbles of q: lo gets the low nibbles' (bytes 0..3 in order),
-// hi the high ones', as signed bytes. Each byte_perm looks up four nibbles by their low 3
-// bits in the levels of 0..7 and of 8..15; bit 3 picks between the two, and the values are
-// then split into even and odd nibbles.
-__device__ __forceinline__ void iq4_values(u32 q, int* lo, int* hi) {
-    // A selector nibble's bit 3 would ask prmt to replicate the sign: cleared.
-    u32 pick = 0x32103210u | ((q & 0x88888888u) >> 1), idx = q & 0x77777777u;
-    u32 a0 = __byte_perm(IQ4_LEVELS_0, IQ4_LEVELS_1, idx);
-    u32 a1 = __byte_perm(IQ4_LEVELS_2, IQ4_LEVELS_3, idx);
-    u32 b0 = __byte_perm(IQ4_LEVELS_0, IQ4_LEVELS_1, idx >> 16);
-    u32 b1 = __byte_perm(IQ4_LEVELS_2, IQ4_LEVELS_3, idx >> 16);
-    u32 first = __byte_perm(a0, a1, pick), second = __byte_perm(b0, b1, pick >> 16);
-    *lo = (int)__byte_perm(first, second, 0x6420);
-    *hi = (int)__byte_perm(first, second, 0x7531);
-}
-
 // The loaded bytes of one chunk of one row.
 struct KqChunk {
     uint4 head;  // Q4_K/Q5_K: d, dmin, the 12 scale bytes; Q6_K: the 16 i8 scales
