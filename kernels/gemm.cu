@@ -86,14 +86,15 @@ __device__ __forceinline__ u32 tile_off(int row, int ch) {
     return (u32)(row * 64 + ((ch ^ ((row >> 1) & 3)) << 4));
 }
 
-// Copies the K-tile kt (GEMM_K values) of GEMM_M rows starting at row0 of src ([nrows][kp]
+// Copies the K-tile kt (GEMM_K values) of ROWS rows starting at row0 of src ([nrows][kp]
 // f16) into the shared tile at `tile`, THREADS threads sharing the 16-byte pieces; rows >=
 // nrows read as zeros.
-template <int THREADS>
+template <int THREADS, int ROWS>
 __device__ __forceinline__ void load_tile(u32 tile, const u16* src, int row0, int nrows,
                                           int kp, int kt) {
+    static_assert((ROWS * GEMM_K / 8) % THREADS == 0, "whole pieces a thread");
 #pragma unroll
-    for (int i = 0; i < (GEMM_M * GEMM_K / 8) / THREADS; i++) {
+    for (int i = 0; i < (ROWS * GEMM_K / 8) / THREADS; i++) {
         int idx = threadIdx.x + i * THREADS;
         int row = idx >> 2, ch = idx & 3;
         int gr = row0 + row;
@@ -304,26 +305,29 @@ struct QTile {
 // out[n][m] (row stride ldo) = sum_k a[m][k] * b[n][k] for m < m_rows, n < n_cols: a is the
 // decoded weight chunk [m_rows][kp], b the f16 tokens [n_cols][kp], both from the kernels
 // above (kp a multiple of GEMM_K, rows 64-byte aligned).
-// Launch: grid (ceil(n_cols / 128), ceil(m_rows / 128), splits), 64 * WARPS_N threads, no
+// Launch: grid (ceil(n_cols / BN), ceil(m_rows / 128), splits), 64 * WARPS_N threads, no
 // dynamic shared memory. Token tiles vary fastest so the blocks resident together share
 // one weight tile, which is then read from memory once. The warps form 2 (m) x WARPS_N
-// (n); each computes 64 (m) x 128 / WARPS_N (n). Wider warp tiles read shared memory less
-// per mma but hold more registers.
+// (n); each computes 64 (m) x BN / WARPS_N (n). Wider warp tiles read shared memory less
+// per mma but hold more registers. BN (tokens a tile) is GEMM_N but for the decoding
+// kernels' narrow variants: a batch of 17-64 tokens (many sequences decoding at once) in a
+// 128-token tile spent 2-4x the tensor-core work it needed.
 // Split-K: block z sums K tiles [z * k_tiles, (z + 1) * k_tiles) and writes its partial
 // at out + z * split_stride (gemm_reduce adds them); with one split that is the result,
 // added to what out holds when `accumulate` (a residual add with no pass of its own).
-template <int WARPS_N, int TY>
+template <int WARPS_N, int TY, int BN>
 __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_bytes,
                                            const u16* __restrict__ b, int m_rows, int n_cols,
                                            int kp, int k_tiles, float* __restrict__ out, int ldo,
                                            u64 split_stride, int accumulate) {
     constexpr int THREADS = 64 * WARPS_N;
-    constexpr int WARP_N = GEMM_N / WARPS_N;
+    constexpr int WARP_N = BN / WARPS_N;
     constexpr int NI = WARP_N / 8;
+    static_assert(NI % 2 == 0, "ldmatrix_x4 takes two 8-wide n tiles");
     __shared__ __align__(128) u16 sa[GEMM_STAGES][GEMM_M * GEMM_K];
-    __shared__ __align__(128) u16 sb[GEMM_STAGES][GEMM_N * GEMM_K];
+    __shared__ __align__(128) u16 sb[GEMM_STAGES][BN * GEMM_K];
 
-    int bn = blockIdx.x * GEMM_N, bm = blockIdx.y * GEMM_M;
+    int bn = blockIdx.x * BN, bm = blockIdx.y * GEMM_M;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int wm = (warp & 1) * 64, wn = (warp >> 1) * WARP_N;
     // This split's K tiles: [k0, k0 + nk); nk <= 0 leaves a zero partial, still written.
@@ -340,7 +344,7 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_b
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
 
     u32 sa0 = smem_addr(&sa[0][0]), sb0 = smem_addr(&sb[0][0]);
-    const u32 stage_bytes = GEMM_M * GEMM_K * 2;
+    const u32 stage_bytes = GEMM_M * GEMM_K * 2, b_stage_bytes = BN * GEMM_K * 2;
 
     const u16* a16 = (const u16*)a;
     // A decoding kernel's thread reads one weight row (rows past the end read the last;
@@ -352,12 +356,12 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_b
     for (int s = 0; s < GEMM_STAGES - 1; s++) {
         if (s < nk) {
             if constexpr (TY == TY_WORKSPACE) {
-                load_tile<THREADS>(sa0 + s * stage_bytes, a16, bm, m_rows, kp, k0 + s);
+                load_tile<THREADS, GEMM_M>(sa0 + s * stage_bytes, a16, bm, m_rows, kp, k0 + s);
             } else {
                 qt.fetch(arow, k0 + s);
                 qt.store(sa0 + s * stage_bytes, threadIdx.x);
             }
-            load_tile<THREADS>(sb0 + s * stage_bytes, b, bn, n_cols, kp, k0 + s);
+            load_tile<THREADS, BN>(sb0 + s * b_stage_bytes, b, bn, n_cols, kp, k0 + s);
         }
         // Empty groups keep the wait count below uniform.
         cp_async_commit();
@@ -372,16 +376,16 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_b
         if (next < nk) {
             int s = next % GEMM_STAGES;
             if constexpr (TY == TY_WORKSPACE) {
-                load_tile<THREADS>(sa0 + s * stage_bytes, a16, bm, m_rows, kp, k0 + next);
+                load_tile<THREADS, GEMM_M>(sa0 + s * stage_bytes, a16, bm, m_rows, kp, k0 + next);
             } else {
                 qt.fetch(arow, k0 + next);
             }
-            load_tile<THREADS>(sb0 + s * stage_bytes, b, bn, n_cols, kp, k0 + next);
+            load_tile<THREADS, BN>(sb0 + s * b_stage_bytes, b, bn, n_cols, kp, k0 + next);
         }
         cp_async_commit();
 
         u32 ta = sa0 + (kt % GEMM_STAGES) * stage_bytes;
-        u32 tb = sb0 + (kt % GEMM_STAGES) * stage_bytes;
+        u32 tb = sb0 + (kt % GEMM_STAGES) * b_stage_bytes;
 #pragma unroll
         for (int kk = 0; kk < GEMM_K / 16; kk++) {
             u32 af[4][4], bf[NI][2];
@@ -437,14 +441,27 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_b
 
 // Every tile kernel takes (a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,
 // split_stride, accumulate); a_row_bytes is 2 * kp for the f16 workspace.
-#define GEMM_ENTRY(name, warps_n, ty)                                                          \
-    extern "C" __global__ void __launch_bounds__(64 * warps_n, 2)                              \
+#define GEMM_ENTRY_BN(name, warps_n, ty, bn, blocks)                                           \
+    extern "C" __global__ void __launch_bounds__(64 * warps_n, blocks)                         \
         name(const u8* __restrict__ a, u64 a_row_bytes, const u16* __restrict__ b, int m_rows, \
              int n_cols, int kp, int k_tiles, float* __restrict__ out, int ldo,                 \
              u64 split_stride, int accumulate) {                                                \
-        gemm_block<warps_n, ty>(a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,      \
-                                split_stride, accumulate);                                      \
+        gemm_block<warps_n, ty, bn>(a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,  \
+                                    split_stride, accumulate);                                  \
     }
+#define GEMM_ENTRY(name, warps_n, ty) GEMM_ENTRY_BN(name, warps_n, ty, GEMM_N, 2)
+// A decoding kernel's narrow variants, name_n32 and name_n64: tiles of 32 and 64 tokens,
+// GEMM_NARROW_BLOCKS blocks a multiprocessor (their accumulators and token tiles are a
+// quarter and a half of the wide kernel's, and more blocks keep more weight loads in
+// flight). On an H100 (llama3-8b, 32 sequences) 4 blocks beat 3 and 2, and a second
+// register set of weight tiles in flight gained 1% on Q4_0 and lost 11% on Q4_K. What
+// bounds them (ncu, Q4_0, 32 tokens) is the L1 pipe, 79% busy, while DRAM reads 1 TB/s:
+// a warp's weight load touches 32 rows (32 lines), and the f16 tile's stores and ldmatrix
+// reads go through it as well, for 32 tokens of products instead of 128.
+#define GEMM_NARROW_BLOCKS 4
+#define GEMM_NARROW(name, ty)                                        \
+    GEMM_ENTRY_BN(name##_n32, 2, ty, 32, GEMM_NARROW_BLOCKS)         \
+    GEMM_ENTRY_BN(name##_n64, 2, ty, 64, GEMM_NARROW_BLOCKS)
 
 // 8 warps of 64 x 32 (256 threads) or 4 of 64 x 64 (128), two blocks per multiprocessor.
 GEMM_ENTRY(gemm_f16, 4, TY_WORKSPACE)
@@ -456,6 +473,12 @@ GEMM_ENTRY(gemmq_q4_k, 2, TY_Q4_K)
 GEMM_ENTRY(gemmq_q5_k, 2, TY_Q5_K)
 GEMM_ENTRY(gemmq_q6_kp, 2, TY_Q6_KP)
 GEMM_ENTRY(gemmq_iq4_xsp, 2, TY_IQ4_XSP)
+GEMM_NARROW(gemmq_q4_0p, TY_Q4_0P)
+GEMM_NARROW(gemmq_q8_0p, TY_Q8_0P)
+GEMM_NARROW(gemmq_q4_k, TY_Q4_K)
+GEMM_NARROW(gemmq_q5_k, TY_Q5_K)
+GEMM_NARROW(gemmq_q6_kp, TY_Q6_KP)
+GEMM_NARROW(gemmq_iq4_xsp, TY_IQ4_XSP)
 
 // out[t][r] (row stride ldo) = sum over z < splits of p[z][t][r], p holding splits partials
 // [nt][nr] of gemm_f16, split_stride = nt * nr apart. Summed in split order, so the result

@@ -175,6 +175,9 @@ fn gemm_matches_cpu_for_every_weight_type_and_edge_shape() {
             [4096 + 17, 4096, 33],
             [100, 4096, 512],
             [1, 4096, GEMM_MIN_TOKENS],
+            // Whole tiles of the narrow token tiles.
+            [4096 + 17, 4096, 32],
+            [300, 4096, 64],
         ]);
         if ty.block_elems() == 1 {
             shapes.extend([

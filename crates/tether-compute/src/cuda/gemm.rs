@@ -20,7 +20,8 @@ use super::matvec::MatmulArgs;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{DeviceBuffer, Result};
 
-/// Batches of at least this many tokens take the GEMM path; smaller ones the matvec
+/// Batches of at least this many tokens over weights the GEMM reads through its f16
+/// workspace take the GEMM path; smaller ones the matvec
 /// kernels (launches of 8 tokens each), which need no decoding pass. On an H100, llama3-8b
 /// Q4_0, a decode step of 8 tokens takes 6.8 ms through the matvec kernels and one of 16
 /// to 64 tokens 21.8-23.7 ms through the GEMM, whose decoding of every weight matrix to f16
@@ -32,6 +33,16 @@ pub const GEMM_MIN_TOKENS: usize = 17;
 /// steps of 48 tokens ran at 2,149 / 2,178 t/s (Q4_0 / Q8_0) that way against the GEMM's
 /// 2,084 / 2,052, and steps of 64 at 2,185 / 2,433 against 2,671 / 2,629.
 pub const GEMM_MIN_TOKENS_MMA: usize = 49;
+/// Batches of at least this many tokens over weights the GEMM decodes in its tiles take
+/// it, in tiles of 32 or 64 tokens up to 64. On an H100, llama3-8b Q4_K_M, `tether bench
+/// --parallel 9,12,16 -p 128 -n 128` ran at 1,095 / 1,436 / 1,952 t/s this way against
+/// 723 / 890 / 1,094 by the routes before (matvec launches of 8, the products from the
+/// blocks).
+pub const GEMM_DECODING_MIN_TOKENS: usize = 9;
+/// The same for packed Q4_0 and Q8_0 on devices whose tensor cores take their matvecs:
+/// those won at 9 and 12 tokens (Q4_0: 1,314 / 1,502 t/s against 1,150 / 1,434), the GEMM
+/// at 16 (2,015 against 1,818).
+pub const GEMM_DECODING_MIN_TOKENS_MMA: usize = 16;
 
 /// f16 values of the decoded-weight chunk (64 MiB).
 const W16_ELEMS: usize = 32 << 20;
@@ -56,13 +67,20 @@ const MAX_GRID_Y: usize = 65_535;
 /// Threads per block of the element-wise gemm.cu kernels.
 pub(super) const THREADS: u32 = 256;
 
-/// One instantiation of gemm.cu's `gemm_block`: its entry point, threads per block, and
-/// whether it decodes the weight's blocks itself (else it reads the f16 workspace).
+/// Blocks per multiprocessor of the decoding kernels' narrow variants
+/// (`GEMM_NARROW_BLOCKS`).
+const NARROW_BLOCKS_PER_SM: usize = define(source::GEMM, "GEMM_NARROW_BLOCKS");
+
+/// One instantiation of gemm.cu's `gemm_block`: its entry point, threads per block,
+/// whether it decodes the weight's blocks itself (else it reads the f16 workspace), tokens
+/// a tile, and blocks resident per multiprocessor (its launch bounds).
 #[derive(Clone, Copy, Debug)]
 struct TileKernel {
     name: &'static str,
     threads: u32,
     decodes: bool,
+    tile_n: usize,
+    blocks_per_sm: usize,
 }
 
 /// 8 warps of 64 x 32 outputs: the same sums as `WARPS_64X64`, bit for bit, so the tests
@@ -72,28 +90,33 @@ const WARPS_64X32: TileKernel = TileKernel {
     name: "gemm_f16",
     threads: 256,
     decodes: false,
+    tile_n: TILE_N,
+    blocks_per_sm: BLOCKS_PER_SM,
 };
 /// 4 warps of 64 x 64 outputs: half the shared-memory reads per mma, more registers.
 const WARPS_64X64: TileKernel = TileKernel {
     name: "gemm_f16_wide",
     threads: 128,
     decodes: false,
+    tile_n: TILE_N,
+    blocks_per_sm: BLOCKS_PER_SM,
 };
 
-/// The gemm.cu kernel that decodes the blocks of `a`'s weight in its tiles, if any: packed
-/// Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K and Q5_K, whose quants it reads 16 bytes at a time (so
-/// the rows must start 16-byte aligned), in one launch (so the row tiles must fit grid y).
-/// Other types are decoded to the f16 workspace first. On an H100, llama3-8b pp512 (`tether
-/// bench`) ran at 13,511-13,620 t/s this way against 11,272 through the workspace for Q4_0,
-/// 12,432-12,481 against 11,157 for Q4_K_M and 11,579-11,596 against 10,656 for Q6_K.
-fn decoding_kernel(a: &MatmulArgs) -> Option<&'static str> {
-    let name = match (a.ty, a.packed) {
-        (GgmlType::Q4_0, true) => "gemmq_q4_0p",
-        (GgmlType::Q8_0, true) => "gemmq_q8_0p",
-        (GgmlType::Q4K, false) => "gemmq_q4_k",
-        (GgmlType::Q5K, false) => "gemmq_q5_k",
-        (GgmlType::Q6K, true) => "gemmq_q6_kp",
-        (GgmlType::IQ4XS, true) => "gemmq_iq4_xsp",
+/// The gemm.cu kernels that decode the blocks of `a`'s weight in their tiles, if any, as
+/// (32-, 64-, 128-token tiles): packed Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K and Q5_K, whose
+/// quants they read 16 bytes at a time (so the rows must start 16-byte aligned), in one
+/// launch (so the row tiles must fit grid y). Other types are decoded to the f16 workspace
+/// first. On an H100, llama3-8b pp512 (`tether bench`) ran at 13,511-13,620 t/s this way
+/// against 11,272 through the workspace for Q4_0, 12,432-12,481 against 11,157 for Q4_K_M
+/// and 11,579-11,596 against 10,656 for Q6_K.
+fn decoding_kernel(a: &MatmulArgs) -> Option<[&'static str; 3]> {
+    let names = match (a.ty, a.packed) {
+        (GgmlType::Q4_0, true) => ["gemmq_q4_0p_n32", "gemmq_q4_0p_n64", "gemmq_q4_0p"],
+        (GgmlType::Q8_0, true) => ["gemmq_q8_0p_n32", "gemmq_q8_0p_n64", "gemmq_q8_0p"],
+        (GgmlType::Q4K, false) => ["gemmq_q4_k_n32", "gemmq_q4_k_n64", "gemmq_q4_k"],
+        (GgmlType::Q5K, false) => ["gemmq_q5_k_n32", "gemmq_q5_k_n64", "gemmq_q5_k"],
+        (GgmlType::Q6K, true) => ["gemmq_q6_kp_n32", "gemmq_q6_kp_n64", "gemmq_q6_kp"],
+        (GgmlType::IQ4XS, true) => ["gemmq_iq4_xsp_n32", "gemmq_iq4_xsp_n64", "gemmq_iq4_xsp"],
         _ => return None,
     };
     let aligned = a.w.is_multiple_of(16)
@@ -101,15 +124,23 @@ fn decoding_kernel(a: &MatmulArgs) -> Option<&'static str> {
             .bytes_for(a.cols as u64)
             .is_some_and(|rb| rb.is_multiple_of(16));
     let fits = a.cols.is_multiple_of(TILE_K) && a.rows.div_ceil(TILE_M) <= MAX_GRID_Y;
-    (aligned && fits).then_some(name)
+    (aligned && fits).then_some(names)
 }
 
-/// gemm.cu's `gemmq_*` kernel `name`: `WARPS_64X64`'s tiles, decoding the weights' blocks.
-fn decoding(name: &'static str) -> TileKernel {
+/// Of gemm.cu's `gemmq_*` kernels `names` (from [`decoding_kernel`]), the one for `n_tokens`:
+/// the narrowest token tile that holds them, or the 128-token one (`WARPS_64X64`'s tiles).
+fn decoding(names: [&'static str; 3], n_tokens: usize) -> TileKernel {
+    let (name, tile_n, blocks_per_sm) = match n_tokens {
+        0..=32 => (names[0], 32, NARROW_BLOCKS_PER_SM),
+        33..=64 => (names[1], 64, NARROW_BLOCKS_PER_SM),
+        _ => (names[2], TILE_N, BLOCKS_PER_SM),
+    };
     TileKernel {
         name,
         threads: WARPS_64X64.threads,
         decodes: true,
+        tile_n,
+        blocks_per_sm,
     }
 }
 
@@ -204,8 +235,8 @@ impl CudaBackend {
     pub(super) fn gemm(&self, a: &MatmulArgs) -> Result<()> {
         let tile = decoding_kernel(a)
             .filter(|_| self.fused_gemm)
-            .map_or(TILE_KERNEL, decoding);
-        self.gemm_with(a, tile, BLOCKS_PER_SM)
+            .map_or(TILE_KERNEL, |names| decoding(names, a.n_tokens));
+        self.gemm_with(a, tile, tile.blocks_per_sm)
     }
 
     /// This backend with the GEMM decoding the weight types it can in its tiles and taking
@@ -287,7 +318,7 @@ impl CudaBackend {
                     self.run("gemm_dequant_f16", grid_for(nr * kp / 8, THREADS), &args)?;
                     (w16, kp * 2)
                 };
-                let (m_tiles, n_tiles) = (nr.div_ceil(TILE_M), nt.div_ceil(TILE_N));
+                let (m_tiles, n_tiles) = (nr.div_ceil(TILE_M), nt.div_ceil(tile.tile_n));
                 let (splits, k_tiles) = split_k(
                     m_tiles * n_tiles,
                     kp / TILE_K,
@@ -396,7 +427,7 @@ mod tests {
 
     #[test]
     fn the_tiles_decode_aligned_rows_of_their_six_types_only() {
-        let kernel = |ty, packed| decoding_kernel(&args(ty, packed, 256, 4096, 4096));
+        let kernel = |ty, packed| decoding_kernel(&args(ty, packed, 256, 4096, 4096)).map(|n| n[2]);
         assert_eq!(kernel(GgmlType::Q4_0, true), Some("gemmq_q4_0p"));
         assert_eq!(kernel(GgmlType::Q8_0, true), Some("gemmq_q8_0p"));
         assert_eq!(kernel(GgmlType::Q6K, true), Some("gemmq_q6_kp"));
@@ -426,6 +457,26 @@ mod tests {
         // More row tiles than one launch's grid y.
         let tall = args(GgmlType::Q4K, false, 256, TILE_M * MAX_GRID_Y + 1, 256);
         assert_eq!(decoding_kernel(&tall), None);
+    }
+
+    #[test]
+    fn batches_take_the_narrowest_token_tile_that_holds_them() {
+        let names = decoding_kernel(&args(GgmlType::Q4_0, true, 256, 4096, 4096)).unwrap();
+        assert_eq!(names, ["gemmq_q4_0p_n32", "gemmq_q4_0p_n64", "gemmq_q4_0p"]);
+        for (n, name, tile_n) in [
+            (17, "gemmq_q4_0p_n32", 32),
+            (32, "gemmq_q4_0p_n32", 32),
+            (33, "gemmq_q4_0p_n64", 64),
+            (64, "gemmq_q4_0p_n64", 64),
+            (65, "gemmq_q4_0p", TILE_N),
+            (512, "gemmq_q4_0p", TILE_N),
+        ] {
+            let tile = decoding(names, n);
+            assert_eq!((tile.name, tile.tile_n), (name, tile_n), "{n} tokens");
+            assert!(tile.decodes && tile.threads as usize == TILE_M);
+        }
+        assert_eq!(decoding(names, 32).blocks_per_sm, NARROW_BLOCKS_PER_SM);
+        assert_eq!(decoding(names, 512).blocks_per_sm, BLOCKS_PER_SM);
     }
 
     #[test]

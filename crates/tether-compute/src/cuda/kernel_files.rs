@@ -459,6 +459,18 @@ pub(super) const FILES: &[KernelFile] = &[
             "gemmq_q5_k",
             "gemmq_q6_kp",
             "gemmq_iq4_xsp",
+            "gemmq_q4_0p_n32",
+            "gemmq_q4_0p_n64",
+            "gemmq_q8_0p_n32",
+            "gemmq_q8_0p_n64",
+            "gemmq_q4_k_n32",
+            "gemmq_q4_k_n64",
+            "gemmq_q5_k_n32",
+            "gemmq_q5_k_n64",
+            "gemmq_q6_kp_n32",
+            "gemmq_q6_kp_n64",
+            "gemmq_iq4_xsp_n32",
+            "gemmq_iq4_xsp_n64",
         ],
     },
 ];
@@ -549,9 +561,14 @@ mod tests {
                     assert!(defined, "{e} not found in {}", f.name);
                     continue;
                 }
-                // Tile kernels: GEMM_ENTRY(name, warps, type).
+                // Tile kernels: GEMM_ENTRY(name, warps, type), and the narrow variants of a
+                // decoding one, GEMM_NARROW(name, type).
                 if e.starts_with("gemm_f16") || e.starts_with("gemmq_") {
-                    let defined = f.source.contains(&format!("GEMM_ENTRY({e}, "));
+                    let base = e.strip_suffix("_n32").or_else(|| e.strip_suffix("_n64"));
+                    let defined = match base {
+                        Some(b) => f.source.contains(&format!("GEMM_NARROW({b}, ")),
+                        None => f.source.contains(&format!("GEMM_ENTRY({e}, ")),
+                    };
                     assert!(defined, "{e} not found in {}", f.name);
                     continue;
                 }
