@@ -73,7 +73,8 @@ fn kquant_weights_give_the_cpus_fused_products() {
         GgmlType::Q3K,
     ] {
         // Whole groups of 2048, so Q6_K, Q3_K and IQ4_XS are packed and every type takes
-        // the fused kernels up to 8 tokens (12 runs them one by one).
+        // the fused kernels up to 8 tokens (12 runs them one by one: the GEMM for the types
+        // it decodes, matvec launches of up to 8 tokens for Q3_K).
         let mut rig = Rig {
             g: &g,
             c: &c,

@@ -73,20 +73,25 @@ impl CudaBackend {
             out: op,
             accumulate,
         };
+        // Only packed Q4_0 / Q8_0 have tensor-core products below the GEMM's size.
+        let on_mma = w.buf.packed
+            && super::packed::packed_stem(w.ty).is_some()
+            && self.mma_min_tokens <= MV_MAX_TOKENS;
         // The GEMM that decodes the weight in its tiles beats the products from the blocks
-        // and the tensor-core matvecs from its smallest batch on: llama3-8b on an H100,
-        // `bench --parallel 24,32,48,64 -p 128 -n 128`, Q4_0 2,091 / 2,756 / 3,904 / 4,947
-        // t/s against 1,874 / 2,659 / 3,487 / 4,533, Q4_K_M 1,953 / 2,547 / 3,580 / 4,534
-        // against 1,621 / 2,143 / 2,742 / 3,538.
-        if n_tokens >= self.gemm_min_tokens && self.gemm_decodes(&a) {
+        // and the tensor-core matvecs from 9 tokens (16 against the latter; gemm.rs has the
+        // figures).
+        let decoding_from = if on_mma {
+            self.gemm_decoding_min_tokens_mma
+        } else {
+            self.gemm_decoding_min_tokens
+        };
+        if n_tokens >= decoding_from && self.gemm_decodes(&a) {
             return self.gemm(&a);
         }
         if let Some(kernel) = super::mmq::mmq_kernel(&a, self.mmq_max_tokens) {
             return self.mmq(&a, kernel);
         }
-        // Only packed Q4_0 / Q8_0 have tensor-core products below the GEMM's size.
-        let on_mma = w.buf.packed && super::packed::packed_stem(w.ty).is_some();
-        let gemm_from = if on_mma && self.mma_min_tokens <= MV_MAX_TOKENS {
+        let gemm_from = if on_mma {
             self.gemm_min_tokens_mma
         } else {
             self.gemm_min_tokens

@@ -87,6 +87,9 @@ pub struct CudaBackend {
     /// cores ([`CudaTuning::gemm_min_tokens`] overrides both).
     gemm_min_tokens: usize,
     gemm_min_tokens_mma: usize,
+    /// The same for weights the GEMM decodes in its tiles (`gemm::GEMM_DECODING_*`).
+    gemm_decoding_min_tokens: usize,
+    gemm_decoding_min_tokens_mma: usize,
     /// Products of packed weights over at least this many tokens take the int8 tensor
     /// cores (`usize::MAX` before compute capability 8.0; [`CudaTuning::mma_min_tokens`]
     /// overrides it).
@@ -198,6 +201,12 @@ impl CudaBackend {
         let mmq_max_tokens = mmq::mmq_max_tokens(cc, tuning.mmq_max_tokens);
         let gemm_min_tokens = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS);
         let gemm_min_tokens_mma = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS_MMA);
+        let gemm_decoding_min_tokens = tuning
+            .gemm_min_tokens
+            .unwrap_or(gemm::GEMM_DECODING_MIN_TOKENS);
+        let gemm_decoding_min_tokens_mma = tuning
+            .gemm_min_tokens
+            .unwrap_or(gemm::GEMM_DECODING_MIN_TOKENS_MMA);
         let copy_in = kernels
             .get("copy_in")
             .ok()
@@ -221,6 +230,8 @@ impl CudaBackend {
             dependent_launches,
             gemm_min_tokens,
             gemm_min_tokens_mma,
+            gemm_decoding_min_tokens,
+            gemm_decoding_min_tokens_mma,
             mma_min_tokens,
             mmq_max_tokens,
             mmq_capable: cc.0 >= 8,
