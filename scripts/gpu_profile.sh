@@ -8,12 +8,15 @@
 #   scripts/gpu_profile.sh [TYPE ...]        # default: q4_0
 #
 # TETHER (default .gpu/tether), MODELS (as gpu_bench.sh), STEPS (decode steps profiled,
-# default 2), OUT (where the raw CSV goes; default /tmp/tether-profile).
+# default 2), OUT (where the raw CSV goes; default /tmp/tether-profile), BENCH_ARGS (what
+# `tether bench` runs; default -p 0 -n 8 -r 1; e.g. --parallel 32 -p 128 -n 4 -r 1 profiles
+# steps of 32 sequences).
 set -u
 
 tether=${TETHER:-.gpu/tether}
 models=${MODELS:-/tmp/tether-models}
 steps=${STEPS:-2}
+bench_args=${BENCH_ARGS:--p 0 -n 8 -r 1}
 logs=${OUT:-/tmp/tether-profile}
 types=("$@")
 [ "${#types[@]}" -eq 0 ] && types=(q4_0)
@@ -30,11 +33,11 @@ fi
 for ty in "${types[@]}"; do
     file="$models/llama3-8b-$ty.gguf"
     [ -f "$file" ] || "$tether" gguf synth "$file" --shape llama3-8b --type "$ty" >/dev/null || exit 2
-    # Count the kernels of one bench run of 8 tokens first, then profile only the tail.
     csv="$logs/profile-$ty.csv"
+    # shellcheck disable=SC2086
     "$ncu" --clock-control none --cache-control none --graph-profiling node \
         --metrics gpu__time_duration.sum --csv --print-units base \
-        "$tether" bench --model "$file" --device cuda:0 -p 0 -n 8 -r 1 >"$csv" 2>"$logs/ncu-$ty.err"
+        "$tether" bench --model "$file" --device cuda:0 $bench_args >"$csv" 2>"$logs/ncu-$ty.err"
     python3 - "$csv" "$steps" "$ty" <<'PY'
 import csv, sys, collections
 path, steps, ty = sys.argv[1], int(sys.argv[2]), sys.argv[3]
