@@ -310,7 +310,7 @@ struct QTile {
 // one weight tile, which is then read from memory once. The warps form 2 (m) x WARPS_N
 // (n); each computes 64 (m) x BN / WARPS_N (n). Wider warp tiles read shared memory less
 // per mma but hold more registers. BN (tokens a tile) is GEMM_N but for the decoding
-// kernels' narrow variants: a batch of 17-64 tokens (many sequences decoding at once) in a
+// kernels' narrow variants: a batch of 9-64 tokens (many sequences decoding at once) in a
 // 128-token tile spent 2-4x the tensor-core work it needed.
 // Split-K: block z sums K tiles [z * k_tiles, (z + 1) * k_tiles) and writes its partial
 // at out + z * split_stride (gemm_reduce adds them); with one split that is the result,

@@ -84,7 +84,7 @@ pub struct CudaBackend {
     dependent_launches: bool,
     /// Products of at least this many tokens take the GEMM, smaller ones the matvec
     /// kernels in launches of up to 8 tokens; the second holds for products on the tensor
-    /// cores ([`CudaTuning::gemm_min_tokens`] overrides both).
+    /// cores ([`CudaTuning::gemm_min_tokens`] overrides these and the two below).
     gemm_min_tokens: usize,
     gemm_min_tokens_mma: usize,
     /// The same for weights the GEMM decodes in its tiles (`gemm::GEMM_DECODING_*`).
