@@ -178,12 +178,14 @@ __device__ __forceinline__ void iq4_values(u32 q, int* lo, int* hi) {
     *hi = (int)__byte_perm(first, second, 0x7531);
 }
 
-// The IQ4_NL / IQ4_XS codebook value of nibble n (ggml's kvalues_iq4nl: -127, -104, -83,
-// -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113): IQ4_LEVELS_*.
-__device__ __forceinline__ float iq4_value(int n) {
-    u32 b = n & 8 ? byte_of(IQ4_LEVELS_2, IQ4_LEVELS_3, n) : byte_of(IQ4_LEVELS_0, IQ4_LEVELS_1, n);
-    return (float)(i8)b;
+// The IQ4_NL / IQ4_XS codebook level of nibble n (ggml's kvalues_iq4nl: -127, -104, -83,
+// -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113) as a signed byte in the low 8
+// bits: IQ4_LEVELS_*.
+__device__ __forceinline__ u32 iq4_level(int n) {
+    return n & 8 ? byte_of(IQ4_LEVELS_2, IQ4_LEVELS_3, n) : byte_of(IQ4_LEVELS_0, IQ4_LEVELS_1, n);
 }
+
+__device__ __forceinline__ float iq4_value(int n) { return (float)(i8)iq4_level(n); }
 
 // The 6-bit scale of sub-block s (0..16) of a Q3_K block from its 12 packed bytes q,
 // unbiased to -32..32.
@@ -879,8 +881,7 @@ __device__ __forceinline__ u32 mmq_word(const u8* row, int k) {
 #pragma unroll
         for (int s = 0; s < 4; s++) {
             int n = (nib >> (8 * s)) & 15;
-            u32 q = n & 8 ? byte_of(IQ4_LEVELS_2, IQ4_LEVELS_3, n) : byte_of(IQ4_LEVELS_0, IQ4_LEVELS_1, n);
-            v |= q << (8 * s);
+            v |= iq4_level(n) << (8 * s);
         }
         return v;
     }

@@ -4,6 +4,9 @@
 use cudarc::driver::LaunchConfig;
 
 use super::check::{elems, f32s, need, row_bytes, unsupported, weight_type_supported};
+use super::gemm::{
+    GEMM_DECODING_MIN_TOKENS, GEMM_DECODING_MIN_TOKENS_MMA, GEMM_MIN_TOKENS, GEMM_MIN_TOKENS_MMA,
+};
 use super::graph::Cmd;
 use super::launch::Arg;
 use super::matvec::{MV_MAX_TOKENS, MatmulArgs};
@@ -80,22 +83,23 @@ impl CudaBackend {
         // The GEMM that decodes the weight in its tiles beats the products from the blocks
         // and the tensor-core matvecs from 9 tokens (16 against the latter; gemm.rs has the
         // figures).
-        let decoding_from = if on_mma {
-            self.gemm_decoding_min_tokens_mma
+        let from = |measured| self.gemm_min_tokens.unwrap_or(measured);
+        let decoding_from = from(if on_mma {
+            GEMM_DECODING_MIN_TOKENS_MMA
         } else {
-            self.gemm_decoding_min_tokens
-        };
+            GEMM_DECODING_MIN_TOKENS
+        });
         if n_tokens >= decoding_from && self.gemm_decodes(&a) {
             return self.gemm(&a);
         }
         if let Some(kernel) = super::mmq::mmq_kernel(&a, self.mmq_max_tokens) {
             return self.mmq(&a, kernel);
         }
-        let gemm_from = if on_mma {
-            self.gemm_min_tokens_mma
+        let gemm_from = from(if on_mma {
+            GEMM_MIN_TOKENS_MMA
         } else {
-            self.gemm_min_tokens
-        };
+            GEMM_MIN_TOKENS
+        });
         if n_tokens >= gemm_from {
             return self.gemm(&a);
         }

@@ -82,14 +82,10 @@ pub struct CudaBackend {
     /// while the previous one finishes, which hides a launch's latency and lets the decode
     /// products fetch their weights early.
     dependent_launches: bool,
-    /// Products of at least this many tokens take the GEMM, smaller ones the matvec
-    /// kernels in launches of up to 8 tokens; the second holds for products on the tensor
-    /// cores ([`CudaTuning::gemm_min_tokens`] overrides these and the two below).
-    gemm_min_tokens: usize,
-    gemm_min_tokens_mma: usize,
-    /// The same for weights the GEMM decodes in its tiles (`gemm::GEMM_DECODING_*`).
-    gemm_decoding_min_tokens: usize,
-    gemm_decoding_min_tokens_mma: usize,
+    /// Tokens from which every product takes the GEMM, instead of the measured boundaries
+    /// of gemm.rs (`GEMM_MIN_TOKENS*`, `GEMM_DECODING_MIN_TOKENS*`; see
+    /// [`CudaTuning::gemm_min_tokens`]).
+    gemm_min_tokens: Option<usize>,
     /// Products of packed weights over at least this many tokens take the int8 tensor
     /// cores (`usize::MAX` before compute capability 8.0; [`CudaTuning::mma_min_tokens`]
     /// overrides it).
@@ -199,14 +195,6 @@ impl CudaBackend {
             usize::MAX
         };
         let mmq_max_tokens = mmq::mmq_max_tokens(cc, tuning.mmq_max_tokens);
-        let gemm_min_tokens = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS);
-        let gemm_min_tokens_mma = tuning.gemm_min_tokens.unwrap_or(gemm::GEMM_MIN_TOKENS_MMA);
-        let gemm_decoding_min_tokens = tuning
-            .gemm_min_tokens
-            .unwrap_or(gemm::GEMM_DECODING_MIN_TOKENS);
-        let gemm_decoding_min_tokens_mma = tuning
-            .gemm_min_tokens
-            .unwrap_or(gemm::GEMM_DECODING_MIN_TOKENS_MMA);
         let copy_in = kernels
             .get("copy_in")
             .ok()
@@ -228,10 +216,7 @@ impl CudaBackend {
             sm_count: usize::try_from(sm_count).unwrap_or(1).max(1),
             flash,
             dependent_launches,
-            gemm_min_tokens,
-            gemm_min_tokens_mma,
-            gemm_decoding_min_tokens,
-            gemm_decoding_min_tokens_mma,
+            gemm_min_tokens: tuning.gemm_min_tokens,
             mma_min_tokens,
             mmq_max_tokens,
             mmq_capable: cc.0 >= 8,
