@@ -132,19 +132,39 @@ pub fn forward(data: &[u8]) -> Result<(), Finding> {
     let rig = Rig::get();
     substitute(&mut req.session_id, rig.serving());
     let (tokens, rows) = (req.tokens.len(), req.logits_rows.len());
+    // With logits rows, the request's mode says which reply field carries them (the
+    // worker refuses a request that asks for two).
+    let (argmax, top_k, logprobs, embeddings) =
+        (req.argmax, req.top_k, req.logprobs, req.embeddings);
     let result = rig.run("forward", rig.worker().forward(Request::new(req)))?;
     let Some(reply) = answered("forward", result)? else {
         return Ok(());
     };
     let config = &rig.model.config;
-    let (got, want) = if rows == 0 {
-        (reply.hidden.len(), tokens * config.n_embd * 4)
+    let (what, got, want) = if rows == 0 {
+        (
+            "hidden bytes",
+            reply.hidden.len(),
+            tokens * config.n_embd * 4,
+        )
+    } else if argmax {
+        ("arg-max ids", reply.argmax.len(), rows)
+    } else if top_k > 0 {
+        ("top-k counts", reply.top_counts.len(), rows)
+    } else if logprobs {
+        ("log-sum-exps", reply.logsumexp.len(), rows)
+    } else if embeddings {
+        (
+            "embedding bytes",
+            reply.hidden.len(),
+            rows * config.n_embd * 4,
+        )
     } else {
-        (reply.logits.len(), rows * config.n_vocab * 4)
+        ("logit bytes", reply.logits.len(), rows * config.n_vocab * 4)
     };
     if got != want {
         return Err(Finding(format!(
-            "forward of {tokens} tokens, {rows} logits rows answered {got} bytes, expected {want}"
+            "forward of {tokens} tokens, {rows} logits rows answered {got} {what}, expected {want}"
         )));
     }
     Ok(())
