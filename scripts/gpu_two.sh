@@ -27,7 +27,8 @@
 # speed ratios printed but not judged), STEPS (which of "bench serve big" run; synth always
 # does, the 70B file only with big), BIG_SYNTH (background: the 70B file is written while
 # steps 2-3 run, and their rows say when it was; first: before them), MODELS (/tmp/tether-models), REPS (bench -r, 3),
-# BENCH_P (512), BENCH_N (128), BENCH_SEQS (64), CLIENTS (64), REQUESTS (256), PARALLEL
+# BENCH_P (512), BENCH_N (128), BENCH_SEQS (64), CLIENTS (64), CLIENTS_TWO (CLIENTS: clients
+# of the serve over two workers, to fill the twice larger KV room), REQUESTS (256), PARALLEL
 # (64, serve over one worker), PARALLEL_TWO (2 x PARALLEL, over two), CTX (512),
 # PROMPT_TOKENS (128), GEN_TOKENS (128), BIG_CTX (2048), LOAD_LIMIT_S (300: longest wait
 # for a serve to load), TOLERANCE_MIB (16), WPORT (50191, and the next), HPORT (18191),
@@ -65,6 +66,7 @@ CLIENTS=${CLIENTS:-64}
 REQUESTS=${REQUESTS:-256}
 PARALLEL=${PARALLEL:-64}
 PARALLEL_TWO=${PARALLEL_TWO:-$((2 * PARALLEL))}
+CLIENTS_TWO=${CLIENTS_TWO:-$CLIENTS}
 BENCH_SEQS=${BENCH_SEQS:-64}
 CTX=${CTX:-512}
 PROMPT_TOKENS=${PROMPT_TOKENS:-128}
@@ -282,7 +284,7 @@ start_workers() {
 # LOAD_MS. Returns non-zero when serve exits or is not ready within LOAD_LIMIT_S.
 start_serve() { # MODEL N_WORKERS PARALLEL CTX TAG
     local flags=(--model "$1" --model-path-on-workers "$(basename "$1")" --parallel "$3"
-        --ctx "$4" --queue "$CLIENTS" --listen "127.0.0.1:$HPORT") i t0
+        --ctx "$4" --queue "$((CLIENTS > CLIENTS_TWO ? CLIENTS : CLIENTS_TWO))" --listen "127.0.0.1:$HPORT") i t0
     for ((i = 0; i < $2; i++)); do flags+=(--worker "$(worker_addr $i)"); done
     t0=$(now_ns)
     "$TETHER" serve "${flags[@]}" >"$LOGS/$5.log" 2>&1 &
@@ -313,19 +315,19 @@ stop_serve() {
 
 # Runs the fixed-length load against serve over N workers; sets GEN_TPS (empty on failure).
 serve_load() { # N_WORKERS
-    local n=$1 tag="serve-${1}w" summary parallel=$PARALLEL
-    ((n > 1)) && parallel=$PARALLEL_TWO
+    local n=$1 tag="serve-${1}w" summary parallel=$PARALLEL clients=$CLIENTS
+    ((n > 1)) && parallel=$PARALLEL_TWO clients=$CLIENTS_TWO
     GEN_TPS=''
     BUSY=$(synth_note)
     if ! start_serve "$FILE_Q4_0" "$n" "$parallel" "$CTX" "$tag"; then
         SERVE_ERR="serve did not load (log $LOGS/$tag.log)"
         return 1
     fi
-    echo "== $tag: loaded in $LOAD_MS ms; warm-up, then $REQUESTS requests from $CLIENTS clients"
+    echo "== $tag: loaded in $LOAD_MS ms; warm-up, then $REQUESTS requests from $clients clients"
     # The warm-up runs every batch size the measured part will.
-    python3 "$LIB/load_client.py" "$URL" fixed "$CLIENTS" "$CLIENTS" "$PROMPT_TOKENS" 8 \
+    python3 "$LIB/load_client.py" "$URL" fixed "$clients" "$clients" "$PROMPT_TOKENS" 8 \
         "$VOCAB" 1 >"$LOGS/$tag-warmup.json"
-    python3 "$LIB/load_client.py" "$URL" fixed "$REQUESTS" "$CLIENTS" "$PROMPT_TOKENS" \
+    python3 "$LIB/load_client.py" "$URL" fixed "$REQUESTS" "$clients" "$PROMPT_TOKENS" \
         "$GEN_TOKENS" "$VOCAB" 2 >"$LOGS/$tag.json"
     local rc=$?
     stop_serve
@@ -353,7 +355,7 @@ step_serve() {
         return
     fi
     local n tps=()
-    echo "serve: ${CLIENTS} clients x (${PROMPT_TOKENS}+${GEN_TOKENS}) tokens, --parallel $PARALLEL (one worker) / $PARALLEL_TWO (two) --ctx $CTX"
+    echo "serve: ${CLIENTS} clients (one worker) / ${CLIENTS_TWO} (two) x (${PROMPT_TOKENS}+${GEN_TOKENS}) tokens, --parallel $PARALLEL / $PARALLEL_TWO --ctx $CTX"
     for n in 1 2; do
         if out_of_time; then
             row "serve ${n}w" "gen t/s" "skipped: DEADLINE_S" skipped
@@ -361,7 +363,7 @@ step_serve() {
         fi
         if serve_load "$n"; then
             tps[n]=$GEN_TPS
-            row "serve ${n}w" "gen t/s, ${CLIENTS} clients" \
+            row "serve ${n}w" "gen t/s, $( ((n > 1)) && echo "$CLIENTS_TWO" || echo "$CLIENTS") clients" \
                 "$GEN_TPS t/s (${SHORT} of $REQUESTS short)$BUSY" info
         else
             row "serve ${n}w" "gen t/s, ${CLIENTS} clients" "$SERVE_ERR" FAIL

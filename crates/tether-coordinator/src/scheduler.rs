@@ -439,12 +439,14 @@ impl Scheduler {
             self.rotation = self.rotation.wrapping_add(1);
             let groups = self.groups(chunks, stages.len());
             let masks = pick::start_masks(&mut self.slots);
+            let began = std::time::Instant::now();
             let results = tokio::select! {
                 () = stop.cancelled() => return Ended::Stopped,
                 reason = loaded.lost() => return Ended::Lost(Loss::SessionEnded(reason)),
                 reason = self.setup.workers_changed() => return Ended::Lost(Loss::WorkersChanged(reason)),
                 r = run_pipeline(stages, &groups) => r,
             };
+            let passed = began.elapsed();
             for (i, e) in pick::finish_masks(&mut self.slots, masks).await {
                 if let Some(seq) = self.free(i) {
                     seq.send(Err(e));
@@ -459,6 +461,16 @@ impl Scheduler {
             if let Err(reason) = applied {
                 return Ended::Lost(blame(loaded, reason));
             }
+            // A step's shape and where its time went (TETHER_LOG=tether_coordinator::scheduler=trace).
+            tracing::trace!(
+                tokens = groups.iter().map(|b| b.tokens.len()).sum::<usize>(),
+                sampled = groups.iter().map(|b| b.sample_for.len()).sum::<usize>(),
+                groups = groups.len(),
+                running = self.active(),
+                pipeline_us = passed.as_micros() as u64,
+                after_us = (began.elapsed() - passed).as_micros() as u64,
+                "step"
+            );
         }
     }
 

@@ -167,29 +167,36 @@ impl<B: Backend> ModelStage<B> {
     /// A decode step with the hidden states kept on the device from input to output: the
     /// next stage's hidden states, every logit, or arg-max tokens (greedy rows) or top
     /// candidates (sampled rows) found on the device.
+    /// `logits_rows`: the tokens whose head output is wanted, `None` for every token; with
+    /// none at all, the hidden states are the output.
     fn decode_step(
         &mut self,
         batch: &[BatchToken],
         input: &ForwardInput,
-        hidden_out: bool,
+        logits_rows: Option<&[u32]>,
         rows: Rows,
         targets: &[u32],
     ) -> Result<ForwardOutput> {
-        let n = batch.len();
+        let hidden_out = logits_rows.is_some_and(<[u32]>::is_empty);
         let input = match input {
             ForwardInput::TokenIds(ids) => StepInput::Ids(ids),
             ForwardInput::Hidden(h) => StepInput::Hidden(h),
         };
         let step = |stage: &mut Stage<B>, out| {
-            stage
-                .decode_step(input, batch, out)
-                .map_err(|e| model_error("forward: decode step", e))
+            let stepped = match logits_rows {
+                Some(chosen) if !hidden_out => stage.decode_step_rows(input, batch, chosen, out),
+                _ => stage.decode_step(input, batch, out),
+            };
+            stepped.map_err(|e| model_error("forward: decode step", e))
         };
         if hidden_out {
-            let mut h = vec![0.0; n * self.shape.n_embd];
+            let mut h = vec![0.0; batch.len() * self.shape.n_embd];
             step(&mut self.stage, StepOutput::Hidden(&mut h))?;
-            Ok(ForwardOutput::Hidden(h))
-        } else if rows == Rows::ArgMax {
+            return Ok(ForwardOutput::Hidden(h));
+        }
+        // One output row per head row.
+        let n = logits_rows.map_or(batch.len(), <[u32]>::len);
+        if rows == Rows::ArgMax {
             let mut ids = vec![0; n];
             step(&mut self.stage, StepOutput::ArgMax(&mut ids))?;
             Ok(ForwardOutput::ArgMax(ids))
@@ -257,10 +264,13 @@ impl<B: Backend> ServingStage for ModelStage<B> {
             })
             .collect();
         let n = tokens.len();
-        let all_rows = logits_rows.iter().copied().eq(0..n as u32);
-        let step_rows = all_rows && rows != Rows::Embeddings;
-        if n > 0 && n <= self.stage.decode_step_tokens() && (step_rows || logits_rows.is_empty()) {
-            return self.decode_step(&batch, &input, logits_rows.is_empty(), rows, targets);
+        // Prompt chunks beside decode tokens (only some rows want logits) take the decode
+        // step too: the head, the selection and the hidden states stay on the device.
+        let increasing = logits_rows.windows(2).all(|w| w[0] < w[1]);
+        if n > 0 && n <= self.stage.decode_step_tokens() && increasing && rows != Rows::Embeddings {
+            let all_rows = logits_rows.iter().copied().eq(0..n as u32);
+            let chosen = (!all_rows).then_some(logits_rows);
+            return self.decode_step(&batch, &input, chosen, rows, targets);
         }
         let mut hidden = match input {
             ForwardInput::Hidden(h) => h,
@@ -272,9 +282,15 @@ impl<B: Backend> ServingStage for ModelStage<B> {
                 h
             }
         };
+        let began = std::time::Instant::now();
         self.stage
             .forward(&batch, &mut hidden)
             .map_err(|e| model_error("forward", e))?;
+        tracing::trace!(
+            tokens = n,
+            us = began.elapsed().as_micros() as u64,
+            "stage forward"
+        );
         if logits_rows.is_empty() {
             return Ok(ForwardOutput::Hidden(hidden));
         }

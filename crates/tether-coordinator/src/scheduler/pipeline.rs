@@ -174,9 +174,18 @@ async fn pass(
         Rows::LogProbs(_) => &b.targets,
         _ => &[],
     };
+    let began = std::time::Instant::now();
     let out = stage_call::forward(st, &b.tokens, x, rows, want, targets, alone)
         .await
         .map_err(Loss::Call)?;
+    // A pipeline's timeline, pass by pass (TETHER_LOG=tether_coordinator::scheduler=trace).
+    tracing::trace!(
+        worker = i,
+        tokens = b.tokens.len(),
+        since_us = since_start(began),
+        took_us = began.elapsed().as_micros() as u64,
+        "pass"
+    );
     Ok(match out {
         ForwardOutput::Hidden(h) if !last => Passed::Next(ForwardInput::Hidden(h)),
         ForwardOutput::Logits(l) if last && want == Rows::Logits => {
@@ -325,6 +334,13 @@ pub(super) fn stage_loops(
         futures::future::join_all(loops).await;
     };
     (Jobs(jobs), done, run)
+}
+
+/// Microseconds from this process's first pass to `t`: the passes' timeline.
+fn since_start(t: std::time::Instant) -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    t.saturating_duration_since(*EPOCH.get_or_init(|| t))
+        .as_micros() as u64
 }
 
 /// Where each row's candidates start, from the count of each, and where the last ends.

@@ -87,7 +87,35 @@ impl<B: Backend> Stage<B> {
         out: StepOutput<'_>,
     ) -> Result<(), ModelError> {
         let backend = self.backend.clone();
-        backend.scope(|| self.decode_step_in_scope(input, batch, out))
+        backend.scope(|| self.decode_step_in_scope(input, batch, None, out))
+    }
+
+    /// [`Stage::decode_step`] whose head runs over the tokens `rows` names (increasing
+    /// indices into `batch`) only: `out` holds one row per entry of `rows`. For a batch of
+    /// prompt chunks beside decode tokens, where only the decode tokens and each prompt's
+    /// last token need logits: the head and the selection stay on the device as in a
+    /// decode step. `out` may not be [`StepOutput::Hidden`], which takes every token.
+    pub fn decode_step_rows(
+        &mut self,
+        input: StepInput<'_>,
+        batch: &[BatchToken],
+        rows: &[u32],
+        out: StepOutput<'_>,
+    ) -> Result<(), ModelError> {
+        if matches!(out, StepOutput::Hidden(_)) {
+            return Err(ModelError::InvalidArgument(
+                "a decode step's hidden-state output takes every token, not chosen rows".into(),
+            ));
+        }
+        let n = batch.len();
+        let increasing = rows.windows(2).all(|w| w[0] < w[1]);
+        if !increasing || rows.last().is_some_and(|&r| r as usize >= n) {
+            return Err(ModelError::InvalidArgument(format!(
+                "a decode step's rows must be increasing indices below its {n} tokens"
+            )));
+        }
+        let backend = self.backend.clone();
+        backend.scope(|| self.decode_step_in_scope(input, batch, Some(rows), out))
     }
 
     /// A decode step of a stage that holds the whole model, from token ids to logits.
@@ -104,10 +132,13 @@ impl<B: Backend> Stage<B> {
         &mut self,
         input: StepInput<'_>,
         batch: &[BatchToken],
+        rows: Option<&[u32]>,
         out: StepOutput<'_>,
     ) -> Result<(), ModelError> {
         self.check_loaded()?;
         let (e, v, n) = (self.cfg.n_embd, self.cfg.n_vocab, batch.len());
+        // Rows of the output: every token's, or the chosen ones'.
+        let m = rows.map_or(n, <[u32]>::len);
         let most = self.decode_step_tokens();
         if n > most {
             return Err(ModelError::InvalidArgument(format!(
@@ -137,21 +168,21 @@ impl<B: Backend> Stage<B> {
                 Sink::Hidden(h)
             }
             StepOutput::Logits(l) => {
-                need_len("the logits buffer", l.len(), n * v)?;
+                need_len("the logits buffer", l.len(), m * v)?;
                 Sink::Logits(self.head_weights()?, l)
             }
             StepOutput::ArgMax(ids) => {
-                need_len("the arg-max output", ids.len(), n)?;
+                need_len("the arg-max output", ids.len(), m)?;
                 Sink::ArgMax(self.head_weights()?, ids)
             }
-            StepOutput::Top(k, rows) => {
-                need_len("the candidate rows", rows.len(), n)?;
+            StepOutput::Top(k, out_rows) => {
+                need_len("the candidate rows", out_rows.len(), m)?;
                 if k == 0 {
                     return Err(ModelError::InvalidArgument(
                         "top candidates: k must be at least 1".into(),
                     ));
                 }
-                Sink::Top(self.head_weights()?, k, rows)
+                Sink::Top(self.head_weights()?, k, out_rows)
             }
             StepOutput::Scored {
                 k,
@@ -159,10 +190,10 @@ impl<B: Backend> Stage<B> {
                 top,
                 scores,
             } => {
-                need_len("the candidate rows", top.len(), n)?;
-                need_len("the score rows", scores.len(), n)?;
+                need_len("the candidate rows", top.len(), m)?;
+                need_len("the score rows", scores.len(), m)?;
                 if !targets.is_empty() {
-                    need_len("the targets", targets.len(), n)?;
+                    need_len("the targets", targets.len(), m)?;
                     self.check_ids(targets)?;
                 }
                 Sink::Scored(self.head_weights()?, k, targets, top, scores)
@@ -190,6 +221,10 @@ impl<B: Backend> Stage<B> {
             Source::Host(h) => stage.upload_hidden(h),
         })?;
         self.kv.commit(lens);
+        if let Some(rows) = rows {
+            self.gather_rows(rows)?;
+        }
+        let n = m;
         match sink {
             Sink::Hidden(h) => self
                 .backend
@@ -251,6 +286,22 @@ impl<B: Backend> Stage<B> {
                     .map_err(compute("log-sum-exp of the logits"))
             }
         }
+    }
+
+    /// Moves the hidden states of `rows` (increasing) to the front of `scratch.hidden`, in
+    /// order, for the head. Row `j` takes row `rows[j] >= j`, and copies run in order on
+    /// one stream, so no copy reads a row an earlier one wrote.
+    fn gather_rows(&mut self, rows: &[u32]) -> Result<(), ModelError> {
+        let row = self.cfg.n_embd * 4;
+        for (j, &r) in rows.iter().enumerate() {
+            let r = r as usize;
+            if r != j {
+                self.backend
+                    .copy_within(&mut self.scratch.hidden, r * row, j * row, row)
+                    .map_err(compute("gathering the rows for the head"))?;
+            }
+        }
+        Ok(())
     }
 
     /// The output norm's and head's weight indices.

@@ -156,6 +156,54 @@ fn decode_steps_past_the_replay_size_equal_embed_forward_and_logits() {
         tether_model::sampling::top_candidates(row, 5, &mut expect);
         assert_eq!(got, &expect);
     }
+    // A head over chosen rows (prompt chunks beside decode tokens): the rows' own outputs.
+    let chosen = [0u32, 5, 6, 11];
+    rewind(&mut b);
+    let mut logits = vec![0.0; chosen.len() * v];
+    b.decode_step_rows(
+        StepInput::Ids(&ids),
+        &toks,
+        &chosen,
+        StepOutput::Logits(&mut logits),
+    )
+    .unwrap();
+    for (j, &r) in chosen.iter().enumerate() {
+        let r = r as usize;
+        // The head's products over 4 rows and over 12 may group their sums differently.
+        let diff = max_rel_diff(&logits[j * v..(j + 1) * v], &want[r * v..(r + 1) * v]);
+        assert!(diff < 1e-5, "row {r}: {diff}");
+    }
+    rewind(&mut b);
+    let mut picked = vec![0; chosen.len()];
+    b.decode_step_rows(
+        StepInput::Ids(&ids),
+        &toks,
+        &chosen,
+        StepOutput::ArgMax(&mut picked),
+    )
+    .unwrap();
+    let expect: Vec<u32> = chosen.iter().map(|&r| greedy[r as usize]).collect();
+    assert_eq!(picked, expect);
+    rewind(&mut b);
+    for bad in [&[5u32, 5][..], &[6, 5], &[toks.len() as u32]] {
+        let mut out = vec![0; bad.len()];
+        let refused = b.decode_step_rows(
+            StepInput::Ids(&ids),
+            &toks,
+            bad,
+            StepOutput::ArgMax(&mut out),
+        );
+        assert!(refused.is_err(), "rows {bad:?}");
+    }
+    // Refused steps wrote no cells: the step runs now as it did first.
+    b.decode_step_rows(
+        StepInput::Ids(&ids),
+        &toks,
+        &chosen,
+        StepOutput::ArgMax(&mut picked),
+    )
+    .unwrap();
+    assert_eq!(picked, expect);
     // The cells hold what the host path wrote: the next step of each sequence matches.
     let next: Vec<BatchToken> = (0..3u32)
         .map(|seq| BatchToken {

@@ -284,6 +284,7 @@ impl Link {
                 }
                 Err(WaitEnd::Closed | WaitEnd::GaveUp) => return,
             }
+            let began = Instant::now();
             let read = read_frame(
                 &mut stream,
                 self.options.max_frame_bytes,
@@ -301,10 +302,21 @@ impl Link {
                 }
                 Err(FrameError::Io(_)) => return,
             };
+            let read_at = Instant::now();
             let (reply, gone) = answer(&self.registry, session, &body);
+            let answered_at = Instant::now();
             if stream.write_all(&reply).is_err() || gone {
                 return;
             }
+            // Where a pipelined pass's time goes on this side (TETHER_LOG=tether_worker::link=trace).
+            tracing::trace!(
+                request_bytes = body.len(),
+                reply_bytes = reply.len(),
+                read_us = (read_at - began).as_micros() as u64,
+                answer_us = (answered_at - read_at).as_micros() as u64,
+                write_us = answered_at.elapsed().as_micros() as u64,
+                "data link forward"
+            );
         }
     }
 
