@@ -8,11 +8,11 @@
 #      >= 1.5x; then with `--parallel BENCH_SEQS` (many sequences at once): the aggregate
 #      decode ratio, shown, not judged.
 #   3. serve: `tether worker` processes on cuda:0 and cuda:1 behind `tether serve`, CLIENTS
-#      clients sending REQUESTS non-streamed completions of PROMPT_TOKENS prompt tokens and
-#      GEN_TOKENS generated (greedy; the random-weight model rarely ends early, and
-#      `usage.completion_tokens` is what is counted); aggregate generated t/s through both
-#      workers (--parallel PARALLEL_TWO: each GPU holds half the weights, so twice the KV
-#      room) against the worker on cuda:0 alone (--parallel PARALLEL): two >= 1.8x of one.
+#      streaming clients (`tether bench --url`: REQUESTS in all, PROMPT_TOKENS random prompt
+#      tokens and GEN_TOKENS generated each, greedy, end of text ignored) after a warm-up;
+#      aggregate generated t/s through both workers (--parallel PARALLEL_TWO and
+#      CLIENTS_TWO clients: each GPU holds half the weights, so twice the KV room) against
+#      the worker on cuda:0 alone (--parallel PARALLEL): two >= 1.8x of one.
 #   4. big: the 70B file over both workers; serve loads it, one completion succeeds, serve
 #      is SIGKILLed, and each worker must hold no session and be back at its device
 #      memory from before the load (TOLERANCE_MIB) within 1 s.
@@ -327,21 +327,22 @@ serve_load() { # N_WORKERS
     # The warm-up runs every batch size the measured part will.
     python3 "$LIB/load_client.py" "$URL" fixed "$clients" "$clients" "$PROMPT_TOKENS" 8 \
         "$VOCAB" 1 >"$LOGS/$tag-warmup.json"
-    python3 "$LIB/load_client.py" "$URL" fixed "$REQUESTS" "$clients" "$PROMPT_TOKENS" \
-        "$GEN_TOKENS" "$VOCAB" 2 >"$LOGS/$tag.json"
+    # The measured part streams, through tether's own client (`bench --url`), as the
+    # one-GPU serve figures do.
+    "$TETHER" bench --url "$URL" --clients "$clients" \
+        --requests-per-client $(((REQUESTS + clients - 1) / clients)) \
+        -p "$PROMPT_TOKENS" -n "$GEN_TOKENS" >"$LOGS/$tag.txt" 2>&1
     local rc=$?
     stop_serve
-    summary=$(cat "$LOGS/$tag.json")
+    summary=$(grep -E '^\| completions ' "$LOGS/$tag.txt")
     echo "$tag: $summary"
     if ((rc != 0)); then
-        SERVE_ERR=$(python3 -c '
-import json, sys
-d = json.loads(sys.argv[1])
-print("%d of %d requests failed: %s" % (d["requests"] - d["ok"], d["requests"], (d["errors"] or ["?"])[0][:160]))' "$summary" 2>/dev/null) ||
-            SERVE_ERR="the load client failed (log $LOGS/$tag.json)"
+        SERVE_ERR="bench --url exited $rc: $(tail -n 1 "$LOGS/$tag.txt" | cut -c1-160)"
         return 1
     fi
-    read -r GEN_TPS SHORT <<<"$(python3 -c 'import json, sys; d = json.loads(sys.argv[1]); print(d["gen_tps"], d["short"])' "$summary")"
+    # | completions | requests | errors | prompt tok | gen tok | wall s | gen t/s | ...
+    GEN_TPS=$(awk -F'|' '{gsub(/ /, "", $8); print $8}' <<<"$summary")
+    SHORT=0
 }
 
 step_serve() {

@@ -222,6 +222,10 @@ impl<B: Backend> Stage<B> {
         })?;
         self.kv.commit(lens);
         if let Some(rows) = rows {
+            if rows.is_empty() {
+                // Only the cells were wanted (a prompt's micro-batch before its last).
+                return Ok(());
+            }
             self.gather_rows(rows)?;
         }
         let n = m;
