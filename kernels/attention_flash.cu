@@ -18,7 +18,8 @@
 // ldmatrix reads start 16 bytes apart and fall into different bank groups.
 template <int D> struct FaTile {
     static constexpr int STRIDE = D + 8;
-    static constexpr int HALVES = FA_CELLS * STRIDE;  // one tile (Q has FA_ROWS = FA_CELLS rows)
+    static constexpr int HALVES = FA_CELLS * STRIDE;  // one K or V tile
+    static constexpr int Q_HALVES = FA_ROWS * STRIDE;  // the query tile
 };
 
 // Two floats as the f16 pair of one 32-bit fragment register, lo in the low half.
@@ -89,8 +90,8 @@ __device__ __forceinline__ void fa_load_tile(u16* dst, const u8* cache, int n_kv
 // union of cells and writes (o[D] unnormalized, max, sum) of each row to
 // partial[t][h][split] for attention_merge (attention.cu) instead of out.
 // Launch: grid (n_kv_heads * head_blocks, ceil(n_tokens / tokens_per_block), n_splits), FA_THREADS
-// threads, dynamic shared memory 5 * FA_CELLS * (D + 8) * 2 bytes (Q, two K and two V
-// tiles), where hb = min(n_heads / n_kv_heads, FA_ROWS) heads of a group share a block,
+// threads, dynamic shared memory (FA_ROWS + 4 * FA_CELLS) * (D + 8) * 2 bytes (Q, two K
+// and two V tiles), where hb = min(n_heads / n_kv_heads, FA_ROWS) heads of a group share a block,
 // head_blocks = ceil(group / hb), tokens_per_block = FA_ROWS / hb. D is a multiple of 16;
 // cache rows are 16-byte aligned (F16) or 2-byte aligned (quantized).
 // The block walks the union of its tokens' spans tile by tile; F16 tiles are fetched with
@@ -112,8 +113,8 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
     constexpr bool ASYNC = TY == TY_F16;
     extern __shared__ __align__(16) u16 fa_smem[];
     u16* qs = fa_smem;
-    u16* ks = fa_smem + TILE;          // two tiles
-    u16* vs = fa_smem + 3 * TILE;      // two tiles
+    u16* ks = fa_smem + FaTile<D>::Q_HALVES;  // two tiles
+    u16* vs = ks + 2 * TILE;                  // two tiles
 
     int group = n_heads / n_kv_heads;
     int hb = min(group, FA_ROWS);

@@ -24,7 +24,7 @@ const HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 /// Bytes of dynamic shared memory a block of heads of `head_dim` takes: the query tile and
 /// two K and two V tiles (double buffered), rows padded by 8 halves.
 fn shared_bytes(head_dim: usize) -> usize {
-    5 * TILE_CELLS * (head_dim + 8) * 2
+    (ROWS_PER_BLOCK + 4 * TILE_CELLS) * (head_dim + 8) * 2
 }
 
 /// The entry point for heads of `head_dim` over a cache of `ty`.
