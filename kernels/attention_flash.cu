@@ -144,7 +144,11 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
         lo = from;
     }
 
-    // Scaled queries as f16, padding rows zero.
+    // Scaled queries as f16, padding rows zero. Without soft-capping the scores come out
+    // of the product in base 2 already (log2(e) in the query's scale): one multiply less
+    // per score.
+    const bool capped = softcap > 0.f;
+    const float qscale = capped ? scale : scale * FA_LOG2E;
     for (int i = threadIdx.x; i < FA_ROWS * (D / 4); i += FA_THREADS) {
         int r = i / (D / 4), c = (i % (D / 4)) * 4;
         int t = t0 + r / hb, h = h0 + r % hb;
@@ -152,8 +156,8 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
         if (r < tokens_per_block * hb && t < n_tokens && h < h_end)
             x = *(const float4*)(q + ((u64)t * n_heads + h) * D + c);
         u32* d = (u32*)(qs + r * STRIDE + c);
-        d[0] = pack_h2(x.x * scale, x.y * scale);
-        d[1] = pack_h2(x.z * scale, x.w * scale);
+        d[0] = pack_h2(x.x * qscale, x.y * qscale);
+        d[1] = pack_h2(x.z * qscale, x.w * qscale);
     }
 
     // This thread's two rows of the warp's 16: g and g + 8.
@@ -237,18 +241,35 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
             }
         }
 
-        // Soft-cap, mask, and the running softmax (in base 2) of each of the two rows.
+        // Soft-cap, mask, and the running softmax (in base 2) of each of the two rows. A
+        // tile inside both rows' spans (all but the last of a causal prompt chunk) needs
+        // no mask.
         float mt[2] = {NEG_INF, NEG_INF};
+        bool inside = c0 >= first[0] && c0 >= first[1] && c0 + FA_CELLS <= end[0] &&
+                      c0 + FA_CELLS <= end[1];
+        if (capped) {
 #pragma unroll
-        for (int j = 0; j < CTILES; j++) {
+            for (int j = 0; j < CTILES; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int ri = e >> 1;
-                u32 cell = c0 + 8 * j + 2 * quad + (e & 1);
-                float x = cap_score(s[j][e], softcap) * FA_LOG2E;
-                x = cell >= first[ri] && cell < end[ri] ? x : NEG_INF;
-                s[j][e] = x;
-                mt[ri] = fmaxf(mt[ri], x);
+                for (int e = 0; e < 4; e++) s[j][e] = cap_score(s[j][e], softcap) * FA_LOG2E;
+        }
+        if (inside) {
+#pragma unroll
+            for (int j = 0; j < CTILES; j++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) mt[e >> 1] = fmaxf(mt[e >> 1], s[j][e]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < CTILES; j++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int ri = e >> 1;
+                    u32 cell = c0 + 8 * j + 2 * quad + (e & 1);
+                    float x = cell >= first[ri] && cell < end[ri] ? s[j][e] : NEG_INF;
+                    s[j][e] = x;
+                    mt[ri] = fmaxf(mt[ri], x);
+                }
             }
         }
         float corr[2];
