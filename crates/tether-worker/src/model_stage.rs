@@ -167,6 +167,7 @@ impl<B: Backend> ModelStage<B> {
     /// A decode step with the hidden states kept on the device from input to output: the
     /// next stage's hidden states, every logit, or arg-max tokens (greedy rows) or top
     /// candidates (sampled rows) found on the device.
+    ///
     /// `logits_rows`: the tokens whose head output is wanted, `None` for every token; with
     /// none at all, the hidden states are the output.
     fn decode_step(
