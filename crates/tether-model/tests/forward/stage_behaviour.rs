@@ -158,15 +158,12 @@ fn decode_steps_past_the_replay_size_equal_embed_forward_and_logits() {
     }
     // A head over chosen rows (prompt chunks beside decode tokens): the rows' own outputs.
     let chosen = [0u32, 5, 6, 11];
+    let step_rows = |s: &mut Stage<CpuBackend>, rows: &[u32], out: StepOutput<'_>| {
+        s.decode_step_rows(StepInput::Ids(&ids), &toks, rows, out)
+    };
     rewind(&mut b);
     let mut logits = vec![0.0; chosen.len() * v];
-    b.decode_step_rows(
-        StepInput::Ids(&ids),
-        &toks,
-        &chosen,
-        StepOutput::Logits(&mut logits),
-    )
-    .unwrap();
+    step_rows(&mut b, &chosen, StepOutput::Logits(&mut logits)).unwrap();
     for (j, &r) in chosen.iter().enumerate() {
         let r = r as usize;
         // The head's products over 4 rows and over 12 may group their sums differently.
@@ -175,34 +172,17 @@ fn decode_steps_past_the_replay_size_equal_embed_forward_and_logits() {
     }
     rewind(&mut b);
     let mut picked = vec![0; chosen.len()];
-    b.decode_step_rows(
-        StepInput::Ids(&ids),
-        &toks,
-        &chosen,
-        StepOutput::ArgMax(&mut picked),
-    )
-    .unwrap();
+    step_rows(&mut b, &chosen, StepOutput::ArgMax(&mut picked)).unwrap();
     let expect: Vec<u32> = chosen.iter().map(|&r| greedy[r as usize]).collect();
     assert_eq!(picked, expect);
     rewind(&mut b);
     for bad in [&[5u32, 5][..], &[6, 5], &[toks.len() as u32]] {
         let mut out = vec![0; bad.len()];
-        let refused = b.decode_step_rows(
-            StepInput::Ids(&ids),
-            &toks,
-            bad,
-            StepOutput::ArgMax(&mut out),
-        );
+        let refused = step_rows(&mut b, bad, StepOutput::ArgMax(&mut out));
         assert!(refused.is_err(), "rows {bad:?}");
     }
     // Refused steps wrote no cells: the step runs now as it did first.
-    b.decode_step_rows(
-        StepInput::Ids(&ids),
-        &toks,
-        &chosen,
-        StepOutput::ArgMax(&mut picked),
-    )
-    .unwrap();
+    step_rows(&mut b, &chosen, StepOutput::ArgMax(&mut picked)).unwrap();
     assert_eq!(picked, expect);
     // The cells hold what the host path wrote: the next step of each sequence matches.
     let next: Vec<BatchToken> = (0..3u32)
