@@ -302,40 +302,35 @@ struct QTile {
 // No weight type: the weights are the f16 workspace, copied with cp.async.
 #define TY_WORKSPACE (-1)
 
-// out[n][m] (row stride ldo) = sum_k a[m][k] * b[n][k] for m < m_rows, n < n_cols: a is the
-// decoded weight chunk [m_rows][kp], b the f16 tokens [n_cols][kp], both from the kernels
-// above (kp a multiple of GEMM_K, rows 64-byte aligned).
-// Launch: grid (ceil(n_cols / BN), ceil(m_rows / 128), splits), 64 * WARPS_N threads, no
-// dynamic shared memory. Token tiles vary fastest so the blocks resident together share
-// one weight tile, which is then read from memory once. The warps form 2 (m) x WARPS_N
-// (n); each computes 64 (m) x BN / WARPS_N (n). Wider warp tiles read shared memory less
-// per mma but hold more registers. BN (tokens a tile) is GEMM_N but for the decoding
-// kernels' narrow variants: a batch of 9-64 tokens (many sequences decoding at once) in a
-// 128-token tile spent 2-4x the tensor-core work it needed.
-// Split-K: block z sums K tiles [z * k_tiles, (z + 1) * k_tiles) and writes its partial
-// at out + z * split_stride (gemm_reduce adds them); with one split that is the result,
-// added to what out holds when `accumulate` (a residual add with no pass of its own).
+// The shared tiles of one tile block: GEMM_STAGES stages of 128 weight rows and of BN
+// tokens, GEMM_K values each (f16).
+template <int BN>
+struct GemmSmem {
+    u16 a[GEMM_STAGES][GEMM_M * GEMM_K];
+    u16 b[GEMM_STAGES][BN * GEMM_K];
+};
+
+// acc = the products of the tile's 128 weight rows (from bm) and BN tokens (from bn) over K
+// tiles [k0, k0 + nk): a is the decoded weight chunk [m_rows][kp] (TY_WORKSPACE), or, for
+// a decoding kernel, arow is this thread's weight row; b the f16 tokens [n_cols][kp] (kp a
+// multiple of GEMM_K, rows 64-byte aligned). Warp w computes rows (w & 1) * 64.. and tokens
+// (w >> 1) * BN / WARPS_N.., acc[mi][ni][c] at m = mi * 16 + lane / 4 (+8 for c 2, 3), n =
+// ni * 8 + 2 * (lane % 4) (+1 for odd c) of that. Wider warp tiles read shared memory less
+// per mma but hold more registers.
 template <int WARPS_N, int TY, int BN>
-__device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_bytes,
-                                           const u16* __restrict__ b, int m_rows, int n_cols,
-                                           int kp, int k_tiles, float* __restrict__ out, int ldo,
-                                           u64 split_stride, int accumulate) {
+__device__ __forceinline__ void gemm_tile(GemmSmem<BN>& sm, const u8* __restrict__ a,
+                                          const u8* __restrict__ arow,
+                                          const u16* __restrict__ b, int bm, int bn, int m_rows,
+                                          int n_cols, int kp, int k0, int nk,
+                                          float (&acc)[4][BN / WARPS_N / 8][4]) {
     constexpr int THREADS = 64 * WARPS_N;
     constexpr int WARP_N = BN / WARPS_N;
     constexpr int NI = WARP_N / 8;
     static_assert(NI % 2 == 0, "ldmatrix_x4 takes two 8-wide n tiles");
-    __shared__ __align__(128) u16 sa[GEMM_STAGES][GEMM_M * GEMM_K];
-    __shared__ __align__(128) u16 sb[GEMM_STAGES][BN * GEMM_K];
 
-    int bn = blockIdx.x * BN, bm = blockIdx.y * GEMM_M;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int wm = (warp & 1) * 64, wn = (warp >> 1) * WARP_N;
-    // This split's K tiles: [k0, k0 + nk); nk <= 0 leaves a zero partial, still written.
-    int k0 = blockIdx.z * k_tiles;
-    int nk = min(kp / GEMM_K - k0, k_tiles);
-    out += blockIdx.z * split_stride;
 
-    float acc[4][NI][4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
@@ -343,14 +338,11 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_b
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
 
-    u32 sa0 = smem_addr(&sa[0][0]), sb0 = smem_addr(&sb[0][0]);
+    u32 sa0 = smem_addr(&sm.a[0][0]), sb0 = smem_addr(&sm.b[0][0]);
     const u32 stage_bytes = GEMM_M * GEMM_K * 2, b_stage_bytes = BN * GEMM_K * 2;
 
     const u16* a16 = (const u16*)a;
-    // A decoding kernel's thread reads one weight row (rows past the end read the last;
-    // their sums are never written).
     static_assert(TY == TY_WORKSPACE || THREADS == GEMM_M, "one weight row a thread");
-    const u8* arow = a + (u64)min(bm + (int)threadIdx.x, m_rows - 1) * a_row_bytes;
     QTile<TY> qt;
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; s++) {
@@ -420,14 +412,22 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_b
         }
     }
     cp_async_wait<0>();
+}
 
-    // Accumulator c of tile (mi, ni): m = gid (+8 for c 2, 3), n = 2 * (lane % 4) (+1 for
-    // odd c). Lanes of one store write 8 consecutive m, so every 32-byte sector is whole.
+// out[n][m] (row stride ldo) = acc of the tile at (bm, bn) for m < m_rows, n < n_cols,
+// added to what out holds when `accumulate`. Lanes of one store write 8 consecutive m, so
+// every 32-byte sector is whole.
+template <int WARPS_N, int BN>
+__device__ __forceinline__ void gemm_store(const float (&acc)[4][BN / WARPS_N / 8][4], int bm,
+                                           int bn, int m_rows, int n_cols,
+                                           float* __restrict__ out, int ldo, int accumulate) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int wm = (warp & 1) * 64, wn = (warp >> 1) * (BN / WARPS_N);
     int gid = lane >> 2, tq = lane & 3;
 #pragma unroll
     for (int mi = 0; mi < 4; mi++)
 #pragma unroll
-        for (int ni = 0; ni < NI; ni++)
+        for (int ni = 0; ni < BN / WARPS_N / 8; ni++)
 #pragma unroll
             for (int c = 0; c < 4; c++) {
                 int m = bm + wm + mi * 16 + gid + (c >= 2 ? 8 : 0);
@@ -437,6 +437,36 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_b
                     *o = accumulate ? *o + acc[mi][ni][c] : acc[mi][ni][c];
                 }
             }
+}
+
+// out[n][m] (row stride ldo) = sum_k a[m][k] * b[n][k] for m < m_rows, n < n_cols (a and b
+// as gemm_tile takes them).
+// Launch: grid (ceil(n_cols / BN), ceil(m_rows / 128), splits), 64 * WARPS_N threads, no
+// dynamic shared memory. Token tiles vary fastest so the blocks resident together share
+// one weight tile, which is then read from memory once. The warps form 2 (m) x WARPS_N
+// (n); each computes 64 (m) x BN / WARPS_N (n). BN (tokens a tile) is GEMM_N but for the
+// decoding kernels' narrow variants: a batch of 9-64 tokens (many sequences decoding at
+// once) in a 128-token tile spent 2-4x the tensor-core work it needed.
+// Split-K: block z sums K tiles [z * k_tiles, (z + 1) * k_tiles) and writes its partial
+// at out + z * split_stride (gemm_reduce adds them); with one split that is the result,
+// added to what out holds when `accumulate` (a residual add with no pass of its own).
+template <int WARPS_N, int TY, int BN>
+__device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_bytes,
+                                           const u16* __restrict__ b, int m_rows, int n_cols,
+                                           int kp, int k_tiles, float* __restrict__ out, int ldo,
+                                           u64 split_stride, int accumulate) {
+    __shared__ __align__(128) GemmSmem<BN> sm;
+    int bn = blockIdx.x * BN, bm = blockIdx.y * GEMM_M;
+    // This split's K tiles: [k0, k0 + nk); nk <= 0 leaves a zero partial, still written.
+    int k0 = blockIdx.z * k_tiles;
+    int nk = min(kp / GEMM_K - k0, k_tiles);
+    // A decoding kernel's thread reads one weight row (rows past the end read the last;
+    // their sums are never written).
+    const u8* arow = a + (u64)min(bm + (int)threadIdx.x, m_rows - 1) * a_row_bytes;
+    float acc[4][BN / WARPS_N / 8][4];
+    gemm_tile<WARPS_N, TY, BN>(sm, a, arow, b, bm, bn, m_rows, n_cols, kp, k0, nk, acc);
+    gemm_store<WARPS_N, BN>(acc, bm, bn, m_rows, n_cols, out + blockIdx.z * split_stride, ldo,
+                            accumulate);
 }
 
 // Every tile kernel takes (a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,

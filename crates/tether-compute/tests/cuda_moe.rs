@@ -87,9 +87,11 @@ fn router_logits(rng: &mut Rng, n: usize, n_expert: usize, load: Load) -> Vec<f3
     logits
 }
 
-/// Token counts: decode (one item a pick) up to 8, grouped prefill beyond, with tiles
-/// ending inside (17, 33, 200) and on (512) their 8 rows.
-const TOKENS: [usize; 8] = [1, 2, 5, 8, 17, 33, 200, 512];
+/// Token counts: decode (one item a pick) up to 8, grouped prefill beyond: the 8-bit item
+/// kernels below 16 tokens, the tile kernels from 16 (items of 32 picks at 17 and 33
+/// tokens, of 64 from 80, where the experts average 16 picks), with items ending inside
+/// (12, 17, 33, 80, 200) and on (512) their rows.
+const TOKENS: [usize; 10] = [1, 2, 5, 8, 12, 17, 33, 80, 200, 512];
 
 /// `moe_ffn` on both backends for gate, up and down of `types` over every token count
 /// (each with one of the loads in turn), within `tol` of the cpu.

@@ -25,6 +25,12 @@ pub(super) mod source {
         include_str!("../../../../kernels/attention_flash.cu");
     pub(in crate::cuda) const MMQ: &str = include_str!("../../../../kernels/mmq.cu");
     pub(in crate::cuda) const GEMM: &str = include_str!("../../../../kernels/gemm.cu");
+    /// gemm.cu with the MoE products on its tile kernel after it (kernels/moe_gemm.cu):
+    /// one module, so the MoE entries reuse the tile code without a second copy of it.
+    pub(in crate::cuda) const GEMM_WITH_MOE: &str = concat!(
+        include_str!("../../../../kernels/gemm.cu"),
+        include_str!("../../../../kernels/moe_gemm.cu")
+    );
 }
 
 /// The value of `#define name <integer>` at the start of a line of `source`, evaluated when
@@ -445,7 +451,7 @@ pub(super) const FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "gemm",
-        source: source::GEMM,
+        source: source::GEMM_WITH_MOE,
         dependent_launch: false,
         entries: &[
             "gemm_dequant_f16",
@@ -471,6 +477,32 @@ pub(super) const FILES: &[KernelFile] = &[
             "gemmq_q6_kp_n64",
             "gemmq_iq4_xsp_n32",
             "gemmq_iq4_xsp_n64",
+            "moe_gather_f16",
+            "moe_act_f16",
+            "moeg_swiglu_q4_0p_n32",
+            "moeg_down_q4_0p_n32",
+            "moeg_swiglu_q4_0p_n64",
+            "moeg_down_q4_0p_n64",
+            "moeg_swiglu_q8_0p_n32",
+            "moeg_down_q8_0p_n32",
+            "moeg_swiglu_q8_0p_n64",
+            "moeg_down_q8_0p_n64",
+            "moeg_swiglu_q4_k_n32",
+            "moeg_down_q4_k_n32",
+            "moeg_swiglu_q4_k_n64",
+            "moeg_down_q4_k_n64",
+            "moeg_swiglu_q5_k_n32",
+            "moeg_down_q5_k_n32",
+            "moeg_swiglu_q5_k_n64",
+            "moeg_down_q5_k_n64",
+            "moeg_swiglu_q6_kp_n32",
+            "moeg_down_q6_kp_n32",
+            "moeg_swiglu_q6_kp_n64",
+            "moeg_down_q6_kp_n64",
+            "moeg_swiglu_iq4_xsp_n32",
+            "moeg_down_iq4_xsp_n32",
+            "moeg_swiglu_iq4_xsp_n64",
+            "moeg_down_iq4_xsp_n64",
         ],
     },
 ];
@@ -570,6 +602,17 @@ mod tests {
                         None => f.source.contains(&format!("GEMM_ENTRY({e}, ")),
                     };
                     assert!(defined, "{e} not found in {}", f.name);
+                    continue;
+                }
+                // MoE tile entries: MOEG_ENTRIES(type, ...) defines both kernels and widths.
+                if let Some(rest) = e.strip_prefix("moeg_") {
+                    let rest = rest
+                        .strip_prefix("swiglu_")
+                        .or(rest.strip_prefix("down_"))
+                        .unwrap_or(rest);
+                    let ty = rest.rsplit_once('_').map_or(rest, |(t, _)| t);
+                    let mac = format!("MOEG_ENTRIES({ty}, ");
+                    assert!(f.source.contains(&mac), "{e} not found in {}", f.name);
                     continue;
                 }
                 // Matvec entries come from a macro: check the type part is instantiated.

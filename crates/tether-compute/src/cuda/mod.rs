@@ -23,6 +23,7 @@ mod launch;
 mod matvec;
 mod mmq;
 mod moe;
+mod moe_gemm;
 mod moe_int8;
 mod norm;
 mod nvml;
@@ -101,6 +102,9 @@ pub struct CudaBackend {
     /// Whether the GEMM decodes the weight types it reads in its tiles
     /// ([`CudaTuning::fused_gemm`]).
     fused_gemm: bool,
+    /// Tokens from which MoE prefill takes the tile kernels (moe_gemm.rs;
+    /// [`CudaTuning::moe_tile_min_tokens`]).
+    moe_tile_min_tokens: usize,
     /// f16 operands of the prefill GEMM, allocated once here so no op allocates.
     gemm_ws: Mutex<GemmWorkspace>,
     /// Per-process memory of this device, when NVML is there to ask.
@@ -222,6 +226,9 @@ impl CudaBackend {
             mmq_capable: cc.0 >= 8,
             mmq_blocks_per_sm: tuning.mmq_blocks_per_sm.unwrap_or(mmq::MMQ_BLOCKS_PER_SM),
             fused_gemm: tuning.fused_gemm,
+            moe_tile_min_tokens: tuning
+                .moe_tile_min_tokens
+                .unwrap_or(moe_gemm::MOE_TILE_MIN_TOKENS),
             gemm_ws,
             nvml,
         })

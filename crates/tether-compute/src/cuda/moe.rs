@@ -98,7 +98,9 @@ impl CudaBackend {
         if n == 0 || e == 0 || ff == 0 {
             return Ok(());
         }
-        if self.moe_ffn_int8(&ffn, one, acc, &mut scratch)? {
+        if self.moe_ffn_tiles(&ffn, one, acc, &mut scratch)?
+            || self.moe_ffn_int8(&ffn, one, acc, &mut scratch)?
+        {
             return Ok(());
         }
         // The activations go to the gate scratch; rows and up are not needed here.

@@ -136,11 +136,11 @@ fn item_grid(rows: usize, per_block: usize, items: usize, threads: u32) -> Resul
 /// The work items of the product launches: the arguments both kernels take after their
 /// weights (ids, item list, expert count, experts used), the rows an item takes (the
 /// entries' NT) and how many items a launch covers.
-struct Items {
+pub(super) struct Items {
     ids: u64,
-    list: u64,
-    n_expert: Arg,
-    k: Arg,
+    pub(super) list: u64,
+    pub(super) n_expert: Arg,
+    pub(super) k: Arg,
     nt: usize,
     count: usize,
     /// Whether the items go to the tensor-core entries (their own launch shape).
@@ -190,7 +190,7 @@ impl CudaBackend {
 
     /// One item a pick (`list` 0), or items of up to `nt` rows from the list at `list`,
     /// `count` at most, on the tensor cores when `nt` is [`MMA_TILE`].
-    fn items(
+    pub(super) fn items(
         &self,
         ffn: &MoeFfn<'_, CudaBuffer>,
         list: u64,
@@ -290,9 +290,37 @@ impl CudaBackend {
         self.run(&format!("{prefix}_down_{stem}_{}", it.nt), cfg, &args)
     }
 
+    /// `moe_group`: the picks sorted by expert, each pick's row into `row_of` (`[picks]`
+    /// i32) and the items of up to `tile` rows into the item list.
+    pub(super) fn moe_group_launch(
+        &self,
+        it: &Items,
+        picks: usize,
+        tile: usize,
+        row_of: u64,
+    ) -> Result<()> {
+        let group = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (GROUP_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.run(
+            "moe_group",
+            group,
+            &[
+                Arg::Ptr(it.ids),
+                int(OP, "pick count", picks)?,
+                it.n_expert,
+                int(OP, "tile rows", tile)?,
+                Arg::Ptr(row_of),
+                Arg::Ptr(it.list),
+            ],
+        )
+    }
+
     /// `moe_sum`: each token's rows of `out` (pick p's at row p, or at `row_of[p]`),
     /// weighted, added into `acc`.
-    fn moe_sum_launch(
+    pub(super) fn moe_sum_launch(
         &self,
         ffn: &MoeFfn<'_, CudaBuffer>,
         it: &Items,
@@ -370,23 +398,7 @@ impl CudaBackend {
         let row_of = up + layout.row_of as u64;
         let it = self.items(ffn, up + layout.items as u64, tile, layout.max_items)?;
         let picks_arg = int(OP, "pick count", picks)?;
-        let group = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (GROUP_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.run(
-            "moe_group",
-            group,
-            &[
-                Arg::Ptr(it.ids),
-                picks_arg,
-                it.n_expert,
-                int(OP, "tile rows", tile)?,
-                Arg::Ptr(row_of),
-                Arg::Ptr(it.list),
-            ],
-        )?;
+        self.moe_group_launch(&it, picks, tile, row_of)?;
         let x = (rows, rows + layout.x_scales as u64);
         let warps = picks * (e / 32);
         let gather = LaunchConfig {

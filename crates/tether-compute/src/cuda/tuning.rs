@@ -30,6 +30,10 @@ pub struct CudaTuning {
     /// The GEMM decodes the weight types it can read in its own tiles, skipping the f16
     /// workspace (`TETHER_GEMM_FUSED=0` turns that off).
     pub fused_gemm: bool,
+    /// Tokens from which mixture-of-experts prefill takes the GEMM's tile kernels, instead
+    /// of the measured default (`TETHER_MOE_TILE_MIN_TOKENS`; raised to 9, the smallest
+    /// batch it is tested at).
+    pub moe_tile_min_tokens: Option<usize>,
     /// Blocks per multiprocessor the 8-bit products split K until they fill, instead of
     /// the measured default (`TETHER_MMQ_BLOCKS`, > 0).
     pub mmq_blocks_per_sm: Option<usize>,
@@ -74,6 +78,8 @@ impl CudaTuning {
             gemm_min_tokens: tokens("TETHER_GEMM_MIN_TOKENS").map(|n| n.max(GEMM_TESTED_FROM)),
             mmq_max_tokens: var("TETHER_MMQ").and_then(|v| v.to_str()?.trim().parse().ok()),
             fused_gemm: !off("TETHER_GEMM_FUSED"),
+            moe_tile_min_tokens: tokens("TETHER_MOE_TILE_MIN_TOKENS")
+                .map(|n| n.max(GEMM_TESTED_FROM)),
             mmq_blocks_per_sm: tokens("TETHER_MMQ_BLOCKS"),
             kernel_cache: cache_root.map(|root| root.join("kernels")),
             kernel_sources: var("TETHER_KERNEL_SOURCES")
@@ -116,9 +122,11 @@ mod tests {
             ("TETHER_KERNEL_SOURCES", "/src/kernels"),
             ("TETHER_MMQ_BLOCKS", "4"),
             ("TETHER_GEMM_FUSED", "0"),
+            ("TETHER_MOE_TILE_MIN_TOKENS", "4"),
             ("HOME", "/home/x"),
         ]);
         assert!(!t.dependent_launches && !t.flash_attention && !t.fused_gemm);
+        assert_eq!(t.moe_tile_min_tokens, Some(GEMM_TESTED_FROM));
         assert_eq!(t.mmq_blocks_per_sm, Some(4));
         assert_eq!((t.mma_min_tokens, t.gemm_min_tokens), (Some(3), Some(65)));
         assert_eq!(t.kernel_cache, Some(PathBuf::from("/var/cache/t/kernels")));
