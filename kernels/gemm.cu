@@ -122,6 +122,26 @@ __device__ __forceinline__ uint2 ldg8(const u8* p) {
     return v;
 }
 
+// The 32 bytes at p, which is only 2-byte aligned (Q6_K's 210-byte blocks in GGUF's
+// layout), from the three aligned 16-byte loads that cover them: the words are picked by
+// selects on the offset (a runtime index would put them in local memory) and shifted into
+// place. The third load ends within 15 bytes of p + 32, inside the block for every span
+// QTile reads.
+__device__ __forceinline__ void ldg32_u2(const u8* p, uint4& lo, uint4& hi) {
+    const u8* base = (const u8*)((u64)p & ~(u64)15);
+    const int sh = (int)((u64)p & 15), q = sh >> 2, bits = 8 * (sh & 3);
+    const uint4 a = ldg16(base), b = ldg16(base + 16), c = ldg16(base + 32);
+    const u32 w[12] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y, c.z, c.w};
+    u32 v[9];
+#pragma unroll
+    for (int i = 0; i < 9; i++) v[i] = q == 0 ? w[i] : q == 1 ? w[i + 1] : q == 2 ? w[i + 2] : w[i + 3];
+    u32 o[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) o[i] = __funnelshift_r(v[i], v[i + 1], bits);
+    lo = make_uint4(o[0], o[1], o[2], o[3]);
+    hi = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
 // Halfword j (0..8) of the 16 bytes v.
 __device__ __forceinline__ u16 half_of(uint4 v, int j) {
     const u32 w = (j & 4) ? ((j & 2) ? v.w : v.z) : ((j & 2) ? v.y : v.x);
@@ -177,6 +197,22 @@ struct QTile {
             }
             q[0] = ldg16(b + 64 * h + 32 * (k & 1));
             q[1] = ldg16(b + 64 * h + 32 * (k & 1) + 16);
+        } else if constexpr (TY == TY_Q6_K) {
+            // GGUF's 210-byte blocks (ql 128, qh 64, 16 scales, d), 2-byte aligned: the same
+            // halves and quarters as the packed layout, each block's d and K tile kt's two
+            // scale bytes in sw.x and sw.y.
+            const int n = kt >> 3, h = (kt >> 2) & 1, k = kt & 3;
+            const u8* b = row + (size_t)n * 210;
+            if (n != have_b) {
+                sw.x = ld16(b + 208);
+                have_b = n;
+            }
+            sw.y = ld16(b + 192 + 8 * h + 2 * k);
+            if ((kt >> 2) != have_q) {
+                ldg32_u2(b + 128 + 32 * h, hb[0], hb[1]);
+                have_q = kt >> 2;
+            }
+            ldg32_u2(b + 64 * h + 32 * (k & 1), q[0], q[1]);
         } else if constexpr (TY == TY_IQ4_XSP) {
             // Groups of 8 blocks: their 8-byte headers (d, scales_h, scales_l), then each
             // block's 128 quant bytes, 16 per K tile (low nibbles values 0-15, high 16-31).
@@ -247,7 +283,7 @@ struct QTile {
             for (int i = 0; i < 8; i++) w[i] = x[i] ^ 0x80808080u;  // signed + 128
             bias = 0x64806480u;
             sc[0] = sc[1] = h2_of(h2f(block_scale()));
-        } else if constexpr (TY == TY_Q6_KP) {
+        } else if constexpr (TY == TY_Q6_KP || TY == TY_Q6_K) {
             const int h = (kt >> 2) & 1, k = kt & 3, shift = 4 * (k >> 1);
             const u32 x[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
             const u32 y[8] = {hb[0].x, hb[0].y, hb[0].z, hb[0].w, hb[1].x, hb[1].y, hb[1].z, hb[1].w};
@@ -256,12 +292,18 @@ struct QTile {
                 w[i] = ((x[i] >> shift) & 0x0F0F0F0Fu) | (((y[i] >> (2 * k)) & 0x03030303u) << 4);
             }
             bias = 0x64206420u;  // 1024 + 32: the quants are offset by 32
-            const float d = h2f(half_of(sw, (kt >> 3) & 7));
-            // Scales 8h + 2k and the next, signed bytes of sb.
-            const int j = 8 * h + 2 * k;
-            const u32 lo = j < 8 ? sb.x : sb.z, hi = j < 8 ? sb.y : sb.w;
+            if constexpr (TY == TY_Q6_K) {
+                const float d = h2f((u16)sw.x);
 #pragma unroll
-            for (int i = 0; i < 2; i++) sc[i] = h2_of(d * (float)(i8)byte_of(lo, hi, j + i));
+                for (int i = 0; i < 2; i++) sc[i] = h2_of(d * (float)(i8)(sw.y >> (8 * i)));
+            } else {
+                const float d = h2f(half_of(sw, (kt >> 3) & 7));
+                // Scales 8h + 2k and the next, signed bytes of sb.
+                const int j = 8 * h + 2 * k;
+                const u32 lo = j < 8 ? sb.x : sb.z, hi = j < 8 ? sb.y : sb.w;
+#pragma unroll
+                for (int i = 0; i < 2; i++) sc[i] = h2_of(d * (float)(i8)byte_of(lo, hi, j + i));
+            }
         } else {
             const int sub = kt & 7, shift = 4 * (sub & 1);
             const u32 x[8] = {q[0].x, q[0].y, q[0].z, q[0].w, q[1].x, q[1].y, q[1].z, q[1].w};
@@ -302,24 +344,17 @@ struct QTile {
 // No weight type: the weights are the f16 workspace, copied with cp.async.
 #define TY_WORKSPACE (-1)
 
-// The shared tiles of one tile block: GEMM_STAGES stages of 128 weight rows and of BN
-// tokens, GEMM_K values each (f16).
-template <int BN>
-struct GemmSmem {
-    u16 a[GEMM_STAGES][GEMM_M * GEMM_K];
-    u16 b[GEMM_STAGES][BN * GEMM_K];
-};
-
 // acc = the products of the tile's 128 weight rows (from bm) and BN tokens (from bn) over K
-// tiles [k0, k0 + nk): a is the decoded weight chunk [m_rows][kp] (TY_WORKSPACE), or, for
-// a decoding kernel, arow is this thread's weight row; b the f16 tokens [n_cols][kp] (kp a
-// multiple of GEMM_K, rows 64-byte aligned). Warp w computes rows (w & 1) * 64.. and tokens
+// tiles [k0, k0 + nk), through the shared stages sa and sb: a is the decoded weight chunk
+// [m_rows][kp] (TY_WORKSPACE), or, for a decoding kernel, the weight whose row `row` (the
+// last one past m_rows) this thread decodes, rows a_row_bytes apart; b the f16 tokens
+// [n_cols][kp] (kp a multiple of GEMM_K, rows 64-byte aligned). Warp w computes rows (w & 1) * 64.. and tokens
 // (w >> 1) * BN / WARPS_N.., acc[mi][ni][c] at m = mi * 16 + lane / 4 (+8 for c 2, 3), n =
 // ni * 8 + 2 * (lane % 4) (+1 for odd c) of that. Wider warp tiles read shared memory less
 // per mma but hold more registers.
 template <int WARPS_N, int TY, int BN>
-__device__ __forceinline__ void gemm_tile(GemmSmem<BN>& sm, const u8* __restrict__ a,
-                                          const u8* __restrict__ arow,
+__device__ __forceinline__ void gemm_tile(u16 (*sa)[GEMM_M * GEMM_K], u16 (*sb)[BN * GEMM_K],
+                                          const u8* __restrict__ a, u64 a_row_bytes, int row,
                                           const u16* __restrict__ b, int bm, int bn, int m_rows,
                                           int n_cols, int kp, int k0, int nk,
                                           float (&acc)[4][BN / WARPS_N / 8][4]) {
@@ -338,11 +373,14 @@ __device__ __forceinline__ void gemm_tile(GemmSmem<BN>& sm, const u8* __restrict
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.0f;
 
-    u32 sa0 = smem_addr(&sm.a[0][0]), sb0 = smem_addr(&sm.b[0][0]);
+    u32 sa0 = smem_addr(&sa[0][0]), sb0 = smem_addr(&sb[0][0]);
     const u32 stage_bytes = GEMM_M * GEMM_K * 2, b_stage_bytes = BN * GEMM_K * 2;
 
     const u16* a16 = (const u16*)a;
+    // A decoding kernel's thread reads one weight row (rows past the end read the last;
+    // their sums are never written).
     static_assert(TY == TY_WORKSPACE || THREADS == GEMM_M, "one weight row a thread");
+    const u8* arow = a + (u64)min(row, m_rows - 1) * a_row_bytes;
     QTile<TY> qt;
 #pragma unroll
     for (int s = 0; s < GEMM_STAGES - 1; s++) {
@@ -455,18 +493,17 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_b
                                            const u16* __restrict__ b, int m_rows, int n_cols,
                                            int kp, int k_tiles, float* __restrict__ out, int ldo,
                                            u64 split_stride, int accumulate) {
-    __shared__ __align__(128) GemmSmem<BN> sm;
+    __shared__ __align__(128) u16 sa[GEMM_STAGES][GEMM_M * GEMM_K];
+    __shared__ __align__(128) u16 sb[GEMM_STAGES][BN * GEMM_K];
     int bn = blockIdx.x * BN, bm = blockIdx.y * GEMM_M;
     // This split's K tiles: [k0, k0 + nk); nk <= 0 leaves a zero partial, still written.
     int k0 = blockIdx.z * k_tiles;
     int nk = min(kp / GEMM_K - k0, k_tiles);
-    // A decoding kernel's thread reads one weight row (rows past the end read the last;
-    // their sums are never written).
-    const u8* arow = a + (u64)min(bm + (int)threadIdx.x, m_rows - 1) * a_row_bytes;
+    out += blockIdx.z * split_stride;
     float acc[4][BN / WARPS_N / 8][4];
-    gemm_tile<WARPS_N, TY, BN>(sm, a, arow, b, bm, bn, m_rows, n_cols, kp, k0, nk, acc);
-    gemm_store<WARPS_N, BN>(acc, bm, bn, m_rows, n_cols, out + blockIdx.z * split_stride, ldo,
-                            accumulate);
+    gemm_tile<WARPS_N, TY, BN>(sa, sb, a, a_row_bytes, bm + (int)threadIdx.x, b, bm, bn, m_rows,
+                               n_cols, kp, k0, nk, acc);
+    gemm_store<WARPS_N, BN>(acc, bm, bn, m_rows, n_cols, out, ldo, accumulate);
 }
 
 // Every tile kernel takes (a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,

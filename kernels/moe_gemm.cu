@@ -39,17 +39,17 @@ __device__ __forceinline__ void moeg_swiglu(const u8* wg, const u8* wu, u64 expe
     constexpr int LD = BN + 4;
     static_assert(64 * LD * 4 <= sizeof(u16) * GEMM_STAGES * GEMM_M * GEMM_K,
                   "the up sums fit the weight stages");
-    __shared__ __align__(128) GemmSmem<BN> sm;
+    __shared__ __align__(128) u16 sa[GEMM_STAGES][GEMM_M * GEMM_K];
+    __shared__ __align__(128) u16 sb[GEMM_STAGES][BN * GEMM_K];
     MoeItem it;
     if (!moe_item(nullptr, tiles, n_expert, 1, &it)) return;
     int bm = blockIdx.x * 64, t = threadIdx.x;
     const u8* w = (t < 64 ? wg : wu) + (u64)it.expert * expert_bytes;
-    const u8* arow = w + (u64)min(bm + (t & 63), ff - 1) * row_bytes;
     float acc[4][NI][4];
-    gemm_tile<2, TY, BN>(sm, nullptr, arow, x16 + (u64)it.token_row * cols, 0, 0, 0, it.n, cols,
-                         0, cols / GEMM_K, acc);
+    gemm_tile<2, TY, BN>(sa, sb, w, row_bytes, bm + (t & 63), x16 + (u64)it.token_row * cols, 0,
+                         0, ff, it.n, cols, 0, cols / GEMM_K, acc);
     __syncthreads();
-    float* up = (float*)&sm.a[0][0];
+    float* up = (float*)&sa[0][0];
     int warp = t >> 5, lane = t & 31, gid = lane >> 2, tq = lane & 3;
     int wn = (warp >> 1) * (BN / 2);
     bool gate = (warp & 1) == 0;
@@ -111,14 +111,14 @@ template <int TY, int BN>
 __device__ __forceinline__ void moeg_down(const u8* wd, u64 expert_bytes, u64 row_bytes,
                                           const u32* tiles, int n_expert, int e, int ff,
                                           const u16* act, const float* scale, float* out) {
-    __shared__ __align__(128) GemmSmem<BN> sm;
+    __shared__ __align__(128) u16 sa[GEMM_STAGES][GEMM_M * GEMM_K];
+    __shared__ __align__(128) u16 sb[GEMM_STAGES][BN * GEMM_K];
     MoeItem it;
     if (!moe_item(nullptr, tiles, n_expert, 1, &it)) return;
     int bm = blockIdx.x * GEMM_M;
-    const u8* arow = wd + (u64)it.expert * expert_bytes +
-                     (u64)min(bm + (int)threadIdx.x, e - 1) * row_bytes;
     float acc[4][BN / 2 / 8][4];
-    gemm_tile<2, TY, BN>(sm, nullptr, arow, act + (u64)it.row * ff, 0, 0, 0, it.n, ff, 0,
+    gemm_tile<2, TY, BN>(sa, sb, wd + (u64)it.expert * expert_bytes, row_bytes,
+                         bm + (int)threadIdx.x, act + (u64)it.row * ff, 0, 0, e, it.n, ff, 0,
                          ff / GEMM_K, acc);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int wm = (warp & 1) * 64, wn = (warp >> 1) * (BN / 2), gid = lane >> 2, tq = lane & 3;
@@ -162,4 +162,5 @@ MOEG_ENTRIES(q8_0p, TY_Q8_0P)
 MOEG_ENTRIES(q4_k, TY_Q4_K)
 MOEG_ENTRIES(q5_k, TY_Q5_K)
 MOEG_ENTRIES(q6_kp, TY_Q6_KP)
+MOEG_ENTRIES(q6_k, TY_Q6_K)
 MOEG_ENTRIES(iq4_xsp, TY_IQ4_XSP)

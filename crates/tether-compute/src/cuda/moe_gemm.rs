@@ -32,17 +32,20 @@ const TILE_THREADS: u32 = 128;
 /// Threads of `moe_act_f16` (one block a pick).
 const ACT_THREADS: u32 = define(source::GEMM_WITH_MOE, "MOE_ACT_THREADS") as u32;
 
-/// The stem of the moe_gemm.cu entries for experts of `ty` as `buf` stores them: the types
-/// gemm.cu's tiles decode (packed Q4_0 / Q8_0 / Q6_K / IQ4_XS, Q4_K and Q5_K as GGUF
-/// stores them).
-fn stem(buf: &CudaBuffer, ty: GgmlType) -> Option<&'static str> {
+/// The stem of the moe_gemm.cu entries for experts of `ty` as `buf` stores them, and the
+/// alignment their rows need: the types gemm.cu's tiles decode (packed Q4_0 / Q8_0 / Q6_K
+/// / IQ4_XS, Q4_K and Q5_K as GGUF stores them, read 16 bytes at a time), and Q6_K rows
+/// that do not pack (768-wide experts of llama.cpp's Q4_K_M mixes), whose 210-byte blocks
+/// the tiles read 2-byte aligned.
+fn stem(buf: &CudaBuffer, ty: GgmlType) -> Option<(&'static str, usize)> {
     match (ty, buf.packed) {
-        (GgmlType::Q4_0, true) => Some("q4_0p"),
-        (GgmlType::Q8_0, true) => Some("q8_0p"),
-        (GgmlType::Q4K, false) => Some("q4_k"),
-        (GgmlType::Q5K, false) => Some("q5_k"),
-        (GgmlType::Q6K, true) => Some("q6_kp"),
-        (GgmlType::IQ4XS, true) => Some("iq4_xsp"),
+        (GgmlType::Q4_0, true) => Some(("q4_0p", 16)),
+        (GgmlType::Q8_0, true) => Some(("q8_0p", 16)),
+        (GgmlType::Q4K, false) => Some(("q4_k", 16)),
+        (GgmlType::Q5K, false) => Some(("q5_k", 16)),
+        (GgmlType::Q6K, true) => Some(("q6_kp", 16)),
+        (GgmlType::Q6K, false) => Some(("q6_k", 2)),
+        (GgmlType::IQ4XS, true) => Some(("iq4_xsp", 16)),
         _ => None,
     }
 }
@@ -124,16 +127,19 @@ impl CudaBackend {
         }
         let gate_up = stem(ffn.gate.buf, ffn.gate.ty)
             .filter(|&s| ffn.up.ty == ffn.gate.ty && stem(ffn.up.buf, ffn.up.ty) == Some(s));
-        let (Some(gate_up), Some(down)) = (gate_up, stem(ffn.down.buf, ffn.down.ty)) else {
+        let (Some((gate_up, gu_align)), Some((down, d_align))) =
+            (gate_up, stem(ffn.down.buf, ffn.down.ty))
+        else {
             return Ok(false);
         };
         let (rb_gate, rb_down) = (
             row_bytes(OP, ffn.gate.ty, e)?,
             row_bytes(OP, ffn.down.ty, ff)?,
         );
-        // The tiles read 16 bytes at a time and take K in steps of TILE_K.
-        let aligned = rb_gate.is_multiple_of(16)
-            && rb_down.is_multiple_of(16)
+        // Every expert's rows start as aligned as the tiles read them; K goes in steps of
+        // TILE_K.
+        let aligned = rb_gate.is_multiple_of(gu_align)
+            && rb_down.is_multiple_of(d_align)
             && e.is_multiple_of(TILE_K)
             && ff.is_multiple_of(TILE_K);
         let picks = ffn.n_tokens * k;
