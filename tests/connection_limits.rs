@@ -248,8 +248,8 @@ fn raise_descriptor_limit() -> u64 {
 /// Opens as many connections to `addr` as the descriptor limit allows (up to 2000), each
 /// sending `hello` and then nothing; checks that they grow process `pid` by 10 MiB or more
 /// and that within 5 s of their closing its RSS is back within 4 MiB of where it was (or a
-/// quarter of what the flood added: glibc keeps a few MiB of it spread over its
-/// per-thread arenas, more or less from run to run). Returns that bound in kB.
+/// quarter of what the flood added: pages that hold a live allocation or two stay). Returns
+/// that bound in kB.
 fn flood_gives_its_memory_back(pid: u32, addr: &str, hello: &[u8]) -> u64 {
     let flood = (raise_descriptor_limit().saturating_sub(100) as usize).min(2000);
     assert!(flood >= 500, "only {flood} descriptors to flood with");

@@ -42,9 +42,13 @@ enum Command {
 fn main() -> std::process::ExitCode {
     tether_cli::timings::mark_process_start();
     let cli = Cli::parse();
-    // Long-running services log their lifecycle by default; one-shot commands stay quiet.
+    // Long-running services log their lifecycle by default and give floods' memory back;
+    // one-shot commands stay quiet.
     let default_filter = match cli.command {
-        Command::Worker(_) | Command::Attach(_) | Command::Serve(_) => "info",
+        Command::Worker(_) | Command::Attach(_) | Command::Serve(_) => {
+            tether_worker::heap::one_malloc_arena();
+            "info"
+        }
         _ => "warn",
     };
     tracing_subscriber::fmt()
