@@ -348,10 +348,10 @@ struct QTile {
 // tiles [k0, k0 + nk), through the shared stages sa and sb: a is the decoded weight chunk
 // [m_rows][kp] (TY_WORKSPACE), or, for a decoding kernel, the weight whose row `row` (the
 // last one past m_rows) this thread decodes, rows a_row_bytes apart; b the f16 tokens
-// [n_cols][kp] (kp a multiple of GEMM_K, rows 64-byte aligned). Warp w computes rows (w & 1) * 64.. and tokens
-// (w >> 1) * BN / WARPS_N.., acc[mi][ni][c] at m = mi * 16 + lane / 4 (+8 for c 2, 3), n =
-// ni * 8 + 2 * (lane % 4) (+1 for odd c) of that. Wider warp tiles read shared memory less
-// per mma but hold more registers.
+// [n_cols][kp] (kp a multiple of GEMM_K, rows 64-byte aligned). Warp w computes rows
+// (w & 1) * 64.. and tokens (w >> 1) * BN / WARPS_N.., acc[mi][ni][c] at m = mi * 16 +
+// lane / 4 (+8 for c 2, 3), n = ni * 8 + 2 * (lane % 4) (+1 for odd c) of that. Wider warp
+// tiles read shared memory less per mma but hold more registers.
 template <int WARPS_N, int TY, int BN>
 __device__ __forceinline__ void gemm_tile(u16 (*sa)[GEMM_M * GEMM_K], u16 (*sb)[BN * GEMM_K],
                                           const u8* __restrict__ a, u64 a_row_bytes, int row,

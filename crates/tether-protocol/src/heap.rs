@@ -42,15 +42,10 @@ const FLOOD: usize = 256;
 /// connections of a flood close over some milliseconds after the first trim.
 const SETTLE: Duration = Duration::from_millis(150);
 
-/// When the late trims of a drain run after the one that found it still: a connection's
-/// tasks (an HTTP/2 connection's streams and buffers) may outlive its count, by seconds on
-/// a machine whose cores are busy, and what they free after the last trim would stay in the
-/// arena.
-const LATE: [Duration; 3] = [
-    Duration::from_secs(1),
-    Duration::from_secs(1),
-    Duration::from_secs(2),
-];
+/// When the last trim of a drain runs after the one that found it still: a connection's
+/// tasks (an HTTP/2 connection's streams and buffers) may outlive its count by that long
+/// on a busy machine, and what they free after the last trim stays in the arena.
+const LATE: Duration = Duration::from_secs(1);
 
 /// Counts a server's open connections and returns the heap to the OS once a flood of them
 /// (at least [`FLOOD`] open at once) has drained to a quarter of its peak, and again as the
@@ -111,8 +106,8 @@ impl Drop for OpenConnection {
 
 /// Trims after each [`SETTLE`] until one passes in which no connection closed, so that the
 /// buffers of the flood's last connections go back too, not only those of the first three
-/// quarters, and those freed just after a connection is counted closed; then at each of
-/// [`LATE`]'s intervals after, for what their tasks free later still.
+/// quarters, and those freed just after a connection is counted closed; then once more
+/// [`LATE`] after, for what their tasks free later still.
 fn trim_while_draining(watch: &FloodWatch) {
     let mut last = usize::MAX;
     loop {
@@ -124,10 +119,8 @@ fn trim_while_draining(watch: &FloodWatch) {
         }
         last = open;
     }
-    for wait in LATE {
-        std::thread::sleep(wait);
-        return_freed_heap();
-    }
+    std::thread::sleep(LATE);
+    return_freed_heap();
     watch.trimming.store(false, Ordering::Release);
 }
 

@@ -1,8 +1,8 @@
 //! Mixture-of-experts prefill on the GEMM's tile kernel (kernels/moe_gemm.cu): the picks
 //! grouped by expert (`moe_group`), their inputs gathered as f16 rows, then one launch for
-//! gate and up (SiLU and the product fused, f16 out) and one for down, each over (row tile,
-//! item), an item being up to 32 or 64 picks of one expert whose weights the tiles decode
-//! from their blocks. The 8-bit item kernels (moe_int8.rs) read an expert's weights once
+//! gate and up (SiLU and the product fused), a pass that scales the activations into f16,
+//! and one launch for down, each product over (row tile, item), an item being up to 32 or
+//! 64 picks of one expert whose weights the tiles decode from their blocks. The 8-bit item kernels (moe_int8.rs) read an expert's weights once
 //! per 8 or 32 of its picks and its inputs once per 16 weight rows; on an H100, a
 //! `qwen3-30b-a3b` Q4_K prompt of 512 tokens spent 59 of its 77 ms in them.
 
@@ -14,6 +14,7 @@ use super::gemm::{THREADS, TILE_K};
 use super::kernel_files::{define, source};
 use super::launch::{Arg, grid_for, int};
 use super::moe::MAX_GRID_Y;
+use super::moe_int8::item_grid;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{DeviceBuffer, Result};
 use crate::moe::{ExpertBytes, MoeFfn, MoeScratch};
@@ -100,17 +101,6 @@ impl TileLayout {
     }
 }
 
-/// `rows` output rows in blocks of `per_block` along x, `items` items along y.
-fn grid(rows: usize, per_block: usize, items: usize) -> Result<LaunchConfig> {
-    let blocks = u32::try_from(rows.div_ceil(per_block))
-        .map_err(|_| shape_err(OP, format!("{rows} rows in one launch")))?;
-    Ok(LaunchConfig {
-        grid_dim: (blocks, items as u32, 1),
-        block_dim: (TILE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
-
 impl CudaBackend {
     /// Runs `ffn` on the tile kernels when its batch, expert types and widths take them;
     /// returns false, having run nothing, when they do not.
@@ -173,7 +163,7 @@ impl CudaBackend {
         )?;
         self.run(
             &format!("moeg_swiglu_{gate_up}_n{tile}"),
-            grid(ff, SWIGLU_ROWS, layout.max_items)?,
+            item_grid(ff, SWIGLU_ROWS, layout.max_items, TILE_THREADS)?,
             &[
                 Arg::Ptr(self.addr(OP, "gate experts", ffn.gate.buf)?),
                 Arg::Ptr(self.addr(OP, "up experts", ffn.up.buf)?),
@@ -187,7 +177,6 @@ impl CudaBackend {
                 Arg::Ptr(act),
             ],
         )?;
-        // The gathered inputs are read: down's outputs take the row scratch.
         let (act16, scales) = (row_of + layout.act16 as u64, row_of + layout.scales as u64);
         let act_cfg = LaunchConfig {
             grid_dim: (
@@ -203,9 +192,10 @@ impl CudaBackend {
             act_cfg,
             &[Arg::Ptr(act), ff_arg, Arg::Ptr(act16), Arg::Ptr(scales)],
         )?;
+        // The gathered inputs are read: down's outputs take the row scratch.
         self.run(
             &format!("moeg_down_{down}_n{tile}"),
-            grid(e, DOWN_ROWS, layout.max_items)?,
+            item_grid(e, DOWN_ROWS, layout.max_items, TILE_THREADS)?,
             &[
                 Arg::Ptr(self.addr(OP, "down experts", ffn.down.buf)?),
                 Arg::U64(one.down as u64),

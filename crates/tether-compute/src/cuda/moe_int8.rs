@@ -11,7 +11,8 @@
 //! expert's weights are read once per tile instead of once per token; its scratch lives in
 //! the MoE scratch the memory plan already counts (see [`GroupedLayout`]). Q4_K experts
 //! on devices with int8 tensor cores take items of up to [`MMA_TILE`] rows on them instead
-//! (matvec_mma.cu), the activations quantized for down in a pass of their own.
+//! (matvec_mma.cu), the activations quantized for down in a pass of their own. Batches the
+//! GEMM's tile kernels take (moe_gemm.rs, from 16 tokens) do not come here.
 
 use cudarc::driver::LaunchConfig;
 use tether_gguf::GgmlType;
@@ -123,7 +124,12 @@ impl GroupedLayout {
 }
 
 /// `rows` rows in blocks of `per_block` along x, `items` items along y.
-fn item_grid(rows: usize, per_block: usize, items: usize, threads: u32) -> Result<LaunchConfig> {
+pub(super) fn item_grid(
+    rows: usize,
+    per_block: usize,
+    items: usize,
+    threads: u32,
+) -> Result<LaunchConfig> {
     let blocks = u32::try_from(rows.div_ceil(per_block))
         .map_err(|_| super::check::shape_err(OP, format!("{rows} rows in one launch")))?;
     Ok(LaunchConfig {

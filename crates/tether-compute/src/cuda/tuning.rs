@@ -31,8 +31,8 @@ pub struct CudaTuning {
     /// workspace (`TETHER_GEMM_FUSED=0` turns that off).
     pub fused_gemm: bool,
     /// Tokens from which mixture-of-experts prefill takes the GEMM's tile kernels, instead
-    /// of the measured default (`TETHER_MOE_TILE_MIN_TOKENS`; raised to 9, the smallest
-    /// batch it is tested at).
+    /// of the measured default (`TETHER_MOE_TILE_MIN_TOKENS`; raised to 9, so decode batches
+    /// keep their kernels).
     pub moe_tile_min_tokens: Option<usize>,
     /// Blocks per multiprocessor the 8-bit products split K until they fill, instead of
     /// the measured default (`TETHER_MMQ_BLOCKS`, > 0).
