@@ -34,6 +34,7 @@ __device__ __forceinline__ void store8_f16(u16* dst, const float* v) {
 // multiple of 8, so each group is one 16-byte store.
 extern "C" __global__ void gemm_dequant_f16(const u8* __restrict__ w, int ty, u64 row_bytes,
                                             int cols, int kp, int nr, u16* __restrict__ out) {
+    PDL_ENTRY();
     u64 groups_per_row = (u64)(kp / 8);
     u64 total = (u64)nr * groups_per_row;
     for (u64 gi = blockIdx.x * (u64)blockDim.x + threadIdx.x; gi < total;
@@ -58,6 +59,7 @@ extern "C" __global__ void gemm_dequant_f16(const u8* __restrict__ w, int ty, u6
 // a group is whole or all padding and is read in two 16-byte loads.
 extern "C" __global__ void gemm_x_f16(const float* __restrict__ x, int cols, int kp, int nt,
                                       u16* __restrict__ out) {
+    PDL_ENTRY();
     int groups_per_row = kp / 8;
     u64 total = (u64)nt * groups_per_row;
     bool whole = (cols & 7) == 0 && ((u64)x & 15) == 0;
@@ -488,35 +490,61 @@ __device__ __forceinline__ void gemm_store(const float (&acc)[4][BN / WARPS_N / 
 // Split-K: block z sums K tiles [z * k_tiles, (z + 1) * k_tiles) and writes its partial
 // at out + z * split_stride (gemm_reduce adds them); with one split that is the result,
 // added to what out holds when `accumulate` (a residual add with no pass of its own).
-template <int WARPS_N, int TY, int BN>
+// GROUPED (the narrow variants): rows [0, e0) of the product are a's, [e0, e1) a1's and
+// [e1, m_rows) a2's, rows a_row_bytes apart in each: up to three weights of one type and K
+// times the same tokens in one launch (q/k/v, gate/up). e0 and e1 are multiples of
+// GEMM_M, so no tile straddles two weights; one weight passes e0 = e1 = m_rows.
+template <int WARPS_N, int TY, int BN, bool GROUPED>
 __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_bytes,
                                            const u16* __restrict__ b, int m_rows, int n_cols,
                                            int kp, int k_tiles, float* __restrict__ out, int ldo,
-                                           u64 split_stride, int accumulate) {
+                                           u64 split_stride, int accumulate, const u8* a1,
+                                           const u8* a2, int e0, int e1) {
     __shared__ __align__(128) u16 sa[GEMM_STAGES][GEMM_M * GEMM_K];
     __shared__ __align__(128) u16 sb[GEMM_STAGES][BN * GEMM_K];
+    PDL_ENTRY();
     int bn = blockIdx.x * BN, bm = blockIdx.y * GEMM_M;
     // This split's K tiles: [k0, k0 + nk); nk <= 0 leaves a zero partial, still written.
     int k0 = blockIdx.z * k_tiles;
     int nk = min(kp / GEMM_K - k0, k_tiles);
     out += blockIdx.z * split_stride;
     float acc[4][BN / WARPS_N / 8][4];
-    gemm_tile<WARPS_N, TY, BN>(sa, sb, a, a_row_bytes, bm + (int)threadIdx.x, b, bm, bn, m_rows,
-                               n_cols, kp, k0, nk, acc);
+    // The weight this tile's rows are in: its rows [first, end) of the product.
+    const u8* w = a;
+    int first = 0, end = m_rows;
+    if constexpr (GROUPED) {
+        end = e0;
+        if (bm >= e1) {
+            w = a2, first = e1, end = m_rows;
+        } else if (bm >= e0) {
+            w = a1, first = e0, end = e1;
+        }
+    }
+    gemm_tile<WARPS_N, TY, BN>(sa, sb, w, a_row_bytes, bm - first + (int)threadIdx.x, b,
+                               bm - first, bn, end - first, n_cols, kp, k0, nk, acc);
     gemm_store<WARPS_N, BN>(acc, bm, bn, m_rows, n_cols, out, ldo, accumulate);
 }
 
 // Every tile kernel takes (a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,
-// split_stride, accumulate); a_row_bytes is 2 * kp for the f16 workspace.
+// split_stride, accumulate); a_row_bytes is 2 * kp for the f16 workspace. The narrow
+// variants also take (a1, a2, e0, e1), gemm_block's GROUPED weights.
 #define GEMM_ENTRY_BN(name, warps_n, ty, bn, blocks)                                           \
     extern "C" __global__ void __launch_bounds__(64 * warps_n, blocks)                         \
         name(const u8* __restrict__ a, u64 a_row_bytes, const u16* __restrict__ b, int m_rows, \
              int n_cols, int kp, int k_tiles, float* __restrict__ out, int ldo,                 \
              u64 split_stride, int accumulate) {                                                \
-        gemm_block<warps_n, ty, bn>(a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,  \
-                                    split_stride, accumulate);                                  \
+        gemm_block<warps_n, ty, bn, false>(a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, \
+                                           ldo, split_stride, accumulate, a, a, m_rows, m_rows); \
     }
 #define GEMM_ENTRY(name, warps_n, ty) GEMM_ENTRY_BN(name, warps_n, ty, GEMM_N, 2)
+#define GEMM_ENTRY_GROUPED(name, ty, bn)                                                        \
+    extern "C" __global__ void __launch_bounds__(128, GEMM_NARROW_BLOCKS)                       \
+        name(const u8* __restrict__ a, u64 a_row_bytes, const u16* __restrict__ b, int m_rows, \
+             int n_cols, int kp, int k_tiles, float* __restrict__ out, int ldo,                 \
+             u64 split_stride, int accumulate, const u8* a1, const u8* a2, int e0, int e1) {    \
+        gemm_block<2, ty, bn, true>(a, a_row_bytes, b, m_rows, n_cols, kp, k_tiles, out, ldo,   \
+                                    split_stride, accumulate, a1, a2, e0, e1);                  \
+    }
 // A decoding kernel's narrow variants, name_n32 and name_n64: tiles of 32 and 64 tokens,
 // GEMM_NARROW_BLOCKS blocks a multiprocessor (their accumulators and token tiles are a
 // quarter and a half of the wide kernel's, and more blocks keep more weight loads in
@@ -526,9 +554,9 @@ __device__ __forceinline__ void gemm_block(const u8* __restrict__ a, u64 a_row_b
 // a warp's weight load touches 32 rows (32 lines), and the f16 tile's stores and ldmatrix
 // reads go through it as well, for 32 tokens of products instead of 128.
 #define GEMM_NARROW_BLOCKS 4
-#define GEMM_NARROW(name, ty)                                        \
-    GEMM_ENTRY_BN(name##_n32, 2, ty, 32, GEMM_NARROW_BLOCKS)         \
-    GEMM_ENTRY_BN(name##_n64, 2, ty, 64, GEMM_NARROW_BLOCKS)
+#define GEMM_NARROW(name, ty)                    \
+    GEMM_ENTRY_GROUPED(name##_n32, ty, 32)       \
+    GEMM_ENTRY_GROUPED(name##_n64, ty, 64)
 
 // 8 warps of 64 x 32 (256 threads) or 4 of 64 x 64 (128), two blocks per multiprocessor.
 GEMM_ENTRY(gemm_f16, 4, TY_WORKSPACE)
@@ -547,6 +575,15 @@ GEMM_NARROW(gemmq_q5_k, TY_Q5_K)
 GEMM_NARROW(gemmq_q6_kp, TY_Q6_KP)
 GEMM_NARROW(gemmq_iq4_xsp, TY_IQ4_XSP)
 
+// Value i of the splits' partials p (split_stride apart), summed in split order so the
+// result does not depend on scheduling.
+__device__ __forceinline__ float split_sum(const float* __restrict__ p, int splits,
+                                           u64 split_stride, u64 i) {
+    float sum = 0.0f;
+    for (int z = 0; z < splits; z++) sum += p[z * split_stride + i];
+    return sum;
+}
+
 // out[t][r] (row stride ldo) = sum over z < splits of p[z][t][r], p holding splits partials
 // [nt][nr] of gemm_f16, split_stride = nt * nr apart. Summed in split order, so the result
 // does not depend on scheduling; added to what out holds when `accumulate`. Grid-stride
@@ -554,12 +591,52 @@ GEMM_NARROW(gemmq_iq4_xsp, TY_IQ4_XSP)
 extern "C" __global__ void gemm_reduce(const float* __restrict__ p, int splits,
                                        u64 split_stride, int nr, int nt,
                                        float* __restrict__ out, int ldo, int accumulate) {
+    PDL_ENTRY();
     u64 total = (u64)nt * nr;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
          i += (u64)gridDim.x * blockDim.x) {
-        float sum = 0.0f;
-        for (int z = 0; z < splits; z++) sum += p[z * split_stride + i];
+        float sum = split_sum(p, splits, split_stride, i);
         float* o = out + (i / nr) * ldo + i % nr;
         *o = accumulate ? *o + sum : sum;
+    }
+}
+
+// The sums of a GROUPED product's partials (as gemm_reduce, p holding [nt][nr] values a
+// split): value (t, r) goes to out0 [nt][e0], out1 [nt][e1 - e0] or out2 [nt][nr - e1], by
+// the weight row r is in. Grid-stride over nt * nr values.
+extern "C" __global__ void gemm_reduce3(const float* __restrict__ p, int splits,
+                                        u64 split_stride, int nr, int nt, int e0, int e1,
+                                        float* __restrict__ out0, float* __restrict__ out1,
+                                        float* __restrict__ out2) {
+    PDL_ENTRY();
+    u64 total = (u64)nt * nr;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        float sum = split_sum(p, splits, split_stride, i);
+        u64 t = i / nr;
+        int r = (int)(i % nr);
+        if (r < e0) {
+            out0[t * e0 + r] = sum;
+        } else if (r < e1) {
+            out1[t * (e1 - e0) + r - e0] = sum;
+        } else {
+            out2[t * (nr - e1) + r - e1] = sum;
+        }
+    }
+}
+
+// A gated feed-forward from a GROUPED gate/up product's partials (rows [0, ff) gate,
+// [ff, 2 ff) up, p holding [nt][2 ff] values a split): out[t][r] = act(gate) * up, summed
+// in split order as gemm_reduce sums. Grid-stride over nt * ff values.
+extern "C" __global__ void gemm_reduce_gated(const float* __restrict__ p, int splits,
+                                             u64 split_stride, int ff, int nt, int act,
+                                             float* __restrict__ out) {
+    PDL_ENTRY();
+    u64 total = (u64)nt * ff;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        u64 at = i / ff * 2 * ff + i % ff;
+        float g = split_sum(p, splits, split_stride, at);
+        out[i] = gate_act(g, act) * split_sum(p, splits, split_stride, at + ff);
     }
 }

@@ -11,6 +11,7 @@
 // x 16-byte aligned.
 extern "C" __global__ void moe_gather_f16(const float* __restrict__ x, const int* row_of,
                                           int picks, int k, int cols, u16* __restrict__ out) {
+    PDL_ENTRY();
     int groups = cols / 8;
     u64 total = (u64)picks * groups;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
@@ -41,6 +42,7 @@ __device__ __forceinline__ void moeg_swiglu(const u8* wg, const u8* wu, u64 expe
                   "the up sums fit the weight stages");
     __shared__ __align__(128) u16 sa[GEMM_STAGES][GEMM_M * GEMM_K];
     __shared__ __align__(128) u16 sb[GEMM_STAGES][BN * GEMM_K];
+    PDL_ENTRY();
     MoeItem it;
     if (!moe_item(nullptr, tiles, n_expert, 1, &it)) return;
     int bm = blockIdx.x * 64, t = threadIdx.x;
@@ -85,6 +87,7 @@ __device__ __forceinline__ void moeg_swiglu(const u8* wg, const u8* wu, u64 expe
 #define MOE_ACT_THREADS 256
 extern "C" __global__ void __launch_bounds__(MOE_ACT_THREADS)
     moe_act_f16(const float* __restrict__ act, int ff, u16* __restrict__ act16, float* scale) {
+    PDL_ENTRY();
     __shared__ float warp_max[MOE_ACT_THREADS / 32];
     const float* row = act + (u64)blockIdx.x * ff;
     float m = 0.f;
@@ -113,6 +116,7 @@ __device__ __forceinline__ void moeg_down(const u8* wd, u64 expert_bytes, u64 ro
                                           const u16* act, const float* scale, float* out) {
     __shared__ __align__(128) u16 sa[GEMM_STAGES][GEMM_M * GEMM_K];
     __shared__ __align__(128) u16 sb[GEMM_STAGES][BN * GEMM_K];
+    PDL_ENTRY();
     MoeItem it;
     if (!moe_item(nullptr, tiles, n_expert, 1, &it)) return;
     int bm = blockIdx.x * GEMM_M;

@@ -239,7 +239,7 @@ fn rope_and_store_matches_cpu() {
         head_dim: 64,
         ring_cells: 0,
     };
-    let (qd, kvd, cells_in_cache) = (8 * 64, 2 * 64, 16usize);
+    let (qd, kvd, cells_in_cache) = (8 * 64, 2 * 64, 64usize);
     for neox in [false, true] {
         let params = RopeParams {
             n_rot: 64,
@@ -248,7 +248,14 @@ fn rope_and_store_matches_cpu() {
             neox,
             yarn: None,
         };
-        for (positions, cells) in [(vec![5u32], vec![7u32]), (vec![9, 10, 11], vec![2, 3, 15])] {
+        // 40 tokens: a decode step of 40 sequences, still one launch.
+        let many = ((100u32..140).collect(), (0u32..40).rev().collect());
+        let cases = [
+            (vec![5u32], vec![7u32]),
+            (vec![9, 10, 11], vec![2, 3, 15]),
+            many,
+        ];
+        for (positions, cells) in cases {
             let n = positions.len();
             let mut q = pair(&g, &c, &f32_bytes(&rng.f32s(n * qd, 1.0)));
             let mut k = pair(&g, &c, &f32_bytes(&rng.f32s(n * kvd, 1.0)));

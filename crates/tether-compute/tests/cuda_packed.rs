@@ -1,6 +1,7 @@
 //! Q4_0 and Q8_0 weights after `finish_weight`, which packs them on the GPU (the cpu keeps
 //! GGUF's layout): every op that reads a weight gives the cpu's results, for decode
-//! batches (packed products) and prefill batches (GEMM), fused or not.
+//! batches (packed products) and prefill batches (GEMM), fused or not; and the grouped
+//! products of decode batches over every type the GEMM decodes.
 //!
 //! GPU tests, ignored by default: `cargo test -p tether-compute --test cuda_packed --
 //! --ignored`. Without a GPU they fail.
@@ -36,6 +37,39 @@ fn packed_weights_give_the_cpus_products() {
             };
             rig.products(&w, ty, rows, &[1, 2, 3, 8, 13, 24, 40, 64, 65], 1e-2);
         }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_products_of_decode_batches_give_the_cpus() {
+    // Batches of 16-64 tokens over the weights the GEMM decodes take q/k/v and gate/up in
+    // one launch of its narrow tiles (gemm_grouped.rs) where every boundary between the
+    // weights is a whole 128-row tile: 256 + 128 + 128 and 128 + 128 + 72 rows here, and
+    // gate/up of 256 (72 rows ends inside a tile and takes the products one by one). 16
+    // and 24 tokens are the 32-token tile, 33 and 64 the 64-token one.
+    let (g, c) = (gpu(), cpu());
+    let mut rng = Rng(43);
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::IQ4XS,
+    ] {
+        let mut rig = Rig {
+            g: &g,
+            c: &c,
+            rng: &mut rng,
+            cols: 2048,
+            expect_packed: false,
+        };
+        let tokens = [16usize, 24, 33, 64];
+        rig.qkv_shaped([ty; 3], [256, 128, 128], &tokens, 2e-2);
+        // v's last row tile is partial (its rows past 72 repeat the last and are dropped).
+        rig.qkv_shaped([ty; 3], [128, 128, 72], &tokens, 2e-2);
+        rig.gate_up_down(ty, &tokens, 2e-2, 5e-2);
     }
 }
 

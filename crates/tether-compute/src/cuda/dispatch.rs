@@ -61,40 +61,19 @@ impl CudaBackend {
     pub(super) fn product(
         &self,
         w: Weight<'_, CudaBuffer>,
-        (wp, xp, op): (u64, u64, u64),
+        operands: (u64, u64, u64),
         n_tokens: usize,
         accumulate: bool,
     ) -> Result<()> {
-        let a = MatmulArgs {
-            w: wp,
-            ty: w.ty,
-            packed: w.buf.packed,
-            rows: w.rows,
-            cols: w.cols,
-            x: xp,
-            n_tokens,
-            out: op,
-            accumulate,
-        };
-        // Only packed Q4_0 / Q8_0 have tensor-core products below the GEMM's size.
-        let on_mma = w.buf.packed
-            && super::packed::packed_stem(w.ty).is_some()
-            && self.mma_min_tokens <= MV_MAX_TOKENS;
-        // The GEMM that decodes the weight in its tiles beats the products from the blocks
-        // and the tensor-core matvecs from 9 tokens (16 against the latter; gemm.rs has the
-        // figures).
-        let from = |measured| self.gemm_min_tokens.unwrap_or(measured);
-        let decoding_from = from(if on_mma {
-            GEMM_DECODING_MIN_TOKENS_MMA
-        } else {
-            GEMM_DECODING_MIN_TOKENS
-        });
-        if n_tokens >= decoding_from && self.gemm_decodes(&a) {
+        let a = MatmulArgs::of(w, operands, n_tokens, accumulate);
+        if self.takes_decoding_gemm(&a) {
             return self.gemm(&a);
         }
         if let Some(kernel) = super::mmq::mmq_kernel(&a, self.mmq_max_tokens) {
             return self.mmq(&a, kernel);
         }
+        let on_mma = self.has_mma_matvec(&a);
+        let from = |measured| self.gemm_min_tokens.unwrap_or(measured);
         let gemm_from = from(if on_mma {
             GEMM_MIN_TOKENS_MMA
         } else {
@@ -104,6 +83,26 @@ impl CudaBackend {
             return self.gemm(&a);
         }
         self.matvec(a)
+    }
+
+    /// Whether the tensor-core matvecs take `a`'s weight: only packed Q4_0 / Q8_0 have
+    /// tensor-core products below the GEMM's size.
+    fn has_mma_matvec(&self, a: &MatmulArgs) -> bool {
+        a.packed
+            && super::packed::packed_stem(a.ty).is_some()
+            && self.mma_min_tokens <= MV_MAX_TOKENS
+    }
+
+    /// Whether [`Self::product`] gives `a` to the GEMM that decodes the weight in its
+    /// tiles: it beats the products from the blocks and the tensor-core matvecs from 9
+    /// tokens (16 against the latter; gemm.rs has the figures).
+    pub(super) fn takes_decoding_gemm(&self, a: &MatmulArgs) -> bool {
+        let from = self.gemm_min_tokens.unwrap_or(if self.has_mma_matvec(a) {
+            GEMM_DECODING_MIN_TOKENS_MMA
+        } else {
+            GEMM_DECODING_MIN_TOKENS
+        });
+        a.n_tokens >= from && self.gemm_decodes(a)
     }
 
     pub(super) fn zero(&self, ptr: u64, bytes: usize) -> Result<()> {

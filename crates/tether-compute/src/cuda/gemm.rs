@@ -47,7 +47,7 @@ pub const GEMM_DECODING_MIN_TOKENS_MMA: usize = 16;
 /// f16 values of the decoded-weight chunk (64 MiB).
 const W16_ELEMS: usize = 32 << 20;
 /// f16 values of the converted-token chunk (16 MiB).
-const X16_ELEMS: usize = 8 << 20;
+pub(super) const X16_ELEMS: usize = 8 << 20;
 /// f32 split-K partial sums (32 MiB): 4 splits of 512 tokens x 4096 rows.
 pub(super) const PARTIAL_ELEMS: usize = 8 << 20;
 /// Most K splits of one chunk, and the fewest K tiles a split keeps (fewer and the
@@ -59,11 +59,11 @@ const MIN_SPLIT_K_TILES: usize = 8;
 /// partial sums than it gains.
 pub(super) const BLOCKS_PER_SM: usize = 2;
 /// Tile sizes of the tile kernels (`GEMM_M`, `GEMM_N`, `GEMM_K` in gemm.cu).
-const TILE_M: usize = define(source::GEMM, "GEMM_M");
-const TILE_N: usize = define(source::GEMM, "GEMM_N");
+pub(super) const TILE_M: usize = define(source::GEMM, "GEMM_M");
+pub(super) const TILE_N: usize = define(source::GEMM, "GEMM_N");
 pub(super) const TILE_K: usize = define(source::GEMM, "GEMM_K");
 /// Most row tiles of one launch (grid y).
-const MAX_GRID_Y: usize = 65_535;
+pub(super) const MAX_GRID_Y: usize = 65_535;
 /// Threads per block of the element-wise gemm.cu kernels.
 pub(super) const THREADS: u32 = 256;
 
@@ -73,14 +73,16 @@ const NARROW_BLOCKS_PER_SM: usize = define(source::GEMM, "GEMM_NARROW_BLOCKS");
 
 /// One instantiation of gemm.cu's `gemm_block`: its entry point, threads per block,
 /// whether it decodes the weight's blocks itself (else it reads the f16 workspace), tokens
-/// a tile, and blocks resident per multiprocessor (its launch bounds).
+/// a tile, blocks resident per multiprocessor (its launch bounds), and whether it takes
+/// up to three weights (`GROUPED`: the narrow variants, whose launches add four arguments).
 #[derive(Clone, Copy, Debug)]
-struct TileKernel {
-    name: &'static str,
-    threads: u32,
+pub(super) struct TileKernel {
+    pub name: &'static str,
+    pub threads: u32,
     decodes: bool,
-    tile_n: usize,
-    blocks_per_sm: usize,
+    pub tile_n: usize,
+    pub blocks_per_sm: usize,
+    pub grouped: bool,
 }
 
 /// 8 warps of 64 x 32 outputs: the same sums as `WARPS_64X64`, bit for bit, so the tests
@@ -92,6 +94,7 @@ const WARPS_64X32: TileKernel = TileKernel {
     decodes: false,
     tile_n: TILE_N,
     blocks_per_sm: BLOCKS_PER_SM,
+    grouped: false,
 };
 /// 4 warps of 64 x 64 outputs: half the shared-memory reads per mma, more registers.
 const WARPS_64X64: TileKernel = TileKernel {
@@ -100,6 +103,7 @@ const WARPS_64X64: TileKernel = TileKernel {
     decodes: false,
     tile_n: TILE_N,
     blocks_per_sm: BLOCKS_PER_SM,
+    grouped: false,
 };
 
 /// The gemm.cu kernels that decode the blocks of `a`'s weight in their tiles, if any, as
@@ -109,7 +113,7 @@ const WARPS_64X64: TileKernel = TileKernel {
 /// first. On an H100, llama3-8b pp512 (`tether bench`) ran at 13,511-13,620 t/s this way
 /// against 11,272 through the workspace for Q4_0, 12,432-12,481 against 11,157 for Q4_K_M
 /// and 11,579-11,596 against 10,656 for Q6_K.
-fn decoding_kernel(a: &MatmulArgs) -> Option<[&'static str; 3]> {
+pub(super) fn decoding_kernel(a: &MatmulArgs) -> Option<[&'static str; 3]> {
     let names = match (a.ty, a.packed) {
         (GgmlType::Q4_0, true) => ["gemmq_q4_0p_n32", "gemmq_q4_0p_n64", "gemmq_q4_0p"],
         (GgmlType::Q8_0, true) => ["gemmq_q8_0p_n32", "gemmq_q8_0p_n64", "gemmq_q8_0p"],
@@ -129,7 +133,7 @@ fn decoding_kernel(a: &MatmulArgs) -> Option<[&'static str; 3]> {
 
 /// Of gemm.cu's `gemmq_*` kernels `names` (from [`decoding_kernel`]), the one for `n_tokens`:
 /// the narrowest token tile that holds them, or the 128-token one (`WARPS_64X64`'s tiles).
-fn decoding(names: [&'static str; 3], n_tokens: usize) -> TileKernel {
+pub(super) fn decoding(names: [&'static str; 3], n_tokens: usize) -> TileKernel {
     let (name, tile_n, blocks_per_sm) = match n_tokens {
         0..=32 => (names[0], 32, NARROW_BLOCKS_PER_SM),
         33..=64 => (names[1], 64, NARROW_BLOCKS_PER_SM),
@@ -141,6 +145,7 @@ fn decoding(names: [&'static str; 3], n_tokens: usize) -> TileKernel {
         decodes: true,
         tile_n,
         blocks_per_sm,
+        grouped: tile_n < TILE_N,
     }
 }
 
@@ -171,6 +176,16 @@ impl GemmWorkspace {
         self.w16.bytes() + self.x16.bytes() + self.partials.bytes()
     }
 
+    /// The f16 token chunk ([`X16_ELEMS`] values) and the split-K partials
+    /// ([`PARTIAL_ELEMS`]), for gemm_grouped.rs.
+    pub(super) fn x16_ptr(&self) -> u64 {
+        self.x16.ptr()
+    }
+
+    pub(super) fn partials_ptr(&self) -> u64 {
+        self.partials.ptr()
+    }
+
     /// The workspace as the products from quantized blocks (mmq.rs) use it: (f16 tokens,
     /// an area of a quarter of [`MMQ_XQ_BYTES`] they do not use, split-K partials)
     /// addresses; [`MMQ_XQ_BYTES`] bytes of tokens, [`PARTIAL_ELEMS`] partials.
@@ -186,7 +201,7 @@ const _: () = assert!(MMQ_XQ_BYTES / 4 <= W16_ELEMS * 2);
 
 /// Workspace row length: `cols` rounded up to the GEMM's K step, so the kernel has no K
 /// tail and every workspace row is 64-byte aligned.
-fn padded_cols(cols: usize) -> Result<usize> {
+pub(super) fn padded_cols(cols: usize) -> Result<usize> {
     cols.checked_next_multiple_of(TILE_K)
         .ok_or_else(|| shape_err(OP, format!("{cols} columns overflow")))
 }
@@ -339,7 +354,7 @@ impl CudaBackend {
                     shared_mem_bytes: 0,
                 };
                 let accumulate = Arg::I32(i32::from(a.accumulate));
-                let args = [
+                let mut args = vec![
                     Arg::Ptr(wa),
                     Arg::U64(wa_row_bytes as u64),
                     Arg::Ptr(x16),
@@ -353,6 +368,11 @@ impl CudaBackend {
                     // Partials are written whole; their sum is what gets added.
                     if splits == 1 { accumulate } else { Arg::I32(0) },
                 ];
+                if tile.grouped {
+                    // One weight: every row tile is `wa`'s.
+                    let rows = Arg::I32(nr as i32);
+                    args.extend([Arg::Ptr(wa), Arg::Ptr(wa), rows, rows]);
+                }
                 self.run(tile.name, cfg, &args)?;
                 if splits > 1 {
                     let args = [

@@ -452,13 +452,15 @@ pub(super) const FILES: &[KernelFile] = &[
     KernelFile {
         name: "gemm",
         source: source::GEMM_WITH_MOE,
-        dependent_launch: false,
+        dependent_launch: true,
         entries: &[
             "gemm_dequant_f16",
             "gemm_x_f16",
             "gemm_f16",
             "gemm_f16_wide",
             "gemm_reduce",
+            "gemm_reduce3",
+            "gemm_reduce_gated",
             "gemmq_q4_0p",
             "gemmq_q8_0p",
             "gemmq_q4_k",

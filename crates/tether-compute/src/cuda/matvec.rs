@@ -20,7 +20,7 @@ use super::kernel_files::{define, source};
 use super::launch::{Arg, int};
 use super::packed::packed_stem;
 use super::{CudaBackend, CudaBuffer};
-use crate::backend::{GateAct, Result};
+use crate::backend::{GateAct, Result, Weight};
 
 /// Weight rows per matvec block (one warp each: `MV_WARPS` in matvec.cu).
 const MV_ROWS_PER_BLOCK: usize = define(source::MATVEC, "MV_WARPS");
@@ -136,6 +136,29 @@ pub(crate) struct MatmulArgs {
     pub out: u64,
     /// Add into `out` instead of overwriting it.
     pub accumulate: bool,
+}
+
+impl MatmulArgs {
+    /// The product of weight `w` whose operands `matmul_operands` checked: (weight, input,
+    /// output) addresses.
+    pub(super) fn of(
+        w: Weight<'_, CudaBuffer>,
+        (wp, xp, op): (u64, u64, u64),
+        n_tokens: usize,
+        accumulate: bool,
+    ) -> Self {
+        Self {
+            w: wp,
+            ty: w.ty,
+            packed: w.buf.packed,
+            rows: w.rows,
+            cols: w.cols,
+            x: xp,
+            n_tokens,
+            out: op,
+            accumulate,
+        }
+    }
 }
 
 /// Which kernels run a decode product fused with others (q/k/v; gate and up): the

@@ -17,6 +17,7 @@ mod device;
 mod dispatch;
 mod gated;
 mod gemm;
+mod gemm_grouped;
 mod graph;
 mod kernel_files;
 mod launch;

@@ -8,6 +8,7 @@ use super::check::{
     cache_type_supported, elems, f32s, need, row_bytes, shape_err, unsupported,
     weight_type_supported,
 };
+use super::gemm_grouped::Grouped;
 use super::launch::{Arg, grid_for, int};
 use super::staging;
 use super::{CudaBackend, CudaBuffer};
@@ -199,6 +200,10 @@ impl Backend for CudaBackend {
             .fused_family(weights, cols, n_tokens)
             .or_else(|| self.mixed_qkv_family(weights, cols, n_tokens));
         let Some(family) = family else {
+            let [q, k, v] = &outs;
+            if self.grouped_product(&ws, x, n_tokens, Grouped::Apart([q, k, v]))? {
+                return Ok(());
+            }
             for (w, out) in ws.into_iter().zip(outs) {
                 self.matmul(w, x, n_tokens, out)?;
             }

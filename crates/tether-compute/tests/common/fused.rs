@@ -126,8 +126,18 @@ impl Rig<'_> {
     /// q/k/v of `types` (40 rows end inside a block of the q/k/v kernels) for each token
     /// count, within `tol` of the cpu.
     pub fn qkv(&mut self, types: [GgmlType; 3], tokens: &[usize], tol: f64) {
+        self.qkv_shaped(types, [96, 40, 40], tokens, tol);
+    }
+
+    /// [`Rig::qkv`] with q, k and v of `rows` rows.
+    pub fn qkv_shaped(
+        &mut self,
+        types: [GgmlType; 3],
+        rows: [usize; 3],
+        tokens: &[usize],
+        tol: f64,
+    ) {
         let (g, c, cols) = (self.g, self.c, self.cols);
-        let rows = [96usize, 40, 40];
         let ws: Vec<Finished> = (0..3)
             .map(|i| self.weight(types[i], rows[i], cols))
             .collect();
