@@ -2,7 +2,6 @@
 //! take their activation as an argument), and Gemma's embedding scale and soft-capping.
 
 use super::check::{f32s, shape_err};
-use super::gemm_grouped::Grouped;
 use super::launch::{Arg, grid_for};
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{Backend, GateAct, Result, Weight};
@@ -48,8 +47,7 @@ impl CudaBackend {
         let [gate, up] = gate_up;
         let family = self.fused_family([(gate.buf, gate.ty), (up.buf, up.ty)], cols, n_tokens);
         let Some(family) = family else {
-            let fused = Grouped::Gated(act, &*out);
-            if self.grouped_product(&gate_up, x, n_tokens, fused)? {
+            if self.grouped_gated(act, gate_up, x, n_tokens, out)? {
                 return Ok(());
             }
             self.matmul(gate, x, n_tokens, gate_tmp)?;

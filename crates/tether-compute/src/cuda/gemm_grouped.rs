@@ -22,7 +22,7 @@ use crate::backend::{GateAct, Result, Weight};
 const OP: &str = "matmul";
 
 /// What becomes of a grouped product's sums.
-pub(super) enum Grouped<'a> {
+enum Grouped<'a> {
     /// Each weight's product into its own output (q, k, v).
     Apart([&'a CudaBuffer; 3]),
     /// `act(gate · x) · (up · x)` into one output (the weights are `[gate, up]`).
@@ -30,13 +30,38 @@ pub(super) enum Grouped<'a> {
 }
 
 impl CudaBackend {
+    /// q/k/v: `outs[i] = ws[i] · x` as [`Self::grouped_product`] runs them; false where it
+    /// does not take them.
+    pub(super) fn grouped_qkv(
+        &self,
+        ws: [Weight<'_, CudaBuffer>; 3],
+        x: &CudaBuffer,
+        n_tokens: usize,
+        outs: [&CudaBuffer; 3],
+    ) -> Result<bool> {
+        self.grouped_product(&ws, x, n_tokens, Grouped::Apart(outs))
+    }
+
+    /// `out = act(gate · x) · (up · x)` as [`Self::grouped_product`] runs it; false where it
+    /// does not take it.
+    pub(super) fn grouped_gated(
+        &self,
+        act: GateAct,
+        gate_up: [Weight<'_, CudaBuffer>; 2],
+        x: &CudaBuffer,
+        n_tokens: usize,
+        out: &CudaBuffer,
+    ) -> Result<bool> {
+        self.grouped_product(&gate_up, x, n_tokens, Grouped::Gated(act, out))
+    }
+
     /// `ws` (two or three weights of one input `x`) multiplied as `out` says, in one launch of
     /// a narrow decoding tile kernel. Returns false, having done nothing, where that launch
     /// does not take them: some product would not go to the decoding GEMM on its own
     /// (`CudaBackend::takes_decoding_gemm`), the weights differ in type, layout or columns,
     /// a boundary between them is not a whole row tile, or the sums do not fit the
     /// workspace's partials.
-    pub(super) fn grouped_product(
+    fn grouped_product(
         &self,
         ws: &[Weight<'_, CudaBuffer>],
         x: &CudaBuffer,

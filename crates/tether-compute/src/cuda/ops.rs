@@ -8,7 +8,6 @@ use super::check::{
     cache_type_supported, elems, f32s, need, row_bytes, shape_err, unsupported,
     weight_type_supported,
 };
-use super::gemm_grouped::Grouped;
 use super::launch::{Arg, grid_for, int};
 use super::staging;
 use super::{CudaBackend, CudaBuffer};
@@ -201,7 +200,7 @@ impl Backend for CudaBackend {
             .or_else(|| self.mixed_qkv_family(weights, cols, n_tokens));
         let Some(family) = family else {
             let [q, k, v] = &outs;
-            if self.grouped_product(&ws, x, n_tokens, Grouped::Apart([q, k, v]))? {
+            if self.grouped_qkv(ws, x, n_tokens, [q, k, v])? {
                 return Ok(());
             }
             for (w, out) in ws.into_iter().zip(outs) {
