@@ -176,20 +176,12 @@ impl GemmWorkspace {
         self.w16.bytes() + self.x16.bytes() + self.partials.bytes()
     }
 
-    /// The f16 token chunk ([`X16_ELEMS`] values) and the split-K partials
-    /// ([`PARTIAL_ELEMS`]), for gemm_grouped.rs.
-    pub(super) fn x16_ptr(&self) -> u64 {
-        self.x16.ptr()
-    }
-
-    pub(super) fn partials_ptr(&self) -> u64 {
-        self.partials.ptr()
-    }
-
-    /// The workspace as the products from quantized blocks (mmq.rs) use it: (f16 tokens,
-    /// an area of a quarter of [`MMQ_XQ_BYTES`] they do not use, split-K partials)
-    /// addresses; [`MMQ_XQ_BYTES`] bytes of tokens, [`PARTIAL_ELEMS`] partials.
-    pub(super) fn mmq_areas(&self) -> (u64, u64, u64) {
+    /// The workspace's (f16 token chunk, f16 weight chunk, split-K partials) addresses, for
+    /// the products that share it: [`X16_ELEMS`] tokens ([`MMQ_XQ_BYTES`] bytes), the
+    /// weight chunk (mmq.rs keeps its tokens' scales in a quarter of it; the grouped
+    /// products of gemm_grouped.rs decode in their tiles and leave it), [`PARTIAL_ELEMS`]
+    /// partials.
+    pub(super) fn areas(&self) -> (u64, u64, u64) {
         (self.x16.ptr(), self.w16.ptr(), self.partials.ptr())
     }
 }
@@ -268,6 +260,27 @@ impl CudaBackend {
         self.fused_gemm && decoding_kernel(a).is_some()
     }
 
+    /// Tokens `x` (`nt` rows of `cols` f32) into the f16 token chunk `x16` as the tile
+    /// kernels read it: rows of `kp` values, the padding zeroed (the second argument is
+    /// `cols` and `kp` as kernel arguments).
+    pub(super) fn tokens_to_f16(
+        &self,
+        x: u64,
+        (cols_arg, kp_arg): (Arg, Arg),
+        nt: usize,
+        kp: usize,
+        x16: u64,
+    ) -> Result<()> {
+        let args = [
+            Arg::Ptr(x),
+            cols_arg,
+            kp_arg,
+            int(OP, "token count", nt)?,
+            Arg::Ptr(x16),
+        ];
+        self.run("gemm_x_f16", grid_for(nt * kp / 8, THREADS), &args)
+    }
+
     /// The GEMM with tile kernel `tile`, splitting K until `blocks_per_sm` blocks per
     /// multiprocessor are busy.
     fn gemm_with(&self, a: &MatmulArgs, tile: TileKernel, blocks_per_sm: usize) -> Result<()> {
@@ -304,17 +317,11 @@ impl CudaBackend {
         // Held while enqueuing: the one stream orders the kernels of successive calls, so
         // the next call may reuse the workspace as soon as this one has enqueued.
         let ws = self.lock_gemm();
-        let (w16, x16, partials) = (ws.w16.ptr(), ws.x16.ptr(), ws.partials.ptr());
+        let (x16, w16, partials) = ws.areas();
         for t0 in (0..a.n_tokens).step_by(token_chunk) {
             let nt = (a.n_tokens - t0).min(token_chunk);
-            let args = [
-                Arg::Ptr(a.x + (t0 * a.cols * 4) as u64),
-                cols_arg,
-                kp_arg,
-                Arg::I32(nt as i32),
-                Arg::Ptr(x16),
-            ];
-            self.run("gemm_x_f16", grid_for(nt * kp / 8, THREADS), &args)?;
+            let x = a.x + (t0 * a.cols * 4) as u64;
+            self.tokens_to_f16(x, (cols_arg, kp_arg), nt, kp, x16)?;
             for r0 in (0..a.rows).step_by(row_chunk) {
                 let nr = (a.rows - r0).min(row_chunk);
                 let rows_at = a.w + (r0 * rb) as u64;

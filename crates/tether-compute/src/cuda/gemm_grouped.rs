@@ -131,9 +131,8 @@ impl CudaBackend {
         let w = |i: usize| Arg::Ptr(parts[i.min(parts.len() - 1)].w);
 
         let ws = self.lock_gemm();
-        let (x16, partials) = (ws.x16_ptr(), ws.partials_ptr());
-        let args = [Arg::Ptr(first.x), cols_arg, kp_arg, nt_arg, Arg::Ptr(x16)];
-        self.run("gemm_x_f16", grid_for(nt * kp / 8, THREADS), &args)?;
+        let (x16, _, partials) = ws.areas();
+        self.tokens_to_f16(first.x, (cols_arg, kp_arg), nt, kp, x16)?;
         let (m_tiles, n_tiles) = (m.div_ceil(TILE_M), nt.div_ceil(tile.tile_n));
         let (splits, k_tiles) = split_k(
             m_tiles * n_tiles,

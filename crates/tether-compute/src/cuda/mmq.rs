@@ -131,7 +131,7 @@ impl CudaBackend {
         let chunks = a.cols.div_ceil(K_CHUNK);
         // Held while enqueuing, as the GEMM holds it (one stream orders the calls).
         let ws = self.lock_gemm();
-        let (xh, xs, partials) = ws.mmq_areas();
+        let (xh, xs, partials) = ws.areas();
         for t0 in (0..a.n_tokens).step_by(token_chunk) {
             let nt = (a.n_tokens - t0).min(token_chunk);
             let args = [
