@@ -76,9 +76,10 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
 
 // Attention of query row t, head h over split z of the cells of spans[t] (equal shares of
 // at most chunk cells)
-// (pairs first_cell, n_cells; virtual cells of a ring of `ring` cells per sequence when ring
-// > 0, see ring_cell); kh = h / (n_heads / n_kv_heads). Cache rows are
-// [n_kv_heads][head_dim] of ty (F16, Q8_0, Q4_0), head_bytes per head.
+// (pairs first_cell, n_cells of virtual cells: in a ring of `ring` cells per sequence when
+// ring > 0, else through the block table `blocks` when it is not null; see kv_cell);
+// kh = h / (n_heads / n_kv_heads). Cache rows are [n_kv_heads][head_dim] of ty (F16, Q8_0,
+// Q4_0), head_bytes per head.
 // Launch: gridDim = (n_heads, n_tokens, n_splits), blockDim.x = 128, dynamic shared memory
 // 4 * chunk bytes, head_dim <= 256.
 // Scores are scale * q . k, soft-capped by cap_score when softcap > 0 (Gemma 2).
@@ -88,8 +89,8 @@ __device__ float block_reduce(float v, bool is_max, float* red) {
 // it writes (o[head_dim], max, sum) to partial[t][h][z] for attention_merge.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention(const float* q, const u8* k, const u8* v, int ty, const u32* spans, u32 ring,
-              int n_heads, int n_kv_heads, int head_dim, u64 head_bytes, float scale, float softcap,
-              u32 chunk, float* out, float* partial) {
+              const u32* blocks, int n_heads, int n_kv_heads, int head_dim, u64 head_bytes,
+              float scale, float softcap, u32 chunk, float* out, float* partial) {
     PDL_ENTRY();
     extern __shared__ float scores[];
     __shared__ float red[ATT_WARPS];
@@ -106,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     u64 cell_bytes = (u64)n_kv_heads * head_bytes;
     const u8* kbase = k + (u64)kh * head_bytes;
     const u8* vbase = v + (u64)kh * head_bytes;
-    u32 v0 = first + c0;  // the block's first virtual cell (see ring_cell)
+    u32 v0 = first + c0;  // the block's first virtual cell (see kv_cell)
     float qr[ATT_MAX_PER_LANE];
 #pragma unroll
     for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
@@ -118,7 +119,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 #pragma unroll
         for (int i = 0; i < ATT_CPW; i++) {
             s[i] = 0.f;
-            const u8* kr = kbase + (u64)ring_cell(v0 + min(c + i, nc - 1), ring) * cell_bytes;
+            u32 cell = kv_cell(v0 + min(c + i, nc - 1), ring, blocks);
+            const u8* kr = kbase + (u64)cell * cell_bytes;
 #pragma unroll
             for (int j = 0; j < ATT_MAX_PER_LANE; j++) {
                 int d = lane + 32 * j;
@@ -150,12 +152,15 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         int c = 0;
         for (; c + 4 <= nc; c += 4) {
 #pragma unroll
-            for (int i = 0; i < 4; i++)
-                acc[i] += scores[c + i] *
-                          cache_at(ty, vbase + (u64)ring_cell(v0 + c + i, ring) * cell_bytes, d);
+            for (int i = 0; i < 4; i++) {
+                u64 at = (u64)kv_cell(v0 + c + i, ring, blocks) * cell_bytes;
+                acc[i] += scores[c + i] * cache_at(ty, vbase + at, d);
+            }
         }
-        for (; c < nc; c++)
-            acc[0] += scores[c] * cache_at(ty, vbase + (u64)ring_cell(v0 + c, ring) * cell_bytes, d);
+        for (; c < nc; c++) {
+            u64 at = (u64)kv_cell(v0 + c, ring, blocks) * cell_bytes;
+            acc[0] += scores[c] * cache_at(ty, vbase + at, d);
+        }
         float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
         if (gridDim.z == 1) out[th * head_dim + d] = o * inv;
         else ph[d] = o;
@@ -171,8 +176,9 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // so a block keeps 128 / G cells times 4 in flight in both passes. Launch as `attention`.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_f16v(const float* q, const u8* k, const u8* v, int ty, const u32* spans, u32 ring,
-                   int n_heads, int n_kv_heads, int head_dim, u64 head_bytes, float scale,
-                   float softcap, u32 chunk, float* out, float* partial) {
+                   const u32* blocks, int n_heads, int n_kv_heads, int head_dim,
+                   u64 head_bytes, float scale, float softcap, u32 chunk, float* out,
+                   float* partial) {
     PDL_ENTRY();
     extern __shared__ float scores[];
     __shared__ float red[ATT_WARPS];
@@ -193,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     u64 off = (u64)kh * head_bytes + 16 * gl;
     const u8* kbase = k + off;
     const u8* vbase = v + off;
-    u32 v0 = first + c0;  // the block's first virtual cell (see ring_cell)
+    u32 v0 = first + c0;  // the block's first virtual cell (see kv_cell)
     float qr[8];
 #pragma unroll
     for (int e = 0; e < 8; e++) qr[e] = qh[e] * scale;
@@ -203,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             int c = min(base + i * groups + gi, nc - 1);
-            kv[i] = *(const uint4*)(kbase + (u64)ring_cell(v0 + c, ring) * cell_bytes);
+            kv[i] = *(const uint4*)(kbase + (u64)kv_cell(v0 + c, ring, blocks) * cell_bytes);
         }
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -236,7 +242,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         for (int i = 0; i < 4; i++) {
             int c = base + i * groups + gi;
             p[i] = c < nc ? scores[c] : 0.f;
-            vv[i] = *(const uint4*)(vbase + (u64)ring_cell(v0 + min(c, nc - 1), ring) * cell_bytes);
+            u32 cell = kv_cell(v0 + min(c, nc - 1), ring, blocks);
+            vv[i] = *(const uint4*)(vbase + (u64)cell * cell_bytes);
         }
 #pragma unroll
         for (int i = 0; i < 4; i++) {

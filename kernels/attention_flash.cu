@@ -32,19 +32,20 @@ __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
 // Copies (TY_F16) or dequantizes (TY_Q8_0, TY_Q4_0) the FA_CELLS cache rows of KV head kh
 // from cell c0 into the shared tile dst ([FA_CELLS][STRIDE] f16). Cells at or past `hi`
 // read cell `lo` (a real cell of the block's union) and are masked by the caller. Cells are
-// virtual when ring > 0 (see ring_cell).
+// virtual (see kv_cell).
 // F16 rows go through cp.async (the caller commits and waits); quantized rows are decoded
 // by plain loads, one 32-value block per thread and step.
 template <int D, int TY>
 __device__ __forceinline__ void fa_load_tile(u16* dst, const u8* cache, int n_kv_heads, int kh,
-                                             u32 c0, u32 lo, u32 hi, u32 ring) {
+                                             u32 c0, u32 lo, u32 hi, u32 ring,
+                                             const u32* blocks) {
     constexpr int STRIDE = FaTile<D>::STRIDE;
     if (TY == TY_F16) {
         constexpr int CHUNKS = D / 8;  // 16-byte pieces of a row
 #pragma unroll
         for (int i = threadIdx.x; i < FA_CELLS * CHUNKS; i += FA_THREADS) {
             int row = i / CHUNKS, ch = i % CHUNKS;
-            u32 cell = ring_cell(c0 + row < hi ? c0 + row : lo, ring);
+            u32 cell = kv_cell(c0 + row < hi ? c0 + row : lo, ring, blocks);
             const u16* src = (const u16*)cache + ((u64)cell * n_kv_heads + kh) * D + ch * 8;
             cp_async16(smem_addr(dst + row * STRIDE + ch * 8), src, 16);
         }
@@ -54,7 +55,7 @@ __device__ __forceinline__ void fa_load_tile(u16* dst, const u8* cache, int n_kv
 #pragma unroll
         for (int i = threadIdx.x; i < FA_CELLS * BLOCKS; i += FA_THREADS) {
             int row = i / BLOCKS, b = i % BLOCKS;
-            u32 cell = ring_cell(c0 + row < hi ? c0 + row : lo, ring);
+            u32 cell = kv_cell(c0 + row < hi ? c0 + row : lo, ring, blocks);
             const u8* blk = cache + ((u64)cell * n_kv_heads + kh) * (BLOCKS * BB) + b * BB;
             float d = h2f(ld16(blk));
             u32* out = (u32*)(dst + row * STRIDE + b * 32);
@@ -80,8 +81,8 @@ __device__ __forceinline__ void fa_load_tile(u16* dst, const u8* cache, int n_kv
     }
 }
 
-// out[t][h] = softmax over the cells of spans[t] (pairs first_cell, n_cells; virtual cells
-// of a ring of `ring` cells per sequence when ring > 0, see ring_cell) of
+// out[t][h] = softmax over the cells of spans[t] (pairs first_cell, n_cells of virtual cells:
+// in a ring when ring > 0, through the block table `blocks` when not null, see kv_cell) of
 // cap_score(scale * q[t][h] . k[cell][kh], softcap), applied to v[cell][kh], for the heads
 // h of KV head kh = h / (n_heads / n_kv_heads); cache rows [n_kv_heads][D] of TY (F16,
 // Q8_0, Q4_0). A token with no cells gets zeros. q and out are f32 [n_tokens][n_heads][D];
@@ -101,6 +102,7 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
                                                 const u8* __restrict__ k,
                                                 const u8* __restrict__ v,
                                                 const u32* __restrict__ spans, u32 ring,
+                                                const u32* __restrict__ blocks,
                                                 int n_tokens,
                                                 int n_heads, int n_kv_heads, float scale,
                                                 float softcap, float* __restrict__ out,
@@ -190,8 +192,8 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
     }
 
     if (ASYNC && lo < hi) {
-        fa_load_tile<D, TY>(ks, k, n_kv_heads, kh, lo, lo, hi, ring);
-        fa_load_tile<D, TY>(vs, v, n_kv_heads, kh, lo, lo, hi, ring);
+        fa_load_tile<D, TY>(ks, k, n_kv_heads, kh, lo, lo, hi, ring, blocks);
+        fa_load_tile<D, TY>(vs, v, n_kv_heads, kh, lo, lo, hi, ring, blocks);
         cp_async_commit();
     }
     int buf = 0;
@@ -203,16 +205,17 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
             if (next) {
                 // The other buffers were last read in the previous step, which every warp
                 // has left (the barrier at its end).
-                fa_load_tile<D, TY>(ks + (buf ^ 1) * TILE, k, n_kv_heads, kh, c0 + FA_CELLS, lo, hi, ring);
-                fa_load_tile<D, TY>(vs + (buf ^ 1) * TILE, v, n_kv_heads, kh, c0 + FA_CELLS, lo, hi, ring);
+                u32 c1 = c0 + FA_CELLS;
+                fa_load_tile<D, TY>(ks + (buf ^ 1) * TILE, k, n_kv_heads, kh, c1, lo, hi, ring, blocks);
+                fa_load_tile<D, TY>(vs + (buf ^ 1) * TILE, v, n_kv_heads, kh, c1, lo, hi, ring, blocks);
                 cp_async_commit();
                 cp_async_wait<1>();
             } else {
                 cp_async_wait<0>();
             }
         } else {
-            fa_load_tile<D, TY>(kt, k, n_kv_heads, kh, c0, lo, hi, ring);
-            fa_load_tile<D, TY>(vt, v, n_kv_heads, kh, c0, lo, hi, ring);
+            fa_load_tile<D, TY>(kt, k, n_kv_heads, kh, c0, lo, hi, ring, blocks);
+            fa_load_tile<D, TY>(vt, v, n_kv_heads, kh, c0, lo, hi, ring, blocks);
         }
         // The tile (and, the first time, the queries) is in shared memory for every warp.
         __syncthreads();
@@ -353,14 +356,15 @@ __device__ __forceinline__ void flash_attention(const float* __restrict__ q,
     }
 }
 
-#define FA_ENTRY(d, ty, TY)                                                                     \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                    \
-        flash_attention_##d##_##ty(const float* q, const u8* k, const u8* v, const u32* spans,  \
-                                   u32 ring, int n_tokens, int n_heads, int n_kv_heads, float scale,      \
-                                   float softcap, float* out, float* partial) {                 \
-        PDL_ENTRY();                                                                            \
-        flash_attention<d, TY>(q, k, v, spans, ring, n_tokens, n_heads, n_kv_heads, scale, softcap,   \
-                               out, partial);                                                   \
+#define FA_ENTRY(d, ty, TY)                                                                   \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                  \
+        flash_attention_##d##_##ty(const float* q, const u8* k, const u8* v, const u32* spans, \
+                                   u32 ring, const u32* blocks, int n_tokens, int n_heads,     \
+                                   int n_kv_heads, float scale, float softcap, float* out,     \
+                                   float* partial) {                                           \
+        PDL_ENTRY();                                                                          \
+        flash_attention<d, TY>(q, k, v, spans, ring, blocks, n_tokens, n_heads, n_kv_heads,   \
+                               scale, softcap, out, partial);                                 \
     }
 #define FA_TYPES(d)              \
     FA_ENTRY(d, f16, TY_F16)     \

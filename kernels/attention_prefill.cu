@@ -14,8 +14,8 @@ __device__ __forceinline__ float2 h2f2(u32 w) {
     return make_float2(h2f((u16)(w & 0xffff)), h2f((u16)(w >> 16)));
 }
 
-// out[t][h] = softmax over the cells of spans[t] (pairs first_cell, n_cells; virtual cells
-// of a ring of `ring` cells per sequence when ring > 0, see ring_cell) of
+// out[t][h] = softmax over the cells of spans[t] (pairs first_cell, n_cells of virtual cells:
+// in a ring when ring > 0, through the block table `blocks` when not null, see kv_cell) of
 // cap_score(scale * q[t][h] . k[cell][kh], softcap), applied to v[cell][kh];
 // kh = h / (n_heads / n_kv_heads),
 // cache rows [n_kv_heads][D] f16. A token with no cells gets zeros.
@@ -27,6 +27,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
                                                   const u16* __restrict__ k,
                                                   const u16* __restrict__ v,
                                                   const u32* __restrict__ spans, u32 ring,
+                                                  const u32* __restrict__ blocks,
                                                   int n_tokens,
                                                   int n_heads, int n_kv_heads, float scale,
                                                   float softcap, float* __restrict__ out) {
@@ -79,7 +80,7 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
         for (int i = threadIdx.x; i < AP_TC * H2 / 4; i += blockDim.x) {
             int cell = i / (H2 / 4), w4 = (i % (H2 / 4)) * 4;
             // Cells past the union are read from its last cell and masked below.
-            u64 at = (u64)ring_cell(min(c0 + cell, hi - 1), ring) * row_words + w4;
+            u64 at = (u64)kv_cell(min(c0 + cell, hi - 1), ring, blocks) * row_words + w4;
             uint4 kq = *(const uint4*)(kw + at);
             uint4 vq = *(const uint4*)(vw + at);
             u32* kd = ks + cell * KS + w4;
@@ -171,25 +172,31 @@ __device__ __forceinline__ void attention_prefill(const float* __restrict__ q,
 
 extern "C" __global__ void __launch_bounds__(128)
     attention_prefill_64(const float* q, const u16* k, const u16* v, const u32* spans, u32 ring,
+                         const u32* blocks,
                          int n_tokens, int n_heads, int n_kv_heads, float scale, float softcap,
                          float* out) {
     PDL_ENTRY();
-    attention_prefill<64>(q, k, v, spans, ring, n_tokens, n_heads, n_kv_heads, scale, softcap, out);
+    attention_prefill<64>(q, k, v, spans, ring, blocks, n_tokens, n_heads, n_kv_heads, scale,
+                           softcap, out);
 }
 
 // Phi-3's heads.
 extern "C" __global__ void __launch_bounds__(128)
     attention_prefill_96(const float* q, const u16* k, const u16* v, const u32* spans, u32 ring,
+                         const u32* blocks,
                          int n_tokens, int n_heads, int n_kv_heads, float scale, float softcap,
                          float* out) {
     PDL_ENTRY();
-    attention_prefill<96>(q, k, v, spans, ring, n_tokens, n_heads, n_kv_heads, scale, softcap, out);
+    attention_prefill<96>(q, k, v, spans, ring, blocks, n_tokens, n_heads, n_kv_heads, scale,
+                           softcap, out);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
     attention_prefill_128(const float* q, const u16* k, const u16* v, const u32* spans, u32 ring,
+                          const u32* blocks,
                           int n_tokens, int n_heads, int n_kv_heads, float scale, float softcap,
                          float* out) {
     PDL_ENTRY();
-    attention_prefill<128>(q, k, v, spans, ring, n_tokens, n_heads, n_kv_heads, scale, softcap, out);
+    attention_prefill<128>(q, k, v, spans, ring, blocks, n_tokens, n_heads, n_kv_heads, scale,
+                           softcap, out);
 }

@@ -51,6 +51,18 @@ __device__ __forceinline__ u32 ring_cell(u32 v, u32 ring) {
     return (v / per_seq) * ring + (v % per_seq) % ring;
 }
 
+// Cells of one block of a paged cache (KV_BLOCK_CELLS in backend.rs).
+#define KV_BLOCK_CELLS 32
+
+// The cache cell of virtual cell v: in a ring (ring > 0, see ring_cell), else through the
+// block table of a paged cache (cell v % KV_BLOCK_CELLS of block blocks[v / KV_BLOCK_CELLS]),
+// else v itself. A layer's cache is either a ring or paged, never both.
+__device__ __forceinline__ u32 kv_cell(u32 v, u32 ring, const u32* blocks) {
+    if (ring != 0) return ring_cell(v, ring);
+    if (blocks == nullptr) return v;
+    return blocks[v / KV_BLOCK_CELLS] * KV_BLOCK_CELLS + v % KV_BLOCK_CELLS;
+}
+
 // Programmatic dependent launch (sm_90 and later; no-ops before, and when a kernel was
 // launched without it). The host launches decode kernels so that the next kernel's blocks
 // may start while this one runs: each kernel first lets its successor launch, then waits

@@ -85,6 +85,21 @@ pub fn ring_cell(v: u32, ring_cells: u32) -> u32 {
     (v / per_seq) * ring_cells + (v % per_seq) % ring_cells
 }
 
+/// Cells of one block of a paged KV cache (see [`KvCache::blocks`]); `KV_BLOCK_CELLS` in
+/// the CUDA kernels.
+pub const KV_BLOCK_CELLS: u32 = 32;
+
+/// The cache cell of virtual cell `v`: in a ring of `ring_cells` cells per sequence (see
+/// [`ring_cell`]), else through the block table `blocks` (see [`KvCache::blocks`]), else
+/// `v` itself. A cache is a ring or paged, never both. `blocks` must cover `v`.
+pub fn kv_cell(v: u32, ring_cells: u32, blocks: Option<&[u32]>) -> u32 {
+    match blocks {
+        _ if ring_cells != 0 => ring_cell(v, ring_cells),
+        Some(table) => table[(v / KV_BLOCK_CELLS) as usize] * KV_BLOCK_CELLS + v % KV_BLOCK_CELLS,
+        None => v,
+    }
+}
+
 /// The KV cells one query token attends to: `n_cells` consecutive cells from `first_cell`,
 /// the last of which holds the token itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -16,8 +16,9 @@ pub mod rope;
 mod shape_check;
 
 pub use backend::{
-    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, KvCache, KvCacheMut, MemoryInfo, Qkv,
-    Result, Rope, RopeParams, Scores, Weight, ring_cell, score_rows_scratch, top_rows_scratch,
+    AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, KV_BLOCK_CELLS, KvCache, KvCacheMut,
+    MemoryInfo, Qkv, Result, Rope, RopeParams, Scores, Weight, kv_cell, ring_cell,
+    score_rows_scratch, top_rows_scratch,
 };
 pub use cache_dir::cache_root;
 pub use cpu::{CpuBackend, CpuBuffer};

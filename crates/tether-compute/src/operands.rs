@@ -86,7 +86,7 @@ pub(crate) fn common_cols<B: ?Sized>(op: &'static str, ws: &[Weight<'_, B>]) -> 
 }
 
 /// One layer's KV cache as attention reads it: `[cells][n_kv_heads][head_dim]` of `ty` in
-/// `k` and in `v`.
+/// `k` and in `v`, and for a paged cache the block table that places its virtual cells.
 pub struct KvCache<'a, B: ?Sized> {
     /// Keys.
     pub k: &'a B,
@@ -94,12 +94,29 @@ pub struct KvCache<'a, B: ?Sized> {
     pub v: &'a B,
     /// Element type of both (F16, Q8_0 or Q4_0).
     pub ty: GgmlType,
+    /// A paged cache's block table: little-endian u32 block numbers, entry `i` the block
+    /// that holds virtual cells `[i·KV_BLOCK_CELLS, (i+1)·KV_BLOCK_CELLS)` (see
+    /// [`kv_cell`](crate::kv_cell)). `None`: spans index cells directly (or a ring's).
+    pub blocks: Option<&'a B>,
 }
 
 impl<'a, B: ?Sized> KvCache<'a, B> {
-    /// Keys `k` and values `v` of `ty`.
+    /// Keys `k` and values `v` of `ty`, read at the cells spans name.
     pub fn new(k: &'a B, v: &'a B, ty: GgmlType) -> Self {
-        Self { k, v, ty }
+        Self {
+            k,
+            v,
+            ty,
+            blocks: None,
+        }
+    }
+
+    /// The same cache read through the block table `blocks` (see [`Self::blocks`]).
+    pub fn paged(self, blocks: &'a B) -> Self {
+        Self {
+            blocks: Some(blocks),
+            ..self
+        }
     }
 }
 

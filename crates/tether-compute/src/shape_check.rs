@@ -1,7 +1,7 @@
 //! Size checks both backends run before an op touches memory: bad sizes become
 //! [`ComputeError::Shape`] instead of a panic or an out-of-bounds access.
 
-use crate::backend::{AttnSpan, Result, RopeParams};
+use crate::backend::{AttnSpan, KV_BLOCK_CELLS, Result, RopeParams};
 use crate::error::ComputeError;
 
 /// A shape error of `op`.
@@ -81,6 +81,36 @@ pub(crate) fn spans(
         }
     }
     Ok(())
+}
+
+/// The virtual cells spans may name in a cache of `n_cells` cells read through a block
+/// table of `table_bytes` bytes (see [`KvCache::blocks`](crate::KvCache)): every entry's
+/// cells; `n_cells` itself when the cache is not paged. A ring is never paged.
+pub(crate) fn paged_cells(
+    op: &'static str,
+    table_bytes: Option<usize>,
+    n_cells: usize,
+    ring_cells: u32,
+) -> Result<usize> {
+    let Some(bytes) = table_bytes else {
+        return Ok(n_cells);
+    };
+    if ring_cells != 0 {
+        return Err(shape_err(
+            op,
+            format!("a ring of {ring_cells} cells cannot also be read through a block table"),
+        ));
+    }
+    let entries = bytes / 4;
+    elems(op, &[entries, KV_BLOCK_CELLS as usize])
+        .ok()
+        .filter(|&v| v <= u32::MAX as usize)
+        .ok_or_else(|| {
+            shape_err(
+                op,
+                format!("a block table of {entries} entries names more than 2^32 cells"),
+            )
+        })
 }
 
 /// RoPE's arguments: an even `n_rot` within the head, and a position for every token.

@@ -19,6 +19,7 @@ mod cuda_ops {
     mod attention;
     mod fused;
     mod memory;
+    mod paged_attention;
     mod ring_attention;
 }
 

@@ -1,8 +1,9 @@
 //! Prefix reuse over the sequence slots. A slot's KV cells outlive its request: the cache
 //! remembers which tokens each slot's cells hold, and a new request takes the free slot
 //! whose cells already hold the longest part of its prompt, so only the rest is prefilled.
-//! When a longer prefix lives in a slot that is busy, its first whole blocks are copied
-//! into the chosen slot on every worker instead. Taking a slot for another prompt
+//! When a longer prefix lives in a slot that is busy, its first whole blocks are given to
+//! the chosen slot on every worker instead (a KV copy, which the workers' paged pools make
+//! a share of the blocks, copied on write). Taking a slot for another prompt
 //! overwrites what it held: that is the eviction, least recently used first among equals.
 //!
 //! A model whose sliding-window layers keep only a ring of cells (see

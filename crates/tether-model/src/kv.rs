@@ -1,18 +1,21 @@
 //! Bookkeeping of the KV cache: how many positions each sequence holds, and where a
 //! token's keys and values live.
 //!
-//! Sequence `s` owns cells `[s·ctx, (s+1)·ctx)` of a global layer's cache; the token at
-//! position `p` lives in cell `s·ctx + p` and attends to the cells of positions `0..=p`.
+//! A global layer's cache is a paged pool ([`KvBlocks`]): the token at position `p` of
+//! sequence `s` lives in a cell of the block its table holds for `p`, and attends to the
+//! virtual cells `[s·ctx', s·ctx' + p]` (`ctx'`: the context in whole blocks) that the
+//! table maps to cells.
 //! A sliding-window layer whose window (plus a micro-batch) is shorter than the context
 //! keeps a ring instead: sequence `s` owns `ring` cells from `s·ring`, position `p` lives in
 //! cell `s·ring + p mod ring`, and the ring holds the positions `[oldest, len)` of the
-//! sequence, at most `ring` of them. A sequence's first positions can be copied into
-//! another's cells (prefix reuse): the positions, and so the rotary encoding of the keys,
-//! stay the same.
+//! sequence, at most `ring` of them. A sequence's first positions can be given to another
+//! (prefix reuse): global layers share the blocks, rings are copied. The positions, and so
+//! the rotary encoding of the keys, stay the same.
 
-use tether_compute::AttnSpan;
+use tether_compute::{AttnSpan, KV_BLOCK_CELLS};
 
 use crate::error::ModelError;
+use crate::kv_blocks::{BlockCopy, KvBlocks};
 
 /// One token of a batch: which sequence it belongs to and its position there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +53,7 @@ pub(crate) struct KvState {
     lens: Vec<u32>,
     ring: Option<KvRing>,
     oldest: Vec<u32>,
+    blocks: KvBlocks,
 }
 
 /// What a checked batch leaves behind, applied by [`KvState::commit`] once it has run.
@@ -72,9 +76,12 @@ impl KvState {
                 "{n_seq} sequences of {ctx_per_seq} cells do not fit 32-bit cell indices"
             ))
         };
-        let ctx_per_seq = u32::try_from(ctx_per_seq)
+        let ctx_per_seq = u32::try_from(ctx_per_seq).map_err(|_| too_many())?;
+        let per_seq = ctx_per_seq.div_ceil(KV_BLOCK_CELLS);
+        // Spans are virtual cells: every sequence's table entries, in whole blocks.
+        u32::try_from(n_seq)
             .ok()
-            .filter(|&c| c.checked_mul(n_seq as u32).is_some() && n_seq <= u32::MAX as usize)
+            .and_then(|n| n.checked_mul(per_seq)?.checked_mul(KV_BLOCK_CELLS))
             .ok_or_else(too_many)?;
         // Ring spans are virtual cells, two rings per sequence (`AttnShape::ring_cells`).
         if let Some(r) = ring {
@@ -88,7 +95,18 @@ impl KvState {
             lens: vec![0; n_seq],
             ring,
             oldest: vec![0; n_seq],
+            blocks: KvBlocks::new(n_seq as u32, per_seq),
         })
+    }
+
+    /// The paged pool of the global layers.
+    pub(crate) fn blocks(&self) -> &KvBlocks {
+        &self.blocks
+    }
+
+    /// The block-table entries changed since the last call (see [`KvBlocks::take_dirty`]).
+    pub(crate) fn take_dirty_blocks(&mut self) -> Option<std::ops::Range<usize>> {
+        self.blocks.take_dirty()
     }
 
     fn check_seq(&self, seq: u32) -> Result<usize, ModelError> {
@@ -181,16 +199,35 @@ impl KvState {
     pub(crate) fn commit(&mut self, update: KvUpdate) {
         self.lens = update.lens;
         self.oldest = update.oldest;
+        for (s, &len) in self.lens.iter().enumerate() {
+            self.blocks.keep(s as u32, len);
+        }
     }
 
-    /// The cell of `t` and the cells it attends to in a global layer (`t` must have passed
-    /// `check_batch`).
+    /// Gives every token of `batch` (checked by [`Self::check_batch`]) a block its sequence
+    /// alone holds, and returns the shared blocks to copy into theirs before the batch
+    /// writes (copy on write). What the tables hold is consistent whether or not the batch
+    /// then runs: a copied block holds what the shared one did.
+    pub(crate) fn claim_blocks(
+        &mut self,
+        batch: &[BatchToken],
+    ) -> Result<Vec<BlockCopy>, ModelError> {
+        let mut copies = Vec::new();
+        for t in batch {
+            if let Some(c) = self.blocks.writable(t.seq, t.pos / KV_BLOCK_CELLS)? {
+                copies.push(c);
+            }
+        }
+        Ok(copies)
+    }
+
+    /// The cell of `t` and the virtual cells it attends to in a global layer (`t` must have
+    /// passed `check_batch`, and its block [`Self::claim_blocks`]).
     pub(crate) fn place(&self, t: BatchToken) -> (u32, AttnSpan) {
-        let first_cell = t.seq * self.ctx_per_seq;
         (
-            first_cell + t.pos,
+            self.blocks.cell(t.seq, t.pos),
             AttnSpan {
-                first_cell,
+                first_cell: self.blocks.first_virtual_cell(t.seq),
                 n_cells: t.pos + 1,
             },
         )
@@ -214,6 +251,7 @@ impl KvState {
         let s = self.check_seq(seq)?;
         self.lens[s] = 0;
         self.oldest[s] = 0;
+        self.blocks.keep(seq, 0);
         Ok(())
     }
 
@@ -229,12 +267,14 @@ impl KvState {
             )));
         }
         let len = self.lens[s].min(len);
-        if self.ring.is_some() && !self.ring_serves(s, len) {
-            self.lens[s] = 0;
+        let len = if self.ring.is_some() && !self.ring_serves(s, len) {
             self.oldest[s] = 0;
-            return Ok(0);
-        }
+            0
+        } else {
+            len
+        };
         self.lens[s] = len;
+        self.blocks.keep(seq, len);
         Ok(len)
     }
 
@@ -253,18 +293,12 @@ impl KvState {
         Ok(if self.ring_serves(s, len) { len } else { 0 })
     }
 
-    /// Checks a copy of the first `len` positions of `src` over `dst` and returns the cell
-    /// ranges `(first source cell, first destination cell)` of global layers; `dst` is
-    /// emptied, so a copy that fails half-way leaves it holding nothing rather than a mix.
-    /// KvRing layers copy the whole ring of `src` (see [`Self::ring_cells_of`]). A prefix whose
-    /// continuation the ring no longer holds is refused. [`Self::commit_copy`] records the
-    /// copy once the cells are moved.
-    pub(crate) fn start_copy(
-        &mut self,
-        src: u32,
-        dst: u32,
-        len: u32,
-    ) -> Result<(u32, u32), ModelError> {
+    /// Checks a copy of the first `len` positions of `src` over `dst` and empties `dst`, so
+    /// a copy that fails half-way leaves it holding nothing rather than a mix. KvRing layers
+    /// copy the whole ring of `src` (see [`Self::ring_cells_of`]); global layers share its
+    /// blocks, which [`Self::commit_copy`] does once the rings are copied. A prefix whose
+    /// continuation the ring no longer holds is refused.
+    pub(crate) fn start_copy(&mut self, src: u32, dst: u32, len: u32) -> Result<(), ModelError> {
         let s = self.check_seq(src)?;
         let d = self.check_seq(dst)?;
         if s == d {
@@ -287,7 +321,8 @@ impl KvState {
         }
         self.lens[d] = 0;
         self.oldest[d] = 0;
-        Ok((src * self.ctx_per_seq, dst * self.ctx_per_seq))
+        self.blocks.keep(dst, 0);
+        Ok(())
     }
 
     /// The first cell of `seq`'s ring in a ring layer's cache.
@@ -295,10 +330,12 @@ impl KvState {
         seq * ring.cells
     }
 
-    /// Records that `dst` now holds `len` positions copied from `src` by [`Self::start_copy`].
+    /// Records that `dst` now holds the first `len` positions of `src` checked by
+    /// [`Self::start_copy`]: its rings were copied, and it takes the blocks by reference.
     pub(crate) fn commit_copy(&mut self, src: u32, dst: u32, len: u32) {
         self.lens[dst as usize] = len;
         self.oldest[dst as usize] = self.oldest[src as usize].min(len);
+        self.blocks.share(src, dst, len);
     }
 }
 
@@ -320,12 +357,18 @@ mod tests {
         BatchToken { seq, pos }
     }
 
-    /// An update that leaves sequence `i` holding `lens[i]` positions (rings from 0).
-    fn filled(lens: &[u32]) -> KvUpdate {
-        KvUpdate {
-            lens: lens.to_vec(),
-            oldest: vec![0; lens.len()],
+    /// Runs one batch that takes sequence `i` from its length to `lens[i]` positions, as a
+    /// stage does: checked, blocks claimed, committed; returns the blocks it copied.
+    fn fill(kv: &mut KvState, lens: &[u32]) -> Vec<BlockCopy> {
+        let mut batch = Vec::new();
+        for (s, &len) in lens.iter().enumerate() {
+            let from = kv.len(s as u32).unwrap();
+            batch.extend((from..len).map(|p| tok(s as u32, p)));
         }
+        let update = kv.check_batch(&batch).unwrap();
+        let copies = kv.claim_blocks(&batch).unwrap();
+        kv.commit(update);
+        copies
     }
 
     /// Window 4, micro-batches of 3 tokens: rings of 7 cells, contexts of 64.
@@ -342,6 +385,7 @@ mod tests {
         let update = kv
             .check_batch(&batch)
             .expect("a prompt in order fits the ring");
+        kv.claim_blocks(&batch).unwrap();
         kv.commit(update);
     }
 
@@ -435,13 +479,16 @@ mod tests {
 
     #[test]
     fn cells_and_spans_follow_the_layout() {
-        let kv = KvState::new(3, 16, None).unwrap();
+        // Contexts of 16 take one block of 32 cells each: sequence 2's virtual cells start
+        // at 64, and its home block is block 2.
+        let mut kv = KvState::new(3, 16, None).unwrap();
+        fill(&mut kv, &[0, 0, 6]);
         let (cell, span) = kv.place(tok(2, 5));
-        assert_eq!(cell, 37);
+        assert_eq!(cell, 69);
         assert_eq!(
             span,
             AttnSpan {
-                first_cell: 32,
+                first_cell: 64,
                 n_cells: 6
             }
         );
@@ -462,7 +509,7 @@ mod tests {
     #[test]
     fn truncate_and_clear() {
         let mut kv = KvState::new(1, 16, None).unwrap();
-        kv.commit(filled(&[10]));
+        fill(&mut kv, &[10]);
         assert_eq!(kv.truncate(0, 4).unwrap(), 4);
         assert_eq!(kv.len(0).unwrap(), 4);
         kv.truncate(0, 9).unwrap();
@@ -476,7 +523,7 @@ mod tests {
     #[test]
     fn copies_need_two_sequences_and_cached_positions() {
         let mut kv = KvState::new(3, 16, None).unwrap();
-        kv.commit(filled(&[10, 3, 0]));
+        fill(&mut kv, &[10, 3, 0]);
         assert!(kv.start_copy(0, 0, 4).is_err(), "onto itself");
         assert!(kv.start_copy(0, 3, 4).is_err(), "unknown destination");
         assert!(
@@ -485,10 +532,37 @@ mod tests {
         );
         assert_eq!(kv.len(2).unwrap(), 0, "a refused copy changes nothing");
         assert_eq!(kv.len(1).unwrap(), 3, "a refused copy changes nothing");
-        assert_eq!(kv.start_copy(0, 1, 8).unwrap(), (0, 16));
+        kv.start_copy(0, 1, 8).unwrap();
         assert_eq!(kv.len(1).unwrap(), 0, "emptied until the copy is done");
         kv.commit_copy(0, 1, 8);
         assert_eq!(kv.len(1).unwrap(), 8);
         assert_eq!(kv.len(0).unwrap(), 10, "the source keeps its cells");
+    }
+
+    #[test]
+    fn copies_share_blocks_until_either_sequence_writes_into_them() {
+        let mut kv = KvState::new(3, 100, None).unwrap();
+        fill(&mut kv, &[70, 0, 0]);
+        assert_eq!(kv.take_dirty_blocks(), Some(0..12), "new: all of it");
+        let free = kv.blocks().free_blocks();
+        kv.start_copy(0, 1, 40).unwrap();
+        kv.commit_copy(0, 1, 40);
+        kv.start_copy(0, 2, 64).unwrap();
+        kv.commit_copy(0, 2, 64);
+        assert_eq!(kv.blocks().free_blocks(), free, "sharing takes no block");
+        // Both read sequence 0's cells.
+        assert_eq!(kv.place(tok(1, 39)).0, kv.place(tok(0, 39)).0);
+        assert_eq!(kv.place(tok(2, 63)).0, kv.place(tok(0, 63)).0);
+        // Sequence 1 writes position 40, inside the shared second block: it gets a copy.
+        // Sequence 2 writes position 64, the start of a block of its own: no copy.
+        let copies = fill(&mut kv, &[70, 41, 65]);
+        assert_eq!(copies, vec![BlockCopy { from: 1, to: 5 }]);
+        assert_ne!(kv.place(tok(1, 40)).0, kv.place(tok(0, 40)).0);
+        assert_eq!(kv.place(tok(1, 39)).0, 5 * KV_BLOCK_CELLS + 7);
+        // Clearing the source leaves the blocks the others hold.
+        kv.clear(0).unwrap();
+        assert_eq!(kv.place(tok(2, 0)).0, 0);
+        // Entries 4-5 (sequence 1) and 8-9 (sequence 2) changed; 10 is 2's home block.
+        assert_eq!(kv.take_dirty_blocks(), Some(4..10));
     }
 }

@@ -6,6 +6,7 @@ mod config_extras;
 pub mod error;
 pub mod generate;
 pub mod kv;
+mod kv_blocks;
 pub mod moe;
 pub mod plan;
 pub mod sampling;

@@ -3,6 +3,7 @@
 //! [`Stage::new`](crate::Stage::new) sizes its scratch buffers with [`scratch_sizes`], so
 //! the plan and what a stage holds cannot drift apart.
 
+use tether_compute::KV_BLOCK_CELLS;
 use tether_gguf::GgmlType;
 
 use crate::config::ModelConfig;
@@ -14,7 +15,8 @@ use crate::stage::{StageSpec, TensorSlot};
 pub struct StagePlan {
     /// Sum of the stage's tensors.
     pub weights_bytes: u64,
-    /// K and V caches of every layer of the stage (sliding-window layers: their rings).
+    /// K and V caches of every layer of the stage (global layers: paged pools of whole
+    /// blocks; sliding-window layers: their rings), and the pool's block table.
     pub kv_bytes: u64,
     /// Activation buffers for one micro-batch.
     pub scratch_bytes: u64,
@@ -119,13 +121,28 @@ pub fn kv_ring(cfg: &ModelConfig, ctx_per_seq: usize, ubatch: usize) -> Option<K
     })
 }
 
-/// Cells per sequence of layer `layer`'s cache: the context, or a sliding-window layer's
-/// ring (see [`kv_ring`]).
+/// Cells per sequence of layer `layer`'s cache: the context in whole blocks of the paged
+/// pool ([`KV_BLOCK_CELLS`]), or a sliding-window layer's ring (see [`kv_ring`]).
 pub fn kv_cells_per_seq(cfg: &ModelConfig, spec: &StageSpec, layer: usize) -> usize {
     match kv_ring(cfg, spec.ctx_per_seq, spec.ubatch) {
         Some(ring) if cfg.is_sliding(layer) => ring.cells as usize,
-        _ => spec.ctx_per_seq,
+        _ => kv_blocks_per_seq(spec.ctx_per_seq) * KV_BLOCK_CELLS as usize,
     }
+}
+
+/// Blocks of the paged pool per sequence of `ctx_per_seq` cells: the context, rounded up
+/// to whole blocks.
+pub fn kv_blocks_per_seq(ctx_per_seq: usize) -> usize {
+    ctx_per_seq.div_ceil(KV_BLOCK_CELLS as usize)
+}
+
+/// Bytes of the block table of a stage's paged pool: a u32 per block of every sequence,
+/// none for a stage without layers.
+pub fn kv_table_bytes(spec: &StageSpec) -> u64 {
+    if spec.last_layer == spec.first_layer {
+        return 0;
+    }
+    (spec.n_seq * kv_blocks_per_seq(spec.ctx_per_seq) * 4) as u64
 }
 
 /// Bytes of layer `layer`'s K (or V) cache stored as `ty`: every cell holds `n_kv_heads`
@@ -152,7 +169,8 @@ pub fn plan_stage(cfg: &ModelConfig, spec: &StageSpec, tensors: &[TensorSlot]) -
         .map(|l| {
             kv_cache_bytes(cfg, spec, l, spec.cache_k) + kv_cache_bytes(cfg, spec, l, spec.cache_v)
         })
-        .sum();
+        .sum::<u64>()
+        + kv_table_bytes(spec);
     let scratch_bytes = scratch_sizes(cfg, spec).total();
     StagePlan {
         weights_bytes,

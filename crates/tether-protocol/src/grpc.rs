@@ -295,6 +295,8 @@ pub fn session_to_proto(s: &SessionSummary) -> pb::SessionInfo {
         last_heartbeat_ms_ago: s.last_heartbeat_ms_ago,
         age_ms: s.age_ms,
         prepared_txns: s.prepared_txns,
+        kv_blocks: s.kv_blocks,
+        kv_blocks_free: s.kv_blocks_free,
     }
 }
 
@@ -309,6 +311,8 @@ pub fn session_from_proto(s: pb::SessionInfo) -> SessionSummary {
         last_heartbeat_ms_ago: s.last_heartbeat_ms_ago,
         age_ms: s.age_ms,
         prepared_txns: s.prepared_txns,
+        kv_blocks: s.kv_blocks,
+        kv_blocks_free: s.kv_blocks_free,
     }
 }
 

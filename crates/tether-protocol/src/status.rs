@@ -115,4 +115,8 @@ pub struct SessionSummary {
     pub age_ms: u64,
     /// Transactions waiting for a decision.
     pub prepared_txns: u32,
+    /// Blocks of the committed block's paged KV pool (0 before a Commit, or without layers).
+    pub kv_blocks: u64,
+    /// Of those, the blocks no sequence holds.
+    pub kv_blocks_free: u64,
 }

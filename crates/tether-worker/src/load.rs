@@ -153,7 +153,7 @@ impl SessionRegistry {
         let stage = self
             .run_blocking("building the layer block", move || plan.build())
             .await?;
-        let slot = self.hand_to_session(session, txn, OwnedStage { stage, reservation })?;
+        let slot = self.hand_to_session(session, txn, OwnedStage::new(stage, reservation))?;
         guard.slot = Some(slot.clone());
         timings.allocate = allocating.elapsed();
         tracing::debug!(session = %session, txn = %txn, plan_ms = timings.plan.as_millis(), allocate_ms = timings.allocate.as_millis(), "prepare: block planned and allocated");
@@ -348,9 +348,11 @@ impl SessionRegistry {
             .ok_or_else(|| unknown_session(session))?;
         if let Some(staged) = s.participant.commit(txn)? {
             let spec = staged.stage.shape().spec;
+            let kv_pool = Arc::clone(&staged.kv_pool);
             s.state = SessionState::Serving {
                 slot: Arc::new(std::sync::Mutex::new(staged)),
                 spec,
+                kv_pool,
             };
             tracing::info!(session = %session, txn = %txn, bytes = s.bytes(), "committed: layers {}..{} serve", spec.first_layer, spec.last_layer);
         }

@@ -360,3 +360,30 @@ async fn another_file_or_a_changed_one_fails_the_identity_check() {
     assert!(m.contains("changed"), "{m}");
     assert_eq!(reg.metrics.tensor_bytes(TensorSourceKind::LocalFile), 0);
 }
+
+#[tokio::test]
+async fn status_follows_the_sessions_kv_blocks() {
+    let files = Files::new();
+    files.copy("tiny.gguf", |_, _| {});
+    let reg = registry(&files.models());
+    let session = open(&reg);
+    let (b, _) = begin(&files.model, session, Some("tiny.gguf"));
+    let txn = b.txn;
+    let upload = reg.begin_prepare(b).await.unwrap();
+    upload.finish().unwrap();
+    let pool = |reg: &SessionRegistry| {
+        let s = &reg.sessions()[0];
+        (s.kv_blocks, s.kv_blocks_free)
+    };
+    assert_eq!(pool(&reg), (0, 0), "nothing committed");
+    reg.commit(session, txn).unwrap();
+    // One sequence of 8 cells: one block of 32.
+    assert_eq!(pool(&reg), (1, 1));
+    logits(&reg, session).await;
+    assert_eq!(pool(&reg), (1, 0));
+    let text = reg.prometheus_text();
+    let series = format!("tether_session_kv_blocks{{session=\"{session}\",state=\"free\"}} 0\n");
+    assert!(text.contains(&series), "{text}");
+    reg.kv_clear(session, 0).await.unwrap();
+    assert_eq!(pool(&reg), (1, 1));
+}

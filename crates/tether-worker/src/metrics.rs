@@ -224,6 +224,22 @@ impl SessionRegistry {
         );
         register(
             &mut reg,
+            "tether_session_kv_blocks",
+            "Blocks of one session's paged KV pool: all of them (state total), and those no sequence holds (state free).",
+            gauges(sessions.iter().flat_map(|s| {
+                [("total", s.kv_blocks), ("free", s.kv_blocks_free)].map(|(state, n)| {
+                    (
+                        [
+                            ("session", LabelText(s.session_id.clone())),
+                            ("state", LabelText(state.to_string())),
+                        ],
+                        n,
+                    )
+                })
+            })),
+        );
+        register(
+            &mut reg,
             "tether_sessions",
             "Live sessions.",
             ConstGauge::new(u64::from(status.sessions)),

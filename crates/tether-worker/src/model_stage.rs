@@ -341,4 +341,9 @@ impl<B: Backend> ServingStage for ModelStage<B> {
     fn bytes(&self) -> u64 {
         self.stage.bytes()
     }
+
+    fn kv_pool(&self) -> (u64, u64) {
+        let (blocks, free) = self.stage.kv_pool();
+        (blocks as u64, free as u64)
+    }
 }

@@ -490,6 +490,7 @@ impl SessionRegistry {
             .sessions
             .values()
             .map(|s| {
+                let (kv_blocks, kv_blocks_free) = s.kv_pool();
                 let summary = SessionSummary {
                     session_id: s.id.to_string(),
                     client_name: s.client_name.clone(),
@@ -501,6 +502,8 @@ impl SessionRegistry {
                         .as_millis() as u64,
                     age_ms: now.saturating_duration_since(s.opened_at).as_millis() as u64,
                     prepared_txns: s.participant.prepared_count() as u32,
+                    kv_blocks,
+                    kv_blocks_free,
                 };
                 (s.opened_at, summary)
             })

@@ -17,7 +17,11 @@ fn on_slot<T>(
     work: impl FnOnce(&mut OwnedStage) -> Result<T>,
 ) -> Result<T> {
     let result = match slot.lock() {
-        Ok(mut staged) => work(&mut staged),
+        Ok(mut staged) => {
+            let result = work(&mut staged);
+            staged.kv_pool.set(staged.stage.kv_pool());
+            result
+        }
         Err(_) => Err(WorkerError::Internal(format!(
             "{what}: an earlier operation on this session's block panicked; end the session and load again"
         ))),

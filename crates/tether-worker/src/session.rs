@@ -28,6 +28,44 @@ pub struct OwnedStage {
     pub stage: Box<dyn ServingStage>,
     /// Its bytes in the ledger.
     pub reservation: Reservation,
+    /// Its KV pool as of its last operation, read by status without waiting for the lock.
+    pub kv_pool: Arc<KvPoolGauge>,
+}
+
+impl OwnedStage {
+    /// `stage` holding `reservation`.
+    pub fn new(stage: Box<dyn ServingStage>, reservation: Reservation) -> Self {
+        let kv_pool = Arc::new(KvPoolGauge::default());
+        kv_pool.set(stage.kv_pool());
+        Self {
+            stage,
+            reservation,
+            kv_pool,
+        }
+    }
+}
+
+/// Blocks of a block's paged KV pool: in the pool, and free.
+#[derive(Debug, Default)]
+pub struct KvPoolGauge {
+    blocks: AtomicU64,
+    free: AtomicU64,
+}
+
+impl KvPoolGauge {
+    /// Records `(blocks, free)`.
+    pub fn set(&self, (blocks, free): (u64, u64)) {
+        self.blocks.store(blocks, Ordering::Relaxed);
+        self.free.store(free, Ordering::Relaxed);
+    }
+
+    /// `(blocks, free)` as last recorded.
+    pub fn get(&self) -> (u64, u64) {
+        (
+            self.blocks.load(Ordering::Relaxed),
+            self.free.load(Ordering::Relaxed),
+        )
+    }
 }
 
 /// A committed block, shared with in-flight forward passes; the last holder frees it.
@@ -38,7 +76,11 @@ pub(crate) enum SessionState {
     /// Attached, nothing committed.
     Open,
     /// A committed block serves forward passes.
-    Serving { slot: ServingSlot, spec: BlockSpec },
+    Serving {
+        slot: ServingSlot,
+        spec: BlockSpec,
+        kv_pool: Arc<KvPoolGauge>,
+    },
 }
 
 /// What the attach stream's task needs to follow its session.
@@ -153,6 +195,14 @@ impl Session {
 
     pub fn is_expired(&self, now: Instant) -> bool {
         now.saturating_duration_since(self.last_heartbeat) >= self.lease.ttl
+    }
+
+    /// Blocks of the committed block's KV pool as of its last operation: `(blocks, free)`.
+    pub fn kv_pool(&self) -> (u64, u64) {
+        match &self.state {
+            SessionState::Open => (0, 0),
+            SessionState::Serving { kv_pool, .. } => kv_pool.get(),
+        }
     }
 
     /// Layers served, for status ("3..6"), or empty.

@@ -106,4 +106,10 @@ pub trait ServingStage: Send + 'static {
 
     /// Bytes of device memory the block holds.
     fn bytes(&self) -> u64;
+
+    /// Blocks of its paged KV pool: `(in the pool, held by no sequence)`; `(0, 0)` for a
+    /// block without one.
+    fn kv_pool(&self) -> (u64, u64) {
+        (0, 0)
+    }
 }

@@ -10,9 +10,10 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::path::PathBuf;
 use tether_client::{ClientOptions, WorkerClient};
-use tether_compute::{Backend, CpuBackend};
+use tether_compute::{Backend, CpuBackend, KV_BLOCK_CELLS};
 use tether_coordinator::placement::{ServeShape, WorkerCapacity, place};
 use tether_gguf::GgufFile;
+use tether_model::plan::kv_blocks_per_seq;
 use tether_model::{ModelConfig, StagePlan};
 use tether_protocol::BlockSpec;
 
@@ -219,6 +220,8 @@ pub fn plan_json(workers: &[WorkerPlan], file_weights: u64, shared: bool) -> ser
         "ctx_per_seq": first.map_or(0, |s| s.ctx_per_seq),
         "parallel": first.map_or(0, |s| s.n_seq),
         "ubatch": first.map_or(0, |s| s.ubatch),
+        "kv_block_cells": KV_BLOCK_CELLS,
+        "kv_blocks": first.map_or(0, |s| s.n_seq * kv_blocks_per_seq(s.ctx_per_seq)),
         "cache_type_k": first.map_or("f16", |s| s.cache_k.name()),
         "cache_type_v": first.map_or("f16", |s| s.cache_v.name()),
         "weights_bytes": file_weights,
@@ -250,6 +253,15 @@ fn print_table(
         shape.cache_k,
         shape.cache_v
     );
+    if let Some(w) = workers.first() {
+        println!(
+            "paged KV pool: {} blocks of {} cells ({} a sequence), shared between sequences \
+             that share a prefix",
+            w.spec.n_seq * kv_blocks_per_seq(w.spec.ctx_per_seq),
+            KV_BLOCK_CELLS,
+            kv_blocks_per_seq(w.spec.ctx_per_seq)
+        );
+    }
     println!(
         "{:<22} {:<16} {:>11} {:>11} {:>11} {:>11} {:>11}  fits",
         "worker", "layers", "weights", "kv", "scratch", "total", "free"
@@ -379,7 +391,9 @@ mod tests {
             };
             let workers = plan_workers(&file, &cfg, shape, &names, &[0, 0], None).unwrap();
             check_against_stages(&file, &cfg, &workers);
-            let kv: u64 = workers.iter().map(|w| w.bytes.kv_bytes).sum();
+            // The caches alone: each worker's block table is a u32 for each of the 2
+            // sequences' one block.
+            let kv: u64 = workers.iter().map(|w| w.bytes.kv_bytes - 2 * 4).sum();
             if ty == GgmlType::F16 {
                 f16_kv = kv;
             }

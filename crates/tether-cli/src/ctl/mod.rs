@@ -272,17 +272,24 @@ fn print_sessions(sessions: &[SessionSummary]) {
         return;
     }
     println!(
-        "{:<36}  {:<24}  {:>12}  {:<10}  {:>9}  {:>9}  {:>8}",
-        "SESSION", "CLIENT", "BYTES", "LAYERS", "AGE", "HEARTBEAT", "PREPARED"
+        "{:<36}  {:<24}  {:>12}  {:<10}  {:>13}  {:>9}  {:>9}  {:>8}",
+        "SESSION", "CLIENT", "BYTES", "LAYERS", "KV BLOCKS", "AGE", "HEARTBEAT", "PREPARED"
     );
     for s in sessions {
         let client: String = s.client_name.chars().take(24).collect();
+        // Held / in the pool.
+        let blocks = if s.kv_blocks == 0 {
+            "-".to_string()
+        } else {
+            format!("{}/{}", s.kv_blocks - s.kv_blocks_free, s.kv_blocks)
+        };
         println!(
-            "{:<36}  {:<24}  {:>12}  {:<10}  {:>8}s  {:>7}ms  {:>8}",
+            "{:<36}  {:<24}  {:>12}  {:<10}  {:>13}  {:>8}s  {:>7}ms  {:>8}",
             s.session_id,
             client,
             human_bytes(s.bytes),
             if s.layers.is_empty() { "-" } else { &s.layers },
+            blocks,
             s.age_ms / 1000,
             s.last_heartbeat_ms_ago,
             s.prepared_txns

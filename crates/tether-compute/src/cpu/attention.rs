@@ -4,7 +4,8 @@
 use rayon::prelude::*;
 use tether_gguf::{GgmlType, dequantize, quantize_q4_0, quantize_q8_0};
 
-use crate::backend::{AttnShape, AttnSpan, KvCache, Scores, ring_cell};
+use crate::backend::{AttnShape, AttnSpan, KV_BLOCK_CELLS, KvCache, Result, Scores, kv_cell};
+use crate::cpu::check::shape_err;
 use crate::cpu::f16_rows::{axpy_f16_heads, dot_f16_heads, store_f16};
 use crate::cpu::matmul::dot_f32;
 use crate::cpu::simd::Avx2;
@@ -32,17 +33,20 @@ type Scratch = (Vec<f32>, Vec<f32>);
 
 /// `out[t][h] = Σ_c softmax_c(cap(scale · q[t][h] · k[c][h/g])) · v[c][h/g]` over the cells of
 /// `spans[t]`, with `g = n_heads / n_kv_heads`; the cache's `k`/`v` rows are
-/// `[n_kv_heads][head_dim]` of its `ty`.
+/// `[n_kv_heads][head_dim]` of its `ty`, at the cells `table` maps the spans' virtual cells
+/// to when the cache is paged.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
     cpu: Option<Avx2>,
     q: &[f32],
     cache: KvCache<'_, [u8]>,
+    table: Option<&[u32]>,
     spans: &[AttnSpan],
     shape: AttnShape,
     Scores { scale, softcap }: Scores,
     out: &mut [f32],
 ) {
-    let KvCache { k, v, ty } = cache;
+    let KvCache { k, v, ty, .. } = cache;
     // Gemma 2 caps each scaled score at `softcap · tanh(score / softcap)`; 0: no cap.
     let score = |s: f32| {
         let s = scale * s;
@@ -94,8 +98,9 @@ pub(crate) fn attention(
             let qs = &q[i * group * head_dim..(i + 1) * group * head_dim];
             let span = spans[t];
             let n = span.n_cells as usize;
-            // Spans of a ring are virtual cells (see `AttnShape::ring_cells`).
-            let cell_at = |c: usize| ring_cell(span.first_cell + c as u32, ring_cells) as usize;
+            // Spans are virtual cells of a ring or a paged cache (see `kv_cell`).
+            let cell_at =
+                |c: usize| kv_cell(span.first_cell + c as u32, ring_cells, table) as usize;
             scores.clear();
             scores.resize(group * n, 0.0);
             for (c, sc) in scores.chunks_exact_mut(group).enumerate() {
@@ -132,6 +137,26 @@ pub(crate) fn attention(
                 og.iter_mut().for_each(|x| *x *= inv);
             }
         });
+}
+
+/// A paged cache's block table (little-endian u32s), checked: every entry a whole block of
+/// the cache's `n_cells` cells.
+pub(crate) fn block_table(op: &'static str, bytes: &[u8], n_cells: usize) -> Result<Vec<u32>> {
+    let n_blocks = n_cells / KV_BLOCK_CELLS as usize;
+    let table: Vec<u32> = bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    match table.iter().position(|&b| b as usize >= n_blocks) {
+        Some(i) => Err(shape_err(
+            op,
+            format!(
+                "block table entry {i} names block {}, but the cache holds {n_blocks} blocks",
+                table[i]
+            ),
+        )),
+        None => Ok(table),
+    }
 }
 
 /// Decodes one head's cache row into `buf` (`head_dim` values).
@@ -231,6 +256,7 @@ mod tests {
                     simd,
                     &q,
                     KvCache::new(&k, &v, ty),
+                    None,
                     &[plain_span],
                     shape,
                     Scores::capped(0.3, 0.0),
@@ -240,6 +266,7 @@ mod tests {
                     simd,
                     &q,
                     KvCache::new(&kr, &vr, ty),
+                    None,
                     &[ring_span],
                     ringed_shape,
                     Scores::capped(0.3, 0.0),
@@ -294,6 +321,7 @@ mod tests {
             Avx2::detect(),
             &q,
             KvCache::new(&k, &v, ty),
+            None,
             &spans,
             shape,
             Scores::capped(scale, 0.0),
@@ -336,6 +364,71 @@ mod tests {
         for d in 0..shape.head_dim {
             assert!((f64::from(out[d]) - vf[d]).abs() < 1e-6);
         }
+    }
+
+    #[test]
+    fn paged_spans_read_the_cells_their_block_table_names() {
+        // Two sequences of 3 blocks of virtual cells each. A plain cache holds them in
+        // order; the paged one holds the same rows in blocks scattered by the table, with
+        // sequence 1's first block shared with sequence 0's. Both must give one output.
+        let shape = AttnShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 32,
+            ring_cells: 0,
+        };
+        let b = KV_BLOCK_CELLS as usize;
+        let table: [u32; 6] = [4, 1, 5, 4, 0, 2];
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let row_bytes = kv_dim * 2;
+        let ty = GgmlType::F16;
+        let mut rng = Rng::new(78);
+        let rows = random_f32(&mut rng, 6 * b * kv_dim, 2.0);
+        let vrows = random_f32(&mut rng, 6 * b * kv_dim, 2.0);
+        let (mut k, mut v) = (vec![0u8; 6 * b * row_bytes], vec![0u8; 6 * b * row_bytes]);
+        let (mut kp, mut vp) = (k.clone(), v.clone());
+        for virt in 0..6 * b {
+            // Sequence 1's first block is sequence 0's: its rows are those.
+            let src = if (virt / b) == 3 { virt - 3 * b } else { virt };
+            let row = |r: &[f32]| r[src * kv_dim..(src + 1) * kv_dim].to_vec();
+            let cell = kv_cell(virt as u32, 0, Some(&table));
+            kv_store(ty, &row(&rows), kv_dim, &[virt as u32], &mut k);
+            kv_store(ty, &row(&vrows), kv_dim, &[virt as u32], &mut v);
+            kv_store(ty, &row(&rows), kv_dim, &[cell], &mut kp);
+            kv_store(ty, &row(&vrows), kv_dim, &[cell], &mut vp);
+        }
+        let span = |seq: usize, pos: usize| AttnSpan {
+            first_cell: (seq * 3 * b) as u32,
+            n_cells: pos as u32 + 1,
+        };
+        let spans = [
+            span(0, 0),
+            span(0, 70),
+            span(1, 40),
+            span(1, 95),
+            span(1, 20),
+        ];
+        let q = random_f32(&mut rng, spans.len() * shape.n_heads * shape.head_dim, 2.0);
+        let run = |k: &[u8], v: &[u8], table: Option<&[u32]>| {
+            let mut out = vec![0.0; q.len()];
+            let cache = KvCache::new(k, v, ty);
+            attention(
+                None,
+                &q,
+                cache,
+                table,
+                &spans,
+                shape,
+                Scores::scaled(0.3),
+                &mut out,
+            );
+            out
+        };
+        assert_eq!(run(&kp, &vp, Some(&table)), run(&k, &v, None));
+        let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_le_bytes()).collect();
+        assert_eq!(block_table("attention", &bytes, 6 * b).unwrap(), table);
+        let err = block_table("attention", &bytes, 5 * b).unwrap_err();
+        assert!(err.to_string().contains("entry 2 names block 5"), "{err}");
     }
 }
 
@@ -392,6 +485,7 @@ mod bench {
                     Avx2::detect(),
                     &q,
                     KvCache::new(&k, &v, GgmlType::F16),
+                    None,
                     &spans,
                     shape,
                     Scores::capped(0.125, 0.0),

@@ -4,7 +4,7 @@
 use crate::backend::{AttnShape, DeviceBuffer, Result};
 use crate::cpu::CpuBuffer;
 use crate::error::ComputeError;
-pub(crate) use crate::shape_check::{elems, need, shape_err, softcap, spans};
+pub(crate) use crate::shape_check::{elems, need, paged_cells, shape_err, softcap, spans};
 use tether_gguf::GgmlType;
 
 /// The first `n` f32 of `buf`, or a shape error when it holds fewer.

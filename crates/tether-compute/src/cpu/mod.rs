@@ -388,10 +388,17 @@ impl Backend for CpuBackend {
         let out = f32s_mut(OP, "output", out, n)?;
         let cell_bytes = elems(OP, &[shape.n_kv_heads, head_bytes])?;
         let n_cells = cache.k.bytes().min(cache.v.bytes()) / cell_bytes;
-        check::spans(OP, spans, n_cells, shape.ring_cells)?;
+        let table_bytes = cache.blocks.map(|b| b.bytes());
+        let virtual_cells = check::paged_cells(OP, table_bytes, n_cells, shape.ring_cells)?;
+        check::spans(OP, spans, virtual_cells, shape.ring_cells)?;
+        let table = cache
+            .blocks
+            .map(|b| attention::block_table(OP, b.as_bytes(), n_cells))
+            .transpose()?;
         let rows = KvCache::new(cache.k.as_bytes(), cache.v.as_bytes(), cache_ty);
         let simd = self.isa.avx2();
-        self.install(|| attention::attention(simd, q, rows, spans, shape, scores, out));
+        let table = table.as_deref();
+        self.install(|| attention::attention(simd, q, rows, table, spans, shape, scores, out));
         Ok(())
     }
 

@@ -9,9 +9,13 @@ use super::attention_tiled::{prefill_kernel, tiled_ranges};
 use super::check::{
     self, attention_shape, cache_type_supported, elems, f32s, row_bytes, shape_err, unsupported,
 };
+use super::kernel_files::{define, source};
 use super::launch::{Arg, int};
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{AttnShape, AttnSpan, DeviceBuffer, KvCache, Result, Scores};
+
+const _: () =
+    assert!(define(source::COMMON, "KV_BLOCK_CELLS") == crate::backend::KV_BLOCK_CELLS as usize);
 
 /// Batches of at most this many query tokens are sized as decode steps.
 pub(super) const DECODE_TOKENS: usize = 8;
@@ -61,6 +65,7 @@ impl CudaBackend {
             k: k_cache,
             v: v_cache,
             ty: cache_ty,
+            blocks,
         } = cache;
         attention_shape(OP, shape)?;
         if softcap != 0.0 && !(softcap.is_finite() && softcap > 0.0) {
@@ -78,7 +83,14 @@ impl CudaBackend {
         f32s(OP, "output", out, n)?;
         let cell_bytes = elems(OP, &[shape.n_kv_heads, head_bytes])?;
         let n_cells = k_cache.bytes().min(v_cache.bytes()) / cell_bytes;
-        check::spans(OP, spans, n_cells, shape.ring_cells)?;
+        // The table's entries are the stage's own bookkeeping and are not read back here.
+        let table_bytes = blocks.map(|b| b.bytes());
+        let virtual_cells = check::paged_cells(OP, table_bytes, n_cells, shape.ring_cells)?;
+        check::spans(OP, spans, virtual_cells, shape.ring_cells)?;
+        let blocks = match blocks {
+            Some(b) => self.addr(OP, "block table", b)?,
+            None => 0,
+        };
         let qp = self.addr(OP, "query", q)?;
         let (kp, vp) = (
             self.addr(OP, "key cache", k_cache)?,
@@ -102,6 +114,7 @@ impl CudaBackend {
             q: qp,
             k: kp,
             v: vp,
+            blocks,
             out: op,
             cache_ty,
             head_bytes,
@@ -206,6 +219,7 @@ impl CudaBackend {
                 Arg::Ptr(spans_at + token * 8),
                 // The kernel's `u32 ring`: an int of the same four bytes.
                 Arg::I32(shape.ring_cells as i32),
+                Arg::Ptr(at.blocks),
                 int(OP, "n_heads", shape.n_heads)?,
                 int(OP, "n_kv_heads", shape.n_kv_heads)?,
                 int(OP, "head_dim", shape.head_dim)?,
@@ -261,6 +275,8 @@ pub(super) struct Operands {
     pub(super) q: u64,
     pub(super) k: u64,
     pub(super) v: u64,
+    /// The block table of a paged cache; 0: none.
+    pub(super) blocks: u64,
     pub(super) out: u64,
     pub(super) cache_ty: GgmlType,
     pub(super) head_bytes: usize,

@@ -82,6 +82,7 @@ impl CudaBackend {
             Arg::Ptr(spans_at + first * 8),
             // The kernel's `u32 ring`: an int of the same four bytes.
             Arg::I32(shape.ring_cells as i32),
+            Arg::Ptr(at.blocks),
             int(OP, "query tokens", n_tokens)?,
             int(OP, "n_heads", shape.n_heads)?,
             int(OP, "n_kv_heads", shape.n_kv_heads)?,
@@ -217,6 +218,7 @@ mod tests {
             q,
             k: 256,
             v: 512,
+            blocks: 0,
             out: 768,
             cache_ty,
             head_bytes: 0,

@@ -5,7 +5,7 @@ use tether_gguf::GgmlType;
 
 use crate::backend::{AttnShape, DeviceBuffer, Result};
 use crate::error::ComputeError;
-pub(crate) use crate::shape_check::{elems, need, shape_err, spans};
+pub(crate) use crate::shape_check::{elems, need, paged_cells, shape_err, spans};
 
 /// An unsupported-type error of `op` on the CUDA backend.
 pub(crate) fn unsupported(op: &'static str, ty: GgmlType) -> ComputeError {

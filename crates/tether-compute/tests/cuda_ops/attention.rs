@@ -1,7 +1,7 @@
 //! KV cache stores and attention (decode, tiled prefill, long spans) against the cpu.
 
 use crate::*;
-use tether_compute::KvCache;
+use tether_compute::{KvCache, Scores};
 
 /// Stores the same rows in both backends' caches of `ty`; returns the caches.
 pub(crate) fn filled_caches(
@@ -29,6 +29,40 @@ pub(crate) fn filled_caches(
     }
     let v = caches.pop().unwrap();
     (caches.pop().unwrap(), v)
+}
+
+/// Runs attention over `spans` of the caches `k`/`v` (of `ty`, read through `table` when
+/// it is given) on both backends with random queries, and checks they agree: to 1e-4 for
+/// f16 decode batches, looser where the flash kernel rounds to f16 or the cache is 8/4-bit.
+pub(crate) fn attention_agrees(
+    (g, c): (&CudaBackend, &CpuBackend),
+    rng: &mut Rng,
+    (k, v, table): (&Pair, &Pair, Option<&Pair>),
+    ty: GgmlType,
+    shape: AttnShape,
+    (what, spans): (&str, &[AttnSpan]),
+) {
+    let n = spans.len() * shape.n_heads * shape.head_dim;
+    let q = pair(g, c, &f32_bytes(&rng.f32s(n, 2.0)));
+    let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
+    let scores = Scores::capped(1.0 / (shape.head_dim as f32).sqrt(), 30.0);
+    let (gk, ck) = (KvCache::new(&k.g, &v.g, ty), KvCache::new(&k.c, &v.c, ty));
+    let (gk, ck) = match table {
+        Some(t) => (gk.paged(&t.g), ck.paged(&t.c)),
+        None => (gk, ck),
+    };
+    g.attention_capped(&q.g, gk, spans, shape, scores, &mut og)
+        .unwrap();
+    c.attention_capped(&q.c, ck, spans, shape, scores, &mut oc)
+        .unwrap();
+    // Prefill batches may take the flash kernel, which rounds to f16.
+    let tol = match ty {
+        GgmlType::F16 if spans.len() <= 4 => 1e-4,
+        GgmlType::F16 => 4e-3,
+        _ => 1e-2,
+    };
+    let what = format!("{what} {ty} {shape:?}");
+    assert_close(&what, &get(g, &og, n), &get(c, &oc, n), tol);
 }
 
 /// The cache bytes of both backends, decoded to f32.

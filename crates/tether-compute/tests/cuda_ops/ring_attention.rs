@@ -3,9 +3,9 @@
 //! run the binary again with TETHER_FLASH_ATTENTION=0 for the CUDA-core tiled kernel),
 //! against the cpu, and the cpu against the same attention over a plain cache.
 
-use super::attention::filled_caches;
+use super::attention::{attention_agrees, filled_caches};
 use crate::*;
-use tether_compute::{KvCache, Scores};
+use tether_compute::KvCache;
 
 /// Rings of 37 cells (odd, so wraps fall anywhere in a tile) for 3 sequences, window 29.
 const RING: u32 = 37;
@@ -69,36 +69,9 @@ fn ring_attention_matches_cpu_on_every_kernel() {
             let kv_dim = n_kv_heads * head_dim;
             let (k, v) = filled_caches(&g, &c, &mut rng, ty, kv_dim, (N_SEQ * RING) as usize);
             for (name, spans) in batches() {
-                let n = spans.len() * n_heads * head_dim;
-                let q = pair(&g, &c, &f32_bytes(&rng.f32s(n, 2.0)));
-                let (mut og, mut oc) = (g.alloc(n * 4).unwrap(), c.alloc(n * 4).unwrap());
-                let scale = 1.0 / (head_dim as f32).sqrt();
-                g.attention_capped(
-                    &q.g,
-                    KvCache::new(&k.g, &v.g, ty),
-                    &spans,
-                    shape,
-                    Scores::capped(scale, 30.0),
-                    &mut og,
-                )
-                .unwrap();
-                c.attention_capped(
-                    &q.c,
-                    KvCache::new(&k.c, &v.c, ty),
-                    &spans,
-                    shape,
-                    Scores::capped(scale, 30.0),
-                    &mut oc,
-                )
-                .unwrap();
-                // Prefill batches may take the flash kernel, which rounds to f16.
-                let tol = match ty {
-                    GgmlType::F16 if spans.len() <= 4 => 1e-4,
-                    GgmlType::F16 => 4e-3,
-                    _ => 1e-2,
-                };
-                let what = format!("ring attention {ty} {shape:?} {name}");
-                assert_close(&what, &get(&g, &og, n), &get(&c, &oc, n), tol);
+                let what = format!("ring attention {name}");
+                let caches = (&k, &v, None);
+                attention_agrees((&g, &c), &mut rng, caches, ty, shape, (&what, &spans));
             }
         }
     }

@@ -203,6 +203,7 @@ impl<B: Backend> Stage<B> {
         if n == 0 {
             return Ok(());
         }
+        self.claim_cells(batch)?;
         self.layers_on_device(batch, |stage| match source {
             Source::Table(t, ids) => {
                 let w = &stage.weights[t];

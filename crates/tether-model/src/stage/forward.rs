@@ -99,6 +99,7 @@ impl<B: Backend> Stage<B> {
         let e = self.cfg.n_embd;
         need_len("the hidden-state buffer", hidden.len(), batch.len() * e)?;
         let lens = self.kv.check_batch(batch)?;
+        self.claim_cells(batch)?;
         let ub = self.spec.ubatch;
         for (toks, h) in batch.chunks(ub).zip(hidden.chunks_mut(ub * e)) {
             self.layers_on_device(toks, |stage| stage.upload_hidden(h))?;
@@ -206,6 +207,8 @@ impl<B: Backend> Stage<B> {
             ));
         };
         let (kc, vc) = &mut self.kv_cache[i];
+        // Global layers read their cells through the paged pool's block tables.
+        let table = self.kv_table.as_ref().filter(|_| ring_cells == 0);
         let freqs = self.rope_freqs.map(|f| &w[f].buf);
         be.rms_norm(&s.hidden, &w[lw.attn_norm].buf, n, e, cfg.rms_eps, normed)
             .map_err(ce("attention norm"))?;
@@ -275,9 +278,10 @@ impl<B: Backend> Stage<B> {
         .map_err(ce("rope and cache write"))?;
         // Gemma 2 soft-caps the scores; 0 caps nothing.
         let softcap = cfg.attn_softcap.unwrap_or(0.0);
+        let cache = KvCache::new(kc, vc, spec.cache_k);
         be.attention_capped(
             q,
-            KvCache::new(kc, vc, spec.cache_k),
+            table.map_or(cache, |t| cache.paged(t)),
             spans,
             shape,
             Scores::capped(cfg.attn_scale, softcap),

@@ -21,7 +21,7 @@ use crate::arch::{self, OUTPUT, OUTPUT_NORM, ROPE_FREQS, TOKEN_EMBD, TensorSpec}
 use crate::config::ModelConfig;
 use crate::error::{ModelError, compute};
 use crate::kv::KvState;
-use crate::plan::{kv_cache_bytes, kv_ring, scratch_sizes};
+use crate::plan::{kv_cache_bytes, kv_ring, kv_table_bytes, scratch_sizes};
 
 pub use crate::kv::BatchToken;
 pub use decode::{StepInput, StepOutput};
@@ -180,6 +180,9 @@ pub struct Stage<B: Backend> {
     rope_freqs: Option<usize>,
     /// `(K, V)` cache per layer of the stage.
     kv_cache: Vec<(B::Buffer, B::Buffer)>,
+    /// The device's copy of the paged pool's block tables (see [`KvState::blocks`]); `None`
+    /// for a stage without layers.
+    kv_table: Option<B::Buffer>,
     scratch: Scratch<B::Buffer>,
     kv: KvState,
     allocs: u64,
@@ -327,6 +330,7 @@ impl<B: Backend> Stage<B> {
                 kv_cache_bytes(&cfg, &spec, l, spec.cache_v),
             ]);
         }
+        wanted.push(kv_table_bytes(&spec));
         wanted.extend([sizes.hidden, sizes.normed, sizes.logits]);
         if n_layers > 0 {
             wanted.extend([
@@ -396,6 +400,7 @@ impl<B: Backend> Stage<B> {
             let buf = next()?;
             Ok((bytes > 0).then_some(buf))
         };
+        let kv_table = opt(kv_table_bytes(&spec))?;
         let hidden = opt(sizes.hidden)?;
         let normed = opt(sizes.normed)?;
         let logits = opt(sizes.logits)?;
@@ -510,6 +515,7 @@ impl<B: Backend> Stage<B> {
             output,
             rope_freqs,
             kv_cache,
+            kv_table,
             scratch: Scratch {
                 hidden,
                 normed,
@@ -547,7 +553,8 @@ impl<B: Backend> Stage<B> {
             .kv_cache
             .iter()
             .map(|(k, v)| k.bytes() + v.bytes())
-            .sum();
+            .sum::<usize>()
+            + self.kv_table.as_ref().map_or(0, |t| t.bytes());
         let s = &self.scratch;
         let mut scratch = s.hidden.bytes();
         scratch += s.normed.as_ref().map_or(0, |b| b.bytes());

@@ -82,10 +82,11 @@ fn quantized_caches_track_the_f16_cache() {
 fn plans_equal_allocations_for_every_cache_type() {
     let m = synth(SynthShape::Tiny, GgmlType::Q8_0, 12);
     let cfg = ModelConfig::from_gguf(&m.file).unwrap();
+    // The caches alone, without the block table (2 sequences' 2 blocks, a u32 each).
     let f16_kv = {
         let s = spec(0, 2, true, true, 2, 8);
         let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
-        plan_stage(&cfg, &s, &slots).kv_bytes
+        plan_stage(&cfg, &s, &slots).kv_bytes - 2 * 2 * 4
     };
     for ty in [GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_0] {
         for base in [spec(0, 2, true, true, 2, 8), spec(1, 2, false, true, 3, 1)] {
@@ -108,7 +109,9 @@ fn plans_equal_allocations_for_every_cache_type() {
         let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
         let elems = 2 * 2 * 128 * cfg.kv_dim() as u64;
         let want = elems / ty.block_elems() as u64 * ty.block_bytes() as u64;
-        assert_eq!(plan_stage(&cfg, &s, &slots).kv_bytes, want, "{ty}");
+        // And the block table: a u32 for each of the 2 sequences' 2 blocks of 32 cells.
+        let table = 2 * 2 * 4;
+        assert_eq!(plan_stage(&cfg, &s, &slots).kv_bytes, want + table, "{ty}");
         // f16 is 64 bytes per 32 elements; q8_0 34 and q4_0 18.
         assert_eq!(
             want * 64,

@@ -69,3 +69,56 @@ fn a_refused_copy_changes_nothing() {
         "an empty copy empties the destination"
     );
 }
+
+/// Token ids of a prompt longer than a KV block.
+fn long_prompt(n: u32, salt: u32) -> Vec<u32> {
+    (0..n).map(|i| (i * 37 + salt * 11) % 290 + 3).collect()
+}
+
+#[test]
+fn shared_blocks_are_copied_before_either_sequence_writes_into_them() {
+    let m = synth(SynthShape::Tiny, GgmlType::Q8_0, 4);
+    let (a, b) = (long_prompt(56, 0), long_prompt(56, 1));
+    // What each continuation gives when its whole prompt is prefilled alone.
+    let mut fresh = stage(&m, GgmlType::F16);
+    let want_a = run(&mut fresh, &a[..48], &at(0, 0..48));
+    fresh.kv_clear(0).unwrap();
+    let mut b_mix = a[..36].to_vec();
+    b_mix.extend(&b[36..50]);
+    let want_b = run(&mut fresh, &b_mix, &at(0, 0..50));
+
+    let mut st = stage(&m, GgmlType::F16);
+    let (blocks, free) = st.kv_pool();
+    assert_eq!(
+        blocks,
+        3 * 2,
+        "3 sequences of 64 cells: 2 blocks of 32 each"
+    );
+    run(&mut st, &a[..50], &at(0, 0..50));
+    // Sequence 1 takes 40 positions (its second block shared in part), sequence 2 takes
+    // 32 (one whole block): neither takes a block of its own.
+    st.kv_copy(0, 1, 40).unwrap();
+    st.kv_copy(0, 2, 32).unwrap();
+    assert_eq!(st.kv_pool(), (blocks, free - 2));
+    // The source rewrites positions 36.. inside the block sequence 1 shares: it gets a
+    // copy of that block first, so sequence 1 still reads the old positions 36..40.
+    st.kv_truncate(0, 36).unwrap();
+    let got_b = run(&mut st, &b[36..50], &at(0, 36..50));
+    assert_eq!(st.kv_pool(), (blocks, free - 3));
+    let got_a = run(&mut st, &a[40..48], &at(1, 40..48));
+    let n_vocab = got_a.len() / 8;
+    assert_eq!(
+        got_a,
+        want_a[40 * n_vocab..],
+        "the shared prefix kept its cells"
+    );
+    assert_eq!(got_b, want_b[36 * n_vocab..], "the rewritten source");
+    // Sequence 2 goes on from its whole shared block into a block of its own.
+    let got_2 = run(&mut st, &a[32..48], &at(2, 32..48));
+    assert_eq!(got_2, want_a[32 * n_vocab..]);
+    // Letting go of every sequence frees every block.
+    for s in 0..3 {
+        st.kv_clear(s).unwrap();
+    }
+    assert_eq!(st.kv_pool(), (blocks, blocks));
+}

@@ -67,10 +67,12 @@ fn rings_hold_only_the_window_and_the_plan_says_so() {
         let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
         plan_stage(&cfg, &s, &slots).kv_bytes
     };
-    // Five sliding layers of 8 + 4 cells and one global of 64, for 2 sequences, K and V.
+    // Five sliding layers of 8 + 4 cells and one global of 64, for 2 sequences, K and V,
+    // and the global layers' block table (a u32 for each sequence's 2 blocks of 32 cells).
     let cell = (cfg.n_head_kv * cfg.head_dim * 2) as u64;
-    assert_eq!(kv(4), 2 * 2 * cell * (5 * 12 + 64));
-    assert_eq!(kv(60), 2 * 2 * cell * 6 * 64);
+    let table = 2 * 2 * 4;
+    assert_eq!(kv(4), 2 * 2 * cell * (5 * 12 + 64) + table);
+    assert_eq!(kv(60), 2 * 2 * cell * 6 * 64 + table);
     assert!(ring.bytes() < whole.bytes());
 }
 

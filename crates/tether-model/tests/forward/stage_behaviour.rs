@@ -352,7 +352,9 @@ fn bytes_equal_the_plan_of(shape: SynthShape) {
         assert_eq!(stage.alloc_count(), allocs);
         assert_eq!(stage.bytes(), plan.total_bytes);
     }
-    let kv = 2 * 2 * (2 * 64) * cfg.kv_dim() as u64 * 2;
+    // K and V of 2 layers, 2 sequences of 64 cells, f16; and the block table, a u32 for
+    // each sequence's 2 blocks of 32 cells.
+    let kv = 2 * 2 * (2 * 64) * cfg.kv_dim() as u64 * 2 + 2 * 2 * 4;
     let s = spec(0, 2, true, true, 2, 8);
     let slots = tether_model::required_tensors(&cfg, &s, m.file.tensors()).unwrap();
     assert_eq!(plan_stage(&cfg, &s, &slots).kv_bytes, kv);
