@@ -26,6 +26,7 @@ fn planned_total(model: &std::path::Path, ctx: usize) -> u64 {
         has_head: true,
         ctx_per_seq: ctx,
         n_seq: 1,
+        cached_seqs: 0,
         ubatch: 8,
         cache_k: tether_gguf::GgmlType::F16,
         cache_v: tether_gguf::GgmlType::F16,

@@ -254,6 +254,9 @@ pub struct EngineStats {
     /// Prompt tokens whose KV cells were reused from an earlier request instead of being
     /// processed (prefix caching); the hit rate is this over it plus `prompt_tokens`.
     pub prefix_hit_tokens: u64,
+    /// Cached prefixes given up for room in the workers' KV pool (least recently used
+    /// first).
+    pub prefix_evictions: u64,
 }
 
 /// A generation engine: the coordinator's pipeline over workers, or anything else that

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tether_client::{ClientOptions, WorkerClient};
 use tether_gguf::GgmlType;
+use tether_model::kv_ring;
 use tether_model::tokenizer::Tokenizer;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -60,6 +61,11 @@ pub struct CoordinatorConfig {
     /// Whether a request reuses the KV cells of an earlier one that shares the start of its
     /// prompt (`--no-prefix-cache` turns it off).
     pub prefix_cache: bool,
+    /// Sequences beyond `parallel` that keep earlier requests' cells for the prefix cache,
+    /// in the same paged KV pool (`--cached-prefixes`); `None`: [`DEFAULT_CACHED_PER_SLOT`]
+    /// per sequence slot, or none where the prefix cache is off or the model's
+    /// sliding-window layers keep a ring.
+    pub cached_prefixes: Option<usize>,
     /// How long requests running on a model being replaced or unloaded may go on before
     /// they are ended with an error.
     pub retire_grace: Duration,
@@ -71,11 +77,57 @@ pub struct CoordinatorConfig {
     pub prefill_chunk: usize,
 }
 
+/// Cached-prefix sequences per sequence slot by default (see
+/// [`CoordinatorConfig::cached_prefixes`]): each costs the workers a block table of 4 bytes
+/// a block, no cells.
+pub const DEFAULT_CACHED_PER_SLOT: usize = 3;
+
 /// Fewest prompt tokens a chunk takes when a prompt is cut for several workers: a whole
 /// micro-batch of the default `--ubatch`, so prompts are not cut unless asked. Chunks of 64
 /// tokens over two H200s gave 0.39x of one GPU's pp512: a product over 64 rows runs at a
 /// fraction of its speed over 512, more than the overlap wins back.
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+/// The cached-prefix sequences `config` asks for (see
+/// [`CoordinatorConfig::cached_prefixes`]); asking for some where they cannot be is an
+/// error.
+fn cached_sequences(
+    config: &CoordinatorConfig,
+    model: &ModelFile,
+) -> Result<usize, CoordinatorError> {
+    let ring = kv_ring(model.config(), config.ctx_per_seq, config.ubatch).is_some();
+    cached_prefix_slots(
+        config.cached_prefixes,
+        config.prefix_cache,
+        config.parallel,
+        ring,
+    )
+    .map_err(CoordinatorError::Config)
+}
+
+/// The cached-prefix sequences of a server of `parallel` slots that asks for `requested`
+/// (`None`: the default), with the prefix cache on or off, for a model whose
+/// sliding-window layers keep a `ring` or not: what `serve` gives the workers, and what
+/// `tether plan` counts.
+pub fn cached_prefix_slots(
+    requested: Option<usize>,
+    prefix_cache: bool,
+    parallel: usize,
+    ring: bool,
+) -> Result<usize, String> {
+    match requested {
+        None if prefix_cache && !ring => Ok(DEFAULT_CACHED_PER_SLOT * parallel),
+        None | Some(0) => Ok(0),
+        Some(n) if !prefix_cache => Err(format!(
+            "{n} cached prefixes were asked for with the prefix cache off"
+        )),
+        Some(n) if ring => Err(format!(
+            "{n} cached prefixes were asked for, but this model's sliding-window layers keep \
+             a ring of cells per sequence outside the shared KV pool; ask for none"
+        )),
+        Some(n) => Ok(n),
+    }
+}
 
 impl CoordinatorConfig {
     /// Defaults for `model` over `workers`: the model's training context (at most 4096),
@@ -102,6 +154,7 @@ impl CoordinatorConfig {
             retry_every: Duration::from_secs(3),
             context_shift: None,
             prefix_cache: true,
+            cached_prefixes: None,
             retire_grace: Duration::from_secs(60),
             pipeline_lanes: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
@@ -308,12 +361,14 @@ impl Coordinator {
         stop: CancellationToken,
         mut tasks: Vec<JoinHandle<()>>,
     ) -> Result<Coordinator, CoordinatorError> {
+        let cached_seqs = cached_sequences(&config, &model)?;
         let mut setup = Setup {
             workers: workers.clone(),
             split: config.split.clone(),
             shape: ServeShape {
                 ctx_per_seq: config.ctx_per_seq,
                 n_seq: config.parallel,
+                cached_seqs,
                 ubatch: config.ubatch,
                 cache_k: config.cache_k,
                 cache_v: config.cache_v,
@@ -499,6 +554,7 @@ impl Generation for Coordinator {
             generated_tokens: self.shared.generated_tokens.load(Ordering::Relaxed),
             prompt_tokens: self.shared.prompt_tokens.load(Ordering::Relaxed),
             prefix_hit_tokens: self.shared.prefix_hit_tokens.load(Ordering::Relaxed),
+            prefix_evictions: self.shared.prefix_evictions.load(Ordering::Relaxed),
         }
     }
 

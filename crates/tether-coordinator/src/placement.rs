@@ -28,6 +28,8 @@ pub struct ServeShape {
     pub ctx_per_seq: usize,
     /// Sequences served at once.
     pub n_seq: usize,
+    /// Sequences beyond `n_seq` that keep cached prefixes for the prefix cache.
+    pub cached_seqs: usize,
     /// Most tokens in one forward pass.
     pub ubatch: usize,
     /// Element type of the K cache (F16, Q8_0 or Q4_0).
@@ -147,6 +149,7 @@ fn block_of_units(a: usize, b: usize, n_layer: usize, shape: ServeShape) -> Bloc
         has_head: b == n_layer + 2,
         ctx_per_seq: shape.ctx_per_seq,
         n_seq: shape.n_seq,
+        cached_seqs: shape.cached_seqs,
         ubatch: shape.ubatch,
         cache_k: shape.cache_k,
         cache_v: shape.cache_v,
@@ -340,6 +343,7 @@ mod tests {
     const SHAPE: ServeShape = ServeShape {
         ctx_per_seq: 64,
         n_seq: 2,
+        cached_seqs: 0,
         ubatch: 16,
         cache_k: GgmlType::F16,
         cache_v: GgmlType::F16,

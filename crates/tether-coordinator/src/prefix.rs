@@ -100,6 +100,8 @@ pub(crate) struct Placement {
     pub copy_from: Option<usize>,
     /// Prompt tokens whose cells are reused: prefill starts at this position.
     pub cached: usize,
+    /// Positions `slot`'s cells held before: those past `cached` are now stale.
+    pub held_before: usize,
 }
 
 /// The tokens each slot's cells hold, for prefix reuse.
@@ -182,15 +184,21 @@ impl PrefixCache {
                 slot: self.least_recently_used(slots).unwrap_or(own_slot),
                 copy_from: Some(from),
                 cached,
+                held_before: 0,
             },
             _ => Placement {
                 slot: own_slot,
                 copy_from: None,
                 cached: own_cached,
+                held_before: 0,
             },
         };
         self.clock += 1;
         let held = &mut self.held[placement.slot];
+        let placement = Placement {
+            held_before: held.tokens.len(),
+            ..placement
+        };
         // A prefill from position 0 starts the slot's cells afresh.
         if placement.cached == 0 {
             held.written = 0;
@@ -203,6 +211,29 @@ impl PrefixCache {
         (0..self.held.len())
             .filter(|&i| slots.get(i) == Some(&SlotUse::Free))
             .min_by_key(|&i| self.held[i].last_used)
+    }
+
+    /// Positions `slot`'s cells hold (what its last request fed; 0 for a slot never used).
+    pub fn held_len(&self, slot: usize) -> usize {
+        self.held.get(slot).map_or(0, |h| h.tokens.len())
+    }
+
+    /// The free slot other than `except` whose cells hold something and were used least
+    /// recently: the next to give its cells up when the KV pool needs room.
+    pub fn eviction_candidate(&self, slots: &[SlotUse], except: usize) -> Option<usize> {
+        (0..self.held.len())
+            .filter(|&i| i != except && slots.get(i) == Some(&SlotUse::Free))
+            .filter(|&i| !self.held[i].tokens.is_empty())
+            .min_by_key(|&i| self.held[i].last_used)
+    }
+
+    /// Forgets what `slot`'s cells hold (they are being cleared).
+    pub fn forget(&mut self, slot: usize) {
+        if let Some(held) = self.held.get_mut(slot) {
+            held.tokens.clear();
+            held.chain.clear();
+            held.written = 0;
+        }
     }
 
     /// Records what `slot`'s cells hold once its request is over: `tokens[p]` at `p`.
@@ -302,7 +333,8 @@ mod tests {
             Placement {
                 slot: 1,
                 copy_from: None,
-                cached: 50
+                cached: 50,
+                held_before: 50,
             }
         );
         // The same prompt again: everything but the last token.
@@ -336,7 +368,8 @@ mod tests {
             Placement {
                 slot: 2,
                 copy_from: Some(0),
-                cached: 32
+                cached: 32,
+                held_before: 40,
             },
             "one whole block of the 60 cells; into the least recently used slot"
         );

@@ -19,7 +19,7 @@ use crate::load::{LoadedModel, LoadedStage};
 use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
-use crate::prefix::{CellCopy, PrefixCache, copy_cells, slot_uses};
+use crate::prefix::{CellCopy, Placement, PrefixCache, copy_cells, slot_uses};
 use crate::sequence::{
     Batch, Embedding, Next, RowUse, Sequence, StepShape, build_step, split_batch, split_off,
 };
@@ -30,6 +30,7 @@ use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tether_model::plan::kv_blocks_per_seq;
 use tether_model::{Sampler, kv_ring};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -52,6 +53,8 @@ pub(crate) struct Shared {
     pub prompt_tokens: AtomicU64,
     /// Prompt tokens whose KV cells were reused instead of prefilled.
     pub prefix_hit_tokens: AtomicU64,
+    /// Cached prefixes whose cells were given up for room in the KV pool.
+    pub prefix_evictions: AtomicU64,
 }
 
 impl Shared {
@@ -64,6 +67,7 @@ impl Shared {
             generated_tokens: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             prefix_hit_tokens: AtomicU64::new(0),
+            prefix_evictions: AtomicU64::new(0),
         }
     }
 
@@ -127,6 +131,9 @@ pub(crate) struct Scheduler {
     prefix: Option<PrefixCache>,
     /// Prefixes to copy between slots before the next step.
     to_copy: Vec<CellCopy>,
+    /// `(slot, cells to keep)` of free slots whose cells the KV pool needs back, before the
+    /// next step (see `make_room`).
+    to_evict: Vec<(u32, usize)>,
     rotation: usize,
     /// Lanes of the model being served (1: every step carries every sequence).
     lanes: usize,
@@ -145,7 +152,8 @@ impl Scheduler {
         grace: Duration,
     ) -> Self {
         let Inbox { requests, control } = inbox;
-        let n_seq = setup.shape.n_seq;
+        // Cached-prefix sequences are slots too: they never run, they keep cells.
+        let n_seq = setup.shape.n_seq + setup.shape.cached_seqs;
         let setup_ubatch = setup.shape.ubatch;
         let ring = kv_ring(model.config(), setup.shape.ctx_per_seq, setup.shape.ubatch);
         let prefix = setup.prefix_cache.then(|| PrefixCache::new(n_seq, ring));
@@ -167,6 +175,7 @@ impl Scheduler {
             to_truncate: Vec::new(),
             prefix,
             to_copy: Vec::new(),
+            to_evict: Vec::new(),
             rotation: 0,
             lanes: 1,
             step: StepShape::new(setup_ubatch, 1, 1),
@@ -284,7 +293,8 @@ impl Scheduler {
             (None, None) => &req.prompt,
             _ => &[],
         };
-        let Some((i, cached)) = self.place(reused) else {
+        let most = req.prompt.len() + req.max_tokens;
+        let Some((i, cached)) = self.place(reused, most) else {
             let _ = events.try_send(Err(GenError::Internal(
                 "no free sequence slot for an admitted request".into(),
             )));
@@ -316,14 +326,16 @@ impl Scheduler {
         Some(i)
     }
 
-    /// A free slot for `prompt` and how many of its first tokens that slot's cells will
-    /// hold before the next step (copies between slots queued for it).
-    fn place(&mut self, prompt: &[u32]) -> Option<(usize, usize)> {
+    /// A free slot for `prompt`, of a request that may reach `most` positions, and how many
+    /// of its first tokens that slot's cells will hold before the next step (copies between
+    /// slots queued for it).
+    fn place(&mut self, prompt: &[u32], most: usize) -> Option<(usize, usize)> {
         let Some(prefix) = &mut self.prefix else {
             return Some((self.slots.iter().position(Option::is_none)?, 0));
         };
         let keep = self.setup.context_shift.map(|s| s.keep);
         let p = prefix.place(prompt, &slot_uses(&self.slots, keep))?;
+        self.make_room(&p, most);
         if let Some(from) = p.copy_from {
             self.to_copy.push(CellCopy {
                 from: from as u32,
@@ -335,6 +347,58 @@ impl Scheduler {
             .prefix_hit_tokens
             .fetch_add(p.cached as u64, Ordering::Relaxed);
         Some((p.slot, p.cached))
+    }
+
+    /// With cached-prefix sequences sharing the workers' KV pool (`ServeShape::cached_seqs`),
+    /// keeps the blocks every sequence may come to hold within the pool once the request
+    /// placed at `p` (reaching `most` positions) starts: the running sequences' prompts and
+    /// `max_tokens`, and the free slots' cells, whose least recently used give theirs up
+    /// until it fits. The running sequences alone always fit (at most `--parallel` of
+    /// them), so this never waits; sharing between slots only makes it cautious.
+    fn make_room(&mut self, p: &Placement, most: usize) {
+        let shape = self.setup.shape;
+        let Some(prefix) = &mut self.prefix else {
+            return;
+        };
+        if shape.cached_seqs == 0 {
+            return;
+        }
+        // The slot's cells past the reused prompt are stale: let their blocks go now (a
+        // copy into the slot empties it on the workers anyway).
+        if p.copy_from.is_none() && p.held_before > p.cached {
+            self.to_evict.push((p.slot as u32, p.cached));
+        }
+        let blocks = |n: usize| kv_blocks_per_seq(n.min(shape.ctx_per_seq));
+        let pool = shape.n_seq * blocks(shape.ctx_per_seq);
+        let keep = self.setup.context_shift.map(|s| s.keep);
+        let uses = slot_uses(&self.slots, keep);
+        let running: usize = self
+            .slots
+            .iter()
+            .flatten()
+            .map(|s| blocks(s.prompt_len + s.max_tokens))
+            .sum();
+        let cached: usize = (0..self.slots.len())
+            .filter(|&i| i != p.slot && self.slots[i].is_none())
+            .map(|i| blocks(prefix.held_len(i)))
+            .sum();
+        let mut used = running + cached + blocks(most);
+        while used > pool {
+            let Some(i) = prefix.eviction_candidate(&uses, p.slot) else {
+                break;
+            };
+            used -= blocks(prefix.held_len(i));
+            prefix.forget(i);
+            self.to_evict.push((i as u32, 0));
+            self.shared.prefix_evictions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Before a step: gives the KV pool back what evicted slots held, then makes the
+    /// queued copies between slots, on every worker.
+    async fn flush_kv_moves(&mut self, stages: &[LoadedStage]) -> Result<(), Loss> {
+        truncate_slots(stages, &mut self.to_evict).await?;
+        copy_cells(stages, &mut self.to_copy).await
     }
 
     fn admit(&mut self) {
@@ -367,6 +431,7 @@ impl Scheduler {
         self.to_truncate.clear();
         // The sessions, and the cells they held, end with the model.
         self.to_copy.clear();
+        self.to_evict.clear();
         if let Some(prefix) = &mut self.prefix {
             prefix.clear();
         }
@@ -380,7 +445,7 @@ impl Scheduler {
             .setup
             .lanes
             .unwrap_or(n)
-            .clamp(1, self.slots.len().max(1));
+            .clamp(1, self.setup.shape.n_seq.max(1));
         self.step = StepShape::new(self.setup.shape.ubatch, n, self.setup.prefill_chunk);
         let ended = if self.lanes == 1 {
             self.serve_steps(&stages, &mut loaded).await
@@ -432,7 +497,7 @@ impl Scheduler {
                 }
                 continue;
             }
-            if let Err(reason) = copy_cells(stages, &mut self.to_copy).await {
+            if let Err(reason) = self.flush_kv_moves(stages).await {
                 return Ended::Lost(reason);
             }
             let chunks = build_step(&self.slots, 0, self.step, self.rotation);

@@ -56,6 +56,7 @@ async fn a_refused_prepare_aborts_everywhere() {
     let shape = ServeShape {
         ctx_per_seq: 128,
         n_seq: 2,
+        cached_seqs: 0,
         ubatch: 8,
         cache_k: tether_gguf::GgmlType::F16,
         cache_v: tether_gguf::GgmlType::F16,

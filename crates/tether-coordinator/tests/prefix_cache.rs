@@ -5,7 +5,7 @@
 
 mod support;
 
-use support::{TempDir, cluster, collect, generate, greedy, reference, tiny_model};
+use support::{Cluster, TempDir, cluster, collect, generate, greedy, reference, tiny_model};
 use tether_coordinator::api::{FinishReason, GenError, GenEvent, Generation};
 
 const CTX: usize = 256;
@@ -134,7 +134,11 @@ async fn one_slot_evicts_and_a_prompt_over_the_context_is_refused() {
     let a = ids(1, 50);
     let b = ids(2, 50);
     let (a_out, b_out) = (reference(&path, &a, 8, CTX), reference(&path, &b, 8, CTX));
-    let c = cluster(&path, 1, |cfg| cfg.parallel = 1).await;
+    let c = cluster(&path, 1, |cfg| {
+        cfg.parallel = 1;
+        cfg.cached_prefixes = Some(0);
+    })
+    .await;
     let mut reused = Vec::new();
     for (prompt, want) in [(&a, &a_out), (&a, &a_out), (&b, &b_out), (&a, &a_out)] {
         let (tokens, end) = generate(&c.coordinator, prompt, 8).await;
@@ -154,6 +158,59 @@ async fn one_slot_evicts_and_a_prompt_over_the_context_is_refused() {
         end,
         Ok(FinishReason::Length),
         "still serving after the refusal"
+    );
+    c.coordinator.shutdown().await;
+    c.workers.shutdown().await;
+}
+
+fn evictions(c: &impl Generation) -> u64 {
+    c.stats().prefix_evictions
+}
+
+/// Runs `prompt` to 8 greedy tokens, checks them against a full prefill, and returns how
+/// many of its tokens came from cached cells.
+async fn reused(c: &Cluster, path: &std::path::Path, prompt: &[u32]) -> u64 {
+    let want = reference(path, prompt, 8, CTX);
+    let before = hits(&c.coordinator);
+    let (tokens, end) = generate(&c.coordinator, prompt, 8).await;
+    end.expect("no error");
+    assert_eq!(tokens, want, "{} prompt tokens", prompt.len());
+    hits(&c.coordinator) - before
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_prefixes_outlive_their_slot_until_the_pool_needs_their_blocks() {
+    let dir = TempDir::new("prefix-cached");
+    let path = tiny_model(&dir, 24);
+    // One running sequence (a pool of 256 cells: 8 blocks) and two cached-prefix ones.
+    let c = cluster(&path, 1, |cfg| {
+        cfg.parallel = 1;
+        cfg.cached_prefixes = Some(2);
+    })
+    .await;
+    // Two short conversations fit the pool together: the first comes back to its cells
+    // though the second ran in between, in the one running slot.
+    let (a, b) = (ids(1, 50), ids(2, 50));
+    assert_eq!(reused(&c, &path, &a).await, 0);
+    assert_eq!(reused(&c, &path, &b).await, 0);
+    assert_eq!(
+        reused(&c, &path, &a).await,
+        49,
+        "a's cells outlived b's request"
+    );
+    assert_eq!(evictions(&c.coordinator), 0);
+    // Two long ones do not: 158 positions take 5 of the 8 blocks, so running the second
+    // gives up the older cached prefixes, least recently used first, and the first is
+    // prefilled again.
+    let (x, y) = (ids(3, 150), ids(4, 150));
+    assert_eq!(reused(&c, &path, &x).await, 0);
+    assert_eq!(reused(&c, &path, &y).await, 0);
+    assert!(evictions(&c.coordinator) >= 1);
+    assert_eq!(reused(&c, &path, &x).await, 0, "x was evicted for y");
+    assert_eq!(
+        reused(&c, &path, &x).await,
+        149,
+        "x is cached again (y was evicted for it)"
     );
     c.coordinator.shutdown().await;
     c.workers.shutdown().await;

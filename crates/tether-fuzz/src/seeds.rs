@@ -229,6 +229,7 @@ fn prepare_seeds(model: &TinyModel) -> Vec<Seed> {
     let too_big = pb::StageSpec {
         ctx_per_seq: 1 << 20,
         n_seq: 64,
+        cached_seqs: 0,
         ..serving_spec()
     };
     // Before the header-only reader, the worker allocated the file length named here (1 TiB)

@@ -66,10 +66,13 @@ pub(crate) struct KvUpdate {
 impl KvState {
     /// The bookkeeping of `n_seq` sequences of `ctx_per_seq` positions; `ring`: the ring of
     /// the stage's sliding-window layers, when they keep one.
+    /// `pool_seqs` (at most `n_seq`) sequences' whole contexts make the paged pool of the
+    /// global layers, which all `n_seq` sequences share.
     pub(crate) fn new(
         n_seq: usize,
         ctx_per_seq: usize,
         ring: Option<KvRing>,
+        pool_seqs: usize,
     ) -> Result<Self, ModelError> {
         let too_many = || {
             ModelError::InvalidArgument(format!(
@@ -95,7 +98,11 @@ impl KvState {
             lens: vec![0; n_seq],
             ring,
             oldest: vec![0; n_seq],
-            blocks: KvBlocks::new(n_seq as u32, per_seq),
+            blocks: KvBlocks::new(
+                n_seq as u32,
+                per_seq,
+                (pool_seqs.min(n_seq) as u32) * per_seq,
+            ),
         })
     }
 
@@ -413,7 +420,7 @@ mod tests {
 
     #[test]
     fn rings_take_prompts_in_micro_batches_and_refuse_lost_windows() {
-        let mut kv = KvState::new(2, 64, Some(RING)).unwrap();
+        let mut kv = KvState::new(2, 64, Some(RING), 2).unwrap();
         advance(&mut kv, 0, 40);
         assert_eq!(kv.len(0).unwrap(), 40);
         // The last chunk wrote 37..40, so the ring holds 33..40.
@@ -434,7 +441,7 @@ mod tests {
 
     #[test]
     fn ring_truncation_below_the_window_clears_the_sequence() {
-        let mut kv = KvState::new(1, 64, Some(RING)).unwrap();
+        let mut kv = KvState::new(1, 64, Some(RING), 1).unwrap();
         advance(&mut kv, 0, 40);
         // Position 37 needs 34..37: held.
         assert_eq!(kv.truncate(0, 37).unwrap(), 37);
@@ -449,7 +456,7 @@ mod tests {
 
     #[test]
     fn ring_copies_need_the_window_and_carry_the_oldest_position() {
-        let mut kv = KvState::new(2, 64, Some(RING)).unwrap();
+        let mut kv = KvState::new(2, 64, Some(RING), 2).unwrap();
         advance(&mut kv, 0, 40);
         assert!(
             kv.start_copy(0, 1, 30).is_err(),
@@ -466,7 +473,7 @@ mod tests {
 
     #[test]
     fn batches_must_extend_the_cache_without_gaps() {
-        let mut kv = KvState::new(2, 8, None).unwrap();
+        let mut kv = KvState::new(2, 8, None, 2).unwrap();
         let update = kv.check_batch(&[tok(0, 0), tok(1, 0), tok(0, 1)]).unwrap();
         assert_eq!(update.lens, vec![2, 1]);
         kv.commit(update);
@@ -481,7 +488,7 @@ mod tests {
     fn cells_and_spans_follow_the_layout() {
         // Contexts of 16 take one block of 32 cells each: sequence 2's virtual cells start
         // at 64, and its home block is block 2.
-        let mut kv = KvState::new(3, 16, None).unwrap();
+        let mut kv = KvState::new(3, 16, None, 3).unwrap();
         fill(&mut kv, &[0, 0, 6]);
         let (cell, span) = kv.place(tok(2, 5));
         assert_eq!(cell, 69);
@@ -508,7 +515,7 @@ mod tests {
 
     #[test]
     fn truncate_and_clear() {
-        let mut kv = KvState::new(1, 16, None).unwrap();
+        let mut kv = KvState::new(1, 16, None, 1).unwrap();
         fill(&mut kv, &[10]);
         assert_eq!(kv.truncate(0, 4).unwrap(), 4);
         assert_eq!(kv.len(0).unwrap(), 4);
@@ -522,7 +529,7 @@ mod tests {
 
     #[test]
     fn copies_need_two_sequences_and_cached_positions() {
-        let mut kv = KvState::new(3, 16, None).unwrap();
+        let mut kv = KvState::new(3, 16, None, 3).unwrap();
         fill(&mut kv, &[10, 3, 0]);
         assert!(kv.start_copy(0, 0, 4).is_err(), "onto itself");
         assert!(kv.start_copy(0, 3, 4).is_err(), "unknown destination");
@@ -541,7 +548,7 @@ mod tests {
 
     #[test]
     fn copies_share_blocks_until_either_sequence_writes_into_them() {
-        let mut kv = KvState::new(3, 100, None).unwrap();
+        let mut kv = KvState::new(3, 100, None, 3).unwrap();
         fill(&mut kv, &[70, 0, 0]);
         assert_eq!(kv.take_dirty_blocks(), Some(0..12), "new: all of it");
         let free = kv.blocks().free_blocks();

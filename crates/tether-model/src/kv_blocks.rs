@@ -3,7 +3,11 @@
 //! positions (entry `i`: positions `[i·B, (i+1)·B)`). Sequences share blocks by reference
 //! when one takes another's prefix, and a block is copied only when a sequence writes into
 //! one it shares (copy on write). The pool has a block for every entry of every table, so
-//! taking a block never fails and never allocates: it is the reservation, carved up.
+//! taking a block never fails and never allocates: it is the reservation, carved up. A
+//! stage may also have sequences beyond the pool's (cached prefixes, see
+//! `StageSpec::cached_seqs`): they take blocks from the same pool, and whoever runs the
+//! stage keeps them within it; a block the pool does not have is an error, not an
+//! allocation.
 //!
 //! A block a sequence has never shared is its "home" block, `seq·per_seq + i`, so sequences
 //! that share nothing keep the identity table and the device's copy never changes.
@@ -40,17 +44,20 @@ pub(crate) struct KvBlocks {
 }
 
 impl KvBlocks {
-    /// A pool for `n_seq` sequences of `per_seq` blocks each, every table the identity and
-    /// dirty, so the device's copy is written before the first batch.
-    pub(crate) fn new(n_seq: u32, per_seq: u32) -> Self {
-        let n = n_seq as usize * per_seq as usize;
+    /// Tables for `n_seq` sequences of `per_seq` entries each over a pool of `n_blocks`
+    /// blocks, every table the identity where the pool has the block and dirty, so the
+    /// device's copy is written before the first batch.
+    pub(crate) fn new(n_seq: u32, per_seq: u32, n_blocks: u32) -> Self {
+        let entries = n_seq as usize * per_seq as usize;
         Self {
             per_seq,
-            table: (0..n as u32).collect(),
+            table: (0..entries as u32)
+                .map(|e| if e < n_blocks { e } else { 0 })
+                .collect(),
             live: vec![0; n_seq as usize],
-            refs: vec![0; n],
-            free: (0..n as u32).collect(),
-            dirty: Some(0..n),
+            refs: vec![0; n_blocks as usize],
+            free: (0..n_blocks).collect(),
+            dirty: Some(0..entries),
         }
     }
 
@@ -104,13 +111,14 @@ impl KvBlocks {
     /// change), else the lowest free one.
     fn take(&mut self, seq: u32, i: u32) -> Result<u32, ModelError> {
         let home = seq * self.per_seq + i;
-        let block = if self.free.remove(&home) {
+        let block = if (home as usize) < self.refs.len() && self.free.remove(&home) {
             home
         } else {
             self.free.pop_first().ok_or_else(|| {
-                // Each entry holds at most one block and the pool has one per entry.
+                // Without cached-prefix sequences the pool has a block per entry.
                 ModelError::FailedPrecondition(format!(
-                    "the KV pool of {} blocks has none free for sequence {seq}",
+                    "the KV pool of {} blocks has none free for sequence {seq}: its \
+                     cached-prefix sequences hold more than the pool has room for",
                     self.refs.len()
                 ))
             })?
@@ -212,7 +220,7 @@ mod tests {
 
     #[test]
     fn sequences_that_share_nothing_keep_their_home_blocks() {
-        let mut p = KvBlocks::new(3, 4);
+        let mut p = KvBlocks::new(3, 4, 12);
         assert_eq!(p.take_dirty(), Some(0..12));
         assert!(write(&mut p, 1, 0..70).is_empty());
         assert!(write(&mut p, 0, 0..5).is_empty());
@@ -226,7 +234,7 @@ mod tests {
 
     #[test]
     fn a_shared_prefix_is_copied_only_where_it_is_written() {
-        let mut p = KvBlocks::new(3, 4);
+        let mut p = KvBlocks::new(3, 4, 12);
         write(&mut p, 0, 0..80);
         p.take_dirty();
         // Sequence 2 takes 70 positions: blocks 0, 1 whole and block 2 in part.
@@ -257,7 +265,7 @@ mod tests {
         // Each sequence shares the one before it and then rewrites all of it: every write
         // needs a fresh block, and the pool (one per entry) never runs out.
         let (n_seq, per_seq) = (4, 3);
-        let mut p = KvBlocks::new(n_seq, per_seq);
+        let mut p = KvBlocks::new(n_seq, per_seq, n_seq * per_seq);
         write(&mut p, 0, 0..per_seq * B);
         for s in 1..n_seq {
             p.share(s - 1, s, per_seq * B);
@@ -274,9 +282,26 @@ mod tests {
 
     #[test]
     fn a_gap_in_the_blocks_is_refused() {
-        let mut p = KvBlocks::new(1, 4);
+        let mut p = KvBlocks::new(1, 4, 4);
         let err = p.writable(0, 1).unwrap_err();
         assert!(err.to_string().contains("not the next one"), "{err}");
         assert_eq!(p.free_blocks(), 4, "nothing was taken");
+    }
+
+    #[test]
+    fn sequences_beyond_the_pool_share_its_blocks_and_an_empty_pool_is_an_error() {
+        // Two sequences' worth of blocks (2 x 2) for four sequences.
+        let mut p = KvBlocks::new(4, 2, 4);
+        assert_eq!(p.table(), &[0, 1, 2, 3, 0, 0, 0, 0]);
+        write(&mut p, 3, 0..40);
+        assert_eq!((p.cell(3, 0), p.cell(3, 39)), (0, B + 7));
+        write(&mut p, 2, 0..33);
+        assert_eq!(p.free_blocks(), 0);
+        let err = p.writable(0, 0).unwrap_err();
+        assert!(err.to_string().contains("none free"), "{err}");
+        assert_eq!(p.live[0], 0, "the refused claim took nothing");
+        p.keep(3, 0);
+        assert!(write(&mut p, 0, 0..64).is_empty());
+        assert_counts(&p);
     }
 }

@@ -136,13 +136,14 @@ pub fn kv_blocks_per_seq(ctx_per_seq: usize) -> usize {
     ctx_per_seq.div_ceil(KV_BLOCK_CELLS as usize)
 }
 
-/// Bytes of the block table of a stage's paged pool: a u32 per block of every sequence,
-/// none for a stage without layers.
+/// Bytes of the block tables of a stage's paged pool: a u32 per block of every sequence,
+/// cached-prefix ones included; none for a stage without layers.
 pub fn kv_table_bytes(spec: &StageSpec) -> u64 {
     if spec.last_layer == spec.first_layer {
         return 0;
     }
-    (spec.n_seq * kv_blocks_per_seq(spec.ctx_per_seq) * 4) as u64
+    let n_seq = spec.n_seq + spec.cached_seqs;
+    (n_seq * kv_blocks_per_seq(spec.ctx_per_seq) * 4) as u64
 }
 
 /// Bytes of layer `layer`'s K (or V) cache stored as `ty`: every cell holds `n_kv_heads`

@@ -34,6 +34,7 @@ fn stage<B: Backend>(backend: Arc<B>, file: &GgufFile, cache: GgmlType) -> Stage
         has_head: true,
         ctx_per_seq: 64,
         n_seq: 3,
+        cached_seqs: 0,
         ubatch: 64,
         cache_k: cache,
         cache_v: cache,

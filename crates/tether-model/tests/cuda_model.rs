@@ -278,6 +278,7 @@ fn stage_spec(first: usize, last: usize, embed: bool, head: bool) -> StageSpec {
         has_head: head,
         ctx_per_seq: CTX,
         n_seq: 1,
+        cached_seqs: 0,
         ubatch: UBATCH,
         cache_k: GgmlType::F16,
         cache_v: GgmlType::F16,

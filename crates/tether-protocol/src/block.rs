@@ -18,6 +18,9 @@ pub struct BlockSpec {
     pub ctx_per_seq: usize,
     /// Sequences served at once.
     pub n_seq: usize,
+    /// Sequences beyond `n_seq` that only keep cached prefixes, in the same KV pool (as
+    /// `tether_model::StageSpec`).
+    pub cached_seqs: usize,
     /// Most tokens in one forward pass.
     pub ubatch: usize,
     /// Element type of the K cache (F16, Q8_0 or Q4_0; as `tether_model::StageSpec`).
@@ -34,6 +37,7 @@ impl From<&BlockSpec> for tether_model::StageSpec {
             has_head: spec.has_head,
             ctx_per_seq: spec.ctx_per_seq,
             n_seq: spec.n_seq,
+            cached_seqs: spec.cached_seqs,
             ubatch: spec.ubatch,
             cache_k: spec.cache_k,
             cache_v: spec.cache_v,

@@ -56,6 +56,7 @@ fn begin(session: crate::SessionId, txn: TxnId) -> PrepareBegin {
             has_head: false,
             ctx_per_seq: 16,
             n_seq: 1,
+            cached_seqs: 0,
             ubatch: 4,
             cache_k: tether_gguf::GgmlType::F16,
             cache_v: tether_gguf::GgmlType::F16,

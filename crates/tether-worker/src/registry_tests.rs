@@ -37,6 +37,7 @@ fn spec() -> BlockSpec {
         has_head: false,
         ctx_per_seq: 16,
         n_seq: 2,
+        cached_seqs: 0,
         ubatch: 8,
         cache_k: tether_gguf::GgmlType::F16,
         cache_v: tether_gguf::GgmlType::F16,

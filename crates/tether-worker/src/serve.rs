@@ -165,10 +165,10 @@ impl SessionRegistry {
 }
 
 fn check_seq(shape: &StageShape, seq: u32) -> Result<()> {
-    if seq as usize >= shape.spec.n_seq {
+    let n = shape.spec.n_seq + shape.spec.cached_seqs;
+    if seq as usize >= n {
         return Err(WorkerError::InvalidArgument(format!(
-            "sequence {seq} does not exist: the block serves {} sequences (0..{})",
-            shape.spec.n_seq, shape.spec.n_seq
+            "sequence {seq} does not exist: the block serves {n} sequences (0..{n})"
         )));
     }
     Ok(())
@@ -326,6 +326,7 @@ mod tests {
                 has_head: true,
                 ctx_per_seq: 8,
                 n_seq: 2,
+                cached_seqs: 0,
                 ubatch: 4,
                 cache_k: tether_gguf::GgmlType::F16,
                 cache_v: tether_gguf::GgmlType::F16,

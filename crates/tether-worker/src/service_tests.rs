@@ -66,6 +66,7 @@ fn load_request() -> (LoadRequest, Arc<dyn TensorSource>) {
         has_head: false,
         ctx_per_seq: 8,
         n_seq: 1,
+        cached_seqs: 0,
         ubatch: 4,
         cache_k: tether_gguf::GgmlType::F16,
         cache_v: tether_gguf::GgmlType::F16,

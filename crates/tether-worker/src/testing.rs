@@ -70,7 +70,7 @@ impl PlannedStage for FakePlan {
     fn build(self: Box<Self>) -> Result<Box<dyn ServingStage>> {
         let mut stage = FakeStage::new(N_EMBD, self.spec.last_layer - self.spec.first_layer);
         stage.spec = self.spec;
-        stage.kv_len = vec![0; self.spec.n_seq];
+        stage.kv_len = vec![0; self.spec.n_seq + self.spec.cached_seqs];
         stage.memory = vec![0; self.total as usize];
         Ok(Box::new(stage))
     }
@@ -97,6 +97,7 @@ impl FakeStage {
                 has_head: false,
                 ctx_per_seq: 16,
                 n_seq: 2,
+                cached_seqs: 0,
                 ubatch: 8,
                 cache_k: tether_gguf::GgmlType::F16,
                 cache_v: tether_gguf::GgmlType::F16,

@@ -11,8 +11,10 @@ use clap::Args;
 use std::path::PathBuf;
 use tether_client::{ClientOptions, WorkerClient};
 use tether_compute::{Backend, CpuBackend, KV_BLOCK_CELLS};
+use tether_coordinator::engine::cached_prefix_slots;
 use tether_coordinator::placement::{ServeShape, WorkerCapacity, place};
 use tether_gguf::GgufFile;
+use tether_model::kv_ring;
 use tether_model::plan::kv_blocks_per_seq;
 use tether_model::{ModelConfig, StagePlan};
 use tether_protocol::BlockSpec;
@@ -45,6 +47,11 @@ pub struct PlanArgs {
     /// Most tokens in one forward pass (sizes the scratch buffers).
     #[arg(long, default_value_t = 512)]
     pub ubatch: usize,
+    /// Cached-prefix sequences beyond --parallel, as `serve --cached-prefixes` (default:
+    /// serve's, 3 x --parallel, or none for a model with sliding-window rings); they cost
+    /// the workers a block table each.
+    #[arg(long, value_name = "N")]
+    pub cached_prefixes: Option<usize>,
     #[command(flatten)]
     pub cache: CacheArgs,
     /// Print one JSON object instead of a table.
@@ -82,9 +89,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let cfg = ModelConfig::from_gguf(&file)
         .with_context(|| format!("reading the hyper-parameters of {}", args.model.display()))?;
     let ctx = args.ctx.unwrap_or_else(|| cfg.default_context());
+    let ring = kv_ring(&cfg, ctx, args.ubatch).is_some();
+    let cached_seqs = cached_prefix_slots(args.cached_prefixes, true, args.parallel, ring)
+        .map_err(anyhow::Error::msg)?;
     let shape = ServeShape {
         ctx_per_seq: ctx,
         n_seq: args.parallel,
+        cached_seqs,
         ubatch: args.ubatch,
         cache_k: args.cache.k(),
         cache_v: args.cache.v(),
@@ -222,6 +233,7 @@ pub fn plan_json(workers: &[WorkerPlan], file_weights: u64, shared: bool) -> ser
         "ubatch": first.map_or(0, |s| s.ubatch),
         "kv_block_cells": KV_BLOCK_CELLS,
         "kv_blocks": first.map_or(0, |s| s.n_seq * kv_blocks_per_seq(s.ctx_per_seq)),
+        "cached_prefixes": first.map_or(0, |s| s.cached_seqs),
         "cache_type_k": first.map_or("f16", |s| s.cache_k.name()),
         "cache_type_v": first.map_or("f16", |s| s.cache_v.name()),
         "weights_bytes": file_weights,
@@ -255,11 +267,13 @@ fn print_table(
     );
     if let Some(w) = workers.first() {
         println!(
-            "paged KV pool: {} blocks of {} cells ({} a sequence), shared between sequences \
-             that share a prefix",
+            "paged KV pool: {} blocks of {} cells ({} a sequence), shared by the {} running \
+             and {} cached-prefix sequences",
             w.spec.n_seq * kv_blocks_per_seq(w.spec.ctx_per_seq),
             KV_BLOCK_CELLS,
-            kv_blocks_per_seq(w.spec.ctx_per_seq)
+            kv_blocks_per_seq(w.spec.ctx_per_seq),
+            w.spec.n_seq,
+            w.spec.cached_seqs
         );
     }
     println!(
@@ -317,6 +331,7 @@ mod tests {
             has_head: false,
             ctx_per_seq: 8,
             n_seq: 2,
+            cached_seqs: 0,
             ubatch: 4,
             cache_k: tether_gguf::GgmlType::Q8_0,
             cache_v: tether_gguf::GgmlType::Q8_0,
@@ -385,6 +400,7 @@ mod tests {
             let shape = ServeShape {
                 ctx_per_seq: 32,
                 n_seq: 2,
+                cached_seqs: 0,
                 ubatch: 8,
                 cache_k: ty,
                 cache_v: ty,
@@ -404,6 +420,7 @@ mod tests {
         let mixed = ServeShape {
             ctx_per_seq: 32,
             n_seq: 2,
+            cached_seqs: 0,
             ubatch: 8,
             cache_k: GgmlType::Q8_0,
             cache_v: GgmlType::F16,

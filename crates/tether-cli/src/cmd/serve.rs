@@ -127,6 +127,12 @@ pub struct ServeArgs {
     /// shares the start of the prompt (prefix caching is on by default).
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// Sequences beyond --parallel that keep earlier requests' prompts (and replies) for
+    /// the prefix cache, in the same paged KV pool: a conversation's cells stay until the
+    /// pool needs its blocks, least recently used first [default: 3 x --parallel; none
+    /// with --no-prefix-cache or on models whose sliding-window layers keep a ring]
+    #[arg(long, value_name = "N")]
+    pub cached_prefixes: Option<usize>,
     #[command(flatten)]
     pub conn: ConnArgs,
     #[command(flatten)]
@@ -352,6 +358,7 @@ async fn load(
         prefill_chunk: args.prefill_chunk,
         context_shift: args.shift.policy(),
         prefix_cache: !args.no_prefix_cache,
+        cached_prefixes: args.cached_prefixes,
         model_id: args.model_id.clone().unwrap_or(defaults.model_id.clone()),
         load: LoadOptions {
             lease: Lease {

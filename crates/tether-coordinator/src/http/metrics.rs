@@ -112,6 +112,12 @@ impl Metrics {
                  being processed; the hit rate is this over itself plus the processed ones.",
                 stats.prefix_hit_tokens,
             ),
+            (
+                "tether_engine_prefix_cache_evictions_total",
+                "Cached prefixes whose KV cells were given up for room in the workers' paged \
+                 pool, least recently used first.",
+                stats.prefix_evictions,
+            ),
         ];
         for (name, help, value) in engine_counters {
             register(&mut reg, name, help, ConstCounter::new(value));
@@ -191,6 +197,7 @@ mod tests {
             generated_tokens: 42,
             prompt_tokens: 7,
             prefix_hit_tokens: 5,
+            prefix_evictions: 2,
         };
         let text = Metrics::default().render(&stats);
         assert!(text.contains("tether_engine_queued_requests 3"));
@@ -198,5 +205,6 @@ mod tests {
         assert!(text.contains("tether_engine_generated_tokens_total 42"));
         assert!(text.contains("tether_engine_prompt_tokens_total 7"));
         assert!(text.contains("tether_engine_prefix_cache_hit_tokens_total 5"));
+        assert!(text.contains("tether_engine_prefix_cache_evictions_total 2"));
     }
 }

@@ -30,6 +30,7 @@ fn normed_rows(model: &Path, ids: &[u32]) -> Vec<Vec<f32>> {
         has_head: true,
         ctx_per_seq: TEST_CTX,
         n_seq: 1,
+        cached_seqs: 0,
         ubatch: ids.len(),
         cache_k: GgmlType::F16,
         cache_v: GgmlType::F16,

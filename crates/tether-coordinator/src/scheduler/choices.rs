@@ -51,9 +51,11 @@ pub(super) struct Siblings {
 
 impl Scheduler {
     /// Slots a request taken off the queue may have: free ones not reserved for waiting
-    /// choices.
+    /// choices, and no more than leave `--parallel` running (the other slots only keep
+    /// cached prefixes).
     pub(super) fn free_slots(&self) -> usize {
         let free = self.slots.iter().filter(|s| s.is_none()).count();
+        let free = free.min(self.setup.shape.n_seq.saturating_sub(self.active()));
         let reserved: usize = self.siblings.iter().map(|s| s.choices.len()).sum();
         free.saturating_sub(reserved)
     }

@@ -10,7 +10,6 @@ use super::pipeline::{Done, Job, Jobs, RowsOut, stage_loops};
 use super::{Ended, Scheduler, blame};
 use crate::load::{LoadedModel, LoadedStage};
 use crate::loss::Loss;
-use crate::prefix::copy_cells;
 use crate::sequence::{Batch, build_step};
 use std::sync::Arc;
 use std::time::Instant;
@@ -82,7 +81,7 @@ impl Scheduler {
                 return Ended::Replaced(retiring.replace);
             }
             self.rebalance(&busy);
-            if let Err(reason) = copy_cells(stages, &mut self.to_copy).await {
+            if let Err(reason) = self.flush_kv_moves(stages).await {
                 return Ended::Lost(reason);
             }
             if !overdue {

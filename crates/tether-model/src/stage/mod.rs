@@ -39,8 +39,14 @@ pub struct StageSpec {
     pub has_head: bool,
     /// KV cells per sequence (the longest context a sequence can reach).
     pub ctx_per_seq: usize,
-    /// Number of sequences with cells of their own.
+    /// Number of sequences with cells of their own: the paged pool holds blocks for
+    /// `n_seq` whole contexts.
     pub n_seq: usize,
+    /// Sequences beyond `n_seq` (ids `n_seq..n_seq + cached_seqs`) with a block table but
+    /// no cells of their own: they hold prefixes in blocks of the same pool, so together
+    /// the sequences never hold more than `n_seq` contexts (the caller sees to it; a
+    /// batch that would need a block the pool does not have is refused).
+    pub cached_seqs: usize,
     /// Most tokens processed in one step; scratch is sized for it.
     pub ubatch: usize,
     /// Element type of the K cache: F16, Q8_0 or Q4_0 (llama.cpp's `-ctk`).
@@ -68,6 +74,7 @@ impl StageSpec {
             has_head: true,
             ctx_per_seq,
             n_seq,
+            cached_seqs: 0,
             ubatch,
             cache_k,
             cache_v,
@@ -205,6 +212,13 @@ fn check_spec(cfg: &ModelConfig, spec: &StageSpec) -> Result<(), ModelError> {
             spec.ubatch, spec.n_seq, spec.ctx_per_seq
         ));
     }
+    if spec.cached_seqs > 0 && kv_ring(cfg, spec.ctx_per_seq, spec.ubatch).is_some() {
+        return bad(format!(
+            "{} cached-prefix sequences: a model whose sliding-window layers keep a ring \
+             keeps it per sequence, outside the shared pool; ask for none",
+            spec.cached_seqs
+        ));
+    }
     check_cache_types(cfg, spec.cache_k, spec.cache_v)
 }
 
@@ -314,9 +328,10 @@ impl<B: Backend> Stage<B> {
             }
         }
         let kv = KvState::new(
-            spec.n_seq,
+            spec.n_seq + spec.cached_seqs,
             spec.ctx_per_seq,
             kv_ring(&cfg, spec.ctx_per_seq, spec.ubatch),
+            spec.n_seq,
         )?;
         // Every buffer of the stage in one request, so a backend can reserve them together
         // (one device allocation per session: see `Backend::alloc_many`).

@@ -56,6 +56,7 @@ pub fn spec(
         has_head: head,
         ctx_per_seq: 64,
         n_seq,
+        cached_seqs: 0,
         ubatch,
         cache_k: GgmlType::F16,
         cache_v: GgmlType::F16,

@@ -66,6 +66,9 @@ pub struct ServeBenchArgs {
     /// --no-prefix-cache, and print the ratio.
     #[arg(long, conflicts_with = "no_prefix_cache")]
     pub compare_prefix_cache: bool,
+    /// With --serve: start the server with --cached-prefixes N (with the prefix cache on).
+    #[arg(long, value_name = "N")]
+    pub cached_prefixes: Option<usize>,
     /// With --url: the API key to send (`Authorization: Bearer KEY`).
     #[arg(long, requires = "url")]
     pub api_key: Option<String>,
@@ -93,6 +96,7 @@ impl ServeBenchArgs {
             (self.turns.is_some(), "--turns"),
             (self.no_prefix_cache, "--no-prefix-cache"),
             (self.compare_prefix_cache, "--compare-prefix-cache"),
+            (self.cached_prefixes.is_some(), "--cached-prefixes"),
             (self.json_schema.is_some(), "--json-schema"),
         ]
         .into_iter()
@@ -226,6 +230,7 @@ fn refuse_server_flags(args: &BenchArgs) -> Result<()> {
         (args.parallel.is_some(), "--parallel"),
         (args.serve.no_prefix_cache, "--no-prefix-cache"),
         (args.serve.compare_prefix_cache, "--compare-prefix-cache"),
+        (args.serve.cached_prefixes.is_some(), "--cached-prefixes"),
     ];
     match given.into_iter().find_map(|(g, name)| g.then_some(name)) {
         Some(flag) => bail!("{flag} shapes a server --serve starts; --url measures one that runs"),
@@ -290,8 +295,10 @@ fn spawned_run(
     if let Some(c) = ctx {
         flags.extend(["--ctx".into(), c.to_string()]);
     }
-    if !prefix_cache {
-        flags.push("--no-prefix-cache".into());
+    match (prefix_cache, args.serve.cached_prefixes) {
+        (false, _) => flags.push("--no-prefix-cache".into()),
+        (true, Some(n)) => flags.extend(["--cached-prefixes".into(), n.to_string()]),
+        (true, None) => {}
     }
     let serve = SpawnedServe::start(&flags, SERVE_START_TIMEOUT)?;
     let endpoint = Endpoint::new(&serve.url, None);
