@@ -178,7 +178,18 @@ impl PrefixCache {
                 }
             }
         }
-        let (own_slot, own_cached) = own?;
+        let (mut own_slot, mut own_cached) = own?;
+        // Reusing less than a block of a slot that holds a conversation (a chat template's
+        // first tokens) would throw that conversation away for a few tokens: a slot that
+        // holds nothing is taken instead while there is one.
+        let thrown = self.held[own_slot].tokens.len().saturating_sub(own_cached);
+        if own_cached < BLOCK
+            && thrown >= BLOCK
+            && let Some(empty) = (0..self.held.len())
+                .find(|&i| slots.get(i) == Some(&SlotUse::Free) && self.held[i].tokens.is_empty())
+        {
+            (own_slot, own_cached) = (empty, 0);
+        }
         let placement = match copy {
             Some((from, cached)) if cached > own_cached => Placement {
                 slot: self.least_recently_used(slots).unwrap_or(own_slot),
@@ -341,6 +352,33 @@ mod tests {
         cache.release(1, &next);
         let p = cache.place(&next, &[FREE; 3]).unwrap();
         assert_eq!((p.slot, p.cached), (1, next.len() - 1));
+    }
+
+    #[test]
+    fn a_few_shared_tokens_do_not_cost_a_conversation_while_a_slot_is_empty() {
+        let mut cache = PrefixCache::new(3, None);
+        // Every chat prompt starts with the same few template tokens.
+        let template = tokens(9, 20);
+        let history = joined(&template, &tokens(1, 200));
+        cache.release(0, &history);
+        let other = joined(&template, &tokens(2, 50));
+        let p = cache.place(&other, &[FREE; 3]).unwrap();
+        assert_eq!(
+            (p.slot, p.cached),
+            (1, 0),
+            "an empty slot, not the conversation's"
+        );
+        // The conversation comes back to its cells.
+        let next = joined(&history, &tokens(3, 10));
+        let p = cache.place(&next, &[FREE; 3]).unwrap();
+        assert_eq!((p.slot, p.cached), (0, history.len()));
+        // With no empty slot left, the least recently used one gives its cells up, and
+        // its few shared tokens are reused.
+        cache.release(2, &joined(&template, &tokens(4, 100)));
+        let p = cache
+            .place(&joined(&template, &tokens(5, 50)), &[FREE; 3])
+            .unwrap();
+        assert_eq!((p.slot, p.cached), (1, 20));
     }
 
     #[test]

@@ -335,6 +335,14 @@ impl Scheduler {
         };
         let keep = self.setup.context_shift.map(|s| s.keep);
         let p = prefix.place(prompt, &slot_uses(&self.slots, keep))?;
+        tracing::debug!(
+            slot = p.slot,
+            cached = p.cached,
+            held_before = p.held_before,
+            copy_from = ?p.copy_from,
+            prompt = prompt.len(),
+            "prefix cache placement"
+        );
         self.make_room(&p, most);
         if let Some(from) = p.copy_from {
             self.to_copy.push(CellCopy {
