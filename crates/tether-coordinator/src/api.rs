@@ -257,6 +257,10 @@ pub struct EngineStats {
     /// Cached prefixes given up for room in the workers' KV pool (least recently used
     /// first).
     pub prefix_evictions: u64,
+    /// Blocks in each worker's paged KV pool (0 before a model is loaded), and those that
+    /// no sequence, running or cached, holds.
+    pub kv_blocks: usize,
+    pub kv_blocks_free: usize,
 }
 
 /// A generation engine: the coordinator's pipeline over workers, or anything else that

@@ -555,6 +555,8 @@ impl Generation for Coordinator {
             prompt_tokens: self.shared.prompt_tokens.load(Ordering::Relaxed),
             prefix_hit_tokens: self.shared.prefix_hit_tokens.load(Ordering::Relaxed),
             prefix_evictions: self.shared.prefix_evictions.load(Ordering::Relaxed),
+            kv_blocks: self.shared.kv_blocks.load(Ordering::Relaxed),
+            kv_blocks_free: self.shared.kv_blocks_free.load(Ordering::Relaxed),
         }
     }
 

@@ -124,9 +124,9 @@ impl PrefixCache {
         }
     }
 
-    /// Whether a prompt's cells are copied from a busy slot (never for a model whose
+    /// Whether a prompt's cells are copied from another slot (never for a model whose
     /// sliding-window layers keep a ring).
-    pub fn copies_busy_slots(&self) -> bool {
+    pub fn copies_between_slots(&self) -> bool {
         self.ring.is_none()
     }
 
@@ -153,57 +153,68 @@ impl PrefixCache {
     /// Chooses a free slot for `prompt` (not empty) among `slots` (at least one free) and
     /// records that the slot now holds the prompt. The last prompt token is never counted
     /// as cached: running it gives the logits of the first generated token.
+    ///
+    /// A free slot whose cells the prompt continues is taken as it is. Otherwise the
+    /// request takes an empty slot, or else the least recently used free one, and the
+    /// longest whole-block prefix of the prompt that any other slot holds, free or busy, is
+    /// shared into it: a conversation that shares only a system prompt with the new one
+    /// keeps its cells.
     pub fn place(&mut self, prompt: &[u32], slots: &[SlotUse]) -> Option<Placement> {
         let chain = chain_hashes(prompt);
         let most = prompt.len().saturating_sub(1);
-        let mut own: Option<(usize, usize)> = None;
-        let mut copy: Option<(usize, usize)> = None;
-        for (i, (held, state)) in self.held.iter().zip(slots).enumerate() {
-            let common = self.reusable(held.common(prompt, &chain).min(most), held.written);
-            match *state {
-                SlotUse::Free => {
-                    let better = own.is_none_or(|(j, n)| {
-                        common > n || (common == n && held.last_used < self.held[j].last_used)
-                    });
-                    if better {
-                        own = Some((i, common));
-                    }
-                }
-                SlotUse::Busy { .. } if self.ring.is_some() => {}
-                SlotUse::Busy { valid } => {
-                    let whole = common.min(valid) / BLOCK * BLOCK;
-                    if copy.is_none_or(|(_, n)| whole > n) {
-                        copy = Some((i, whole));
-                    }
-                }
+        let common: Vec<usize> = self
+            .held
+            .iter()
+            .map(|held| self.reusable(held.common(prompt, &chain).min(most), held.written))
+            .collect();
+        let free = |i: usize| slots.get(i) == Some(&SlotUse::Free);
+        // The free slot holding the longest part of the prompt, the least recently used
+        // among equals.
+        let own = (0..self.held.len())
+            .filter(|&i| free(i))
+            .min_by_key(|&i| (std::cmp::Reverse(common[i]), self.held[i].last_used))?;
+        let thrown = self.held[own].tokens.len().saturating_sub(common[own]);
+        // Without copies (a ring model) a long reused prefix is worth the rest of a slot.
+        let takes_own = thrown < BLOCK || (!self.copies_between_slots() && common[own] >= BLOCK);
+        let victim = (0..self.held.len())
+            .find(|&i| free(i) && self.held[i].tokens.is_empty())
+            .or_else(|| self.least_recently_used(slots))
+            .unwrap_or(own);
+        let mut placement = if takes_own {
+            Placement {
+                slot: own,
+                copy_from: None,
+                cached: common[own],
+                held_before: 0,
+            }
+        } else {
+            Placement {
+                slot: victim,
+                copy_from: None,
+                cached: common[victim],
+                held_before: 0,
+            }
+        };
+        if self.copies_between_slots() {
+            let source = (0..self.held.len())
+                .filter(|&i| i != placement.slot)
+                .filter_map(|i| match slots.get(i)? {
+                    SlotUse::Free => Some((i, common[i] / BLOCK * BLOCK)),
+                    SlotUse::Busy { valid } => Some((i, common[i].min(*valid) / BLOCK * BLOCK)),
+                })
+                .max_by_key(|&(_, whole)| whole);
+            if let Some((from, whole)) = source
+                && whole > placement.cached
+            {
+                // Into the slot chosen above: what it held past its reused part is under a
+                // block, or it is the slot to give up.
+                placement = Placement {
+                    copy_from: Some(from),
+                    cached: whole,
+                    ..placement
+                };
             }
         }
-        let (mut own_slot, mut own_cached) = own?;
-        // Reusing less than a block of a slot that holds a conversation (a chat template's
-        // first tokens) would throw that conversation away for a few tokens: a slot that
-        // holds nothing is taken instead while there is one.
-        let thrown = self.held[own_slot].tokens.len().saturating_sub(own_cached);
-        if own_cached < BLOCK
-            && thrown >= BLOCK
-            && let Some(empty) = (0..self.held.len())
-                .find(|&i| slots.get(i) == Some(&SlotUse::Free) && self.held[i].tokens.is_empty())
-        {
-            (own_slot, own_cached) = (empty, 0);
-        }
-        let placement = match copy {
-            Some((from, cached)) if cached > own_cached => Placement {
-                slot: self.least_recently_used(slots).unwrap_or(own_slot),
-                copy_from: Some(from),
-                cached,
-                held_before: 0,
-            },
-            _ => Placement {
-                slot: own_slot,
-                copy_from: None,
-                cached: own_cached,
-                held_before: 0,
-            },
-        };
         self.clock += 1;
         let held = &mut self.held[placement.slot];
         let placement = Placement {
@@ -276,25 +287,33 @@ pub(crate) fn slot_uses(slots: &[Option<Sequence>], keep: Option<usize>) -> Vec<
         .collect()
 }
 
-/// A copy of a slot's first cells into another slot, queued until the next step.
+/// A change to the slots' cells on every worker, queued until the next step. They are made
+/// in the order they were queued: a copy from a slot comes before that slot's eviction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct CellCopy {
-    pub from: u32,
-    pub to: u32,
-    pub cells: u32,
+pub(crate) enum KvMove {
+    /// Slot `to` gets slot `from`'s first `cells` (whole blocks, shared on the workers).
+    Copy { from: u32, to: u32, cells: u32 },
+    /// Slot `slot` keeps only its first `keep` cells; the rest of its blocks go back to
+    /// the pool.
+    Truncate { slot: u32, keep: u32 },
 }
 
-/// Makes every queued copy on every worker, in order, before the step that needs them.
-pub(crate) async fn copy_cells(
+/// Makes every queued move on every worker, in order, before the step that needs them.
+pub(crate) async fn apply_kv_moves(
     stages: &[LoadedStage],
-    copies: &mut Vec<CellCopy>,
+    moves: &mut Vec<KvMove>,
 ) -> Result<(), Loss> {
-    for c in copies.drain(..) {
+    for m in moves.drain(..) {
         for st in stages {
-            st.client
-                .kv_copy(st.session, c.from, c.to, c.cells)
-                .await
-                .map_err(Loss::Call)?;
+            let done = match m {
+                KvMove::Copy { from, to, cells } => {
+                    st.client.kv_copy(st.session, from, to, cells).await
+                }
+                KvMove::Truncate { slot, keep } => {
+                    st.client.kv_truncate(st.session, slot, keep).await
+                }
+            };
+            done.map_err(Loss::Call)?;
         }
     }
     Ok(())
@@ -387,8 +406,46 @@ mod tests {
         cache.release(0, &tokens(1, 80));
         let mut prompt = tokens(1, 80);
         prompt[45] = 7;
+        // With an empty slot, the whole blocks before the difference are shared into it
+        // and slot 0 keeps its 80 tokens.
         let p = cache.place(&prompt, &[FREE; 2]).unwrap();
-        assert_eq!((p.slot, p.cached), (0, 45));
+        assert_eq!((p.slot, p.copy_from, p.cached), (1, Some(0), 32));
+        cache.release(1, &prompt);
+        // Without one, the least recently used slot is continued where it differs.
+        let mut other = tokens(1, 80);
+        other[50] = 7;
+        let p = cache.place(&other, &[FREE; 2]).unwrap();
+        assert_eq!((p.slot, p.copy_from, p.cached), (0, None, 50));
+    }
+
+    #[test]
+    fn conversations_that_share_a_system_prompt_keep_their_own_cells() {
+        let mut cache = PrefixCache::new(4, None);
+        let system = tokens(9, 100);
+        let a = joined(&system, &tokens(1, 60));
+        let b = joined(&system, &tokens(2, 40));
+        cache.place(&a, &[FREE; 4]);
+        cache.release(0, &a);
+        // b shares a's three whole blocks of the system prompt, in a slot of its own.
+        let p = cache.place(&b, &[FREE; 4]).unwrap();
+        assert_eq!((p.slot, p.copy_from, p.cached), (1, Some(0), 96));
+        cache.release(1, &b);
+        // Each conversation's next turn finds its whole history where it left it.
+        let next_a = joined(&a, &tokens(3, 5));
+        let p = cache.place(&next_a, &[FREE; 4]).unwrap();
+        assert_eq!((p.slot, p.copy_from, p.cached), (0, None, a.len()));
+        let next_b = joined(&b, &tokens(4, 5));
+        let p = cache.place(&next_b, &[SlotUse::Busy { valid: 0 }, FREE, FREE, FREE]);
+        assert_eq!(p.map(|p| (p.slot, p.cached)), Some((1, b.len())));
+        // A third conversation, while both run, shares the busy slots' blocks.
+        let busy = [
+            SlotUse::Busy { valid: 160 },
+            SlotUse::Busy { valid: 0 },
+            FREE,
+            FREE,
+        ];
+        let p = cache.place(&joined(&system, &tokens(5, 7)), &busy).unwrap();
+        assert_eq!((p.slot, p.copy_from, p.cached), (2, Some(0), 96));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 mod apply;
 mod choices;
 mod lanes;
+mod ledger;
 mod pick;
 mod pipeline;
 pub(crate) mod replace;
@@ -19,12 +20,13 @@ use crate::load::{LoadedModel, LoadedStage};
 use crate::loss::Loss;
 use crate::model_file::ModelFile;
 use crate::placement::Plan;
-use crate::prefix::{CellCopy, Placement, PrefixCache, copy_cells, slot_uses};
+use crate::prefix::{KvMove, Placement, PrefixCache, apply_kv_moves, slot_uses};
 use crate::sequence::{
     Batch, Embedding, Next, RowUse, Sequence, StepShape, build_step, split_batch, split_off,
 };
 use choices::Siblings;
 pub(crate) use choices::{Admitted, Choice};
+use ledger::KvLedger;
 use pipeline::{RowsOut, clear_slots, rows_wanted, run_pipeline, truncate_slots};
 use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -55,6 +57,9 @@ pub(crate) struct Shared {
     pub prefix_hit_tokens: AtomicU64,
     /// Cached prefixes whose cells were given up for room in the KV pool.
     pub prefix_evictions: AtomicU64,
+    /// Blocks in each worker's paged KV pool, and those no slot holds.
+    pub kv_blocks: AtomicUsize,
+    pub kv_blocks_free: AtomicUsize,
 }
 
 impl Shared {
@@ -68,6 +73,8 @@ impl Shared {
             prompt_tokens: AtomicU64::new(0),
             prefix_hit_tokens: AtomicU64::new(0),
             prefix_evictions: AtomicU64::new(0),
+            kv_blocks: AtomicUsize::new(0),
+            kv_blocks_free: AtomicUsize::new(0),
         }
     }
 
@@ -129,11 +136,11 @@ pub(crate) struct Scheduler {
     to_truncate: Vec<(u32, usize)>,
     /// What each slot's cells hold, with prefix caching on.
     prefix: Option<PrefixCache>,
-    /// Prefixes to copy between slots before the next step.
-    to_copy: Vec<CellCopy>,
-    /// `(slot, cells to keep)` of free slots whose cells the KV pool needs back, before the
-    /// next step (see `make_room`).
-    to_evict: Vec<(u32, usize)>,
+    /// Prefixes to copy between slots, and free slots whose cells the KV pool needs back
+    /// (see `make_room`), before the next step, in this order.
+    kv_moves: Vec<KvMove>,
+    /// The workers' block tables, as the moves above and the steps leave them.
+    ledger: KvLedger,
     rotation: usize,
     /// Lanes of the model being served (1: every step carries every sequence).
     lanes: usize,
@@ -157,6 +164,7 @@ impl Scheduler {
         let setup_ubatch = setup.shape.ubatch;
         let ring = kv_ring(model.config(), setup.shape.ctx_per_seq, setup.shape.ubatch);
         let prefix = setup.prefix_cache.then(|| PrefixCache::new(n_seq, ring));
+        let ledger = KvLedger::new(setup.shape);
         Self {
             shared,
             requests,
@@ -174,8 +182,8 @@ impl Scheduler {
             to_clear: Vec::new(),
             to_truncate: Vec::new(),
             prefix,
-            to_copy: Vec::new(),
-            to_evict: Vec::new(),
+            kv_moves: Vec::new(),
+            ledger,
             rotation: 0,
             lanes: 1,
             step: StepShape::new(setup_ubatch, 1, 1),
@@ -343,14 +351,15 @@ impl Scheduler {
             prompt = prompt.len(),
             "prefix cache placement"
         );
-        self.make_room(&p, most);
+        // The copy goes first: evictions to make room may take its source.
         if let Some(from) = p.copy_from {
-            self.to_copy.push(CellCopy {
+            self.kv_moves.push(KvMove::Copy {
                 from: from as u32,
                 to: p.slot as u32,
                 cells: p.cached as u32,
             });
         }
+        self.make_room(&p, most);
         self.shared
             .prefix_hit_tokens
             .fetch_add(p.cached as u64, Ordering::Relaxed);
@@ -374,7 +383,10 @@ impl Scheduler {
         // The slot's cells past the reused prompt are stale: let their blocks go now (a
         // copy into the slot empties it on the workers anyway).
         if p.copy_from.is_none() && p.held_before > p.cached {
-            self.to_evict.push((p.slot as u32, p.cached));
+            self.kv_moves.push(KvMove::Truncate {
+                slot: p.slot as u32,
+                keep: p.cached as u32,
+            });
         }
         let blocks = |n: usize| kv_blocks_per_seq(n.min(shape.ctx_per_seq));
         let pool = shape.n_seq * blocks(shape.ctx_per_seq);
@@ -397,16 +409,39 @@ impl Scheduler {
             };
             used -= blocks(prefix.held_len(i));
             prefix.forget(i);
-            self.to_evict.push((i as u32, 0));
+            self.kv_moves.push(KvMove::Truncate {
+                slot: i as u32,
+                keep: 0,
+            });
             self.shared.prefix_evictions.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    /// Before a step: gives the KV pool back what evicted slots held, then makes the
-    /// queued copies between slots, on every worker.
+    /// Before a step: makes the queued copies between slots and gives the KV pool back
+    /// what evicted slots held, on every worker.
     async fn flush_kv_moves(&mut self, stages: &[LoadedStage]) -> Result<(), Loss> {
-        truncate_slots(stages, &mut self.to_evict).await?;
-        copy_cells(stages, &mut self.to_copy).await
+        for m in &self.kv_moves {
+            match *m {
+                KvMove::Copy { from, to, cells } => self.ledger.copy(from, to, cells),
+                KvMove::Truncate { slot, keep } => self.ledger.keep(slot, keep),
+            }
+        }
+        self.publish_kv_blocks();
+        apply_kv_moves(stages, &mut self.kv_moves).await
+    }
+
+    /// A step's batches claim the blocks their tokens write, as on the workers.
+    fn claim_blocks(&mut self, batches: &[Batch]) {
+        for b in batches {
+            self.ledger.write(&b.tokens);
+        }
+        self.publish_kv_blocks();
+    }
+
+    fn publish_kv_blocks(&self) {
+        let (total, free) = self.ledger.counts();
+        self.shared.kv_blocks.store(total, Ordering::Relaxed);
+        self.shared.kv_blocks_free.store(free, Ordering::Relaxed);
     }
 
     fn admit(&mut self) {
@@ -438,8 +473,7 @@ impl Scheduler {
         self.to_clear.clear();
         self.to_truncate.clear();
         // The sessions, and the cells they held, end with the model.
-        self.to_copy.clear();
-        self.to_evict.clear();
+        self.kv_moves.clear();
         if let Some(prefix) = &mut self.prefix {
             prefix.clear();
         }
@@ -448,6 +482,8 @@ impl Scheduler {
 
     async fn serve(&mut self, mut loaded: LoadedModel) -> Ended {
         let stages = loaded.stages.clone();
+        self.ledger.reset();
+        self.publish_kv_blocks();
         let n = stages.len();
         self.lanes = self
             .setup
@@ -511,6 +547,7 @@ impl Scheduler {
             let chunks = build_step(&self.slots, 0, self.step, self.rotation);
             self.rotation = self.rotation.wrapping_add(1);
             let groups = self.groups(chunks, stages.len());
+            self.claim_blocks(&groups);
             let masks = pick::start_masks(&mut self.slots);
             let began = std::time::Instant::now();
             let results = tokio::select! {
@@ -555,6 +592,14 @@ impl Scheduler {
             self.begin_retire(replace);
         }
         self.reap(busy);
+        for &(slot, keep) in &self.to_truncate {
+            self.ledger
+                .keep(slot, u32::try_from(keep).unwrap_or(u32::MAX));
+        }
+        for &slot in &self.to_clear {
+            self.ledger.keep(slot, 0);
+        }
+        self.publish_kv_blocks();
         truncate_slots(stages, &mut self.to_truncate).await?;
         clear_slots(stages, &mut self.to_clear).await?;
         self.admit();

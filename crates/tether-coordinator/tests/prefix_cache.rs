@@ -167,6 +167,23 @@ fn evictions(c: &impl Generation) -> u64 {
     c.stats().prefix_evictions
 }
 
+/// Checks that the coordinator's `/metrics` block counts are every worker's own.
+fn blocks_agree(c: &Cluster) {
+    let stats = c.coordinator.stats();
+    for w in &c.workers.workers {
+        let sessions = w.sessions();
+        let [s] = sessions.as_slice() else {
+            panic!("one session a worker, got {}", sessions.len());
+        };
+        assert_eq!(
+            (stats.kv_blocks as u64, stats.kv_blocks_free as u64),
+            (s.kv_blocks, s.kv_blocks_free),
+            "the coordinator's count against worker {}",
+            w.addr()
+        );
+    }
+}
+
 /// Runs `prompt` to 8 greedy tokens, checks them against a full prefill, and returns how
 /// many of its tokens came from cached cells.
 async fn reused(c: &Cluster, path: &std::path::Path, prompt: &[u32]) -> u64 {
@@ -175,6 +192,7 @@ async fn reused(c: &Cluster, path: &std::path::Path, prompt: &[u32]) -> u64 {
     let (tokens, end) = generate(&c.coordinator, prompt, 8).await;
     end.expect("no error");
     assert_eq!(tokens, want, "{} prompt tokens", prompt.len());
+    blocks_agree(c);
     hits(&c.coordinator) - before
 }
 
@@ -214,4 +232,39 @@ async fn cached_prefixes_outlive_their_slot_until_the_pool_needs_their_blocks() 
     );
     c.coordinator.shutdown().await;
     c.workers.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_that_share_a_system_prompt_keep_their_own_cells() {
+    let dir = TempDir::new("prefix-system");
+    let path = tiny_model(&dir, 25);
+    // Two conversations open with the same 70-token system prompt (two whole blocks).
+    let system = ids(1, 70);
+    let a = cat(&[&system, &ids(2, 40)]);
+    let b = cat(&[&system, &ids(3, 40)]);
+    for workers in [1, 2] {
+        let c = cluster(&path, workers, |cfg| {
+            cfg.parallel = 1;
+            cfg.cached_prefixes = Some(2);
+        })
+        .await;
+        assert_eq!(reused(&c, &path, &a).await, 0);
+        assert_eq!(
+            reused(&c, &path, &b).await,
+            64,
+            "{workers} workers: b shares a's whole blocks"
+        );
+        // Each next turn finds its whole first turn: b did not take a's cells.
+        for (first, seed) in [(&a, 4), (&b, 5)] {
+            let next = cat(&[first, &ids(seed, 10)]);
+            assert_eq!(
+                reused(&c, &path, &next).await,
+                first.len() as u64,
+                "{workers} workers"
+            );
+        }
+        assert_eq!(evictions(&c.coordinator), 0);
+        c.coordinator.shutdown().await;
+        c.workers.shutdown().await;
+    }
 }

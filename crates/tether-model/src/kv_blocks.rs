@@ -21,14 +21,14 @@ use crate::error::ModelError;
 
 /// A block to copy into a fresh one before a batch writes into the fresh one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct BlockCopy {
-    pub(crate) from: u32,
-    pub(crate) to: u32,
+pub struct BlockCopy {
+    pub from: u32,
+    pub to: u32,
 }
 
 /// Block tables, reference counts and free blocks of one stage.
 #[derive(Clone, Debug)]
-pub(crate) struct KvBlocks {
+pub struct KvBlocks {
     /// Table entries (and home blocks) per sequence.
     per_seq: u32,
     /// `[n_seq][per_seq]` block numbers; entries at or past a sequence's `live` count are
@@ -47,7 +47,7 @@ impl KvBlocks {
     /// Tables for `n_seq` sequences of `per_seq` entries each over a pool of `n_blocks`
     /// blocks, every table the identity where the pool has the block and dirty, so the
     /// device's copy is written before the first batch.
-    pub(crate) fn new(n_seq: u32, per_seq: u32, n_blocks: u32) -> Self {
+    pub fn new(n_seq: u32, per_seq: u32, n_blocks: u32) -> Self {
         let entries = n_seq as usize * per_seq as usize;
         Self {
             per_seq,
@@ -62,12 +62,12 @@ impl KvBlocks {
     }
 
     /// Blocks in the pool.
-    pub(crate) fn n_blocks(&self) -> usize {
+    pub fn n_blocks(&self) -> usize {
         self.refs.len()
     }
 
     /// Blocks no sequence holds.
-    pub(crate) fn free_blocks(&self) -> usize {
+    pub fn free_blocks(&self) -> usize {
         self.free.len()
     }
 
@@ -139,7 +139,7 @@ impl KvBlocks {
     /// positions `[i·B, (i+1)·B)` of it: a new block when `i` is the entry after the live
     /// ones, a copy of the shared block when another sequence holds it too (returned, to be
     /// copied before the batch writes), nothing when `seq` already holds it alone.
-    pub(crate) fn writable(&mut self, seq: u32, i: u32) -> Result<Option<BlockCopy>, ModelError> {
+    pub fn writable(&mut self, seq: u32, i: u32) -> Result<Option<BlockCopy>, ModelError> {
         let live = self.live[seq as usize];
         if i > live || i >= self.per_seq {
             return Err(ModelError::FailedPrecondition(format!(
@@ -167,7 +167,7 @@ impl KvBlocks {
     }
 
     /// Keeps the blocks of the first `len` positions of `seq` and lets go of the rest.
-    pub(crate) fn keep(&mut self, seq: u32, len: u32) {
+    pub fn keep(&mut self, seq: u32, len: u32) {
         let keep = len.div_ceil(KV_BLOCK_CELLS);
         let live = self.live[seq as usize];
         for i in keep..live {
@@ -179,7 +179,7 @@ impl KvBlocks {
 
     /// Makes `dst` hold the blocks of the first `len` positions of `src` by reference,
     /// after letting go of its own. `src` must hold `len` positions.
-    pub(crate) fn share(&mut self, src: u32, dst: u32, len: u32) {
+    pub fn share(&mut self, src: u32, dst: u32, len: u32) {
         self.keep(dst, 0);
         let n = len.div_ceil(KV_BLOCK_CELLS).min(self.live[src as usize]);
         for i in 0..n {

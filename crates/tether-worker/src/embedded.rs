@@ -16,7 +16,7 @@ use crate::server::{ServerOptions, serve};
 use crate::stage::StageFactory;
 use std::sync::Arc;
 use tether_compute::{CpuBackend, CudaBackend, CudaTuning};
-use tether_protocol::{BearerToken, WorkerStatus};
+use tether_protocol::{BearerToken, SessionSummary, WorkerStatus};
 use tokio::sync::oneshot;
 
 /// Memory left to the rest of the machine when no limit is given: a tenth, at most 1 GiB.
@@ -179,6 +179,11 @@ impl LocalWorker {
     /// Its status, as `tetherctl status` would show it.
     pub fn status(&self) -> WorkerStatus {
         self.registry.status()
+    }
+
+    /// Every live session, as the admin service lists them.
+    pub fn sessions(&self) -> Vec<SessionSummary> {
+        self.registry.sessions()
     }
 
     /// The time its forward passes took so far, in all.

@@ -133,6 +133,17 @@ impl Metrics {
                 "Requests generating now.",
                 stats.running,
             ),
+            (
+                "tether_engine_kv_blocks",
+                "Blocks of 32 KV cells in each worker's paged pool.",
+                stats.kv_blocks,
+            ),
+            (
+                "tether_engine_kv_blocks_free",
+                "Blocks of each worker's paged KV pool that no sequence, running or cached, \
+                 holds.",
+                stats.kv_blocks_free,
+            ),
         ];
         for (name, help, value) in gauges {
             register(&mut reg, name, help, ConstGauge::new(value));
@@ -198,6 +209,8 @@ mod tests {
             prompt_tokens: 7,
             prefix_hit_tokens: 5,
             prefix_evictions: 2,
+            kv_blocks: 64,
+            kv_blocks_free: 60,
         };
         let text = Metrics::default().render(&stats);
         assert!(text.contains("tether_engine_queued_requests 3"));
@@ -206,5 +219,7 @@ mod tests {
         assert!(text.contains("tether_engine_prompt_tokens_total 7"));
         assert!(text.contains("tether_engine_prefix_cache_hit_tokens_total 5"));
         assert!(text.contains("tether_engine_prefix_cache_evictions_total 2"));
+        assert!(text.contains("tether_engine_kv_blocks 64"));
+        assert!(text.contains("tether_engine_kv_blocks_free 60"));
     }
 }

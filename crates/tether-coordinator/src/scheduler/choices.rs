@@ -95,7 +95,10 @@ impl Scheduler {
     /// the whole blocks before the last token (which every choice runs itself); 0 when
     /// nothing is copied.
     fn shared_prompt(&self, req: &GenRequest) -> usize {
-        let copies = self.prefix.as_ref().is_some_and(|p| p.copies_busy_slots());
+        let copies = self
+            .prefix
+            .as_ref()
+            .is_some_and(|p| p.copies_between_slots());
         if !copies || req.prompt_logprobs.is_some() {
             return 0;
         }

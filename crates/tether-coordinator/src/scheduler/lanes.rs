@@ -130,6 +130,7 @@ impl Scheduler {
             }
             // Spare workers (more than lanes) still get groups of the lane's sequences.
             let groups = self.groups(chunks, (stages / self.lanes).max(1));
+            self.claim_blocks(&groups);
             let nothing_else = lanes_with_work == 1 && flight.iter().all(Option::is_none);
             let alone = nothing_else && groups.len() == 1;
             let batches: Vec<Arc<Batch>> = groups.into_iter().map(Arc::new).collect();
