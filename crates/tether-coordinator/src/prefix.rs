@@ -235,11 +235,6 @@ impl PrefixCache {
             .min_by_key(|&i| self.held[i].last_used)
     }
 
-    /// Positions `slot`'s cells hold (what its last request fed; 0 for a slot never used).
-    pub fn held_len(&self, slot: usize) -> usize {
-        self.held.get(slot).map_or(0, |h| h.tokens.len())
-    }
-
     /// The free slot other than `except` whose cells hold something and were used least
     /// recently: the next to give its cells up when the KV pool needs room.
     pub fn eviction_candidate(&self, slots: &[SlotUse], except: usize) -> Option<usize> {

@@ -32,6 +32,7 @@ use replace::{Replace, Retiring};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tether_compute::KV_BLOCK_CELLS;
 use tether_model::plan::kv_blocks_per_seq;
 use tether_model::{Sampler, kv_ring};
 use tokio::sync::mpsc;
@@ -353,7 +354,7 @@ impl Scheduler {
         );
         // The copy goes first: evictions to make room may take its source.
         if let Some(from) = p.copy_from {
-            self.kv_moves.push(KvMove::Copy {
+            self.queue_kv_move(KvMove::Copy {
                 from: from as u32,
                 to: p.slot as u32,
                 cells: p.cached as u32,
@@ -366,50 +367,56 @@ impl Scheduler {
         Some((p.slot, p.cached))
     }
 
+    /// Queues `m` for every worker before the next step, and makes it in the ledger now.
+    fn queue_kv_move(&mut self, m: KvMove) {
+        self.ledger.apply(m);
+        self.kv_moves.push(m);
+        self.publish_kv_blocks();
+    }
+
     /// With cached-prefix sequences sharing the workers' KV pool (`ServeShape::cached_seqs`),
-    /// keeps the blocks every sequence may come to hold within the pool once the request
-    /// placed at `p` (reaching `most` positions) starts: the running sequences' prompts and
-    /// `max_tokens`, and the free slots' cells, whose least recently used give theirs up
-    /// until it fits. The running sequences alone always fit (at most `--parallel` of
-    /// them), so this never waits; sharing between slots only makes it cautious.
+    /// keeps the blocks the running sequences may still claim within the pool's free ones
+    /// once the request placed at `p` (reaching `most` positions) starts: each may write up
+    /// to its prompt and `max_tokens` (within the context), past the whole blocks it holds.
+    /// While they do not fit, the least recently used cached slot gives its cells up; the
+    /// blocks it shares with other slots stay theirs, which the ledger knows. The running
+    /// sequences alone always fit (at most `--parallel` of them), so this never waits.
     fn make_room(&mut self, p: &Placement, most: usize) {
         let shape = self.setup.shape;
-        let Some(prefix) = &mut self.prefix else {
-            return;
-        };
-        if shape.cached_seqs == 0 {
+        if self.prefix.is_none() || shape.cached_seqs == 0 {
             return;
         }
         // The slot's cells past the reused prompt are stale: let their blocks go now (a
         // copy into the slot empties it on the workers anyway).
         if p.copy_from.is_none() && p.held_before > p.cached {
-            self.kv_moves.push(KvMove::Truncate {
+            self.queue_kv_move(KvMove::Truncate {
                 slot: p.slot as u32,
                 keep: p.cached as u32,
             });
         }
         let blocks = |n: usize| kv_blocks_per_seq(n.min(shape.ctx_per_seq));
-        let pool = shape.n_seq * blocks(shape.ctx_per_seq);
-        let keep = self.setup.context_shift.map(|s| s.keep);
-        let uses = slot_uses(&self.slots, keep);
-        let running: usize = self
+        // A partly written last block counts as still to claim: it may be shared, and a
+        // write into it then takes a copy.
+        let to_claim =
+            |end: usize, fed: usize| blocks(end).saturating_sub(fed / KV_BLOCK_CELLS as usize);
+        let needed: usize = self
             .slots
             .iter()
             .flatten()
-            .map(|s| blocks(s.prompt_len + s.max_tokens))
-            .sum();
-        let cached: usize = (0..self.slots.len())
-            .filter(|&i| i != p.slot && self.slots[i].is_none())
-            .map(|i| blocks(prefix.held_len(i)))
-            .sum();
-        let mut used = running + cached + blocks(most);
-        while used > pool {
+            .map(|s| to_claim(s.prompt_len + s.max_tokens, s.fed))
+            .sum::<usize>()
+            + to_claim(most, p.cached);
+        let keep = self.setup.context_shift.map(|s| s.keep);
+        let uses = slot_uses(&self.slots, keep);
+        while needed > self.ledger.counts().1 {
+            let Some(prefix) = &mut self.prefix else {
+                return;
+            };
             let Some(i) = prefix.eviction_candidate(&uses, p.slot) else {
                 break;
             };
-            used -= blocks(prefix.held_len(i));
             prefix.forget(i);
-            self.kv_moves.push(KvMove::Truncate {
+            self.queue_kv_move(KvMove::Truncate {
                 slot: i as u32,
                 keep: 0,
             });
@@ -418,15 +425,8 @@ impl Scheduler {
     }
 
     /// Before a step: makes the queued copies between slots and gives the KV pool back
-    /// what evicted slots held, on every worker.
+    /// what evicted slots held, on every worker (the ledger has them already).
     async fn flush_kv_moves(&mut self, stages: &[LoadedStage]) -> Result<(), Loss> {
-        for m in &self.kv_moves {
-            match *m {
-                KvMove::Copy { from, to, cells } => self.ledger.copy(from, to, cells),
-                KvMove::Truncate { slot, keep } => self.ledger.keep(slot, keep),
-            }
-        }
-        self.publish_kv_blocks();
         apply_kv_moves(stages, &mut self.kv_moves).await
     }
 

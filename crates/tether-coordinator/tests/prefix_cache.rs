@@ -268,3 +268,30 @@ async fn conversations_that_share_a_system_prompt_keep_their_own_cells() {
         c.workers.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_two_slots_share_are_counted_once_when_making_room() {
+    let dir = TempDir::new("prefix-shared-room");
+    let path = tiny_model(&dir, 26);
+    // One running sequence: a pool of 8 blocks. Two conversations of 5 blocks each that
+    // share a 3-block system prompt hold 7 of them together, so both stay cached.
+    let system = ids(1, 96);
+    let a = cat(&[&system, &ids(2, 40)]);
+    let b = cat(&[&system, &ids(3, 40)]);
+    let c = cluster(&path, 1, |cfg| {
+        cfg.parallel = 1;
+        cfg.cached_prefixes = Some(2);
+    })
+    .await;
+    assert_eq!(reused(&c, &path, &a).await, 0);
+    assert_eq!(reused(&c, &path, &b).await, 96);
+    for (first, seed) in [(&a, 4), (&b, 5)] {
+        let next = cat(&[first, &ids(seed, 10)]);
+        assert_eq!(reused(&c, &path, &next).await, first.len() as u64);
+    }
+    assert_eq!(evictions(&c.coordinator), 0, "nothing had to go");
+    let free = c.coordinator.stats().kv_blocks_free;
+    assert_eq!(free, 1, "5 + 5 blocks, 3 of them shared, in a pool of 8");
+    c.coordinator.shutdown().await;
+    c.workers.shutdown().await;
+}

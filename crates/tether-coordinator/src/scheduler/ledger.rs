@@ -10,6 +10,7 @@ use tether_model::plan::kv_blocks_per_seq;
 use tether_protocol::TokenPos;
 
 use crate::placement::ServeShape;
+use crate::prefix::KvMove;
 
 /// The coordinator's copy of one worker's block tables.
 pub(super) struct KvLedger {
@@ -44,9 +45,12 @@ impl KvLedger {
         }
     }
 
-    /// Slot `to` takes slot `from`'s first `cells` by reference.
-    pub fn copy(&mut self, from: u32, to: u32, cells: u32) {
-        self.blocks.share(from, to, cells);
+    /// Makes a move the workers are to make before the next step.
+    pub fn apply(&mut self, m: KvMove) {
+        match m {
+            KvMove::Copy { from, to, cells } => self.blocks.share(from, to, cells),
+            KvMove::Truncate { slot, keep } => self.blocks.keep(slot, keep),
+        }
     }
 
     /// Slot `slot` keeps the blocks of its first `keep` positions.
