@@ -1,16 +1,17 @@
 //! Prefix reuse over the sequence slots. A slot's KV cells outlive its request: the cache
-//! remembers which tokens each slot's cells hold, and a new request takes the free slot
-//! whose cells already hold the longest part of its prompt, so only the rest is prefilled.
-//! When a longer prefix lives in a slot that is busy, its first whole blocks are given to
-//! the chosen slot on every worker instead (a KV copy, which the workers' paged pools make
-//! a share of the blocks, copied on write). Taking a slot for another prompt
-//! overwrites what it held: that is the eviction, least recently used first among equals.
+//! remembers which tokens each slot's cells hold. A new request that continues what a free
+//! slot holds takes that slot, so only the rest is prefilled. Otherwise the longest prefix
+//! of its prompt that any slot holds, free or busy, is given to the slot it takes on every
+//! worker (a KV copy, which the workers' paged pools make a share of the blocks; the
+//! partly filled last one is copied when either slot writes into it), and the slot that
+//! held it keeps its cells. Taking a slot for another prompt overwrites what it held: that
+//! is the eviction, least recently used first.
 //!
 //! A model whose sliding-window layers keep only a ring of cells (see
 //! [`tether_model::kv_ring`]) can continue a slot only from a length whose window its ring
 //! still holds: each slot remembers the highest position written since its cells were
 //! last started afresh, and a prefix too far behind it is not reused (the prompt is
-//! prefilled from its start). Copies from busy slots are not made for such models, since
+//! prefilled from its start). Copies between slots are not made for such models, since
 //! what a running request has overwritten is not tracked.
 //!
 //! Tokens are hashed in blocks of [`BLOCK`] with a chain hash (each block's hash covers
@@ -96,7 +97,7 @@ pub(crate) enum SlotUse {
 pub(crate) struct Placement {
     /// The free slot the request takes.
     pub slot: usize,
-    /// A busy slot whose first `cached` cells are to be copied into `slot` first.
+    /// A slot whose first `cached` cells are to be copied into `slot` first.
     pub copy_from: Option<usize>,
     /// Prompt tokens whose cells are reused: prefill starts at this position.
     pub cached: usize,
@@ -156,9 +157,8 @@ impl PrefixCache {
     ///
     /// A free slot whose cells the prompt continues is taken as it is. Otherwise the
     /// request takes an empty slot, or else the least recently used free one, and the
-    /// longest whole-block prefix of the prompt that any other slot holds, free or busy, is
-    /// shared into it: a conversation that shares only a system prompt with the new one
-    /// keeps its cells.
+    /// longest prefix of the prompt that any other slot holds, free or busy, is shared into
+    /// it: a conversation that shares only a system prompt with the new one keeps its cells.
     pub fn place(&mut self, prompt: &[u32], slots: &[SlotUse]) -> Option<Placement> {
         let chain = chain_hashes(prompt);
         let most = prompt.len().saturating_sub(1);
@@ -199,18 +199,18 @@ impl PrefixCache {
             let source = (0..self.held.len())
                 .filter(|&i| i != placement.slot)
                 .filter_map(|i| match slots.get(i)? {
-                    SlotUse::Free => Some((i, common[i] / BLOCK * BLOCK)),
-                    SlotUse::Busy { valid } => Some((i, common[i].min(*valid) / BLOCK * BLOCK)),
+                    SlotUse::Free => Some((i, common[i])),
+                    SlotUse::Busy { valid } => Some((i, common[i].min(*valid))),
                 })
-                .max_by_key(|&(_, whole)| whole);
-            if let Some((from, whole)) = source
-                && whole > placement.cached
+                .max_by_key(|&(_, shared)| shared);
+            if let Some((from, shared)) = source
+                && shared > placement.cached
             {
                 // Into the slot chosen above: what it held past its reused part is under a
                 // block, or it is the slot to give up.
                 placement = Placement {
                     copy_from: Some(from),
-                    cached: whole,
+                    cached: shared,
                     ..placement
                 };
             }
@@ -286,7 +286,8 @@ pub(crate) fn slot_uses(slots: &[Option<Sequence>], keep: Option<usize>) -> Vec<
 /// in the order they were queued: a copy from a slot comes before that slot's eviction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum KvMove {
-    /// Slot `to` gets slot `from`'s first `cells` (whole blocks, shared on the workers).
+    /// Slot `to` gets slot `from`'s first `cells` (their blocks shared on the workers, the
+    /// partly filled last one copied when either slot writes into it).
     Copy { from: u32, to: u32, cells: u32 },
     /// Slot `slot` keeps only its first `keep` cells; the rest of its blocks go back to
     /// the pool.
@@ -369,7 +370,7 @@ mod tests {
     }
 
     #[test]
-    fn a_few_shared_tokens_do_not_cost_a_conversation_while_a_slot_is_empty() {
+    fn a_few_shared_tokens_do_not_cost_a_conversation() {
         let mut cache = PrefixCache::new(3, None);
         // Every chat prompt starts with the same few template tokens.
         let template = tokens(9, 20);
@@ -378,9 +379,9 @@ mod tests {
         let other = joined(&template, &tokens(2, 50));
         let p = cache.place(&other, &[FREE; 3]).unwrap();
         assert_eq!(
-            (p.slot, p.cached),
-            (1, 0),
-            "an empty slot, not the conversation's"
+            (p.slot, p.copy_from, p.cached),
+            (1, Some(0), 20),
+            "an empty slot, not the conversation's, with its template tokens shared"
         );
         // The conversation comes back to its cells.
         let next = joined(&history, &tokens(3, 10));
@@ -401,10 +402,10 @@ mod tests {
         cache.release(0, &tokens(1, 80));
         let mut prompt = tokens(1, 80);
         prompt[45] = 7;
-        // With an empty slot, the whole blocks before the difference are shared into it
-        // and slot 0 keeps its 80 tokens.
+        // With an empty slot, the cells before the difference are shared into it and slot
+        // 0 keeps its 80 tokens.
         let p = cache.place(&prompt, &[FREE; 2]).unwrap();
-        assert_eq!((p.slot, p.copy_from, p.cached), (1, Some(0), 32));
+        assert_eq!((p.slot, p.copy_from, p.cached), (1, Some(0), 45));
         cache.release(1, &prompt);
         // Without one, the least recently used slot is continued where it differs.
         let mut other = tokens(1, 80);
@@ -421,9 +422,9 @@ mod tests {
         let b = joined(&system, &tokens(2, 40));
         cache.place(&a, &[FREE; 4]);
         cache.release(0, &a);
-        // b shares a's three whole blocks of the system prompt, in a slot of its own.
+        // b shares a's cells of the system prompt, in a slot of its own.
         let p = cache.place(&b, &[FREE; 4]).unwrap();
-        assert_eq!((p.slot, p.copy_from, p.cached), (1, Some(0), 96));
+        assert_eq!((p.slot, p.copy_from, p.cached), (1, Some(0), 100));
         cache.release(1, &b);
         // Each conversation's next turn finds its whole history where it left it.
         let next_a = joined(&a, &tokens(3, 5));
@@ -440,11 +441,11 @@ mod tests {
             FREE,
         ];
         let p = cache.place(&joined(&system, &tokens(5, 7)), &busy).unwrap();
-        assert_eq!((p.slot, p.copy_from, p.cached), (2, Some(0), 96));
+        assert_eq!((p.slot, p.copy_from, p.cached), (2, Some(0), 100));
     }
 
     #[test]
-    fn a_longer_prefix_in_a_busy_slot_is_copied_in_whole_blocks() {
+    fn a_longer_prefix_in_a_busy_slot_is_copied_as_far_as_it_has_fed() {
         let mut cache = PrefixCache::new(3, None);
         let system = tokens(1, 70);
         cache.release(2, &tokens(3, 40));
@@ -458,12 +459,12 @@ mod tests {
             Placement {
                 slot: 2,
                 copy_from: Some(0),
-                cached: 32,
+                cached: 60,
                 held_before: 40,
             },
-            "one whole block of the 60 cells; into the least recently used slot"
+            "the 60 cells fed so far; into the least recently used slot"
         );
-        // Fewer cells in than a block: nothing to copy.
+        // Nothing in common: nothing to copy.
         let busy = [
             SlotUse::Busy { valid: 31 },
             FREE,

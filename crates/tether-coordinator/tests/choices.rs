@@ -12,8 +12,8 @@ use tether_coordinator::api::{GenError, Generation};
 async fn greedy_choices_equal_the_generator_and_share_the_prompt_over_lanes() {
     let dir = TempDir::new("choices-lanes");
     let path = tiny_model(&dir, 41);
-    // 70 tokens: two whole blocks before the last token are copied, the rest prefilled
-    // in micro-batches of 8.
+    // 70 tokens: the 69 before the last are shared (the last, partly filled block copied
+    // on write), and each choice runs the last itself.
     let prompt: Vec<u32> = (0..70).map(|i| 3 + (i * 37 + 11) % 250).collect();
     let max_tokens = 10;
     let want = reference(&path, &prompt, max_tokens, 256);
@@ -31,8 +31,8 @@ async fn greedy_choices_equal_the_generator_and_share_the_prompt_over_lanes() {
         }
         assert_eq!(
             engine.stats().prefix_hit_tokens - before,
-            2 * 64,
-            "{workers} workers: choices 1 and 2 copy 64 prompt cells each"
+            2 * 69,
+            "{workers} workers: choices 1 and 2 share 69 prompt cells each"
         );
         let refused = engine.submit_choices(vec![greedy(&prompt, 2); 5]);
         assert!(

@@ -84,7 +84,7 @@ async fn reused_prefixes_give_the_tokens_of_a_full_prefill() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_running_requests_prefix_is_copied_in_whole_blocks() {
+async fn a_running_requests_prefix_is_shared_into_another_slot() {
     let dir = TempDir::new("prefix-copy");
     let path = tiny_model(&dir, 22);
     let system = ids(1, 70);
@@ -107,8 +107,8 @@ async fn a_running_requests_prefix_is_copied_in_whole_blocks() {
         assert_eq!(tokens, other_out, "{workers} workers");
         assert_eq!(
             hits(&c.coordinator),
-            64,
-            "{workers} workers: the 70 shared tokens hold two whole blocks"
+            70,
+            "{workers} workers: the 70 shared tokens, the last block's 6 copied on write"
         );
         let mut rest = vec![match first {
             GenEvent::Token(t) => t,
@@ -238,7 +238,8 @@ async fn cached_prefixes_outlive_their_slot_until_the_pool_needs_their_blocks() 
 async fn conversations_that_share_a_system_prompt_keep_their_own_cells() {
     let dir = TempDir::new("prefix-system");
     let path = tiny_model(&dir, 25);
-    // Two conversations open with the same 70-token system prompt (two whole blocks).
+    // Two conversations open with the same 70-token system prompt (two blocks and part of
+    // a third).
     let system = ids(1, 70);
     let a = cat(&[&system, &ids(2, 40)]);
     let b = cat(&[&system, &ids(3, 40)]);
@@ -251,8 +252,8 @@ async fn conversations_that_share_a_system_prompt_keep_their_own_cells() {
         assert_eq!(reused(&c, &path, &a).await, 0);
         assert_eq!(
             reused(&c, &path, &b).await,
-            64,
-            "{workers} workers: b shares a's whole blocks"
+            70,
+            "{workers} workers: b shares a's system prompt"
         );
         // Each next turn finds its whole first turn: b did not take a's cells.
         for (first, seed) in [(&a, 4), (&b, 5)] {

@@ -3,9 +3,9 @@
 //! each hold part of what they need and wait on each other.
 //!
 //! The choices share the prompt. The first choice starts at once; the others keep their
-//! slots reserved and start once the first has fed the whole blocks of the prompt that can
-//! be copied ([`crate::prefix`]), so they copy those cells instead of computing them
-//! again and prefill only the last partial block. Without a prefix cache, on models whose
+//! slots reserved and start once the first has fed the prompt but its last token
+//! ([`crate::prefix`]), so they share those cells instead of computing them again and run
+//! only the last token. Without a prefix cache, on models whose
 //! sliding-window layers keep a ring (whose busy slots are never copied), or when the
 //! prompt is scored, every choice starts at once and prefills the prompt itself.
 
@@ -13,7 +13,6 @@ use std::time::Instant;
 
 use super::Scheduler;
 use crate::api::{GenError, GenRequest};
-use crate::prefix::BLOCK;
 use crate::sequence::Events;
 
 /// One choice of a request: its own sequence and event channel.
@@ -92,8 +91,7 @@ impl Scheduler {
     }
 
     /// How many prompt tokens of `req` the other choices can copy from its slot once fed:
-    /// the whole blocks before the last token (which every choice runs itself); 0 when
-    /// nothing is copied.
+    /// all but the last (which every choice runs itself); 0 when nothing is copied.
     fn shared_prompt(&self, req: &GenRequest) -> usize {
         let copies = self
             .prefix
@@ -102,7 +100,7 @@ impl Scheduler {
         if !copies || req.prompt_logprobs.is_some() {
             return 0;
         }
-        req.prompt.len().saturating_sub(1) / BLOCK * BLOCK
+        req.prompt.len().saturating_sub(1)
     }
 
     /// Starts the waiting choices whose first choice has fed the shared prompt, or no
