@@ -50,10 +50,12 @@ async fn reused_prefixes_give_the_tokens_of_a_full_prefill() {
         .map(|w| w.iter().map(|p| reference(&path, p, n, CTX)).collect())
         .collect();
     for workers in [1, 2] {
-        for prefix_cache in [true, false] {
+        // Cached-prefix slots (the default), none, and no prefix cache.
+        for (prefix_cache, cached) in [(true, None), (true, Some(0)), (false, None)] {
             let c = cluster(&path, workers, |cfg| {
                 cfg.parallel = 2;
                 cfg.prefix_cache = prefix_cache;
+                cfg.cached_prefixes = cached;
             })
             .await;
             for (w, (wave, want)) in waves.iter().zip(&expected).enumerate() {
@@ -70,6 +72,7 @@ async fn reused_prefixes_give_the_tokens_of_a_full_prefill() {
                         "{workers} workers, prefix cache {prefix_cache}, wave {w} request {k}"
                     );
                 }
+                blocks_agree(&c).await;
             }
             let reused = hits(&c.coordinator);
             if prefix_cache {
@@ -167,20 +170,34 @@ fn evictions(c: &impl Generation) -> u64 {
     c.stats().prefix_evictions
 }
 
-/// Checks that the coordinator's `/metrics` block counts are every worker's own.
-fn blocks_agree(c: &Cluster) {
-    let stats = c.coordinator.stats();
-    for w in &c.workers.workers {
-        let sessions = w.sessions();
-        let [s] = sessions.as_slice() else {
-            panic!("one session a worker, got {}", sessions.len());
-        };
-        assert_eq!(
-            (stats.kv_blocks as u64, stats.kv_blocks_free as u64),
-            (s.kv_blocks, s.kv_blocks_free),
-            "the coordinator's count against worker {}",
-            w.addr()
+/// Checks that the coordinator's `/metrics` block counts are every worker's own, once the
+/// moves queued after the last request (clearing its slot) have reached the workers.
+async fn blocks_agree(c: &Cluster) {
+    let counts = || {
+        let stats = c.coordinator.stats();
+        let ours = (stats.kv_blocks as u64, stats.kv_blocks_free as u64);
+        let theirs: Vec<(u64, u64)> = c
+            .workers
+            .workers
+            .iter()
+            .map(|w| match w.sessions().as_slice() {
+                [s] => (s.kv_blocks, s.kv_blocks_free),
+                other => panic!("one session a worker, got {}", other.len()),
+            })
+            .collect();
+        (ours, theirs)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        let (ours, theirs) = counts();
+        if theirs.iter().all(|t| *t == ours) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the coordinator counts {ours:?} blocks (pool, free), the workers {theirs:?}"
         );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
 }
 
@@ -192,7 +209,7 @@ async fn reused(c: &Cluster, path: &std::path::Path, prompt: &[u32]) -> u64 {
     let (tokens, end) = generate(&c.coordinator, prompt, 8).await;
     end.expect("no error");
     assert_eq!(tokens, want, "{} prompt tokens", prompt.len());
-    blocks_agree(c);
+    blocks_agree(c).await;
     hits(&c.coordinator) - before
 }
 

@@ -35,13 +35,23 @@ impl KvLedger {
         *self = Self::new(self.shape);
     }
 
-    /// A step's `tokens` claim the blocks their positions are written into.
+    /// A batch's `tokens` claim the blocks their positions are written into, and each
+    /// sequence then keeps the blocks up to its last token's position: writing a position
+    /// makes everything after it stale, as on the workers.
     pub fn write(&mut self, tokens: &[TokenPos]) {
+        let mut ends: Vec<(u32, u32)> = Vec::new();
         for t in tokens {
             // A worker refuses the same step, which then ends the sessions and resets this.
             if let Err(e) = self.blocks.writable(t.seq, t.pos / KV_BLOCK_CELLS) {
                 tracing::debug!("KV ledger: {e}");
             }
+            match ends.iter_mut().find(|(s, _)| *s == t.seq) {
+                Some(end) => end.1 = t.pos + 1,
+                None => ends.push((t.seq, t.pos + 1)),
+            }
+        }
+        for (seq, end) in ends {
+            self.blocks.keep(seq, end);
         }
     }
 
