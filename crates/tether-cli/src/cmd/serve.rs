@@ -108,7 +108,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = TemplateBudget::default().max_output_bytes)]
     pub template_max_output: usize,
     /// Requests prepared at once off the async runtime when their preparation is heavy (a
-    /// body of 16 KiB or more, or a chat template to render); more get HTTP 429 at once.
+    /// body of 16 KiB or more, or a chat template to render), each on a thread 10 nice
+    /// steps below the server's so that heartbeats and /health stay prompt; more get HTTP
+    /// 429 at once.
     #[arg(long, default_value_t = default_max_heavy_requests())]
     pub max_heavy_requests: usize,
     /// How `/v1/embeddings` pools a prompt's hidden states: mean, cls or last. Default:
