@@ -100,19 +100,37 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
             .forward(&call(vec![1, 2, 3], &[2], Rows::Logits))
             .expect("logits");
         // Sent and answered in two halves, as a decode step over a GPU worker is: the same
-        // answer. A reply whose caller gave up is dropped before the next call, which gets
-        // its own, and the abandoned half cannot take it later.
+        // answer.
         let c = call(vec![1, 2, 3], &[2], Rows::Logits);
         let sent = link.forward_send(&c).expect("send");
         assert_eq!(link.forward_reply(sent).expect("reply"), reference);
-        let abandoned = link
+        // Three sent before any reply is read, as a pipeline's stage sends them: each reply
+        // is its own call's. Asked for out of order, a reply is refused and skipped.
+        let argmax = link
+            .forward(&call(vec![1, 2, 3], &[1, 2], Rows::ArgMax))
+            .expect("arg-max");
+        let first = link.forward_send(&c).expect("send");
+        let second = link
             .forward_send(&call(vec![1, 2, 3], &[1, 2], Rows::ArgMax))
-            .expect("send");
-        assert_eq!(link.forward(&c).expect("the next call"), reference);
+            .expect("send ahead");
+        let third = link.forward_send(&c).expect("send further ahead");
         let e = link
-            .forward_reply(abandoned)
-            .expect_err("its reply was dropped");
-        assert!(e.to_string().contains("awaits its reply"), "{e}");
+            .forward_reply(second)
+            .expect_err("the second reply before the first");
+        assert!(e.to_string().contains("sent earlier"), "{e}");
+        assert_eq!(link.forward_reply(first).expect("first"), reference);
+        assert_eq!(link.forward_reply(third).expect("third"), reference);
+        // A reply whose caller gave up is dropped before the next call's.
+        drop(
+            link.forward_send(&call(vec![1, 2, 3], &[1, 2], Rows::ArgMax))
+                .expect("send"),
+        );
+        assert_eq!(link.forward(&c).expect("the next call"), reference);
+        assert_eq!(
+            link.forward(&call(vec![1, 2, 3], &[1, 2], Rows::ArgMax))
+                .expect("and the next"),
+            argmax
+        );
         let bad = [
             call(vec![1, 2, 1 << 30], &[2], Rows::Logits),
             call(vec![1, 2, 3], &[], Rows::ArgMax),

@@ -1,18 +1,24 @@
-//! The coordinator's end of a data link: one socket to one worker's session, one blocking
-//! request at a time. Forward calls go here instead of gRPC because each gRPC call crosses
-//! several threads on both ends (about 0.3 ms a call on a server CPU), where a link's
-//! request and reply are one write and one read each.
+//! The coordinator's end of a data link: one socket to one worker's session. Forward calls
+//! go here instead of gRPC because each gRPC call crosses several threads on both ends
+//! (about 0.3 ms a call on a server CPU), where a link's request and reply are one write and
+//! one read each.
+//!
+//! The worker answers a link's requests one by one, in order, so a caller may send the next
+//! request before the last reply is read (a pipeline's stage keeps its worker busy that
+//! way): writes and reads take separate locks, replies are numbered in sending order, and
+//! they must be taken in that order.
 
 use tether_protocol::link::conn::{Conn, unix_name};
 use tether_protocol::link::frame::{self, Refusal};
 use tether_protocol::link::wire::{FRAME_WITHIN, FrameError, WaitEnd, read_frame, wait_for_frame};
 
 use crate::ClientError;
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tether_protocol::forward::check_reply;
 use tether_protocol::{BearerToken, ForwardCall, ForwardOutput, SessionId, WorkerError};
@@ -20,8 +26,11 @@ use tether_protocol::{BearerToken, ForwardCall, ForwardOutput, SessionId, Worker
 /// A data link to one session on one worker.
 pub struct DataLink {
     worker: String,
-    stream: Mutex<Conn>,
-    // A second handle on the socket, so that `shut` can wake a call blocked on the first.
+    // The socket's writing end, with the number of requests written.
+    writer: Mutex<(Conn, u64)>,
+    // Its reading end, with the number of replies read.
+    reader: Mutex<(Conn, u64)>,
+    // A third handle on the socket, so that `shut` can wake a call blocked on the others.
     control: Conn,
     shut: AtomicBool,
     // Set when the socket failed: the link cannot tell whether the call ran, so that call
@@ -29,8 +38,8 @@ pub struct DataLink {
     broken: AtomicBool,
     spin: Duration,
     max_frame_bytes: usize,
-    // Set between `forward_send` and `forward_reply`: a reply is on its way or unread.
-    unread: AtomicBool,
+    // The numbers of sent calls whose callers gave up: their replies are read and dropped.
+    abandoned: Arc<Mutex<BTreeSet<u64>>>,
 }
 
 impl std::fmt::Debug for DataLink {
@@ -147,18 +156,21 @@ impl DataLink {
     }
 
     fn new(to: &LinkTarget, conn: Conn, spin: Duration) -> Result<Self, ClientError> {
-        let control = conn
-            .try_clone()
-            .map_err(|e| ClientError::protocol("data link", &to.worker, e.to_string()))?;
+        let clone = |c: &Conn| {
+            c.try_clone()
+                .map_err(|e| ClientError::protocol("data link", &to.worker, e.to_string()))
+        };
+        let (control, reader) = (clone(&conn)?, clone(&conn)?);
         Ok(Self {
             worker: to.worker.clone(),
-            stream: Mutex::new(conn),
+            writer: Mutex::new((conn, 0)),
+            reader: Mutex::new((reader, 0)),
             control,
             shut: AtomicBool::new(false),
             broken: AtomicBool::new(false),
             spin,
             max_frame_bytes: to.max_frame_bytes,
-            unread: AtomicBool::new(false),
+            abandoned: Arc::default(),
         })
     }
 
@@ -186,61 +198,15 @@ impl DataLink {
 
     /// Runs `call` on the session's block. Blocking: the reply is awaited on this thread.
     pub fn forward(&self, call: &ForwardCall) -> Result<ForwardOutput, ClientError> {
-        let mut stream = self.lock()?;
-        let sent = self.send(&mut stream, call)?;
-        self.receive(&mut stream, sent)
+        let sent = self.forward_send(call)?;
+        self.forward_reply(sent)
     }
 
     /// Sends `call` and returns without waiting, so that the caller can do other work while
-    /// the worker computes; [`DataLink::forward_reply`] takes the reply. A reply never
-    /// taken (its caller gave up) is read and dropped before the link's next call.
+    /// the worker computes, or send the next call; [`DataLink::forward_reply`] takes the
+    /// reply. Replies must be taken in the order their calls were sent; one whose
+    /// [`SentForward`] was dropped untaken (its caller gave up) is read and dropped.
     pub fn forward_send(&self, call: &ForwardCall) -> Result<SentForward, ClientError> {
-        let mut stream = self.lock()?;
-        let sent = self.send(&mut stream, call)?;
-        self.unread.store(true, Ordering::SeqCst);
-        Ok(sent)
-    }
-
-    /// Waits for the reply of the call `sent` by [`DataLink::forward_send`]. Blocking.
-    pub fn forward_reply(&self, sent: SentForward) -> Result<ForwardOutput, ClientError> {
-        let mut stream = self.lock()?;
-        if !self.unread.swap(false, Ordering::SeqCst) {
-            return Err(ClientError::protocol(
-                "forward",
-                &self.worker,
-                "no call of this link awaits its reply",
-            ));
-        }
-        self.receive(&mut stream, sent)
-    }
-
-    /// The socket, once no other call holds it and when the link is still open.
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Conn>, ClientError> {
-        let stream = match self.stream.lock() {
-            Ok(s) => s,
-            Err(p) => p.into_inner(),
-        };
-        if self.shut.load(Ordering::SeqCst) {
-            return Err(ClientError::protocol(
-                "forward",
-                &self.worker,
-                "the data link was closed",
-            ));
-        }
-        Ok(stream)
-    }
-
-    /// The error of a failed socket, which breaks the link: whether the call ran is unknown.
-    fn io(&self, e: std::io::Error) -> ClientError {
-        self.broken.store(true, Ordering::SeqCst);
-        ClientError::Connect {
-            addr: self.worker.clone(),
-            detail: format!("data link: {e}"),
-        }
-    }
-
-    /// Writes `call` on `stream`, after dropping the reply of a call whose caller gave up.
-    fn send(&self, stream: &mut Conn, call: &ForwardCall) -> Result<SentForward, ClientError> {
         let op = "forward";
         let request = frame::encode_forward(call);
         if request.len() - 4 > self.max_frame_bytes {
@@ -254,20 +220,61 @@ impl DataLink {
                 )),
             ));
         }
-        if self.unread.swap(false, Ordering::SeqCst) {
-            self.read_body(stream)?;
+        let mut writer = lock(&self.writer);
+        self.still_open()?;
+        // Replies nobody will take are read first, when no caller is reading: a worker
+        // blocked writing an unread reply reads no request, and a large request written to
+        // it would then never finish.
+        if let Ok(mut reader) = self.reader.try_lock() {
+            let (conn, read) = &mut *reader;
+            while *read < writer.1 && self.take_abandoned(*read) {
+                self.read_body(conn)?;
+                *read += 1;
+            }
         }
-        stream.write_all(&request).map_err(|e| self.io(e))?;
+        writer.0.write_all(&request).map_err(|e| self.io(e))?;
+        let seq = writer.1;
+        writer.1 += 1;
         Ok(SentForward {
+            seq,
             logits_rows: call.logits_rows.len(),
             rows: call.rows,
+            abandoned: Some(Arc::clone(&self.abandoned)),
         })
     }
 
-    /// Reads and checks the reply of `sent`.
-    fn receive(&self, stream: &mut Conn, sent: SentForward) -> Result<ForwardOutput, ClientError> {
+    /// Waits for the reply of the call `sent` by [`DataLink::forward_send`]. Blocking.
+    pub fn forward_reply(&self, mut sent: SentForward) -> Result<ForwardOutput, ClientError> {
         let (op, worker) = ("forward", self.worker.as_str());
-        let body = self.read_body(stream)?;
+        let mut reader = lock(&self.reader);
+        self.still_open()?;
+        let (conn, read) = &mut *reader;
+        while *read < sent.seq {
+            if !self.take_abandoned(*read) {
+                return Err(ClientError::protocol(
+                    op,
+                    worker,
+                    format!(
+                        "the reply of call {} was asked for before that of call {}, sent earlier",
+                        sent.seq, *read
+                    ),
+                ));
+            }
+            self.read_body(conn)?;
+            *read += 1;
+        }
+        // Taken from here on, whatever happens next: a failed read breaks the link anyway.
+        // (Refused above, `sent` is dropped as abandoned and its reply skipped.)
+        sent.abandoned = None;
+        if *read > sent.seq {
+            return Err(ClientError::protocol(
+                op,
+                worker,
+                format!("the reply of call {} was already read", sent.seq),
+            ));
+        }
+        let body = self.read_body(conn)?;
+        *read += 1;
         let out = match frame::decode_output(&body) {
             Ok(Ok(out)) => out,
             Ok(Err(refusal)) => return Err(refused(op, worker, refusal)),
@@ -275,6 +282,32 @@ impl DataLink {
         };
         check_reply(sent.logits_rows, sent.rows, out)
             .map_err(|e| ClientError::domain(op, worker, e))
+    }
+
+    /// Whether call `seq` was abandoned; forgets it.
+    fn take_abandoned(&self, seq: u64) -> bool {
+        lock(&self.abandoned).remove(&seq)
+    }
+
+    /// Fails once the link is closed.
+    fn still_open(&self) -> Result<(), ClientError> {
+        if self.shut.load(Ordering::SeqCst) {
+            return Err(ClientError::protocol(
+                "forward",
+                &self.worker,
+                "the data link was closed",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The error of a failed socket, which breaks the link: whether the call ran is unknown.
+    fn io(&self, e: std::io::Error) -> ClientError {
+        self.broken.store(true, Ordering::SeqCst);
+        ClientError::Connect {
+            addr: self.worker.clone(),
+            detail: format!("data link: {e}"),
+        }
     }
 
     /// Waits for the next reply frame and reads its body.
@@ -300,13 +333,29 @@ impl DataLink {
     }
 }
 
-/// A forward call sent by [`DataLink::forward_send`] whose reply is still to be read: what
-/// checking that reply needs.
+/// A forward call sent by [`DataLink::forward_send`] whose reply is still to be read: its
+/// place in the link's order and what checking its reply needs. Dropped untaken, its reply
+/// is read and dropped.
 #[derive(Debug)]
 #[must_use = "the reply must be taken with forward_reply"]
 pub struct SentForward {
+    seq: u64,
     logits_rows: usize,
     rows: tether_protocol::Rows,
+    abandoned: Option<Arc<Mutex<BTreeSet<u64>>>>,
+}
+
+impl Drop for SentForward {
+    fn drop(&mut self) {
+        if let Some(abandoned) = self.abandoned.take() {
+            lock(&abandoned).insert(self.seq);
+        }
+    }
+}
+
+/// A lock whose holder panicked is still good: what it guards is counters and a socket.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn refused(op: &'static str, worker: &str, r: Refusal) -> ClientError {

@@ -1,8 +1,9 @@
-//! One forward pass on one worker: over its data link when it has one, else over gRPC.
+//! One forward pass on one worker: over its data link when it has one, else over gRPC;
+//! whole ([`forward`]) or sent now and taken later ([`send`], [`Pending::output`]).
 
 use crate::load::LoadedStage;
 use std::sync::Arc;
-use tether_client::ClientError;
+use tether_client::{ClientError, DataLink, SentForward};
 use tether_protocol::{ForwardCall, ForwardInput, ForwardOutput, Rows, TokenPos};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
@@ -43,7 +44,78 @@ pub(crate) async fn forward(
         return link.forward_reply(sent);
     }
     let link = Arc::clone(link);
-    tokio::task::spawn_blocking(move || link.forward(&call))
+    blocking(st, move || link.forward(&call)).await
+}
+
+/// A forward pass sent to a worker, its output still to come.
+pub(crate) enum Pending {
+    /// Sent over the data link: the worker runs its link's calls in order, so the next
+    /// call may be sent before this reply is taken.
+    Link {
+        link: Arc<DataLink>,
+        sent: SentForward,
+        addr: String,
+    },
+    /// Run over gRPC to its end: gRPC calls in flight at once may run in any order.
+    Done(Result<ForwardOutput, ClientError>),
+}
+
+/// Sends a pass as [`forward`] runs it, without waiting for its output when it goes over
+/// a data link. Outputs must be taken in the order the passes were sent.
+pub(crate) async fn send(
+    st: &LoadedStage,
+    tokens: &[TokenPos],
+    input: ForwardInput,
+    logits_rows: &[u32],
+    rows: Rows,
+    targets: &[u32],
+) -> Result<Pending, ClientError> {
+    let Some(link) = st.link.as_ref().filter(|l| l.usable()) else {
+        let out = forward(st, tokens, input, logits_rows, rows, targets, false).await;
+        return Ok(Pending::Done(out));
+    };
+    let call = ForwardCall {
+        tokens: tokens.to_vec(),
+        input,
+        logits_rows: logits_rows.to_vec(),
+        rows,
+        targets: targets.to_vec(),
+    };
+    let link = Arc::clone(link);
+    let sending = Arc::clone(&link);
+    // A request of megabytes blocks its writer until the worker reads it, which it does
+    // once the pass before it is done.
+    let sent = blocking(st, move || sending.forward_send(&call)).await?;
+    Ok(Pending::Link {
+        link,
+        sent,
+        addr: st.client.addr().to_string(),
+    })
+}
+
+impl Pending {
+    /// The pass's output, once the worker has sent it.
+    pub(crate) async fn output(self) -> Result<ForwardOutput, ClientError> {
+        match self {
+            Pending::Done(out) => out,
+            Pending::Link { link, sent, addr } => {
+                tokio::task::spawn_blocking(move || link.forward_reply(sent))
+                    .await
+                    .map_err(|e| ClientError::Connect {
+                        addr,
+                        detail: format!("the data link's call failed: {e}"),
+                    })?
+            }
+        }
+    }
+}
+
+/// Runs `work` on tokio's blocking pool.
+async fn blocking<T: Send + 'static>(
+    st: &LoadedStage,
+    work: impl FnOnce() -> Result<T, ClientError> + Send + 'static,
+) -> Result<T, ClientError> {
+    tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| ClientError::Connect {
             addr: st.client.addr().to_string(),

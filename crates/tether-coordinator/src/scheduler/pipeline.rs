@@ -1,16 +1,16 @@
 //! The scheduler's calls over the workers: KV bookkeeping of freed and shifted slots, and
-//! batches moved through the workers in layer order: one step's groups at once
-//! ([`run_pipeline`]), or a stream of lanes' batches through stage loops that stay up while
-//! a model serves ([`stage_loops`]). Both pass a batch over one worker the same way
-//! ([`pass`]).
+//! batches moved through the workers in layer order by stage loops ([`stage_loops`]): a
+//! stream of lanes' batches while a model serves, or one step's groups
+//! ([`run_pipeline`]).
 
 use crate::api::TokenLogProb;
 use crate::load::LoadedStage;
 use crate::loss::Loss;
 use crate::sequence::{Batch, RowUse, Sequence};
-use crate::stage_call;
+use crate::stage_call::{self, Pending};
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 use tether_protocol::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
 use tokio::sync::mpsc;
 
@@ -158,6 +158,19 @@ enum Passed {
     Rows(RowsOut),
 }
 
+/// What worker `i` of `stages` is asked for `b`: its logits rows, what to return for them,
+/// and the token ids they score.
+fn asked<'b>(stages: &[LoadedStage], i: usize, b: &'b Batch) -> (&'b [u32], Rows, &'b [u32]) {
+    let last = i + 1 == stages.len();
+    let rows: &[u32] = if last { &b.logits_rows } else { &[] };
+    let want = if last { b.rows } else { Rows::Logits };
+    let targets: &[u32] = match want {
+        Rows::LogProbs(_) => &b.targets,
+        _ => &[],
+    };
+    (rows, want, targets)
+}
+
 /// Runs `b` over worker `i` of `stages` with input `x`; `alone` as [`stage_call::forward`].
 async fn pass(
     stages: &[LoadedStage],
@@ -166,18 +179,50 @@ async fn pass(
     x: ForwardInput,
     alone: bool,
 ) -> Result<Passed, Loss> {
-    let st = &stages[i];
-    let last = i + 1 == stages.len();
-    let rows: &[u32] = if last { &b.logits_rows } else { &[] };
-    let want = if last { b.rows } else { Rows::Logits };
-    let targets: &[u32] = match want {
-        Rows::LogProbs(_) => &b.targets,
-        _ => &[],
-    };
+    let (rows, want, targets) = asked(stages, i, b);
     let began = std::time::Instant::now();
-    let out = stage_call::forward(st, &b.tokens, x, rows, want, targets, alone)
+    let out = stage_call::forward(&stages[i], &b.tokens, x, rows, want, targets, alone)
         .await
         .map_err(Loss::Call)?;
+    passed(stages, i, b, out, began)
+}
+
+/// Sends `b` to worker `i` of `stages` with input `x`; [`finish`] takes its output.
+async fn send(
+    stages: &[LoadedStage],
+    i: usize,
+    b: &Batch,
+    x: ForwardInput,
+) -> Result<(Pending, Instant), Loss> {
+    let (rows, want, targets) = asked(stages, i, b);
+    let began = Instant::now();
+    let pending = stage_call::send(&stages[i], &b.tokens, x, rows, want, targets)
+        .await
+        .map_err(Loss::Call)?;
+    Ok((pending, began))
+}
+
+/// The output of `b` sent to worker `i` by [`send`].
+async fn finish(
+    stages: &[LoadedStage],
+    i: usize,
+    b: &Batch,
+    (pending, began): (Pending, Instant),
+) -> Result<Passed, Loss> {
+    let out = pending.output().await.map_err(Loss::Call)?;
+    passed(stages, i, b, out, began)
+}
+
+/// Checks that worker `i` returned what `b` asked of it.
+fn passed(
+    stages: &[LoadedStage],
+    i: usize,
+    b: &Batch,
+    out: ForwardOutput,
+    began: Instant,
+) -> Result<Passed, Loss> {
+    let last = i + 1 == stages.len();
+    let (rows, want, _) = asked(stages, i, b);
     // A pipeline's timeline, pass by pass (TETHER_LOG=tether_coordinator::scheduler=trace).
     tracing::trace!(
         worker = i,
@@ -217,54 +262,49 @@ async fn pass(
         _ => {
             return Err(Loss::BadReply(format!(
                 "worker {} returned the wrong kind of output",
-                st.client.addr()
+                stages[i].client.addr()
             )));
         }
     })
 }
 
-/// Runs `groups` through the workers in layer order as a pipeline: each worker takes the
-/// groups in order (a later group of a sequence needs the cells of an earlier one) and
-/// passes each on as soon as it is done, so group k+1 runs on one worker while group k
-/// runs on the next. Returns what each group's logits rows asked for, in order.
+/// Runs `groups` through the workers in layer order as a pipeline ([`stage_loops`]): group
+/// k+1 runs on one worker while group k runs on the next. Returns what each group's logits
+/// rows asked for, in order.
 pub(super) async fn run_pipeline(
     stages: &[LoadedStage],
     groups: &[Batch],
 ) -> Result<Vec<RowsOut>, Loss> {
-    let (first, mut rx) = mpsc::unbounded_channel::<(usize, ForwardInput)>();
-    let mut workers = Vec::with_capacity(stages.len());
+    let (jobs, mut done, loops) = stage_loops(stages);
     let alone = groups.len() == 1;
-    for i in 0..stages.len() {
-        let (tx, next) = mpsc::unbounded_channel();
-        let mut input = std::mem::replace(&mut rx, next);
-        workers.push(async move {
-            let mut logits = Vec::new();
-            while let Some((k, x)) = input.recv().await {
-                match pass(stages, i, &groups[k], x, alone).await? {
-                    Passed::Next(x) => {
-                        // The next worker gone means another worker failed; its error wins.
-                        let _ = tx.send((k, x));
-                    }
-                    Passed::Rows(r) => logits.push(r),
-                }
-            }
-            Ok::<_, Loss>(logits)
+    for (k, b) in groups.iter().enumerate() {
+        jobs.send(Job {
+            lane: 0,
+            k,
+            batch: Arc::new(b.clone()),
+            alone,
         });
     }
-    for (k, b) in groups.iter().enumerate() {
-        let _ = first.send((k, ForwardInput::TokenIds(b.ids.clone())));
-    }
-    drop(first);
-    let mut outputs = futures::future::try_join_all(workers).await?;
-    let logits = outputs.pop().unwrap_or_default();
-    if logits.len() != groups.len() {
-        return Err(Loss::Internal(format!(
-            "the pipeline returned logits for {} of {} groups",
-            logits.len(),
-            groups.len()
-        )));
-    }
-    Ok(logits)
+    drop(jobs);
+    let collect = async {
+        let mut outputs: Vec<Option<RowsOut>> = (0..groups.len()).map(|_| None).collect();
+        while let Some(out) = done.recv().await {
+            let (_, k, rows) = out?;
+            if let Some(slot) = outputs.get_mut(k) {
+                *slot = Some(rows);
+            }
+        }
+        let returned = outputs.iter().filter(|o| o.is_some()).count();
+        if returned != groups.len() {
+            return Err(Loss::Internal(format!(
+                "the pipeline returned logits for {returned} of {} groups",
+                groups.len()
+            )));
+        }
+        Ok(outputs.into_iter().flatten().collect())
+    };
+    let ((), outputs) = tokio::join!(loops, collect);
+    outputs
 }
 
 /// One batch of a lane's step on its way through the stage loops.
@@ -293,9 +333,21 @@ impl Jobs {
     }
 }
 
+/// A batch sent to a worker, its output not yet taken.
+enum Sent {
+    /// Sent; the output is taken in order.
+    Pending((Pending, Instant)),
+    /// Run to its end (a batch `alone`, which spins for its reply).
+    Passed(Passed),
+}
+
 /// One loop per worker, each taking batches in the order they come (so a sequence's
 /// batches reach a worker in the order they were sent) and handing each to the next worker
 /// as soon as it is done; what leaves the last worker comes out of the returned receiver.
+/// Over a data link a loop sends a worker's next batch while the worker still runs the one
+/// before (at most two in flight), so the worker starts it as soon as it has answered:
+/// without that, the worker idled while its output travelled to the coordinator and the
+/// next input came back, a few milliseconds a pass for a prompt's hidden states.
 /// The future runs every loop; it ends once the returned [`Jobs`] is dropped and the loops
 /// have drained, or a loop has failed (its error is sent as the last [`Done`]).
 pub(super) fn stage_loops(
@@ -312,9 +364,34 @@ pub(super) fn stage_loops(
         let (tx, next) = mpsc::unbounded_channel::<(Job, ForwardInput)>();
         let mut input = std::mem::replace(&mut hidden, next);
         let done = done_tx.clone();
-        loops.push(async move {
+        // One batch waits here while the one before it is taken: two in flight at most.
+        let (in_flight, mut landed) = mpsc::channel::<(Job, Result<Sent, Loss>)>(1);
+        let sending = async move {
             while let Some((job, x)) = input.recv().await {
-                match pass(stages, i, &job.batch, x, job.alone).await {
+                // The taking half gone means it failed; its error is sent.
+                let Ok(permit) = in_flight.reserve().await else {
+                    return;
+                };
+                let sent = if job.alone {
+                    pass(stages, i, &job.batch, x, true).await.map(Sent::Passed)
+                } else {
+                    send(stages, i, &job.batch, x).await.map(Sent::Pending)
+                };
+                let failed = sent.is_err();
+                permit.send((job, sent));
+                if failed {
+                    return;
+                }
+            }
+        };
+        let taking = async move {
+            while let Some((job, sent)) = landed.recv().await {
+                let passed = match sent {
+                    Ok(Sent::Passed(p)) => Ok(p),
+                    Ok(Sent::Pending(p)) => finish(stages, i, &job.batch, p).await,
+                    Err(e) => Err(e),
+                };
+                match passed {
                     Ok(Passed::Next(x)) => {
                         // The next loop gone means another worker failed; its error is sent.
                         let _ = tx.send((job, x));
@@ -328,8 +405,12 @@ pub(super) fn stage_loops(
                     }
                 }
             }
+        };
+        loops.push(async move {
+            tokio::join!(sending, taking);
         });
     }
+    drop(done_tx);
     let run = async move {
         futures::future::join_all(loops).await;
     };

@@ -272,6 +272,7 @@ impl Link {
             return;
         };
         tracing::debug!(session = %session, "data link open");
+        let mut replies = Replies::default();
         loop {
             let waited = wait_for_frame(&stream, self.options.spin, || {
                 self.stop.load(Ordering::SeqCst) || !self.registry.holds(session)
@@ -305,13 +306,14 @@ impl Link {
             let read_at = Instant::now();
             let (reply, gone) = answer(&self.registry, session, &body);
             let answered_at = Instant::now();
-            if stream.write_all(&reply).is_err() || gone {
+            let reply_bytes = reply.len();
+            if replies.write(&mut stream, reply).is_err() || gone {
                 return;
             }
             // Where a pipelined pass's time goes on this side (TETHER_LOG=tether_worker::link=trace).
             tracing::trace!(
                 request_bytes = body.len(),
-                reply_bytes = reply.len(),
+                reply_bytes,
                 read_us = (read_at - began).as_micros() as u64,
                 answer_us = (answered_at - read_at).as_micros() as u64,
                 write_us = answered_at.elapsed().as_micros() as u64,
@@ -373,6 +375,75 @@ impl Link {
     }
 }
 
+/// Replies from this size up are written by a thread of the link's own while the link's
+/// thread reads and runs the next request: a prompt chunk's hidden states (megabytes) take
+/// milliseconds to go through the socket, which the next pass need not wait for. Smaller
+/// replies (a decode step's) are written at once: a hand-off would cost more than it saves.
+const WRITE_BEHIND_BYTES: usize = 256 << 10;
+
+/// A writer thread's input, and its answers: how each write went.
+type Writer = (
+    std::sync::mpsc::SyncSender<Vec<u8>>,
+    std::sync::mpsc::Receiver<io::Result<()>>,
+);
+
+/// The replies of one link, written in order: large ones behind, by a writer thread
+/// started with the first of them; any write waits for the one before it.
+#[derive(Default)]
+struct Replies {
+    writer: Option<Writer>,
+    // A reply handed to the writer and not yet known to be written.
+    behind: bool,
+}
+
+impl Replies {
+    /// Writes `reply` on `stream` after every reply before it.
+    fn write(&mut self, stream: &mut Conn, reply: Vec<u8>) -> io::Result<()> {
+        if self.behind {
+            self.behind = false;
+            let written = match &self.writer {
+                Some((_, written)) => written.recv().map_err(|_| gone_writer())?,
+                None => Ok(()),
+            };
+            written?;
+        }
+        if reply.len() < WRITE_BEHIND_BYTES {
+            return stream.write_all(&reply);
+        }
+        if self.writer.is_none() {
+            self.writer = Some(start_writer(stream.try_clone()?)?);
+        }
+        let Some((to_write, _)) = &self.writer else {
+            return Err(gone_writer());
+        };
+        to_write.send(reply).map_err(|_| gone_writer())?;
+        self.behind = true;
+        Ok(())
+    }
+}
+
+/// A thread that writes the replies it is sent on `stream`, answering each with how it went.
+fn start_writer(mut stream: Conn) -> io::Result<Writer> {
+    let (to_write, replies) = std::sync::mpsc::sync_channel::<Vec<u8>>(1);
+    let (report, written) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("tether-data-write".into())
+        .spawn(move || {
+            for reply in replies {
+                let result = stream.write_all(&reply);
+                let failed = result.is_err();
+                if report.send(result).is_err() || failed {
+                    return;
+                }
+            }
+        })?;
+    Ok((to_write, written))
+}
+
+fn gone_writer() -> io::Error {
+    io::Error::new(io::ErrorKind::BrokenPipe, "the link's writer thread ended")
+}
+
 /// Sends a last reply and closes. What the peer sent beyond what was read is drained
 /// first (a little of it, briefly): closing with unread bytes resets the connection, and
 /// the peer could lose the reply that says why.
@@ -389,5 +460,48 @@ fn refuse_and_close(mut stream: Conn, reply: &[u8]) {
             Ok(0) | Err(_) => break,
             Ok(n) => drained += n,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_large_and_small_arrive_whole_and_in_order() {
+        let (ours, theirs) = UnixStream::pair().expect("socket pair");
+        let mut stream = Conn::Unix(ours);
+        // Large ones go behind, small ones at once after waiting for them: mixed, they
+        // must still arrive one after another, in order, each whole.
+        let sizes = [
+            WRITE_BEHIND_BYTES * 8,
+            16,
+            WRITE_BEHIND_BYTES,
+            WRITE_BEHIND_BYTES * 3,
+            1,
+            WRITE_BEHIND_BYTES - 1,
+        ];
+        let replies: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (i * 31 + j % 251) as u8).collect())
+            .collect();
+        let expected: Vec<u8> = replies.concat();
+        let reader = std::thread::spawn(move || {
+            let mut theirs = theirs;
+            let mut got = Vec::new();
+            theirs.read_to_end(&mut got).map(|_| got)
+        });
+        let mut out = Replies::default();
+        for reply in replies {
+            out.write(&mut stream, reply).expect("write");
+        }
+        assert!(out.writer.is_some(), "the large replies went behind");
+        // Every handle on our end closed, so the reader sees the end.
+        drop(out);
+        drop(stream);
+        let got = reader.join().expect("reader").expect("read");
+        assert_eq!(got.len(), expected.len());
+        assert!(got == expected, "bytes out of order");
     }
 }
