@@ -30,7 +30,9 @@
 # BENCH_P (512), BENCH_N (128), BENCH_SEQS (64), CLIENTS (64), CLIENTS_TWO (CLIENTS: clients
 # of the serve over two workers, to fill the twice larger KV room), REQUESTS (256), PARALLEL
 # (64, serve over one worker), PARALLEL_TWO (2 x PARALLEL, over two), CTX (512),
-# PROMPT_TOKENS (128), GEN_TOKENS (128), BIG_CTX (2048), LOAD_LIMIT_S (300: longest wait
+# PROMPT_TOKENS (128), GEN_TOKENS (128), SERVE_WORKERS ("1 2": which serve runs),
+# SERVE_FLAGS_TWO (more `serve` flags for the run over two, e.g. "--pipeline-lanes 3"),
+# BIG_CTX (2048), LOAD_LIMIT_S (300: longest wait
 # for a serve to load), TOLERANCE_MIB (16), WPORT (50191, and the next), HPORT (18191),
 # OUT (logs; /tmp/tether-two-logs), DEADLINE_S (start no step after this many seconds and
 # print the table of what ran: for machines that end commands at a limit).
@@ -72,6 +74,8 @@ CTX=${CTX:-512}
 PROMPT_TOKENS=${PROMPT_TOKENS:-128}
 GEN_TOKENS=${GEN_TOKENS:-128}
 STEPS=${STEPS:-bench serve big}
+SERVE_WORKERS=${SERVE_WORKERS:-1 2}
+SERVE_FLAGS_TWO=${SERVE_FLAGS_TWO:-}
 BIG_SYNTH=${BIG_SYNTH:-background}
 BIG_CTX=${BIG_CTX:-2048}
 LOAD_LIMIT_S=${LOAD_LIMIT_S:-300}
@@ -286,8 +290,11 @@ start_serve() { # MODEL N_WORKERS PARALLEL CTX TAG
     local flags=(--model "$1" --model-path-on-workers "$(basename "$1")" --parallel "$3"
         --ctx "$4" --queue "$((CLIENTS > CLIENTS_TWO ? CLIENTS : CLIENTS_TWO))" --listen "127.0.0.1:$HPORT") i t0
     for ((i = 0; i < $2; i++)); do flags+=(--worker "$(worker_addr $i)"); done
+    # shellcheck disable=SC2206 # word-split on purpose: several flags in one variable
+    (($2 > 1)) && [ "$5" != serve-big ] && flags+=($SERVE_FLAGS_TWO)
     t0=$(now_ns)
-    "$TETHER" serve "${flags[@]}" >"$LOGS/$5.log" 2>&1 &
+    echo "$TETHER serve ${flags[*]}" >"$LOGS/$5.log"
+    "$TETHER" serve "${flags[@]}" >>"$LOGS/$5.log" 2>&1 &
     SERVE_PID=$!
     for _ in $(seq $((LOAD_LIMIT_S * 10))); do
         healthy && { LOAD_MS=$(ms_since "$t0"); return 0; }
@@ -357,7 +364,7 @@ step_serve() {
     fi
     local n tps=()
     echo "serve: ${CLIENTS} clients (one worker) / ${CLIENTS_TWO} (two) x (${PROMPT_TOKENS}+${GEN_TOKENS}) tokens, --parallel $PARALLEL / $PARALLEL_TWO --ctx $CTX"
-    for n in 1 2; do
+    for n in $SERVE_WORKERS; do
         if out_of_time; then
             row "serve ${n}w" "gen t/s" "skipped: DEADLINE_S" skipped
             return

@@ -10,7 +10,9 @@
 
 use tether_protocol::link::conn::{Conn, unix_name};
 use tether_protocol::link::frame::{self, Refusal};
-use tether_protocol::link::wire::{FRAME_WITHIN, FrameError, WaitEnd, read_frame, wait_for_frame};
+use tether_protocol::link::wire::{
+    FRAME_WITHIN, FrameError, WaitEnd, read_frame, wait_for_frame, write_frame,
+};
 
 use crate::ClientError;
 use std::collections::BTreeSet;
@@ -232,7 +234,7 @@ impl DataLink {
                 *read += 1;
             }
         }
-        writer.0.write_all(&request).map_err(|e| self.io(e))?;
+        write_frame(&mut writer.0, &request, self.spin).map_err(|e| self.io(e))?;
         let seq = writer.1;
         writer.1 += 1;
         Ok(SentForward {

@@ -25,13 +25,7 @@ pub(crate) async fn forward(
             .forward_scored(st.session, tokens, &input, logits_rows, rows, targets)
             .await;
     };
-    let call = ForwardCall {
-        tokens: tokens.to_vec(),
-        input,
-        logits_rows: logits_rows.to_vec(),
-        rows,
-        targets: targets.to_vec(),
-    };
+    let call = call(tokens, input, logits_rows, rows, targets);
     if alone && link.spins() && Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
         // A GPU worker answers within a step of a few ms, and this task has nothing else to
         // do until it does: waiting here, spinning, saves two thread hand-offs a call
@@ -74,13 +68,7 @@ pub(crate) async fn send(
         let out = forward(st, tokens, input, logits_rows, rows, targets, false).await;
         return Ok(Pending::Done(out));
     };
-    let call = ForwardCall {
-        tokens: tokens.to_vec(),
-        input,
-        logits_rows: logits_rows.to_vec(),
-        rows,
-        targets: targets.to_vec(),
-    };
+    let call = call(tokens, input, logits_rows, rows, targets);
     let link = Arc::clone(link);
     let sending = Arc::clone(&link);
     // A request of megabytes blocks its writer until the worker reads it, which it does
@@ -107,6 +95,22 @@ impl Pending {
                     })?
             }
         }
+    }
+}
+
+fn call(
+    tokens: &[TokenPos],
+    input: ForwardInput,
+    logits_rows: &[u32],
+    rows: Rows,
+    targets: &[u32],
+) -> ForwardCall {
+    ForwardCall {
+        tokens: tokens.to_vec(),
+        input,
+        logits_rows: logits_rows.to_vec(),
+        rows,
+        targets: targets.to_vec(),
     }
 }
 

@@ -81,6 +81,18 @@ impl Conn {
         usize::try_from(n).map_err(|_| io::Error::last_os_error())
     }
 
+    /// One `send` that never blocks (`WouldBlock` when the socket's buffer is full).
+    pub fn send_now(&self, buf: &[u8]) -> io::Result<usize> {
+        let fd = match self {
+            Self::Tcp(s) => s.as_raw_fd(),
+            Self::Unix(s) => s.as_raw_fd(),
+        };
+        let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+        // SAFETY: `buf` is valid for `buf.len()` bytes of reads for the call's duration.
+        let n = unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), flags) };
+        usize::try_from(n).map_err(|_| io::Error::last_os_error())
+    }
+
     pub fn peer_pid(&self) -> io::Result<u32> {
         let Self::Unix(s) = self else {
             return Err(io::Error::other("a TCP socket has no peer process"));

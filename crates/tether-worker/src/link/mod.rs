@@ -6,6 +6,7 @@
 //! This is the worker's end; the frames are `tether_protocol::link`'s and the client's end
 //! is `tether_client::DataLink`.
 
+mod overlap;
 mod server;
 
 pub use server::{DEFAULT_HELLO_WITHIN, DEFAULT_MAX_UNAUTHENTICATED, DataOptions, DataPlane};

@@ -1,12 +1,13 @@
-//! The worker's end of data links: a listener thread, and one thread per link that reads a
-//! request, runs it on the session's block and writes the reply, with no hand-off between
-//! threads in between.
+//! The worker's end of data links: a listener thread, and one thread per link that runs
+//! its requests on the session's block, in order, beside a thread that reads the next
+//! request meanwhile (and one that writes large replies: `overlap`).
 //!
 //! A link owns nothing: each request looks its session up in the registry and holds the
 //! block only while it runs, exactly as a gRPC Forward does. A link whose session has ended
 //! (closed, reaped, killed, shut down) answers NOT_FOUND once and closes; an idle one
 //! notices within [`tether_protocol::link::wire::POLL`] and closes.
 
+use super::overlap::{Replies, Request, Requests};
 use crate::registry::SessionRegistry;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
@@ -21,9 +22,8 @@ use tether_protocol::SessionId;
 use tether_protocol::WorkerError;
 use tether_protocol::link::conn::{Conn, unix_name};
 use tether_protocol::link::frame;
-use tether_protocol::link::wire::{
-    FRAME_WITHIN, FrameError, WaitEnd, read_frame, read_frame_by, wait_for_frame,
-};
+use tether_protocol::link::wire::{FrameError, read_frame_by};
+use tether_protocol::{ForwardCall, ForwardOutput};
 use tonic::Code;
 
 /// Most links open at once; a connection beyond it is closed unanswered.
@@ -148,9 +148,19 @@ pub(crate) fn answer(
     session: SessionId,
     body: &[u8],
 ) -> (Vec<u8>, bool) {
-    let result = frame::decode_forward(body).and_then(|call| registry.forward_here(session, call));
-    let gone = matches!(result, Err(WorkerError::NotFound(_)));
+    let (result, gone) = run(registry, session, frame::decode_forward(body));
     (frame::encode_output(&result), gone)
+}
+
+/// Runs a decoded request on `session`: its output, and whether the session is gone.
+fn run(
+    registry: &SessionRegistry,
+    session: SessionId,
+    call: Result<ForwardCall, WorkerError>,
+) -> (Result<ForwardOutput, WorkerError>, bool) {
+    let result = call.and_then(|call| registry.forward_here(session, call));
+    let gone = matches!(result, Err(WorkerError::NotFound(_)));
+    (result, gone)
 }
 
 /// The connections still waiting for their hello, oldest first, each with a handle that
@@ -272,50 +282,45 @@ impl Link {
             return;
         };
         tracing::debug!(session = %session, "data link open");
-        let mut replies = Replies::default();
-        loop {
-            let waited = wait_for_frame(&stream, self.options.spin, || {
-                self.stop.load(Ordering::SeqCst) || !self.registry.holds(session)
-            });
-            match waited {
-                Ok(()) => {}
-                Err(WaitEnd::Io(e)) => {
-                    tracing::debug!(session = %session, error = %e, "data link failed");
-                    return;
-                }
-                Err(WaitEnd::Closed | WaitEnd::GaveUp) => return,
+        let give_up = {
+            let (stop, registry) = (Arc::clone(&self.stop), Arc::clone(&self.registry));
+            move || stop.load(Ordering::SeqCst) || !registry.holds(session)
+        };
+        let requests = match Requests::start(&stream, self.options.clone(), give_up) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(session = %session, error = %e, "could not start a data link's reader");
+                return;
             }
-            let began = Instant::now();
-            let read = read_frame(
-                &mut stream,
-                self.options.max_frame_bytes,
-                FRAME_WITHIN,
-                self.options.spin,
-            );
-            let body = match read {
-                Ok(b) => b,
-                Err(FrameError::TooLong(n)) => {
+        };
+        let mut replies = Replies::new(self.options.spin);
+        loop {
+            let (call, read) = match requests.next() {
+                Request::Call { call, read } => (call, read),
+                Request::TooLong(n) => {
                     let e = WorkerError::InvalidArgument(format!(
                         "data link: a {n}-byte request is over the worker's {}-byte limit (--max-message-bytes)",
                         self.options.max_frame_bytes
                     ));
-                    return refuse_and_close(stream, &frame::encode_output(&Err(e)));
+                    if replies.flush().is_ok() {
+                        refuse_and_close(stream, &frame::encode_output(&Err(e)));
+                    }
+                    return;
                 }
-                Err(FrameError::Io(_)) => return,
+                Request::End => return,
             };
-            let read_at = Instant::now();
-            let (reply, gone) = answer(&self.registry, session, &body);
+            let taken_at = Instant::now();
+            let (result, gone) = run(&self.registry, session, call);
             let answered_at = Instant::now();
-            let reply_bytes = reply.len();
-            if replies.write(&mut stream, reply).is_err() || gone {
+            if replies.write(&mut stream, result).is_err() || gone {
                 return;
             }
             // Where a pipelined pass's time goes on this side (TETHER_LOG=tether_worker::link=trace).
             tracing::trace!(
-                request_bytes = body.len(),
-                reply_bytes,
-                read_us = (read_at - began).as_micros() as u64,
-                answer_us = (answered_at - read_at).as_micros() as u64,
+                request_bytes = read.bytes,
+                read_us = read.took.as_micros() as u64,
+                waited_us = (taken_at - read.done).as_micros() as u64,
+                answer_us = (answered_at - taken_at).as_micros() as u64,
                 write_us = answered_at.elapsed().as_micros() as u64,
                 "data link forward"
             );
@@ -375,75 +380,6 @@ impl Link {
     }
 }
 
-/// Replies from this size up are written by a thread of the link's own while the link's
-/// thread reads and runs the next request: a prompt chunk's hidden states (megabytes) take
-/// milliseconds to go through the socket, which the next pass need not wait for. Smaller
-/// replies (a decode step's) are written at once: a hand-off would cost more than it saves.
-const WRITE_BEHIND_BYTES: usize = 256 << 10;
-
-/// A writer thread's input, and its answers: how each write went.
-type Writer = (
-    std::sync::mpsc::SyncSender<Vec<u8>>,
-    std::sync::mpsc::Receiver<io::Result<()>>,
-);
-
-/// The replies of one link, written in order: large ones behind, by a writer thread
-/// started with the first of them; any write waits for the one before it.
-#[derive(Default)]
-struct Replies {
-    writer: Option<Writer>,
-    // A reply handed to the writer and not yet known to be written.
-    behind: bool,
-}
-
-impl Replies {
-    /// Writes `reply` on `stream` after every reply before it.
-    fn write(&mut self, stream: &mut Conn, reply: Vec<u8>) -> io::Result<()> {
-        if self.behind {
-            self.behind = false;
-            let written = match &self.writer {
-                Some((_, written)) => written.recv().map_err(|_| gone_writer())?,
-                None => Ok(()),
-            };
-            written?;
-        }
-        if reply.len() < WRITE_BEHIND_BYTES {
-            return stream.write_all(&reply);
-        }
-        if self.writer.is_none() {
-            self.writer = Some(start_writer(stream.try_clone()?)?);
-        }
-        let Some((to_write, _)) = &self.writer else {
-            return Err(gone_writer());
-        };
-        to_write.send(reply).map_err(|_| gone_writer())?;
-        self.behind = true;
-        Ok(())
-    }
-}
-
-/// A thread that writes the replies it is sent on `stream`, answering each with how it went.
-fn start_writer(mut stream: Conn) -> io::Result<Writer> {
-    let (to_write, replies) = std::sync::mpsc::sync_channel::<Vec<u8>>(1);
-    let (report, written) = std::sync::mpsc::sync_channel(1);
-    std::thread::Builder::new()
-        .name("tether-data-write".into())
-        .spawn(move || {
-            for reply in replies {
-                let result = stream.write_all(&reply);
-                let failed = result.is_err();
-                if report.send(result).is_err() || failed {
-                    return;
-                }
-            }
-        })?;
-    Ok((to_write, written))
-}
-
-fn gone_writer() -> io::Error {
-    io::Error::new(io::ErrorKind::BrokenPipe, "the link's writer thread ended")
-}
-
 /// Sends a last reply and closes. What the peer sent beyond what was read is drained
 /// first (a little of it, briefly): closing with unread bytes resets the connection, and
 /// the peer could lose the reply that says why.
@@ -460,48 +396,5 @@ fn refuse_and_close(mut stream: Conn, reply: &[u8]) {
             Ok(0) | Err(_) => break,
             Ok(n) => drained += n,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn replies_large_and_small_arrive_whole_and_in_order() {
-        let (ours, theirs) = UnixStream::pair().expect("socket pair");
-        let mut stream = Conn::Unix(ours);
-        // Large ones go behind, small ones at once after waiting for them: mixed, they
-        // must still arrive one after another, in order, each whole.
-        let sizes = [
-            WRITE_BEHIND_BYTES * 8,
-            16,
-            WRITE_BEHIND_BYTES,
-            WRITE_BEHIND_BYTES * 3,
-            1,
-            WRITE_BEHIND_BYTES - 1,
-        ];
-        let replies: Vec<Vec<u8>> = sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| (0..n).map(|j| (i * 31 + j % 251) as u8).collect())
-            .collect();
-        let expected: Vec<u8> = replies.concat();
-        let reader = std::thread::spawn(move || {
-            let mut theirs = theirs;
-            let mut got = Vec::new();
-            theirs.read_to_end(&mut got).map(|_| got)
-        });
-        let mut out = Replies::default();
-        for reply in replies {
-            out.write(&mut stream, reply).expect("write");
-        }
-        assert!(out.writer.is_some(), "the large replies went behind");
-        // Every handle on our end closed, so the reader sees the end.
-        drop(out);
-        drop(stream);
-        let got = reader.join().expect("reader").expect("read");
-        assert_eq!(got.len(), expected.len());
-        assert!(got == expected, "bytes out of order");
     }
 }
