@@ -4,28 +4,30 @@
 use crate::load::LoadedStage;
 use std::sync::Arc;
 use tether_client::{ClientError, DataLink, SentForward};
-use tether_protocol::{ForwardCall, ForwardInput, ForwardOutput, Rows, TokenPos};
+use tether_protocol::{ForwardCall, ForwardOutput};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
-/// Runs `input` through `st`'s block (`targets`: the token ids whose logits
-/// [`Rows::LogProbs`] rows return). `alone`: no other pass of this step runs meanwhile
+/// Runs `call` through `st`'s block. `alone`: no other pass of this step runs meanwhile
 /// (a single decode step), so nothing overlaps with it on this task.
 pub(crate) async fn forward(
     st: &LoadedStage,
-    tokens: &[TokenPos],
-    input: ForwardInput,
-    logits_rows: &[u32],
-    rows: Rows,
-    targets: &[u32],
+    call: ForwardCall,
     alone: bool,
 ) -> Result<ForwardOutput, ClientError> {
     let Some(link) = st.link.as_ref().filter(|l| l.usable()) else {
+        let c = &call;
         return st
             .client
-            .forward_scored(st.session, tokens, &input, logits_rows, rows, targets)
+            .forward_scored(
+                st.session,
+                &c.tokens,
+                &c.input,
+                &c.logits_rows,
+                c.rows,
+                &c.targets,
+            )
             .await;
     };
-    let call = call(tokens, input, logits_rows, rows, targets);
     if alone && link.spins() && Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
         // A GPU worker answers within a step of a few ms, and this task has nothing else to
         // do until it does: waiting here, spinning, saves two thread hand-offs a call
@@ -38,7 +40,7 @@ pub(crate) async fn forward(
         return link.forward_reply(sent);
     }
     let link = Arc::clone(link);
-    blocking(st, move || link.forward(&call)).await
+    blocking(addr(st), move || link.forward(&call)).await
 }
 
 /// A forward pass sent to a worker, its output still to come.
@@ -56,28 +58,19 @@ pub(crate) enum Pending {
 
 /// Sends a pass as [`forward`] runs it, without waiting for its output when it goes over
 /// a data link. Outputs must be taken in the order the passes were sent.
-pub(crate) async fn send(
-    st: &LoadedStage,
-    tokens: &[TokenPos],
-    input: ForwardInput,
-    logits_rows: &[u32],
-    rows: Rows,
-    targets: &[u32],
-) -> Result<Pending, ClientError> {
+pub(crate) async fn send(st: &LoadedStage, call: ForwardCall) -> Result<Pending, ClientError> {
     let Some(link) = st.link.as_ref().filter(|l| l.usable()) else {
-        let out = forward(st, tokens, input, logits_rows, rows, targets, false).await;
-        return Ok(Pending::Done(out));
+        return Ok(Pending::Done(forward(st, call, false).await));
     };
-    let call = call(tokens, input, logits_rows, rows, targets);
     let link = Arc::clone(link);
     let sending = Arc::clone(&link);
     // A request of megabytes blocks its writer until the worker reads it, which it does
     // once the pass before it is done.
-    let sent = blocking(st, move || sending.forward_send(&call)).await?;
+    let sent = blocking(addr(st), move || sending.forward_send(&call)).await?;
     Ok(Pending::Link {
         link,
         sent,
-        addr: st.client.addr().to_string(),
+        addr: addr(st),
     })
 }
 
@@ -87,42 +80,25 @@ impl Pending {
         match self {
             Pending::Done(out) => out,
             Pending::Link { link, sent, addr } => {
-                tokio::task::spawn_blocking(move || link.forward_reply(sent))
-                    .await
-                    .map_err(|e| ClientError::Connect {
-                        addr,
-                        detail: format!("the data link's call failed: {e}"),
-                    })?
+                blocking(addr, move || link.forward_reply(sent)).await
             }
         }
     }
 }
 
-fn call(
-    tokens: &[TokenPos],
-    input: ForwardInput,
-    logits_rows: &[u32],
-    rows: Rows,
-    targets: &[u32],
-) -> ForwardCall {
-    ForwardCall {
-        tokens: tokens.to_vec(),
-        input,
-        logits_rows: logits_rows.to_vec(),
-        rows,
-        targets: targets.to_vec(),
-    }
+fn addr(st: &LoadedStage) -> String {
+    st.client.addr().to_string()
 }
 
-/// Runs `work` on tokio's blocking pool.
+/// Runs `work` on tokio's blocking pool; `addr` names the worker if the task fails.
 async fn blocking<T: Send + 'static>(
-    st: &LoadedStage,
+    addr: String,
     work: impl FnOnce() -> Result<T, ClientError> + Send + 'static,
 ) -> Result<T, ClientError> {
     tokio::task::spawn_blocking(work)
         .await
         .map_err(|e| ClientError::Connect {
-            addr: st.client.addr().to_string(),
+            addr,
             detail: format!("the data link's call failed: {e}"),
         })?
 }

@@ -11,7 +11,7 @@ use crate::stage_call::{self, Pending};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
-use tether_protocol::{ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
+use tether_protocol::{ForwardCall, ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
 use tokio::sync::mpsc;
 
 /// Forgets the KV cells of freed slots on every worker.
@@ -158,17 +158,27 @@ enum Passed {
     Rows(RowsOut),
 }
 
-/// What worker `i` of `stages` is asked for `b`: its logits rows, what to return for them,
-/// and the token ids they score.
-fn asked<'b>(stages: &[LoadedStage], i: usize, b: &'b Batch) -> (&'b [u32], Rows, &'b [u32]) {
+/// What worker `i` of `stages` is asked for `b` with input `x`: the last returns what the
+/// batch's logits rows want (with the token ids [`Rows::LogProbs`] rows score), the others
+/// their hidden states.
+fn asked(stages: &[LoadedStage], i: usize, b: &Batch, x: ForwardInput) -> ForwardCall {
     let last = i + 1 == stages.len();
-    let rows: &[u32] = if last { &b.logits_rows } else { &[] };
-    let want = if last { b.rows } else { Rows::Logits };
-    let targets: &[u32] = match want {
-        Rows::LogProbs(_) => &b.targets,
-        _ => &[],
+    let rows = if last { b.rows } else { Rows::Logits };
+    let targets = match rows {
+        Rows::LogProbs(_) => b.targets.clone(),
+        _ => Vec::new(),
     };
-    (rows, want, targets)
+    ForwardCall {
+        tokens: b.tokens.clone(),
+        input: x,
+        logits_rows: if last {
+            b.logits_rows.clone()
+        } else {
+            Vec::new()
+        },
+        rows,
+        targets,
+    }
 }
 
 /// Runs `b` over worker `i` of `stages` with input `x`; `alone` as [`stage_call::forward`].
@@ -179,9 +189,8 @@ async fn pass(
     x: ForwardInput,
     alone: bool,
 ) -> Result<Passed, Loss> {
-    let (rows, want, targets) = asked(stages, i, b);
-    let began = std::time::Instant::now();
-    let out = stage_call::forward(&stages[i], &b.tokens, x, rows, want, targets, alone)
+    let began = Instant::now();
+    let out = stage_call::forward(&stages[i], asked(stages, i, b, x), alone)
         .await
         .map_err(Loss::Call)?;
     passed(stages, i, b, out, began)
@@ -194,9 +203,8 @@ async fn send(
     b: &Batch,
     x: ForwardInput,
 ) -> Result<(Pending, Instant), Loss> {
-    let (rows, want, targets) = asked(stages, i, b);
     let began = Instant::now();
-    let pending = stage_call::send(&stages[i], &b.tokens, x, rows, want, targets)
+    let pending = stage_call::send(&stages[i], asked(stages, i, b, x))
         .await
         .map_err(Loss::Call)?;
     Ok((pending, began))
@@ -222,7 +230,7 @@ fn passed(
     began: Instant,
 ) -> Result<Passed, Loss> {
     let last = i + 1 == stages.len();
-    let (rows, want, _) = asked(stages, i, b);
+    let want = if last { b.rows } else { Rows::Logits };
     // A pipeline's timeline, pass by pass (TETHER_LOG=tether_coordinator::scheduler=trace).
     tracing::trace!(
         worker = i,
@@ -258,7 +266,9 @@ fn passed(
                 scores,
             })
         }
-        ForwardOutput::Hidden(_) if rows.is_empty() => Passed::Rows(RowsOut::Logits(Vec::new())),
+        ForwardOutput::Hidden(_) if !last || b.logits_rows.is_empty() => {
+            Passed::Rows(RowsOut::Logits(Vec::new()))
+        }
         _ => {
             return Err(Loss::BadReply(format!(
                 "worker {} returned the wrong kind of output",
