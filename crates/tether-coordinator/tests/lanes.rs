@@ -254,12 +254,22 @@ type Events = tokio::sync::mpsc::Receiver<Result<GenEvent, GenError>>;
 /// every lane is running.
 async fn running(
     engine: &impl Generation,
+    model: &Path,
     prompts: &[Vec<u32>],
     max_tokens: usize,
 ) -> Vec<(u32, Events)> {
+    // End-of-generation tokens banned, as `ignore_eos` does: each request runs its
+    // `max_tokens`, however fast the lanes generate.
+    let file = GgufFile::open(model).expect("open model");
+    let bans: Vec<(u32, f32)> = support::end_of_generation(&file)
+        .into_iter()
+        .map(|t| (t, f32::NEG_INFINITY))
+        .collect();
     let mut out = Vec::new();
     for p in prompts {
-        let mut rx = engine.submit(greedy(p, max_tokens)).expect("submit");
+        let mut request = greedy(p, max_tokens);
+        request.sampling.logit_bias = bans.clone();
+        let mut rx = engine.submit(request).expect("submit");
         let first = tokio::time::timeout(Duration::from_secs(30), rx.recv())
             .await
             .expect("a first token");
@@ -297,7 +307,7 @@ async fn a_model_swapped_while_lanes_are_in_flight_drains_them_first() {
     })
     .await;
     let coordinator = Arc::new(c.coordinator);
-    let inflight = running(coordinator.as_ref(), &prompts_a[..4], 24).await;
+    let inflight = running(coordinator.as_ref(), &a, &prompts_a[..4], 24).await;
     let swap = swap_to(&coordinator, &b);
     for (i, (first, rx)) in inflight.into_iter().enumerate() {
         let (tokens, end) = support::collect_after(vec![first], rx).await;
@@ -333,7 +343,7 @@ async fn a_model_swapped_while_lanes_are_in_flight_drains_them_first() {
     })
     .await;
     let coordinator = Arc::new(c.coordinator);
-    let inflight = running(coordinator.as_ref(), &prompts_a[..4], 2000).await;
+    let inflight = running(coordinator.as_ref(), &a, &prompts_a[..4], 2000).await;
     let report = swap_to(&coordinator, &b)
         .await
         .expect("swap task")

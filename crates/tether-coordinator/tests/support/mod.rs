@@ -87,6 +87,14 @@ pub fn reference_with_cache(
     reference_sampled(path, prompt, n, ctx, cache, SamplingParams::greedy())
 }
 
+/// The model's end-of-generation token ids.
+pub fn end_of_generation(file: &GgufFile) -> Vec<u32> {
+    let tok = Tokenizer::from_gguf(file).expect("tokenizer");
+    (0..tok.vocab_size() as u32)
+        .filter(|&t| tok.is_eog(t))
+        .collect()
+}
+
 /// As [`reference_with_cache`], sampling with `params`.
 pub fn reference_sampled(
     path: &Path,
@@ -97,10 +105,7 @@ pub fn reference_sampled(
     params: SamplingParams,
 ) -> Vec<u32> {
     let file = GgufFile::open(path).expect("open model");
-    let tok = Tokenizer::from_gguf(&file).expect("tokenizer");
-    let eog: Vec<u32> = (0..tok.vocab_size() as u32)
-        .filter(|&t| tok.is_eog(t))
-        .collect();
+    let eog = end_of_generation(&file);
     let backend = Arc::new(CpuBackend::new(Some(1)).expect("cpu backend"));
     let mut g =
         Generator::from_file_with_cache(backend, &file, ctx, 512, cache, cache).expect("generator");
