@@ -12,7 +12,8 @@ use support::{TinyModel, Worker, attach_options, committed_session, runtime, ses
 use tether_client::{ClientOptions, ErrorKind, WorkerClient};
 use tether_client::{DataLink, LinkTarget};
 use tether_protocol::{
-    BearerToken, EndReason, ForwardCall, ForwardInput, ForwardOutput, Rows, SessionId, TokenPos,
+    BearerToken, EndReason, ForwardCall, ForwardInput, ForwardOutput, Rows, SessionId, SharedArea,
+    TokenPos,
 };
 
 fn call(ids: Vec<u32>, rows: &[u32], want: Rows) -> ForwardCall {
@@ -131,6 +132,21 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
                 .expect("and the next"),
             argmax
         );
+        // A range as a GPU worker would lend it: three tokens of the model's width.
+        let three = call(vec![1, 2, 3], &[], Rows::Logits);
+        let n_embd = match by_grpc(&client, session.id(), &three).await {
+            ForwardOutput::Hidden(h) => h.len() as u64 / 3,
+            other => panic!("hidden states expected, got {other:?}"),
+        };
+        let lent = SharedArea {
+            host: [0; 16],
+            pid: 1,
+            device: 0,
+            handle: [0; 64],
+            base: 1 << 40,
+            offset: 0,
+            len: 3 * 4 * n_embd,
+        };
         let bad = [
             call(vec![1, 2, 1 << 30], &[2], Rows::Logits),
             call(vec![1, 2, 3], &[], Rows::ArgMax),
@@ -140,10 +156,35 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
                 ..call(vec![1, 2, 3], &[2], Rows::Logits)
             },
             call(vec![1; 9], &[], Rows::Logits),
+            // A hand-off asked of the block with the head, and one with logits rows.
+            call(vec![1, 2, 3], &[], Rows::HandOff(0)),
+            call(vec![1, 2, 3], &[2], Rows::HandOff(0)),
+            // Lent hidden states of the wrong size for three tokens.
+            ForwardCall {
+                input: ForwardInput::Lent(SharedArea { len: 12, ..lent }),
+                ..call(vec![1, 2, 3], &[2], Rows::Logits)
+            },
         ];
         for c in &bad {
             let e = link.forward(c).expect_err("a bad request");
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{c:?}: {e}");
+        }
+        // A cpu worker borrows no device memory: lent hidden states of the right size, and
+        // the probe a pipeline opens with, are refused as a state it cannot serve.
+        for c in [
+            ForwardCall {
+                input: ForwardInput::Lent(lent),
+                ..call(vec![1, 2, 3], &[2], Rows::Logits)
+            },
+            ForwardCall {
+                tokens: Vec::new(),
+                input: ForwardInput::Lent(SharedArea { len: 0, ..lent }),
+                ..call(vec![], &[], Rows::Logits)
+            },
+        ] {
+            let e = link.forward(&c).expect_err("lent input on a cpu worker");
+            assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{c:?}: {e}");
+            assert!(e.to_string().contains("borrows no device memory"), "{e}");
         }
         // A fourth token after the three: a cell the bad requests would have written.
         let next = ForwardCall {

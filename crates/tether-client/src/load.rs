@@ -312,6 +312,17 @@ impl WorkerClient {
                 )),
             ));
         }
+        if matches!(rows, Rows::HandOff(_)) || matches!(input, ForwardInput::Lent(_)) {
+            return Err(ClientError::domain(
+                "forward",
+                &self.addr,
+                WorkerError::InvalidArgument(
+                    "forward: hidden states are handed over device to device only on a data \
+                     link"
+                        .into(),
+                ),
+            ));
+        }
         let req = request_to_proto(session, tokens, input, logits_rows, rows, targets);
         let reply = self
             .rpc

@@ -13,6 +13,7 @@ use crate::error::ComputeError;
 use crate::moe::{MoeFfn, MoeRouting, MoeScratch};
 pub use crate::operands::{KvCache, KvCacheMut, Qkv, Rope, Scores, Weight};
 use crate::operands::{common_cols, gate_up_shape};
+use crate::shared::SharedArea;
 use tether_gguf::GgmlType;
 
 /// Result type of every backend call.
@@ -121,6 +122,10 @@ pub trait Backend: Send + Sync + 'static {
     /// What [`Backend::replay`] keeps between calls (captured launch sequences); owned by
     /// the caller, so it lives and dies with the stage (session) that uses it.
     type Replays: Default + Send + 'static;
+
+    /// An allocation of another backend opened by [`Backend::open_shared`]: it stays
+    /// readable here until the value is dropped.
+    type Borrowed: Send + Sync + 'static;
 
     /// What a run of weight uploads keeps ([`Backend::begin_uploads`]); owned by the stage
     /// being loaded.
@@ -468,6 +473,35 @@ pub trait Backend: Send + Sync + 'static {
         bytes: usize,
     ) -> Result<()>;
 
+    /// Where another backend on this machine can copy `buf` from without the host
+    /// ([`Backend::copy_shared`]); `None` where this backend lends no memory (the cpu
+    /// backend). The area names the allocation `buf` lies in; nothing is allocated.
+    fn share(&self, buf: &Self::Buffer) -> Result<Option<SharedArea>> {
+        let _ = buf;
+        Ok(None)
+    }
+
+    /// Opens the allocation another backend lent as `area`, for [`Backend::copy_shared`];
+    /// dropping the value closes it. Fails with [`ComputeError::NotShared`] where this
+    /// backend borrows no memory or the area is not one it can open.
+    fn open_shared(&self, area: &SharedArea) -> Result<Self::Borrowed> {
+        let _ = area;
+        Err(borrows_nothing(self.name()))
+    }
+
+    /// Queues a copy of `area`, a range of the allocation `view` opened, into the start of
+    /// `dst`. The lender must not write the range until this backend's ops issued so far
+    /// have finished ([`Backend::synchronize`]).
+    fn copy_shared(
+        &self,
+        view: &Self::Borrowed,
+        area: &SharedArea,
+        dst: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (view, area, dst);
+        Err(borrows_nothing(self.name()))
+    }
+
     /// `out[r]` = [`crate::argmax::greedy`] of row `r` of `x` (`[out.len()][n]` f32), waiting
     /// for pending work first. `scratch` (at least `4 * out.len()` bytes) may be overwritten:
     /// a device backend computes the ids there and downloads only them, not every value.
@@ -538,4 +572,10 @@ pub fn top_rows_scratch(rows: usize, k: usize) -> Option<usize> {
         .checked_add(1)?
         .checked_mul(rows)?
         .checked_mul(4)
+}
+
+/// What a backend that borrows no device memory answers [`Backend::open_shared`] and
+/// [`Backend::copy_shared`] with.
+fn borrows_nothing(backend: String) -> ComputeError {
+    ComputeError::NotShared(format!("{backend} borrows no device memory"))
 }

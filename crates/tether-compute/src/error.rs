@@ -31,6 +31,10 @@ pub enum ComputeError {
         /// The backend.
         backend: String,
     },
+    /// Memory cannot be lent or borrowed between these backends (a cpu backend, another
+    /// machine's area, a driver that refused to open it): hidden states go through the host.
+    #[error("device memory cannot be shared: {0}")]
+    NotShared(String),
     /// The backend is not available on this machine (no driver, no device).
     #[error("backend unavailable: {0}")]
     Unavailable(String),

@@ -14,6 +14,7 @@ mod operands;
 pub mod rng;
 pub mod rope;
 mod shape_check;
+pub mod shared;
 
 pub use backend::{
     AttnShape, AttnSpan, Backend, DeviceBuffer, GateAct, KV_BLOCK_CELLS, KvCache, KvCacheMut,
@@ -25,3 +26,4 @@ pub use cpu::{CpuBackend, CpuBuffer};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaBackend, CudaBuffer, CudaReplays, CudaTuning};
 pub use error::ComputeError;
+pub use shared::SharedArea;

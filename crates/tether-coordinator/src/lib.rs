@@ -7,6 +7,7 @@ pub mod discovery;
 #[cfg(test)]
 mod discovery_tests;
 pub mod engine;
+mod handoff;
 pub mod http;
 pub mod lifecycle;
 pub mod load;

@@ -137,6 +137,9 @@ pub struct LoadedStage {
     pub via: BytesVia,
     /// Its data link, when the worker serves one and the load asked for links.
     pub link: Option<Arc<DataLink>>,
+    /// The slots it hands hidden states to the next stage's GPU in, when the two can
+    /// ([`crate::handoff::probe`]).
+    pub handoff: Option<Arc<crate::handoff::Handoff>>,
 }
 
 fn block_bytes(model: &ModelFile, a: &Assignment) -> u64 {
@@ -427,9 +430,12 @@ pub async fn load_plan(
                 reserved: prepared.reserved,
                 via,
                 link,
+                handoff: None,
             }
         })
         .collect();
+    let mut stages = stages;
+    crate::handoff::probe(&mut stages).await;
     report.workers = picked
         .iter()
         .zip(&votes)

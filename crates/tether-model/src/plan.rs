@@ -49,11 +49,19 @@ pub struct ScratchSizes {
     pub moe_rows: u64,
     /// Expert gate and up products `[ubatch · n_used][n_ff_exp]` each (MoE layers).
     pub moe_ff: u64,
+    /// Each of the [`HANDOFF_SLOTS`] slots a stage whose output is hidden states (layers
+    /// and no head) leaves a micro-batch's output in for the next stage to copy from its
+    /// device, `[ubatch][n_embd]` f32.
+    pub handoff: u64,
 }
+
+/// Slots a stage hands hidden states on in: the next stage copies from one while this one
+/// fills another, and the pipeline keeps one more in flight (see `Stage::forward_from`).
+pub const HANDOFF_SLOTS: usize = 3;
 
 impl ScratchSizes {
     /// Sum over every buffer, counting the ones allocated twice (q/attn, k/v, expert
-    /// ids/weights, expert gate/up) and three times (gate/up/act).
+    /// ids/weights, expert gate/up), three times (gate/up/act) and once a hand-off slot.
     pub fn total(&self) -> u64 {
         self.hidden
             + self.normed
@@ -65,6 +73,7 @@ impl ScratchSizes {
             + 2 * self.moe_picks
             + self.moe_rows
             + 2 * self.moe_ff
+            + HANDOFF_SLOTS as u64 * self.handoff
     }
 }
 
@@ -101,6 +110,7 @@ pub fn scratch_sizes(cfg: &ModelConfig, spec: &StageSpec) -> ScratchSizes {
         moe_picks: f32s(n_used),
         moe_rows: f32s(n_used * cfg.n_embd),
         moe_ff: f32s(n_used * ff_exp),
+        handoff: when(layers && !spec.has_head, f32s(cfg.n_embd)),
     }
 }
 

@@ -450,3 +450,93 @@ fn normed_hidden_states_match_the_reference() {
         assert!(worst < 1e-2, "{}: {worst:e}", shape.name());
     }
 }
+
+/// A 16-token step handed from one stage's device to the next's (the first leaves its
+/// output in a hand-off slot, the second copies it from there) gives the same logits,
+/// bit for bit, as the same step with the hidden states crossing on the host; every slot
+/// takes a turn, and a lent range of the wrong size or a step that would replay is refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hidden_states_handed_between_devices_equal_the_host_path() {
+    let (_tmp, file) = synth(SynthShape::Tiny, GgmlType::Q4K);
+    let n = ModelConfig::from_gguf(&file).unwrap().n_layer;
+    let mid = n / 2;
+    let load = |first, last, embed, head| {
+        load_stage_from_file(gpu(), &file, stage_spec(first, last, embed, head)).unwrap()
+    };
+    let (mut a_host, mut b_host) = (load(0, mid, true, false), load(mid, n, false, true));
+    let (mut a, mut b) = (load(0, mid, true, false), load(mid, n, false, true));
+    let (e, v) = (a.config().n_embd, a.config().n_vocab);
+    let slots = tether_model::plan::HANDOFF_SLOTS;
+    let ids: Vec<u32> = (0..((slots + 1) * UBATCH) as u32)
+        .map(|i| (i * 7919 + 13) % v as u32)
+        .collect();
+    let mut views = Vec::new();
+    for (step, chunk) in ids.chunks(UBATCH).enumerate().take(slots + 1) {
+        let start = (step * UBATCH) as u32;
+        let toks: Vec<BatchToken> = (0..chunk.len() as u32)
+            .map(|i| BatchToken {
+                seq: 0,
+                pos: start + i,
+            })
+            .collect();
+        let mut h = vec![0.0; toks.len() * e];
+        a_host
+            .decode_step(StepInput::Ids(chunk), &toks, StepOutput::Hidden(&mut h))
+            .unwrap();
+        let mut want = vec![0.0; toks.len() * v];
+        b_host
+            .decode_step(StepInput::Hidden(&h), &toks, StepOutput::Logits(&mut want))
+            .unwrap();
+
+        let mut area = None;
+        let slot = step % slots;
+        a.decode_step(
+            StepInput::Ids(chunk),
+            &toks,
+            StepOutput::Slot(slot, &mut area),
+        )
+        .unwrap();
+        let area = area.expect("a slot's range");
+        assert_eq!(area.len, (4 * toks.len() * e) as u64);
+        let view = b.backend().open_shared(&area).unwrap();
+        let short = area.prefix(area.len - 4).unwrap();
+        let mut got = vec![0.0; toks.len() * v];
+        let refused = b.decode_step(
+            StepInput::Lent(&view, &short),
+            &toks,
+            StepOutput::Logits(&mut got),
+        );
+        assert!(refused.is_err(), "a range 4 bytes short was taken");
+        b.decode_step(
+            StepInput::Lent(&view, &area),
+            &toks,
+            StepOutput::Logits(&mut got),
+        )
+        .unwrap();
+        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&got) == bits(&want),
+            "step {step}: handed-over logits differ from the host path's"
+        );
+        views.push(view);
+    }
+    assert_eq!(views.len(), slots + 1, "every slot took a turn");
+    // Eight tokens replay a recorded step: refused either way.
+    let next = ids.len() as u32;
+    let toks: Vec<BatchToken> = (0..8)
+        .map(|i| BatchToken {
+            seq: 0,
+            pos: next + i,
+        })
+        .collect();
+    let mut area = None;
+    let refused = a.decode_step(
+        StepInput::Ids(&ids[..8]),
+        &toks,
+        StepOutput::Slot(0, &mut area),
+    );
+    let e = refused.expect_err("an 8-token hand-off");
+    assert!(e.to_string().contains("more than 8 tokens"), "{e}");
+    assert!(area.is_none());
+}

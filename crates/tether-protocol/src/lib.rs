@@ -21,7 +21,9 @@ pub mod txn;
 pub use block::BlockSpec;
 pub use error::{Result, WorkerError, error_chain};
 pub use file_identity::FileIdentity;
-pub use forward::{ForwardCall, ForwardInput, ForwardOutput, MAX_TOP_K, Rows, TokenPos};
+pub use forward::{
+    ForwardCall, ForwardInput, ForwardOutput, MAX_TOP_K, Rows, SharedArea, TokenPos,
+};
 pub use ids::{SessionId, TxnId};
 pub use prepare_timings::PrepareTimings;
 pub use session::{EndReason, Lease, SessionEnd};

@@ -2,6 +2,8 @@
 //! `tether_model::Stage`, which allocates all of a block's device memory when built and
 //! frees it when dropped.
 
+mod handoff;
+
 use crate::stage::{PlannedStage, ServingStage, StageFactory, StageShape, TensorNeed};
 use std::sync::Arc;
 use tether_compute::{Backend, ComputeError, CpuBackend};
@@ -154,13 +156,20 @@ impl<B: Backend> PlannedStage for PlannedModelStage<B> {
             &self.slots,
         )
         .map_err(|e| model_error("prepare: allocating the layer block", e))?;
-        Ok(Box::new(ModelStage { stage, shape }))
+        Ok(Box::new(ModelStage {
+            stage,
+            shape,
+            borrowed: Vec::new(),
+        }))
     }
 }
 
 struct ModelStage<B: Backend> {
     stage: Stage<B>,
     shape: StageShape,
+    /// Allocations of the previous stage's sessions this one copies hidden states from
+    /// (see `handoff`), opened once; closed with the session.
+    borrowed: Vec<(tether_compute::SharedArea, B::Borrowed)>,
 }
 
 impl<B: Backend> ModelStage<B> {
@@ -171,18 +180,15 @@ impl<B: Backend> ModelStage<B> {
     /// `logits_rows`: the tokens whose head output is wanted, `None` for every token; with
     /// none at all, the hidden states are the output.
     fn decode_step(
-        &mut self,
+        stage: &mut Stage<B>,
+        shape: StageShape,
         batch: &[BatchToken],
-        input: &ForwardInput,
+        input: StepInput<'_, B::Borrowed>,
         logits_rows: Option<&[u32]>,
         rows: Rows,
         targets: &[u32],
     ) -> Result<ForwardOutput> {
         let hidden_out = logits_rows.is_some_and(<[u32]>::is_empty);
-        let input = match input {
-            ForwardInput::TokenIds(ids) => StepInput::Ids(ids),
-            ForwardInput::Hidden(h) => StepInput::Hidden(h),
-        };
         let step = |stage: &mut Stage<B>, out| {
             let stepped = match logits_rows {
                 Some(chosen) if !hidden_out => stage.decode_step_rows(input, batch, chosen, out),
@@ -191,15 +197,15 @@ impl<B: Backend> ModelStage<B> {
             stepped.map_err(|e| model_error("forward: decode step", e))
         };
         if hidden_out {
-            let mut h = vec![0.0; batch.len() * self.shape.n_embd];
-            step(&mut self.stage, StepOutput::Hidden(&mut h))?;
+            let mut h = vec![0.0; batch.len() * shape.n_embd];
+            step(stage, StepOutput::Hidden(&mut h))?;
             return Ok(ForwardOutput::Hidden(h));
         }
         // One output row per head row.
         let n = logits_rows.map_or(batch.len(), <[u32]>::len);
         if rows == Rows::ArgMax {
             let mut ids = vec![0; n];
-            step(&mut self.stage, StepOutput::ArgMax(&mut ids))?;
+            step(stage, StepOutput::ArgMax(&mut ids))?;
             Ok(ForwardOutput::ArgMax(ids))
         } else if let Rows::LogProbs(k) = rows {
             let mut top = vec![Vec::new(); n];
@@ -210,7 +216,7 @@ impl<B: Backend> ModelStage<B> {
                 top: &mut top,
                 scores: &mut scores,
             };
-            step(&mut self.stage, out)?;
+            step(stage, out)?;
             Ok(ForwardOutput::Scored {
                 counts: top.iter().map(|r| r.len() as u32).collect(),
                 candidates: top.concat(),
@@ -218,16 +224,51 @@ impl<B: Backend> ModelStage<B> {
             })
         } else if let Rows::Top(k) = rows {
             let mut top = vec![Vec::new(); n];
-            step(&mut self.stage, StepOutput::Top(k as usize, &mut top))?;
+            step(stage, StepOutput::Top(k as usize, &mut top))?;
             Ok(ForwardOutput::Top {
                 counts: top.iter().map(|r| r.len() as u32).collect(),
                 candidates: top.concat(),
             })
         } else {
-            let mut logits = vec![0.0; n * self.shape.n_vocab];
-            step(&mut self.stage, StepOutput::Logits(&mut logits))?;
+            let mut logits = vec![0.0; n * shape.n_vocab];
+            step(stage, StepOutput::Logits(&mut logits))?;
             Ok(ForwardOutput::Logits(logits))
         }
+    }
+
+    /// What the call's `logits_rows` ask for, from the batch's hidden states on the host.
+    fn rows_out(
+        &mut self,
+        hidden: Vec<f32>,
+        logits_rows: &[u32],
+        rows: Rows,
+    ) -> Result<ForwardOutput> {
+        let n_embd = self.shape.n_embd;
+        if logits_rows.is_empty() {
+            return Ok(ForwardOutput::Hidden(hidden));
+        }
+        let mut rows_in = Vec::with_capacity(logits_rows.len() * n_embd);
+        for &r in logits_rows {
+            let start = r as usize * n_embd;
+            let row = hidden.get(start..start + n_embd).ok_or_else(|| {
+                WorkerError::InvalidArgument(format!(
+                    "forward: logits row {r} is outside the batch"
+                ))
+            })?;
+            rows_in.extend_from_slice(row);
+        }
+        if rows == Rows::Embeddings {
+            let mut normed = vec![0.0; logits_rows.len() * n_embd];
+            self.stage
+                .output_normed(&rows_in, logits_rows.len(), &mut normed)
+                .map_err(|e| model_error("forward: output norm", e))?;
+            return Ok(ForwardOutput::Embeddings(normed));
+        }
+        let mut logits = vec![0.0; logits_rows.len() * self.shape.n_vocab];
+        self.stage
+            .logits(&rows_in, logits_rows.len(), &mut logits)
+            .map_err(|e| model_error("forward: output head", e))?;
+        Ok(ForwardOutput::Logits(logits))
     }
 }
 
@@ -265,16 +306,34 @@ impl<B: Backend> ServingStage for ModelStage<B> {
             })
             .collect();
         let n = tokens.len();
+        if matches!(input, ForwardInput::Lent(_)) || matches!(rows, Rows::HandOff(_)) {
+            return self.hand_over(&batch, &input, logits_rows, rows, targets);
+        }
         // Prompt chunks beside decode tokens (only some rows want logits) take the decode
         // step too: the head, the selection and the hidden states stay on the device.
         let increasing = logits_rows.windows(2).all(|w| w[0] < w[1]);
         if n > 0 && n <= self.stage.decode_step_tokens() && increasing && rows != Rows::Embeddings {
             let all_rows = logits_rows.iter().copied().eq(0..n as u32);
             let chosen = (!all_rows).then_some(logits_rows);
-            return self.decode_step(&batch, &input, chosen, rows, targets);
+            let input = match &input {
+                ForwardInput::TokenIds(ids) => StepInput::Ids(ids),
+                ForwardInput::Hidden(h) => StepInput::Hidden(h),
+                ForwardInput::Lent(_) => {
+                    return Err(WorkerError::Internal(
+                        "lent input reached the host path".into(),
+                    ));
+                }
+            };
+            let shape = self.shape;
+            return Self::decode_step(&mut self.stage, shape, &batch, input, chosen, rows, targets);
         }
         let mut hidden = match input {
             ForwardInput::Hidden(h) => h,
+            ForwardInput::Lent(_) => {
+                return Err(WorkerError::Internal(
+                    "lent input reached the host path".into(),
+                ));
+            }
             ForwardInput::TokenIds(ids) => {
                 let mut h = vec![0.0; ids.len() * n_embd];
                 self.stage
@@ -292,31 +351,7 @@ impl<B: Backend> ServingStage for ModelStage<B> {
             us = began.elapsed().as_micros() as u64,
             "stage forward"
         );
-        if logits_rows.is_empty() {
-            return Ok(ForwardOutput::Hidden(hidden));
-        }
-        let mut rows_in = Vec::with_capacity(logits_rows.len() * n_embd);
-        for &r in logits_rows {
-            let start = r as usize * n_embd;
-            let row = hidden.get(start..start + n_embd).ok_or_else(|| {
-                WorkerError::InvalidArgument(format!(
-                    "forward: logits row {r} is outside the batch"
-                ))
-            })?;
-            rows_in.extend_from_slice(row);
-        }
-        if rows == Rows::Embeddings {
-            let mut normed = vec![0.0; logits_rows.len() * n_embd];
-            self.stage
-                .output_normed(&rows_in, logits_rows.len(), &mut normed)
-                .map_err(|e| model_error("forward: output norm", e))?;
-            return Ok(ForwardOutput::Embeddings(normed));
-        }
-        let mut logits = vec![0.0; logits_rows.len() * self.shape.n_vocab];
-        self.stage
-            .logits(&rows_in, logits_rows.len(), &mut logits)
-            .map_err(|e| model_error("forward: output head", e))?;
-        Ok(ForwardOutput::Logits(logits))
+        self.rows_out(hidden, logits_rows, rows)
     }
 
     fn kv_clear(&mut self, seq: u32) -> Result<()> {

@@ -207,7 +207,10 @@ fn scored_rows(logits: &[f32], n_vocab: usize, k: u32, targets: &[u32]) -> Forwa
 pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()> {
     let n = call.tokens.len();
     let spec = &shape.spec;
-    if n == 0 || n > spec.ubatch {
+    let handing =
+        matches!(call.rows, Rows::HandOff(_)) || matches!(call.input, ForwardInput::Lent(_));
+    // A hand-off's probe has no tokens: it opens or lends the slots and runs nothing.
+    if (n == 0 && !handing) || n > spec.ubatch {
         return Err(WorkerError::InvalidArgument(format!(
             "forward: {n} tokens; a batch holds 1 to {} tokens (the block's ubatch)",
             spec.ubatch
@@ -222,7 +225,7 @@ pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()
             )));
         }
     }
-    if call.rows != Rows::Logits && call.logits_rows.is_empty() {
+    if !matches!(call.rows, Rows::Logits | Rows::HandOff(_)) && call.logits_rows.is_empty() {
         return Err(WorkerError::InvalidArgument(
             "forward: argmax and top_k reduce logits rows, and no logits rows were given".into(),
         ));
@@ -267,6 +270,14 @@ pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()
                 )));
             }
         }
+        ForwardInput::Lent(area) => {
+            if area.len != (n * shape.n_embd * 4) as u64 {
+                return Err(WorkerError::InvalidArgument(format!(
+                    "forward: {} bytes of lent hidden states for {n} tokens of width {}",
+                    area.len, shape.n_embd
+                )));
+            }
+        }
         ForwardInput::TokenIds(ids) => {
             if !spec.has_embed {
                 return Err(WorkerError::InvalidArgument(
@@ -286,6 +297,13 @@ pub(crate) fn check_forward(shape: &StageShape, call: &ForwardCall) -> Result<()
                 )));
             }
         }
+    }
+    if matches!(call.rows, Rows::HandOff(_)) && (spec.has_head || !call.logits_rows.is_empty()) {
+        return Err(WorkerError::InvalidArgument(
+            "forward: a hand-off is asked of a block without the output head, with no logits \
+             rows"
+                .into(),
+        ));
     }
     if !call.logits_rows.is_empty() {
         if !spec.has_head {

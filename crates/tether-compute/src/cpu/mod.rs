@@ -95,6 +95,8 @@ impl Backend for CpuBackend {
     type Buffer = CpuBuffer;
     type Replays = ();
     type Uploads = ();
+    /// The cpu backend lends and borrows nothing: its default [`Backend::open_shared`] refuses.
+    type Borrowed = std::convert::Infallible;
 
     fn name(&self) -> String {
         "cpu".to_string()

@@ -45,7 +45,7 @@ impl CudaBackend {
 
     /// A copy is not a kernel a recorded graph replays: what was recorded runs first, so
     /// the copy sees what those kernels wrote, and inputs quantized before are stale after.
-    fn before_copy(&self) -> Result<()> {
+    pub(super) fn before_copy(&self) -> Result<()> {
         self.wrote();
         self.device.flush_recorded()
     }

@@ -212,6 +212,15 @@ impl CudaBuffer {
         self.ptr
     }
 
+    /// The allocation the buffer lies in: its address and size (the buffer's own unless it
+    /// is a part of a shared block).
+    pub(crate) fn allocation(&self) -> (CUdeviceptr, usize) {
+        match &self.block {
+            Some(b) => (b.ptr, b.len),
+            None => (self.ptr, self.len),
+        }
+    }
+
     /// Whether the buffer was allocated by the device `d`.
     pub(crate) fn belongs_to(&self, d: &Arc<Device>) -> bool {
         Arc::ptr_eq(&self.device, d)

@@ -32,6 +32,7 @@ mod ops;
 mod packed;
 mod ptx_cache;
 mod rope;
+mod shared;
 mod staging;
 mod tuning;
 mod upload;

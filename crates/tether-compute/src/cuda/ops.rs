@@ -18,6 +18,7 @@ use crate::backend::{
 use crate::cuda::device::driver_err;
 use crate::moe::{MoeFfn, MoeRouting, MoeScratch};
 use crate::operands::common_cols;
+use crate::shared::SharedArea;
 
 /// Threads per block of the element-wise kernels.
 const THREADS: u32 = 256;
@@ -25,6 +26,7 @@ impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Replays = super::CudaReplays;
     type Uploads = super::CudaUploads;
+    type Borrowed = super::shared::Borrowed;
 
     fn replay<R>(&self, replays: &mut Self::Replays, key: u64, f: impl FnOnce() -> R) -> Result<R> {
         self.replay_step(replays, key, f)
@@ -474,6 +476,23 @@ impl Backend for CudaBackend {
         bytes: usize,
     ) -> Result<()> {
         self.copy_inside(buf, src, dst, bytes)
+    }
+
+    fn share(&self, buf: &CudaBuffer) -> Result<Option<SharedArea>> {
+        self.lend(buf).map(Some)
+    }
+
+    fn open_shared(&self, area: &SharedArea) -> Result<super::shared::Borrowed> {
+        self.borrow(area)
+    }
+
+    fn copy_shared(
+        &self,
+        view: &super::shared::Borrowed,
+        area: &SharedArea,
+        dst: &mut CudaBuffer,
+    ) -> Result<()> {
+        self.copy_borrowed(view, area, dst)
     }
 
     fn argmax_rows(

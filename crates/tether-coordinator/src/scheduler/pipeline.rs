@@ -4,6 +4,7 @@
 //! ([`run_pipeline`]).
 
 use crate::api::TokenLogProb;
+use crate::handoff::{HANDOFF_MIN_TOKENS, SlotLease};
 use crate::load::LoadedStage;
 use crate::loss::Loss;
 use crate::sequence::{Batch, RowUse, Sequence};
@@ -161,9 +162,19 @@ enum Passed {
 /// What worker `i` of `stages` is asked for `b` with input `x`: the last returns what the
 /// batch's logits rows want (with the token ids [`Rows::LogProbs`] rows score), the others
 /// their hidden states.
-fn asked(stages: &[LoadedStage], i: usize, b: &Batch, x: ForwardInput) -> ForwardCall {
+fn asked(
+    stages: &[LoadedStage],
+    i: usize,
+    b: &Batch,
+    x: ForwardInput,
+    slot: Option<&SlotLease>,
+) -> ForwardCall {
     let last = i + 1 == stages.len();
-    let rows = if last { b.rows } else { Rows::Logits };
+    let rows = match slot {
+        _ if last => b.rows,
+        Some(s) => Rows::HandOff(s.slot()),
+        None => Rows::Logits,
+    };
     let targets = match rows {
         Rows::LogProbs(_) => b.targets.clone(),
         _ => Vec::new(),
@@ -181,16 +192,29 @@ fn asked(stages: &[LoadedStage], i: usize, b: &Batch, x: ForwardInput) -> Forwar
     }
 }
 
+/// Whether worker `i` hands `b`'s hidden states to the next one's GPU: it can
+/// ([`LoadedStage::handoff`]), the batch is large enough to gain, and the next worker
+/// takes it in one decode step (see `tether_model::StepInput::Lent`).
+fn hands_off(stages: &[LoadedStage], i: usize, b: &Batch) -> bool {
+    let n = b.tokens.len();
+    stages[i].handoff.is_some()
+        && n >= HANDOFF_MIN_TOKENS
+        && stages[i..].iter().take(2).all(|st| n <= st.spec.ubatch)
+        && b.rows != Rows::Embeddings
+        && b.logits_rows.windows(2).all(|w| w[0] < w[1])
+}
+
 /// Runs `b` over worker `i` of `stages` with input `x`; `alone` as [`stage_call::forward`].
 async fn pass(
     stages: &[LoadedStage],
     i: usize,
     b: &Batch,
     x: ForwardInput,
+    slot: Option<&SlotLease>,
     alone: bool,
 ) -> Result<Passed, Loss> {
     let began = Instant::now();
-    let out = stage_call::forward(&stages[i], asked(stages, i, b, x), alone)
+    let out = stage_call::forward(&stages[i], asked(stages, i, b, x, slot), alone)
         .await
         .map_err(Loss::Call)?;
     passed(stages, i, b, out, began)
@@ -202,9 +226,10 @@ async fn send(
     i: usize,
     b: &Batch,
     x: ForwardInput,
+    slot: Option<&SlotLease>,
 ) -> Result<(Pending, Instant), Loss> {
     let began = Instant::now();
-    let pending = stage_call::send(&stages[i], asked(stages, i, b, x))
+    let pending = stage_call::send(&stages[i], asked(stages, i, b, x, slot))
         .await
         .map_err(Loss::Call)?;
     Ok((pending, began))
@@ -241,6 +266,7 @@ fn passed(
     );
     Ok(match out {
         ForwardOutput::Hidden(h) if !last => Passed::Next(ForwardInput::Hidden(h)),
+        ForwardOutput::Lent(area) if !last => Passed::Next(ForwardInput::Lent(area)),
         ForwardOutput::Logits(l) if last && want == Rows::Logits => {
             Passed::Rows(RowsOut::Logits(l))
         }
@@ -331,17 +357,30 @@ pub(super) struct Job {
 /// A batch that left the last worker (lane, place, rows), or the error that stopped a loop.
 pub(super) type Done = Result<(usize, usize, RowsOut), Loss>;
 
+/// A batch's input to a worker, with the previous worker's hand-off slot it is copied
+/// from (held until this worker has answered).
+type Input = (Job, ForwardInput, Option<SlotLease>);
+
 /// Where a lane's batches enter the first worker.
-pub(super) struct Jobs(mpsc::UnboundedSender<(Job, ForwardInput)>);
+pub(super) struct Jobs(mpsc::UnboundedSender<Input>);
 
 impl Jobs {
     /// Sends `job` into the first worker's loop; false when that loop has stopped (a worker
     /// failed, and its error is on its way as a [`Done`]).
     pub fn send(&self, job: Job) -> bool {
         let ids = ForwardInput::TokenIds(job.batch.ids.clone());
-        self.0.send((job, ids)).is_ok()
+        self.0.send((job, ids, None)).is_ok()
     }
 }
+
+/// A batch sent to a worker: what came back or is to, the slot its input was copied from,
+/// and the slot its output is left in.
+type InFlight = (
+    Job,
+    Result<Sent, Loss>,
+    Option<SlotLease>,
+    Option<SlotLease>,
+);
 
 /// A batch sent to a worker, its output not yet taken.
 enum Sent {
@@ -367,44 +406,58 @@ pub(super) fn stage_loops(
     mpsc::UnboundedReceiver<Done>,
     impl Future<Output = ()> + '_,
 ) {
-    let (jobs, mut hidden) = mpsc::unbounded_channel::<(Job, ForwardInput)>();
+    let (jobs, mut hidden) = mpsc::unbounded_channel::<Input>();
     let (done_tx, done) = mpsc::unbounded_channel::<Done>();
     let mut loops = Vec::with_capacity(stages.len());
     for i in 0..stages.len() {
-        let (tx, next) = mpsc::unbounded_channel::<(Job, ForwardInput)>();
+        let (tx, next) = mpsc::unbounded_channel::<Input>();
         let mut input = std::mem::replace(&mut hidden, next);
         let done = done_tx.clone();
         // One batch waits here while the one before it is taken: two in flight at most.
-        let (in_flight, mut landed) = mpsc::channel::<(Job, Result<Sent, Loss>)>(1);
+        let (in_flight, mut landed) = mpsc::channel::<InFlight>(1);
         let sending = async move {
-            while let Some((job, x)) = input.recv().await {
+            while let Some((job, x, read_from)) = input.recv().await {
                 // The taking half gone means it failed; its error is sent.
                 let Ok(permit) = in_flight.reserve().await else {
                     return;
                 };
+                // Waits for the next worker to have answered the pass that read the slot.
+                let slot = match &stages[i].handoff {
+                    Some(h) if hands_off(stages, i, &job.batch) => Some(h.take().await),
+                    _ => None,
+                };
+                let b = &job.batch;
                 let sent = if job.alone {
-                    pass(stages, i, &job.batch, x, true).await.map(Sent::Passed)
+                    pass(stages, i, b, x, slot.as_ref(), true)
+                        .await
+                        .map(Sent::Passed)
                 } else {
-                    send(stages, i, &job.batch, x).await.map(Sent::Pending)
+                    send(stages, i, b, x, slot.as_ref())
+                        .await
+                        .map(Sent::Pending)
                 };
                 let failed = sent.is_err();
-                permit.send((job, sent));
+                permit.send((job, sent, read_from, slot));
                 if failed {
                     return;
                 }
             }
         };
         let taking = async move {
-            while let Some((job, sent)) = landed.recv().await {
+            while let Some((job, sent, read_from, slot)) = landed.recv().await {
                 let passed = match sent {
                     Ok(Sent::Passed(p)) => Ok(p),
                     Ok(Sent::Pending(p)) => finish(stages, i, &job.batch, p).await,
                     Err(e) => Err(e),
                 };
+                // This worker has copied its input: the previous one may refill the slot.
+                drop(read_from);
                 match passed {
                     Ok(Passed::Next(x)) => {
+                        // A slot goes with the output only when the output is lent from it.
+                        let slot = slot.filter(|_| matches!(x, ForwardInput::Lent(_)));
                         // The next loop gone means another worker failed; its error is sent.
-                        let _ = tx.send((job, x));
+                        let _ = tx.send((job, x, slot));
                     }
                     Ok(Passed::Rows(r)) => {
                         let _ = done.send(Ok((job.lane, job.k, r)));

@@ -2,20 +2,44 @@
 //! from the input to the output, one transfer each way, and the layers replayed.
 
 use tether_compute::argmax::{score_row, top_candidates};
-use tether_compute::{Backend, DeviceBuffer, score_rows_scratch, top_rows_scratch};
+use tether_compute::{Backend, DeviceBuffer, SharedArea, score_rows_scratch, top_rows_scratch};
 
 use super::Stage;
 use super::forward::{as_bytes_mut, head_scratch_missing, need_len};
+use super::handoff::handed_over;
 use crate::error::{ModelError, compute};
 use crate::kv::BatchToken;
 
-/// What a decode step starts from.
-#[derive(Clone, Copy, Debug)]
-pub enum StepInput<'a> {
+/// What a decode step starts from; `V` is the backend's opened lent allocation
+/// ([`Backend::Borrowed`]).
+pub enum StepInput<'a, V = std::convert::Infallible> {
     /// One token id per token: the stage must hold the embedding table.
     Ids(&'a [u32]),
     /// `[tokens][n_embd]` hidden states from the stage before.
     Hidden(&'a [f32]),
+    /// `[tokens][n_embd]` hidden states the stage before left in a hand-off slot on its
+    /// device ([`StepOutput::Slot`]), copied device to device from the allocation `V`
+    /// opened. Only for steps of more than 8 tokens: a replayed step (8 and under) would
+    /// repeat the copy it recorded, from wherever that one came from.
+    Lent(&'a V, &'a SharedArea),
+}
+
+impl<V> Clone for StepInput<'_, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<V> Copy for StepInput<'_, V> {}
+
+impl<V> std::fmt::Debug for StepInput<'_, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StepInput::Ids(ids) => write!(f, "Ids({} tokens)", ids.len()),
+            StepInput::Hidden(h) => write!(f, "Hidden({} values)", h.len()),
+            StepInput::Lent(_, area) => write!(f, "Lent({} bytes)", area.len),
+        }
+    }
 }
 
 /// What a decode step writes, one row per token.
@@ -42,18 +66,26 @@ pub enum StepOutput<'a> {
         top: &'a mut [Vec<(u32, f32)>],
         scores: &'a mut [(f32, f32)],
     },
+    /// `[tokens][n_embd]` hidden states left in hand-off slot `n` (`0..HANDOFF_SLOTS`) of
+    /// this stage's device, for the stage after to copy ([`StepInput::Lent`]); the slot's
+    /// lent range is written to the `Option`. The caller must not name the slot again
+    /// until the stage after has finished its copy. Only for steps of more than 8 tokens,
+    /// like [`StepInput::Lent`].
+    Slot(usize, &'a mut Option<SharedArea>),
 }
 
 /// Where a step's input comes from, once checked.
-enum Source<'a> {
+enum Source<'a, V> {
     /// The embedding table (its weight index) and the ids to look up.
     Table(usize, &'a [u32]),
     Host(&'a [f32]),
+    Lent(&'a V, &'a SharedArea),
 }
 
 /// Where a step's output goes, once checked; the head as (norm, output) weight indices.
 enum Sink<'a> {
     Hidden(&'a mut [f32]),
+    Slot(usize, &'a mut Option<SharedArea>),
     Logits((usize, usize), &'a mut [f32]),
     ArgMax((usize, usize), &'a mut [u32]),
     Top((usize, usize), usize, &'a mut [Vec<(u32, f32)>]),
@@ -82,7 +114,7 @@ impl<B: Backend> Stage<B> {
     /// lacks the embedding or head the step needs, nothing changes.
     pub fn decode_step(
         &mut self,
-        input: StepInput<'_>,
+        input: StepInput<'_, B::Borrowed>,
         batch: &[BatchToken],
         out: StepOutput<'_>,
     ) -> Result<(), ModelError> {
@@ -97,12 +129,12 @@ impl<B: Backend> Stage<B> {
     /// decode step. `out` may not be [`StepOutput::Hidden`], which takes every token.
     pub fn decode_step_rows(
         &mut self,
-        input: StepInput<'_>,
+        input: StepInput<'_, B::Borrowed>,
         batch: &[BatchToken],
         rows: &[u32],
         out: StepOutput<'_>,
     ) -> Result<(), ModelError> {
-        if matches!(out, StepOutput::Hidden(_)) {
+        if matches!(out, StepOutput::Hidden(_) | StepOutput::Slot(..)) {
             return Err(ModelError::InvalidArgument(
                 "a decode step's hidden-state output takes every token, not chosen rows".into(),
             ));
@@ -130,7 +162,7 @@ impl<B: Backend> Stage<B> {
 
     fn decode_step_in_scope(
         &mut self,
-        input: StepInput<'_>,
+        input: StepInput<'_, B::Borrowed>,
         batch: &[BatchToken],
         rows: Option<&[u32]>,
         out: StepOutput<'_>,
@@ -161,11 +193,27 @@ impl<B: Backend> Stage<B> {
                 need_len("the hidden-state buffer", h.len(), n * e)?;
                 Source::Host(h)
             }
+            StepInput::Lent(view, area) => {
+                handed_over(n)?;
+                if area.len != 4 * (n * e) as u64 {
+                    return Err(ModelError::InvalidArgument(format!(
+                        "the lent hidden states hold {} bytes, {} expected",
+                        area.len,
+                        4 * n * e
+                    )));
+                }
+                Source::Lent(view, area)
+            }
         };
         let sink = match out {
             StepOutput::Hidden(h) => {
                 need_len("the hidden-state output", h.len(), n * e)?;
                 Sink::Hidden(h)
+            }
+            StepOutput::Slot(slot, area) => {
+                handed_over(n)?;
+                self.check_slot(slot)?;
+                Sink::Slot(slot, area)
             }
             StepOutput::Logits(l) => {
                 need_len("the logits buffer", l.len(), m * v)?;
@@ -220,6 +268,10 @@ impl<B: Backend> Stage<B> {
                 }
             }
             Source::Host(h) => stage.upload_hidden(h),
+            Source::Lent(view, area) => stage
+                .backend
+                .copy_shared(view, area, &mut stage.scratch.hidden)
+                .map_err(compute("copying lent hidden states")),
         })?;
         self.kv.commit(lens);
         if let Some(rows) = rows {
@@ -235,6 +287,10 @@ impl<B: Backend> Stage<B> {
                 .backend
                 .download(&self.scratch.hidden, 0, as_bytes_mut(h))
                 .map_err(compute("downloading hidden states")),
+            Sink::Slot(slot, area) => {
+                *area = Some(self.fill_slot(slot, 4 * n * e)?);
+                Ok(())
+            }
             Sink::Logits((norm, head), l) => self.head_on_device(norm, head, n, l),
             Sink::ArgMax((norm, head), ids) => {
                 self.head_into_scratch(norm, head, n)?;

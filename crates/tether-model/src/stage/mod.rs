@@ -6,6 +6,7 @@
 
 mod decode;
 mod forward;
+mod handoff;
 mod kv_ops;
 mod layout;
 mod load;
@@ -21,7 +22,7 @@ use crate::arch::{self, OUTPUT, OUTPUT_NORM, ROPE_FREQS, TOKEN_EMBD, TensorSpec}
 use crate::config::ModelConfig;
 use crate::error::{ModelError, compute};
 use crate::kv::KvState;
-use crate::plan::{kv_cache_bytes, kv_ring, kv_table_bytes, scratch_sizes};
+use crate::plan::{HANDOFF_SLOTS, kv_cache_bytes, kv_ring, kv_table_bytes, scratch_sizes};
 
 pub use crate::kv::BatchToken;
 pub use decode::{StepInput, StepOutput};
@@ -165,6 +166,8 @@ struct Scratch<Buf> {
     logits: Option<Buf>,
     /// Router and expert buffers of MoE layers.
     moe: Option<moe::MoeBuffers<Buf>>,
+    /// Where micro-batches' output is handed to the next stage (`ScratchSizes::handoff`).
+    handoff: Vec<Buf>,
 }
 
 /// A block of layers with its weights, KV cache and scratch on one backend.
@@ -356,6 +359,9 @@ impl<B: Backend> Stage<B> {
         if has_moe {
             wanted.extend(moe::MoeBuffers::<B::Buffer>::sizes(&sizes));
         }
+        if sizes.handoff > 0 {
+            wanted.extend([sizes.handoff; HANDOFF_SLOTS]);
+        }
         let total: u64 = wanted.iter().sum();
         let as_usize: Vec<usize> = wanted
             .iter()
@@ -436,6 +442,13 @@ impl<B: Backend> Stage<B> {
             Some(moe::MoeBuffers::take(&mut next)?)
         } else {
             None
+        };
+        let handoff = if sizes.handoff > 0 {
+            (0..HANDOFF_SLOTS)
+                .map(|_| next())
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
         };
         let hidden = hidden.ok_or_else(|| {
             ModelError::InvalidArgument("a stage needs a non-empty hidden state".into())
@@ -537,6 +550,7 @@ impl<B: Backend> Stage<B> {
                 layer,
                 logits,
                 moe: moe_scratch,
+                handoff,
             },
             kv,
             allocs,
@@ -581,6 +595,7 @@ impl<B: Backend> Stage<B> {
                 .sum::<usize>();
         }
         scratch += s.moe.as_ref().map_or(0, moe::MoeBuffers::bytes);
+        scratch += s.handoff.iter().map(|b| b.bytes()).sum::<usize>();
         (weights + kv + scratch) as u64
     }
 

@@ -20,6 +20,9 @@ pub fn request_to_proto(
     let (hidden, token_ids) = match input {
         ForwardInput::Hidden(h) => (f32s_to_le(h), Vec::new()),
         ForwardInput::TokenIds(ids) => (Vec::new(), ids.clone()),
+        // Refused before it gets here (`WorkerClient::forward_scored`); sent, neither field
+        // set, the worker would refuse it.
+        ForwardInput::Lent(_) => (Vec::new(), Vec::new()),
     };
     pb::ForwardRequest {
         session_id: session.to_string(),
@@ -99,6 +102,9 @@ pub fn output_to_proto(output: ForwardOutput) -> pb::ForwardReply {
             hidden: f32s_to_le(&h),
             ..Default::default()
         },
+        // A gRPC request cannot ask for a hand-off, so no reply carries one; an empty
+        // reply fails the client's check of its kind.
+        ForwardOutput::Lent(_) => pb::ForwardReply::default(),
         ForwardOutput::Logits(l) => pb::ForwardReply {
             logits: f32s_to_le(&l),
             ..Default::default()

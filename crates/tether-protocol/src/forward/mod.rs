@@ -5,6 +5,7 @@
 pub mod grpc;
 
 use crate::error::WorkerError;
+pub use tether_compute::SharedArea;
 
 /// One token of a batch: its sequence and position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,6 +23,9 @@ pub enum ForwardInput {
     Hidden(Vec<f32>),
     /// Token ids, one per token (only for a block with the embedding table).
     TokenIds(Vec<u32>),
+    /// Hidden states `[tokens][n_embd]` the previous block left on its device
+    /// ([`Rows::HandOff`]), copied from there device to device.
+    Lent(SharedArea),
 }
 
 /// The output of a forward pass.
@@ -58,6 +62,9 @@ pub enum ForwardOutput {
     /// What [`Rows::Embeddings`] asks for: each row's hidden state after the output norm,
     /// `[rows][n_embd]`, the vectors an embedding pools.
     Embeddings(Vec<f32>),
+    /// What [`Rows::HandOff`] asks for: where on its device the block left the hidden
+    /// states, for the next block to copy.
+    Lent(SharedArea),
 }
 
 /// What a forward returns for its logits rows.
@@ -76,6 +83,11 @@ pub enum Rows {
     LogProbs(u32),
     /// Each row's hidden state after the output norm instead of its logits.
     Embeddings,
+    /// With no logits rows: leave the hidden states in the block's hand-off slot `n` on its
+    /// device and return where ([`ForwardOutput::Lent`]). The caller takes slot `n` back
+    /// only once the next block has answered the call that copied from it. With no
+    /// tokens, a probe: the slot's area, nothing run.
+    HandOff(u32),
 }
 
 /// Most candidates a row may ask for.
@@ -107,6 +119,7 @@ pub fn check_reply(
     let n = logits_rows;
     let bad = |what: String| Err(WorkerError::Internal(format!("the worker returned {what}")));
     match (&out, rows) {
+        (ForwardOutput::Lent(_), Rows::HandOff(_)) if n == 0 => Ok(out),
         (ForwardOutput::Hidden(_), _) if n == 0 => Ok(out),
         (ForwardOutput::Logits(_), Rows::Logits) if n > 0 => Ok(out),
         (ForwardOutput::Embeddings(e), Rows::Embeddings) if n > 0 && e.len() % n == 0 => Ok(out),

@@ -8,7 +8,7 @@
 //! hostile frame costs at most its own length.
 
 use crate::error::WorkerError;
-use crate::forward::{ForwardCall, ForwardInput, ForwardOutput, Rows, TokenPos};
+use crate::forward::{ForwardCall, ForwardInput, ForwardOutput, Rows, SharedArea, TokenPos};
 use crate::grpc::code_of;
 use crate::ids::SessionId;
 use std::time::Duration;
@@ -23,17 +23,20 @@ const MAX_TOKEN_BYTES: usize = 4096;
 const OP_FORWARD: u8 = 1;
 const IN_IDS: u8 = 0;
 const IN_HIDDEN: u8 = 1;
+const IN_LENT: u8 = 2;
 const ROWS_LOGITS: u8 = 0;
 const ROWS_ARGMAX: u8 = 1;
 const ROWS_TOP: u8 = 2;
 const ROWS_LOGPROBS: u8 = 3;
 const ROWS_EMBEDDINGS: u8 = 4;
+const ROWS_HANDOFF: u8 = 5;
 const OUT_HIDDEN: u8 = 0;
 const OUT_LOGITS: u8 = 1;
 const OUT_ARGMAX: u8 = 2;
 const OUT_TOP: u8 = 3;
 const OUT_SCORED: u8 = 4;
 const OUT_EMBEDDINGS: u8 = 5;
+const OUT_LENT: u8 = 6;
 
 /// A frame's body, built in place behind room for its length.
 pub(crate) struct Writer(Vec<u8>);
@@ -92,6 +95,17 @@ impl Writer {
         self
     }
 
+    fn area(&mut self, a: &SharedArea) -> &mut Self {
+        self.bytes(&a.host)
+            .u32(a.pid)
+            .u32(a.device)
+            .bytes(&a.handle);
+        for v in [a.base, a.offset, a.len] {
+            self.0.extend_from_slice(&v.to_le_bytes());
+        }
+        self
+    }
+
     /// The whole frame, its length filled in.
     pub(crate) fn finish(mut self) -> Vec<u8> {
         let body = u32::try_from(self.0.len() - 4).unwrap_or(u32::MAX);
@@ -130,6 +144,32 @@ impl<'a> Reader<'a> {
 
     fn u8(&mut self) -> Result<u8, WorkerError> {
         Ok(self.take(1)?[0])
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], WorkerError> {
+        let mut a = [0; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn area(&mut self) -> Result<SharedArea, WorkerError> {
+        let host = self.array()?;
+        let (pid, device) = (self.u32()?, self.u32()?);
+        let handle = self.array()?;
+        let mut u64s = [0u64; 3];
+        for v in &mut u64s {
+            *v = u64::from_le_bytes(self.array()?);
+        }
+        let [base, offset, len] = u64s;
+        Ok(SharedArea {
+            host,
+            pid,
+            device,
+            handle,
+            base,
+            offset,
+            len,
+        })
     }
 
     fn u32(&mut self) -> Result<u32, WorkerError> {
@@ -291,6 +331,7 @@ pub fn encode_forward(call: &ForwardCall) -> Vec<u8> {
     let input = match &call.input {
         ForwardInput::TokenIds(ids) => ids.len(),
         ForwardInput::Hidden(h) => h.len(),
+        ForwardInput::Lent(_) => 0,
     };
     let mut w = Writer::with_room(4 * (input + call.logits_rows.len() + 2 * call.tokens.len()));
     w.u8(OP_FORWARD).len_of(call.tokens.len());
@@ -300,6 +341,7 @@ pub fn encode_forward(call: &ForwardCall) -> Vec<u8> {
     match &call.input {
         ForwardInput::TokenIds(ids) => w.u8(IN_IDS).u32s(ids),
         ForwardInput::Hidden(h) => w.u8(IN_HIDDEN).f32s(h),
+        ForwardInput::Lent(a) => w.u8(IN_LENT).area(a),
     };
     w.u32s(&call.logits_rows);
     match call.rows {
@@ -308,6 +350,7 @@ pub fn encode_forward(call: &ForwardCall) -> Vec<u8> {
         Rows::Top(k) => w.u8(ROWS_TOP).u32(k),
         Rows::LogProbs(k) => w.u8(ROWS_LOGPROBS).u32(k),
         Rows::Embeddings => w.u8(ROWS_EMBEDDINGS).u32(0),
+        Rows::HandOff(slot) => w.u8(ROWS_HANDOFF).u32(slot),
     };
     w.u32s(&call.targets);
     w.finish()
@@ -332,6 +375,7 @@ pub fn decode_forward(body: &[u8]) -> Result<ForwardCall, WorkerError> {
     let input = match r.u8()? {
         IN_IDS => ForwardInput::TokenIds(r.u32s()?),
         IN_HIDDEN => ForwardInput::Hidden(r.f32s()?),
+        IN_LENT => ForwardInput::Lent(r.area()?),
         other => {
             return Err(WorkerError::InvalidArgument(format!(
                 "data link forward: unknown input kind {other}"
@@ -346,6 +390,7 @@ pub fn decode_forward(body: &[u8]) -> Result<ForwardCall, WorkerError> {
         ROWS_TOP => Rows::Top(k),
         ROWS_LOGPROBS => Rows::LogProbs(k),
         ROWS_EMBEDDINGS => Rows::Embeddings,
+        ROWS_HANDOFF => Rows::HandOff(k),
         other => {
             return Err(WorkerError::InvalidArgument(format!(
                 "data link forward: unknown rows kind {other}"
@@ -375,7 +420,7 @@ pub fn encode_output(result: &Result<ForwardOutput, WorkerError>) -> Vec<u8> {
             candidates,
             scores,
         }) => counts.len() + 2 * candidates.len() + 2 * scores.len(),
-        Err(_) => 0,
+        Ok(ForwardOutput::Lent(_)) | Err(_) => 0,
     };
     let mut w = Writer::with_room(4 * values);
     match result {
@@ -400,6 +445,7 @@ pub fn encode_output(result: &Result<ForwardOutput, WorkerError>) -> Vec<u8> {
             }
             &mut w
         }
+        Ok(ForwardOutput::Lent(a)) => w.u8(Code::Ok as u8).u8(OUT_LENT).area(a),
         Err(e) => w.u8(code_of(e) as u8).bytes(e.to_string().as_bytes()),
     };
     w.finish()
@@ -415,6 +461,7 @@ pub fn decode_output(body: &[u8]) -> Result<Result<ForwardOutput, Refusal>, Work
         OUT_LOGITS => ForwardOutput::Logits(r.f32s()?),
         OUT_EMBEDDINGS => ForwardOutput::Embeddings(r.f32s()?),
         OUT_ARGMAX => ForwardOutput::ArgMax(r.u32s()?),
+        OUT_LENT => ForwardOutput::Lent(r.area()?),
         OUT_TOP => {
             let counts = r.u32s()?;
             let candidates = read_pairs(&mut r, |id, bits| (id, f32::from_bits(bits)))?;

@@ -1,6 +1,6 @@
 use super::frame::*;
 use crate::error::WorkerError;
-use crate::forward::{ForwardCall, ForwardInput, ForwardOutput, Rows, TokenPos};
+use crate::forward::{ForwardCall, ForwardInput, ForwardOutput, Rows, SharedArea, TokenPos};
 use crate::ids::SessionId;
 use std::time::Duration;
 use tonic::Code;
@@ -43,13 +43,45 @@ fn calls() -> Vec<ForwardCall> {
             targets: vec![6, 11],
         },
         ForwardCall {
-            tokens,
+            tokens: tokens.clone(),
             input: ForwardInput::TokenIds(vec![4, 6]),
             logits_rows: vec![0, 1],
             rows: Rows::Embeddings,
             targets: Vec::new(),
         },
+        ForwardCall {
+            tokens: tokens.clone(),
+            input: ForwardInput::Hidden(vec![0.5; 4]),
+            logits_rows: vec![],
+            rows: Rows::HandOff(2),
+            targets: Vec::new(),
+        },
+        ForwardCall {
+            tokens,
+            input: ForwardInput::Lent(area()),
+            logits_rows: vec![1],
+            rows: Rows::ArgMax,
+            targets: Vec::new(),
+        },
     ]
+}
+
+/// A lent range whose every field differs from its neighbours', so a field read in the
+/// wrong place shows.
+fn area() -> SharedArea {
+    let mut handle = [0u8; 64];
+    for (i, b) in handle.iter_mut().enumerate() {
+        *b = 255 - i as u8;
+    }
+    SharedArea {
+        host: *b"0123456789abcdef",
+        pid: 4_000_001,
+        device: 1,
+        handle,
+        base: 0x7f00_0000_0000,
+        offset: 3 << 20,
+        len: 8 << 20,
+    }
 }
 
 fn outputs() -> Vec<ForwardOutput> {
@@ -67,6 +99,7 @@ fn outputs() -> Vec<ForwardOutput> {
             scores: vec![(2.25, -1.0), (f32::NEG_INFINITY, 7.0)],
         },
         ForwardOutput::Embeddings(vec![0.5, -0.25, 1e-3, 4.0]),
+        ForwardOutput::Lent(area()),
     ]
 }
 

@@ -33,7 +33,8 @@ pub(super) struct Read {
 pub(super) enum Request {
     /// A request, decoded (or why it could not be).
     Call {
-        call: Result<ForwardCall, WorkerError>,
+        // Boxed: a call is a few hundred bytes beside the other variants' few.
+        call: Box<Result<ForwardCall, WorkerError>>,
         read: Read,
     },
     /// A frame over the size limit: the link answers it and closes.
@@ -113,7 +114,10 @@ fn read_requests(
                             took: done - began,
                             done,
                         };
-                        Request::Call { call, read }
+                        Request::Call {
+                            call: Box::new(call),
+                            read,
+                        }
                     }
                     Err(FrameError::TooLong(n)) => Request::TooLong(n),
                     Err(FrameError::Io(_)) => Request::End,

@@ -296,7 +296,7 @@ impl Link {
         let mut replies = Replies::new(self.options.spin);
         loop {
             let (call, read) = match requests.next() {
-                Request::Call { call, read } => (call, read),
+                Request::Call { call, read } => (*call, read),
                 Request::TooLong(n) => {
                     let e = WorkerError::InvalidArgument(format!(
                         "data link: a {n}-byte request is over the worker's {}-byte limit (--max-message-bytes)",
