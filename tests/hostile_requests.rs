@@ -219,11 +219,14 @@ fn oversized_prompts_do_not_starve_the_lease_or_health() {
         })
         .collect();
 
-    // /health answers within a second all the while the prompts are being refused.
+    // /health answers within two seconds all the while the prompts are being refused: on
+    // a 2-core machine alone the slowest probe takes 0.3-0.55 s, and over 1 s when the
+    // machine runs other work beside (it failed a full local suite once at 1 s). The
+    // session's 2 s lease, checked below, is the bound a stalled runtime would break.
     let mut slowest = Duration::ZERO;
     let mut probes = 0;
     while clients.iter().any(|c| !c.is_finished()) {
-        let took = health_ok(&serve, Duration::from_secs(1))
+        let took = health_ok(&serve, Duration::from_secs(2))
             .unwrap_or_else(|e| panic!("under load: {e}; log:\n{}", serve.log()));
         slowest = slowest.max(took);
         probes += 1;
