@@ -14,9 +14,10 @@ use tokio::sync::Semaphore;
 use crate::load::LoadedStage;
 use crate::stage_call;
 
-/// Batches of fewer tokens go through the host: their hidden states are small, and the
-/// steps that replay recorded graphs (8 tokens and under) cannot take a lent input.
-pub(crate) const HANDOFF_MIN_TOKENS: usize = 64;
+/// Batches of fewer tokens go through the host: the steps that replay recorded graphs (8
+/// tokens and under) cannot take a lent input, and a few more tokens' hidden states are
+/// a pinned copy of a few KiB each way.
+pub(crate) const HANDOFF_MIN_TOKENS: usize = 16;
 
 /// The hand-off slots of one worker's session, for the edge to the next worker.
 pub struct Handoff {

@@ -15,33 +15,48 @@ use std::time::Instant;
 use tether_protocol::{ForwardCall, ForwardInput, ForwardOutput, MAX_TOP_K, Rows};
 use tokio::sync::mpsc;
 
-/// Forgets the KV cells of freed slots on every worker.
+/// KV calls a step's bookkeeping keeps in flight at once.
+const KV_CALLS_AT_ONCE: usize = 32;
+
+/// Forgets the KV cells of freed slots on every worker. The calls go out together: when a
+/// lane's sequences end on one step, one after the other they held up its next step by a
+/// gRPC round trip each (64 sequences over two workers: 128).
 pub(super) async fn clear_slots(stages: &[LoadedStage], slots: &mut Vec<u32>) -> Result<(), Loss> {
+    let mut calls = Vec::with_capacity(slots.len() * stages.len());
     for seq in slots.drain(..) {
-        for st in stages {
-            st.client
-                .kv_clear(st.session, seq)
-                .await
-                .map_err(Loss::Call)?;
-        }
+        calls.extend(stages.iter().map(|st| st.client.kv_clear(st.session, seq)));
     }
-    Ok(())
+    all_of(calls).await
 }
 
-/// Forgets the cells of shifted sequences past their kept prefix on every worker.
+/// Forgets the cells of shifted sequences past their kept prefix on every worker, the
+/// calls together as in [`clear_slots`].
 pub(super) async fn truncate_slots(
     stages: &[LoadedStage],
     slots: &mut Vec<(u32, usize)>,
 ) -> Result<(), Loss> {
+    let mut calls = Vec::with_capacity(slots.len() * stages.len());
     for (seq, keep) in slots.drain(..) {
         let keep = u32::try_from(keep)
             .map_err(|_| Loss::Internal(format!("{keep} cells do not fit a u32")))?;
-        for st in stages {
-            st.client
-                .kv_truncate(st.session, seq, keep)
-                .await
-                .map_err(Loss::Call)?;
-        }
+        calls.extend(
+            stages
+                .iter()
+                .map(|st| st.client.kv_truncate(st.session, seq, keep)),
+        );
+    }
+    all_of(calls).await
+}
+
+/// Runs `calls`, [`KV_CALLS_AT_ONCE`] at a time; the first error.
+async fn all_of<F>(calls: Vec<F>) -> Result<(), Loss>
+where
+    F: Future<Output = Result<(), tether_client::ClientError>>,
+{
+    use futures::StreamExt;
+    let mut results = futures::stream::iter(calls).buffer_unordered(KV_CALLS_AT_ONCE);
+    while let Some(r) = results.next().await {
+        r.map_err(Loss::Call)?;
     }
     Ok(())
 }
