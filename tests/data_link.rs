@@ -185,6 +185,13 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
             let e = link.forward(&c).expect_err("lent input on a cpu worker");
             assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{c:?}: {e}");
             assert!(e.to_string().contains("borrows no device memory"), "{e}");
+            // gRPC carries neither a hand-off nor lent input: refused by name.
+            let e = client
+                .forward(session.id(), &c.tokens, &c.input, &c.logits_rows, c.rows)
+                .await
+                .expect_err("lent input over gRPC");
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+            assert!(e.to_string().contains("only on a data link"), "{e}");
         }
         // A fourth token after the three: a cell the bad requests would have written.
         let next = ForwardCall {

@@ -131,3 +131,44 @@ async fn try_pair(from: &LoadedStage, to: &LoadedStage) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_slot_is_taken_once_and_the_next_waits_until_one_comes_back() {
+        let handoff = Arc::new(Handoff::new(3));
+        let (a, b, c) = (
+            handoff.take().await,
+            handoff.take().await,
+            handoff.take().await,
+        );
+        let mut slots = vec![a.slot(), b.slot(), c.slot()];
+        slots.sort_unstable();
+        assert_eq!(slots, [0, 1, 2], "three distinct slots");
+        let waiting = tokio::time::timeout(Duration::from_millis(50), handoff.take()).await;
+        assert!(
+            waiting.is_err(),
+            "a fourth was handed out while three were out"
+        );
+        let freed = b.slot();
+        let next = tokio::spawn({
+            let handoff = Arc::clone(&handoff);
+            async move { handoff.take().await.slot() }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !next.is_finished(),
+            "the wait ended before a slot came back"
+        );
+        drop(b);
+        let got = tokio::time::timeout(Duration::from_secs(5), next)
+            .await
+            .expect("the waiter wakes when a slot comes back")
+            .expect("the waiter's task");
+        assert_eq!(got, freed, "the slot that came back is the one handed out");
+        drop((a, c));
+    }
+}
