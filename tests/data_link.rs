@@ -144,6 +144,7 @@ fn a_links_forward_passes_equal_grpcs_and_bad_requests_leave_it_open() {
             device: 0,
             handle: [0; 64],
             base: 1 << 40,
+            key: 7,
             offset: 0,
             len: 3 * 4 * n_embd,
         };

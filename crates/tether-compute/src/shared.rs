@@ -23,6 +23,9 @@ pub struct SharedArea {
     /// The allocation's address in the lending process (used when the borrower is that
     /// process, which cannot open its own handle).
     pub base: u64,
+    /// The lender's random key for the allocation: a borrower in the lending process takes
+    /// the address only with it, so an address alone names no other session's memory.
+    pub key: u64,
     /// Where the range starts in the allocation.
     pub offset: u64,
     /// Bytes in the range.
@@ -37,6 +40,7 @@ impl SharedArea {
             && self.device == other.device
             && self.handle == other.handle
             && self.base == other.base
+            && self.key == other.key
     }
 
     /// The first `len` bytes of this range.
@@ -49,6 +53,46 @@ impl SharedArea {
         }
         Ok(SharedArea { len, ..*self })
     }
+}
+
+/// The allocations this process lent, each with its random key (see [`SharedArea::key`]).
+/// Only addresses and numbers: the memory stays owned by the buffers that hold it, and an
+/// allocation leaves the registry when it is freed ([`forget_lent`]).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+static LENT: std::sync::Mutex<Vec<(u64, u64)>> = std::sync::Mutex::new(Vec::new());
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn lent_registry() -> std::sync::MutexGuard<'static, Vec<(u64, u64)>> {
+    LENT.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The key of the allocation at `base`, made the first time it is lent.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn lend_key(base: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut lent = lent_registry();
+    if let Some(&(_, key)) = lent.iter().find(|(b, _)| *b == base) {
+        return key;
+    }
+    // RandomState is seeded from the OS's randomness once per process, and each new one
+    // from there on differs.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(base);
+    let key = h.finish();
+    lent.push((base, key));
+    key
+}
+
+/// Whether this process lent the allocation at `base` under `key`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn lent_here(base: u64, key: u64) -> bool {
+    lent_registry().iter().any(|&(b, k)| b == base && k == key)
+}
+
+/// Forgets the allocation at `base` (freed): its address may come back for other memory.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn forget_lent(base: u64) {
+    lent_registry().retain(|&(b, _)| b != base);
 }
 
 /// This machine's boot id (`/proc/sys/kernel/random/boot_id`), `None` where there is none
@@ -89,6 +133,20 @@ mod tests {
     }
 
     #[test]
+    fn a_lent_allocation_is_known_by_its_key_until_freed() {
+        let base = 0x7f12_3400_0000;
+        let key = lend_key(base);
+        assert_eq!(lend_key(base), key, "one key an allocation");
+        assert!(lent_here(base, key));
+        assert!(!lent_here(base, key ^ 1), "a wrong key");
+        assert!(!lent_here(base + 256, key), "another address");
+        assert_ne!(lend_key(base + 4096), key, "each allocation its own key");
+        forget_lent(base);
+        forget_lent(base + 4096);
+        assert!(!lent_here(base, key), "forgotten once freed");
+    }
+
+    #[test]
     fn a_prefix_stays_inside_its_range() {
         let area = SharedArea {
             host: [1; 16],
@@ -96,6 +154,7 @@ mod tests {
             device: 0,
             handle: [2; HANDLE_BYTES],
             base: 4096,
+            key: 99,
             offset: 256,
             len: 1024,
         };
@@ -103,5 +162,6 @@ mod tests {
         assert!(area.prefix(1025).is_err());
         assert!(area.same_allocation(&SharedArea { offset: 0, ..area }));
         assert!(!area.same_allocation(&SharedArea { pid: 8, ..area }));
+        assert!(!area.same_allocation(&SharedArea { key: 98, ..area }));
     }
 }

@@ -454,7 +454,8 @@ fn normed_hidden_states_match_the_reference() {
 /// A 16-token step handed from one stage's device to the next's (the first leaves its
 /// output in a hand-off slot, the second copies it from there) gives the same logits,
 /// bit for bit, as the same step with the hidden states crossing on the host; every slot
-/// takes a turn, and a lent range of the wrong size or a step that would replay is refused.
+/// takes a turn, and a lent range of the wrong size, an address with the wrong key or a
+/// step that would replay is refused.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn hidden_states_handed_between_devices_equal_the_host_path() {
@@ -499,6 +500,15 @@ fn hidden_states_handed_between_devices_equal_the_host_path() {
         .unwrap();
         let area = area.expect("a slot's range");
         assert_eq!(area.len, (4 * toks.len() * e) as u64);
+        // Inside one process the address is taken only with the lender's key.
+        let forged = tether_compute::SharedArea {
+            key: area.key ^ 1,
+            ..area
+        };
+        assert!(
+            b.backend().open_shared(&forged).is_err(),
+            "an address with the wrong key was opened"
+        );
         let view = b.backend().open_shared(&area).unwrap();
         let short = area.prefix(area.len - 4).unwrap();
         let mut got = vec![0.0; toks.len() * v];

@@ -160,6 +160,7 @@ impl Device {
         // Errors here cannot be returned; a failed sync means the context is broken, and
         // freeing then is still the best that can be done.
         let _ = self.synchronize();
+        crate::shared::forget_lent(ptr);
         // SAFETY: `ptr` came from malloc_sync, is freed once, and the stream is idle.
         let _ = unsafe { result::free_sync(ptr) };
         self.allocated.fetch_sub(bytes as u64, Ordering::Relaxed);

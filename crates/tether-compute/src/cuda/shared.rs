@@ -11,7 +11,7 @@ use super::device::Device;
 use super::{CudaBackend, CudaBuffer};
 use crate::backend::{DeviceBuffer, Result};
 use crate::error::ComputeError;
-use crate::shared::{HANDLE_BYTES, SharedArea, host_id};
+use crate::shared::{HANDLE_BYTES, SharedArea, host_id, lend_key, lent_here};
 
 /// An allocation another backend lent, opened in this one's context.
 pub struct Borrowed {
@@ -57,6 +57,7 @@ impl CudaBackend {
             device: self.device.ctx.ordinal() as u32,
             handle: handle.reserved.map(|b| b as u8),
             base,
+            key: lend_key(base),
             offset: ptr - base,
             len: buf.bytes() as u64,
         })
@@ -72,6 +73,11 @@ impl CudaBackend {
         self.device.bind()?;
         if area.pid != std::process::id() {
             return self.open_ipc(area);
+        }
+        if !lent_here(area.base, area.key) {
+            return Err(ComputeError::NotShared(
+                "this process lent no allocation by that address and key".into(),
+            ));
         }
         let peer_device = self.allow_peer(area.device)?;
         let mut view = Borrowed {

@@ -100,7 +100,7 @@ impl Writer {
             .u32(a.pid)
             .u32(a.device)
             .bytes(&a.handle);
-        for v in [a.base, a.offset, a.len] {
+        for v in [a.base, a.key, a.offset, a.len] {
             self.0.extend_from_slice(&v.to_le_bytes());
         }
         self
@@ -156,17 +156,18 @@ impl<'a> Reader<'a> {
         let host = self.array()?;
         let (pid, device) = (self.u32()?, self.u32()?);
         let handle = self.array()?;
-        let mut u64s = [0u64; 3];
+        let mut u64s = [0u64; 4];
         for v in &mut u64s {
             *v = u64::from_le_bytes(self.array()?);
         }
-        let [base, offset, len] = u64s;
+        let [base, key, offset, len] = u64s;
         Ok(SharedArea {
             host,
             pid,
             device,
             handle,
             base,
+            key,
             offset,
             len,
         })

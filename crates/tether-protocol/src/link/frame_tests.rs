@@ -79,6 +79,7 @@ fn area() -> SharedArea {
         device: 1,
         handle,
         base: 0x7f00_0000_0000,
+        key: 0x0123_4567_89ab_cdef,
         offset: 3 << 20,
         len: 8 << 20,
     }
