@@ -191,6 +191,21 @@ fn serve_over_two_workers_matches_a_single_process_run() {
     let model = TinyModel::new();
     let (a, b) = two_workers();
     let serve = Serve::start(&serve_args(&model, &a, &b));
+    // After the load the coordinator asked whether hidden states can go GPU to GPU: cpu
+    // workers lend no memory, so they go through the host, and the log says why. (The log's
+    // stderr, read by a thread of its own, may come after the listening line.)
+    const FALLBACK: &str = "hidden states go through the host between these workers";
+    assert!(
+        serve.log_contains(FALLBACK, Duration::from_secs(10)),
+        "no hand-off probe was logged; log:\n{}",
+        serve.log()
+    );
+    let log = serve.log();
+    let fallback = log
+        .lines()
+        .find(|l| l.contains(FALLBACK))
+        .unwrap_or_else(|| panic!("the probe's line went missing; log:\n{log}"));
+    assert!(fallback.contains("lends no device memory"), "{fallback}");
     let prompt = [1u32, 17, 42, 99, 7];
     let n = 12;
     let (ref_tokens, ref_text) = reference(&model, &prompt, n);

@@ -250,7 +250,8 @@ impl Setup {
             &capacity,
             split,
         )?;
-        let loaded = load_plan(model, &plan, &clients, &self.load).await?;
+        let mut loaded = load_plan(model, &plan, &clients, &self.load).await?;
+        crate::handoff_probe::probe(&mut loaded.stages).await;
         Ok((loaded, plan))
     }
 

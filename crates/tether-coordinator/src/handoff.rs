@@ -1,18 +1,14 @@
 //! Hidden states handed from one worker's GPU to the next's without the host: the first
 //! leaves a batch's output in one of its hand-off slots ([`Rows::HandOff`]) and answers
 //! with where; the next copies it from there ([`ForwardInput::Lent`]). This side names
-//! the slots: one goes back only once the next worker has answered the pass that read it.
+//! the slots: one goes back only once the next worker has answered the pass that read it
+//! (`handoff_probe` finds the pairs of workers that can).
 //! Over two GPUs of one host a 512-token prompt chunk's 8 MiB then crosses NVLink instead
 //! of two sockets, the coordinator and two host copies.
 
 use std::sync::{Arc, Mutex};
 
-use tether_model::plan::HANDOFF_SLOTS;
-use tether_protocol::{ForwardCall, ForwardInput, ForwardOutput, Rows};
 use tokio::sync::Semaphore;
-
-use crate::load::LoadedStage;
-use crate::stage_call;
 
 /// Batches of fewer tokens go through the host: the steps that replay recorded graphs (8
 /// tokens and under) cannot take a lent input, and a few more tokens' hidden states are
@@ -51,7 +47,7 @@ impl Drop for SlotLease {
 }
 
 impl Handoff {
-    fn new(slots: usize) -> Self {
+    pub(crate) fn new(slots: usize) -> Self {
         Self {
             free: Mutex::new((0..slots as u32).rev().collect()),
             ready: Semaphore::new(slots),
@@ -75,61 +71,6 @@ impl Handoff {
             from: Arc::clone(self),
         }
     }
-}
-
-/// Asks each pair of neighbouring workers whether the first can lend its slots and the
-/// next open them (both on GPUs of one host, over data links), and sets
-/// [`LoadedStage::handoff`] where they can. A refusal is no error: those stages pass
-/// hidden states through the host as before.
-pub(crate) async fn probe(stages: &mut [LoadedStage]) {
-    for i in 1..stages.len() {
-        let (before, after) = stages.split_at_mut(i);
-        let (from, to) = (&mut before[i - 1], &after[0]);
-        let linked = |st: &LoadedStage| st.link.as_ref().is_some_and(|l| l.usable());
-        if !linked(from) || !linked(to) {
-            continue;
-        }
-        match try_pair(from, to).await {
-            Ok(()) => {
-                tracing::info!(
-                    from = %from.client.addr(),
-                    to = %to.client.addr(),
-                    "hidden states go device to device between these workers"
-                );
-                from.handoff = Some(Arc::new(Handoff::new(HANDOFF_SLOTS)));
-            }
-            Err(why) => tracing::info!(
-                from = %from.client.addr(),
-                to = %to.client.addr(),
-                %why,
-                "hidden states go through the host between these workers"
-            ),
-        }
-    }
-}
-
-async fn try_pair(from: &LoadedStage, to: &LoadedStage) -> Result<(), String> {
-    let call = |input, rows| ForwardCall {
-        tokens: Vec::new(),
-        input,
-        logits_rows: Vec::new(),
-        rows,
-        targets: Vec::new(),
-    };
-    let lent = stage_call::forward(
-        from,
-        call(ForwardInput::Hidden(Vec::new()), Rows::HandOff(0)),
-        false,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
-    let ForwardOutput::Lent(area) = lent else {
-        return Err("the first worker lent no slot".into());
-    };
-    stage_call::forward(to, call(ForwardInput::Lent(area), Rows::Logits), false)
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ pub mod discovery;
 mod discovery_tests;
 pub mod engine;
 mod handoff;
+mod handoff_probe;
 pub mod http;
 pub mod lifecycle;
 pub mod load;

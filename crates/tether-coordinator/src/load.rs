@@ -138,7 +138,7 @@ pub struct LoadedStage {
     /// Its data link, when the worker serves one and the load asked for links.
     pub link: Option<Arc<DataLink>>,
     /// The slots it hands hidden states to the next stage's GPU in, when the two can
-    /// ([`crate::handoff::probe`]).
+    /// (set after the load by `handoff_probe::probe`).
     pub handoff: Option<Arc<crate::handoff::Handoff>>,
 }
 
@@ -434,8 +434,6 @@ pub async fn load_plan(
             }
         })
         .collect();
-    let mut stages = stages;
-    crate::handoff::probe(&mut stages).await;
     report.workers = picked
         .iter()
         .zip(&votes)
