@@ -56,7 +56,7 @@ pub struct ScratchSizes {
 }
 
 /// Slots a stage hands hidden states on in: the next stage copies from one while this one
-/// fills another, and the pipeline keeps one more in flight (see `Stage::forward_from`).
+/// fills another, and the pipeline keeps one more in flight (see `StepOutput::Slot`).
 pub const HANDOFF_SLOTS: usize = 3;
 
 impl ScratchSizes {

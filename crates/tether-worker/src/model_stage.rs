@@ -4,6 +4,8 @@
 
 mod handoff;
 
+use handoff::hand_off;
+
 use crate::stage::{PlannedStage, ServingStage, StageFactory, StageShape, TensorNeed};
 use std::sync::Arc;
 use tether_compute::{Backend, ComputeError, CpuBackend};
@@ -306,26 +308,41 @@ impl<B: Backend> ServingStage for ModelStage<B> {
             })
             .collect();
         let n = tokens.len();
-        if matches!(input, ForwardInput::Lent(_)) || matches!(rows, Rows::HandOff(_)) {
-            return self.hand_over(&batch, &input, logits_rows, rows, targets);
+        let handing = matches!(input, ForwardInput::Lent(_)) || matches!(rows, Rows::HandOff(_));
+        if n == 0 && handing {
+            return self.probe(&input, rows);
         }
         // Prompt chunks beside decode tokens (only some rows want logits) take the decode
-        // step too: the head, the selection and the hidden states stay on the device.
+        // step too: the head, the selection and the hidden states stay on the device. So
+        // do hidden states handed over device to device (one micro-batch at most).
         let increasing = logits_rows.windows(2).all(|w| w[0] < w[1]);
         if n > 0 && n <= self.stage.decode_step_tokens() && increasing && rows != Rows::Embeddings {
-            let all_rows = logits_rows.iter().copied().eq(0..n as u32);
-            let chosen = (!all_rows).then_some(logits_rows);
-            let input = match &input {
-                ForwardInput::TokenIds(ids) => StepInput::Ids(ids),
-                ForwardInput::Hidden(h) => StepInput::Hidden(h),
-                ForwardInput::Lent(_) => {
-                    return Err(WorkerError::Internal(
-                        "lent input reached the host path".into(),
-                    ));
+            let view = match &input {
+                ForwardInput::Lent(area) => Some(self.view(area)?),
+                _ => None,
+            };
+            let input = match (&input, view) {
+                (ForwardInput::TokenIds(ids), _) => StepInput::Ids(ids.as_slice()),
+                (ForwardInput::Hidden(h), _) => StepInput::Hidden(h.as_slice()),
+                (ForwardInput::Lent(area), Some(i)) => StepInput::Lent(&self.borrowed[i].1, area),
+                (ForwardInput::Lent(_), None) => {
+                    return Err(WorkerError::Internal("lent input lost its view".into()));
                 }
             };
+            if let Rows::HandOff(slot) = rows {
+                return hand_off(&mut self.stage, &batch, input, slot as usize);
+            }
+            let all_rows = logits_rows.iter().copied().eq(0..n as u32);
+            let chosen = (!all_rows).then_some(logits_rows);
             let shape = self.shape;
             return Self::decode_step(&mut self.stage, shape, &batch, input, chosen, rows, targets);
+        }
+        if handing {
+            return Err(WorkerError::InvalidArgument(format!(
+                "forward: hidden states are handed over in one micro-batch (at most {} \
+                 tokens) with increasing logits rows, not for embeddings",
+                self.stage.decode_step_tokens()
+            )));
         }
         let mut hidden = match input {
             ForwardInput::Hidden(h) => h,

@@ -1,10 +1,10 @@
 //! Forward calls whose hidden states stay on the devices: the input copied from the
-//! previous stage's hand-off slot, the output left in this stage's (see
-//! `tether_model::Stage::forward_from`). A call with no tokens is the pipeline's probe of
-//! whether two stages can hand over at all.
+//! previous stage's hand-off slot ([`StepInput::Lent`]), the output left in this stage's
+//! ([`StepOutput::Slot`]). A call with no tokens is the pipeline's probe of whether two
+//! stages can hand over at all.
 
 use tether_compute::{Backend, ComputeError, SharedArea};
-use tether_model::{BatchToken, ModelError, StepInput, StepOutput};
+use tether_model::{BatchToken, ModelError, Stage, StepInput, StepOutput};
 use tether_protocol::{ForwardInput, ForwardOutput, Result, Rows, WorkerError};
 
 use super::{ModelStage, model_error};
@@ -14,91 +14,25 @@ use super::{ModelStage, model_error};
 const MAX_BORROWED: usize = 4;
 
 impl<B: Backend> ModelStage<B> {
-    /// [`ModelStage::forward`] for a call with lent input or asking for a hand-off: a
-    /// decode step (one micro-batch, hidden states kept on the device) whose input is
-    /// copied from the previous stage's slot, or whose output is left in this one's.
-    pub(super) fn hand_over(
-        &mut self,
-        batch: &[BatchToken],
-        input: &ForwardInput,
-        logits_rows: &[u32],
-        rows: Rows,
-        targets: &[u32],
-    ) -> Result<ForwardOutput> {
-        let slot = match rows {
-            Rows::HandOff(s) => Some(s as usize),
-            _ => None,
-        };
-        let view = match input {
-            ForwardInput::Lent(area) => Some(self.view(area)?),
-            _ => None,
-        };
-        if batch.is_empty() {
-            return match slot {
-                Some(s) => self
-                    .stage
-                    .slot_area(s)
-                    .and_then(|a| a.prefix(0).map_err(lent))
-                    .map(ForwardOutput::Lent)
-                    .map_err(|e| model_error("forward: hand-off probe", e)),
-                None => Ok(ForwardOutput::Hidden(Vec::new())),
-            };
+    /// A call with no tokens: the slot's area (nothing run), or the lent allocation opened.
+    pub(super) fn probe(&mut self, input: &ForwardInput, rows: Rows) -> Result<ForwardOutput> {
+        if let ForwardInput::Lent(area) = input {
+            self.view(area)?;
         }
-        let n = batch.len();
-        let increasing = logits_rows.windows(2).all(|w| w[0] < w[1]);
-        if n > self.stage.decode_step_tokens() || !increasing || rows == Rows::Embeddings {
-            return Err(WorkerError::InvalidArgument(format!(
-                "forward: hidden states are handed over in one micro-batch (at most {} \
-                 tokens) with increasing logits rows, not for embeddings",
-                self.stage.decode_step_tokens()
-            )));
+        match rows {
+            Rows::HandOff(s) => self
+                .stage
+                .slot_area(s as usize)
+                .and_then(|a| a.prefix(0).map_err(lent))
+                .map(ForwardOutput::Lent)
+                .map_err(|e| model_error("forward: hand-off probe", e)),
+            _ => Ok(ForwardOutput::Hidden(Vec::new())),
         }
-        let step_input = match (input, view) {
-            (ForwardInput::Lent(area), Some(i)) => StepInput::Lent(&self.borrowed[i].1, area),
-            (ForwardInput::Hidden(h), _) => StepInput::Hidden(h),
-            (ForwardInput::TokenIds(ids), _) => StepInput::Ids(ids),
-            (ForwardInput::Lent(_), None) => {
-                return Err(WorkerError::Internal("a hand-off lost its view".into()));
-            }
-        };
-        let began = std::time::Instant::now();
-        let out = match slot {
-            Some(s) => {
-                let mut area = None;
-                self.stage
-                    .decode_step(step_input, batch, StepOutput::Slot(s, &mut area))
-                    .map_err(|e| model_error("forward: decode step", e))?;
-                let area =
-                    area.ok_or_else(|| WorkerError::Internal("a hand-off named no slot".into()))?;
-                ForwardOutput::Lent(area)
-            }
-            None => {
-                let all_rows = logits_rows.iter().copied().eq(0..n as u32);
-                let chosen = (!all_rows).then_some(logits_rows);
-                Self::decode_step(
-                    &mut self.stage,
-                    self.shape,
-                    batch,
-                    step_input,
-                    chosen,
-                    rows,
-                    targets,
-                )?
-            }
-        };
-        tracing::trace!(
-            tokens = n,
-            us = began.elapsed().as_micros() as u64,
-            lent_in = view.is_some(),
-            slot,
-            "stage forward, handed over"
-        );
-        Ok(out)
     }
 
     /// The index in `borrowed` of the opened allocation `area` lies in, opening it the
     /// first time.
-    fn view(&mut self, area: &SharedArea) -> Result<usize> {
+    pub(super) fn view(&mut self, area: &SharedArea) -> Result<usize> {
         if let Some(i) = self
             .borrowed
             .iter()
@@ -128,4 +62,19 @@ fn lent(e: ComputeError) -> ModelError {
             source: other,
         },
     }
+}
+
+/// A decode step of `batch` from `input` whose output is left in hand-off slot `slot`.
+pub(super) fn hand_off<B: Backend>(
+    stage: &mut Stage<B>,
+    batch: &[BatchToken],
+    input: StepInput<'_, B::Borrowed>,
+    slot: usize,
+) -> Result<ForwardOutput> {
+    let mut area = None;
+    stage
+        .decode_step(input, batch, StepOutput::Slot(slot, &mut area))
+        .map_err(|e| model_error("forward: decode step", e))?;
+    area.map(ForwardOutput::Lent)
+        .ok_or_else(|| WorkerError::Internal("a hand-off named no slot".into()))
 }
